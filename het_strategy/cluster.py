@@ -1,0 +1,422 @@
+"""Clusters: device types from the shipped catalog, devices grouped into nodes, links.
+
+A cluster YAML (schema in README.md) is loaded into ``ClusterSpec``; every
+field is checked on construction and a bad one raises ``ConfigError`` naming
+the field, the value and the rule.  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from het_strategy.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
+
+__all__ = [
+    "DTYPES",
+    "DeviceType",
+    "DeviceSpec",
+    "NodeSpec",
+    "LinkSpec",
+    "ClusterSpec",
+    "device_catalog",
+    "lookup_device_type",
+    "load_cluster",
+    "cluster_from_dict",
+]
+
+DTYPES = ("fp32", "fp16", "bf16")
+_CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """One catalog entry: datasheet figures of an accelerator model."""
+
+    name: str
+    """Canonical name, e.g. ``A100-40GB``."""
+    vendor: str
+    """``nvidia``, ``amd`` or ``cpu``."""
+    tflops: Mapping[str, float]
+    """Peak dense TFLOPS per training dtype; a missing dtype is unsupported."""
+    memory_gb: float
+    """Device memory in GiB."""
+    memory_bandwidth_gbs: float
+    """Device memory bandwidth in GB/s."""
+    efficiency: float
+    """Fraction of peak a transformer layer reaches in training."""
+    intra_node_bandwidth_gbs: float
+    """Typical device-to-device bandwidth inside one node, GB/s."""
+    aliases: tuple[str, ...] = ()
+    """Other names accepted in cluster files (Sailor's ``A100-40``, ...)."""
+
+
+@functools.lru_cache(maxsize=1)
+def device_catalog() -> dict[str, DeviceType]:
+    """The shipped catalog, keyed by canonical name."""
+    raw = yaml.safe_load(_CATALOG_PATH.read_text())
+    return {
+        name: DeviceType(
+            name=name,
+            vendor=e["vendor"],
+            tflops=dict(e["tflops"]),
+            memory_gb=float(e["memory_gb"]),
+            memory_bandwidth_gbs=float(e["memory_bandwidth_gbs"]),
+            efficiency=float(e["efficiency"]),
+            intra_node_bandwidth_gbs=float(e["intra_node_bandwidth_gbs"]),
+            aliases=tuple(e.get("aliases", ())),
+        )
+        for name, e in raw.items()
+    }
+
+
+def lookup_device_type(name: str, field_name: str = "type") -> DeviceType:
+    """Find a catalog entry by canonical name or alias (case-insensitive)."""
+    wanted = str(name).strip().lower()
+    for dt in device_catalog().values():
+        if wanted == dt.name.lower() or wanted in (a.lower() for a in dt.aliases):
+            return dt
+    known = ", ".join(device_catalog())
+    raise field_error(field_name, name, f"be a device type in the catalog ({known})",
+                      "or give explicit figures: tflops, memory_gb, memory_bandwidth_gbs")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator in the cluster, its datasheet figures resolved and overridden."""
+
+    name: str
+    """Unique device name, ``<node>/<index>`` unless given."""
+    type: str
+    """Device type name (catalog name or a custom one)."""
+    node: str
+    """Name of the node that holds it."""
+    tflops: Mapping[str, float]
+    """Peak dense TFLOPS per dtype (measured figures replace datasheet ones)."""
+    memory_gb: float
+    """Usable memory, GiB."""
+    memory_bandwidth_gbs: float
+    """Memory bandwidth, GB/s."""
+    efficiency: float
+    """Fraction of peak reached in training; 1.0 when ``tflops`` was measured."""
+    emulated_speed: float | None = None
+    """Relative speed when a local process emulates this device (tests, benchmarks)."""
+
+    def __post_init__(self) -> None:
+        where = f"device `{self.name}`"
+        if not self.tflops or any(not is_positive(v) for v in self.tflops.values()):
+            raise field_error(f"{where}.tflops", dict(self.tflops), "hold positive numbers (TFLOPS)")
+        for key in self.tflops:
+            if key not in DTYPES:
+                raise field_error(f"{where}.tflops", key, f"name a dtype in {DTYPES}")
+        if not is_positive(self.memory_gb):
+            raise field_error(f"{where}.memory_gb", self.memory_gb, "be > 0 (GiB of device memory)")
+        if not is_positive(self.memory_bandwidth_gbs):
+            raise field_error(f"{where}.memory_bandwidth_gbs", self.memory_bandwidth_gbs, "be > 0 (GB/s)")
+        if not (is_positive(self.efficiency) and self.efficiency <= 1):
+            raise field_error(f"{where}.efficiency", self.efficiency, "be in (0, 1]")
+        if self.emulated_speed is not None and not is_positive(self.emulated_speed):
+            raise field_error(f"{where}.emulated_speed", self.emulated_speed, "be > 0 (relative speed)")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 2**30
+
+    def flops_per_second(self, dtype: str) -> float:
+        """Sustained FLOP/s for ``dtype``; an unsupported dtype runs at the fp32 rate."""
+        peak = self.tflops.get(dtype, self.tflops.get("fp32", min(self.tflops.values())))
+        return peak * 1e12 * self.efficiency
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A host: devices that share a fast local link."""
+
+    name: str
+    """Unique node name."""
+    devices: tuple[DeviceSpec, ...]
+    """Its devices, in rank order."""
+    intra_bandwidth_gbs: float
+    """Device-to-device bandwidth inside the node, GB/s."""
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise field_error(f"node `{self.name}`.devices", [], "list at least one device")
+        if not is_positive(self.intra_bandwidth_gbs):
+            raise field_error(f"node `{self.name}`.intra_bandwidth_gbs", self.intra_bandwidth_gbs, "be > 0 (GB/s)")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Bandwidth between two specific nodes, overriding the cluster's inter-node figure."""
+
+    nodes: tuple[str, str]
+    """The two node names."""
+    bandwidth_gbs: float
+    """Bandwidth between them, GB/s."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices grouped into nodes, with intra- and inter-node bandwidth."""
+
+    name: str
+    """Cluster name (file stem for shipped clusters)."""
+    nodes: tuple[NodeSpec, ...]
+    """Nodes in rank order; ranks are numbered through them."""
+    inter_node_bandwidth_gbs: float
+    """Default bandwidth between two devices on different nodes, GB/s."""
+    links: tuple[LinkSpec, ...] = ()
+    """Per-node-pair overrides of ``inter_node_bandwidth_gbs``."""
+    latency_us: float = 10.0
+    """Per-message latency added to every transfer, microseconds."""
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise field_error("nodes", [], "list at least one node")
+        if not is_positive(self.inter_node_bandwidth_gbs):
+            raise field_error("inter_node_bandwidth_gbs", self.inter_node_bandwidth_gbs, "be > 0 (GB/s)")
+        if not (isinstance(self.latency_us, (int, float)) and self.latency_us >= 0):
+            raise field_error("latency_us", self.latency_us, "be >= 0 (microseconds)")
+        _require_unique([n.name for n in self.nodes], "nodes[].name")
+        _require_unique([d.name for d in self.devices], "devices[].name")
+        node_names = {n.name for n in self.nodes}
+        for i, link in enumerate(self.links):
+            for nm in link.nodes:
+                if nm not in node_names:
+                    raise field_error(f"links[{i}].nodes", list(link.nodes), "name nodes of this cluster",
+                                      f"known: {sorted(node_names)}")
+            if not is_positive(link.bandwidth_gbs):
+                raise field_error(f"links[{i}].bandwidth_gbs", link.bandwidth_gbs, "be > 0 (GB/s)")
+        object.__setattr__(self, "_by_name", {d.name: d for d in self.devices})
+        object.__setattr__(self, "_pair_bw", {frozenset(l.nodes): l.bandwidth_gbs for l in self.links})
+
+    # -- lookups ---------------------------------------------------------------------------
+    @functools.cached_property
+    def devices(self) -> tuple[DeviceSpec, ...]:
+        """All devices in rank order."""
+        return tuple(d for n in self.nodes for d in n.devices)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @functools.cached_property
+    def device_types(self) -> tuple[str, ...]:
+        """Distinct device type names, in first-seen order."""
+        return tuple(dict.fromkeys(d.type for d in self.devices))
+
+    def device(self, name: str) -> DeviceSpec:
+        try:
+            return self._by_name[name]  # type: ignore[attr-defined]
+        except KeyError:
+            raise ConfigError(f"device `{name}` is not in cluster `{self.name}`", field="device", value=name) from None
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ConfigError(f"node `{name}` is not in cluster `{self.name}`", field="node", value=name)
+
+    def node_bandwidth_gbs(self, node_a: str, node_b: str) -> float:
+        """GB/s between two nodes (the node's own link when they are the same)."""
+        if node_a == node_b:
+            return self.node(node_a).intra_bandwidth_gbs
+        return self._pair_bw.get(frozenset((node_a, node_b)), self.inter_node_bandwidth_gbs)  # type: ignore[attr-defined]
+
+    def bandwidth(self, dev_a: str, dev_b: str) -> float:
+        """Bytes/s between two devices."""
+        a, b = self.device(dev_a), self.device(dev_b)
+        return self.node_bandwidth_gbs(a.node, b.node) * 1e9
+
+    def min_bandwidth(self, device_names: list[str] | tuple[str, ...]) -> float:
+        """Bytes/s of the slowest link among a group of devices (inf for one device)."""
+        nodes = list(dict.fromkeys(self.device(d).node for d in device_names))
+        if len(device_names) <= 1:
+            return math.inf
+        if len(nodes) == 1:
+            return self.node(nodes[0]).intra_bandwidth_gbs * 1e9
+        return min(self.node_bandwidth_gbs(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:]) * 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        """The explicit YAML form (every device listed with resolved figures)."""
+        return {
+            "name": self.name,
+            "inter_node_bandwidth_gbs": self.inter_node_bandwidth_gbs,
+            "latency_us": self.latency_us,
+            "links": [{"nodes": list(l.nodes), "bandwidth_gbs": l.bandwidth_gbs} for l in self.links],
+            "nodes": [
+                {
+                    "name": n.name,
+                    "intra_bandwidth_gbs": n.intra_bandwidth_gbs,
+                    "devices": [
+                        {k: v for k, v in {
+                            "name": d.name, "type": d.type, "tflops": dict(d.tflops), "memory_gb": d.memory_gb,
+                            "memory_bandwidth_gbs": d.memory_bandwidth_gbs, "efficiency": d.efficiency,
+                            "emulated_speed": d.emulated_speed}.items() if v is not None}
+                        for d in n.devices
+                    ],
+                }
+                for n in self.nodes
+            ],
+        }
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+_CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_us", "description"}
+_NODE_KEYS = {"name", "devices", "intra_bandwidth_gbs", "count"}
+_DEVICE_KEYS = {"name", "type", "count", "tflops", "memory_gb", "memory_bandwidth_gbs", "efficiency",
+                "emulated_speed"}
+_LINK_KEYS = {"nodes", "bandwidth_gbs"}
+
+
+def shipped_cluster_dir() -> Path:
+    """Folder of the cluster configs shipped in the wheel (``het_strategy/configs/cluster``)."""
+    import het_strategy.configs as configs_pkg
+
+    return Path(configs_pkg.__file__).parent / "cluster"
+
+
+def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> ClusterSpec:
+    """Load a cluster from a shipped name, a YAML path, a mapping, or pass a ClusterSpec through."""
+    if isinstance(source, ClusterSpec):
+        return source
+    if isinstance(source, Mapping):
+        return cluster_from_dict(source)
+    path = Path(source)
+    if not path.suffix:
+        candidate = shipped_cluster_dir() / f"{source}.yaml"
+        if candidate.exists():
+            path = candidate
+    if not path.exists():
+        shipped = sorted(p.stem for p in shipped_cluster_dir().glob("*.yaml"))
+        raise field_error("cluster", str(source), "be a shipped cluster name or a YAML file path",
+                          f"shipped: {', '.join(shipped)}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cluster file {path} is not valid YAML: {exc}", field="cluster", value=str(path)) from None
+    if not isinstance(raw, Mapping):
+        raise field_error("cluster", type(raw).__name__, f"be a mapping at the top of {path}")
+    raw = dict(raw)
+    raw.setdefault("name", path.stem)
+    return cluster_from_dict(raw)
+
+
+def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
+    """Build a ClusterSpec from the YAML schema documented in README.md."""
+    check_keys(raw, _CLUSTER_KEYS, "cluster")
+    name = str(raw.get("name", "cluster"))
+    nodes_raw = raw.get("nodes")
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise field_error("nodes", nodes_raw, "be a non-empty list of nodes")
+    nodes: list[NodeSpec] = []
+    for i, node_raw in enumerate(nodes_raw):
+        where = f"nodes[{i}]"
+        if not isinstance(node_raw, Mapping):
+            raise field_error(where, node_raw, "be a mapping with `devices`")
+        check_keys(node_raw, _NODE_KEYS, where)
+        repeat = require_int(node_raw.get("count", 1), f"{where}.count", minimum=1)
+        base = str(node_raw.get("name", f"node{i}"))
+        for r in range(repeat):
+            node_name = base if repeat == 1 else f"{base}{r}"
+            nodes.append(_node_from_dict(node_raw, node_name, where))
+    inter = require_number(raw.get("inter_node_bandwidth_gbs", 12.5), "inter_node_bandwidth_gbs")
+    links = []
+    for i, link_raw in enumerate(raw.get("links") or []):
+        if not isinstance(link_raw, Mapping):
+            raise field_error(f"links[{i}]", link_raw, "be a mapping with `nodes` and `bandwidth_gbs`")
+        check_keys(link_raw, _LINK_KEYS, f"links[{i}]")
+        pair = link_raw.get("nodes")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise field_error(f"links[{i}].nodes", pair, "be a list of two node names")
+        links.append(LinkSpec((str(pair[0]), str(pair[1])),
+                              require_number(link_raw.get("bandwidth_gbs"), f"links[{i}].bandwidth_gbs")))
+    latency = require_number(raw.get("latency_us", 10.0), "latency_us", allow_zero=True)
+    return ClusterSpec(name=name, nodes=tuple(nodes), inter_node_bandwidth_gbs=inter, links=tuple(links),
+                       latency_us=latency)
+
+
+def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str) -> NodeSpec:
+    devs_raw = node_raw.get("devices")
+    if not isinstance(devs_raw, list) or not devs_raw:
+        raise field_error(f"{where}.devices", devs_raw, "be a non-empty list of devices")
+    devices: list[DeviceSpec] = []
+    first_type: DeviceType | None = None
+    for j, dev_raw in enumerate(devs_raw):
+        dwhere = f"{where}.devices[{j}]"
+        if isinstance(dev_raw, str):
+            dev_raw = {"type": dev_raw}
+        if not isinstance(dev_raw, Mapping):
+            raise field_error(dwhere, dev_raw, "be a device type name or a mapping with `type`")
+        check_keys(dev_raw, _DEVICE_KEYS, dwhere)
+        count = require_int(dev_raw.get("count", 1), f"{dwhere}.count", minimum=1)
+        catalog_type = _resolve_type(dev_raw, dwhere)
+        first_type = first_type or catalog_type
+        for _ in range(count):
+            idx = len(devices)
+            name = dev_raw.get("name") if count == 1 and "name" in dev_raw else f"{node_name}/{idx}"
+            devices.append(_device_from_dict(dev_raw, str(name), node_name, catalog_type, dwhere))
+    if "intra_bandwidth_gbs" in node_raw:
+        intra = require_number(node_raw["intra_bandwidth_gbs"], f"{where}.intra_bandwidth_gbs")
+    elif first_type is not None:
+        intra = first_type.intra_node_bandwidth_gbs
+    else:
+        raise field_error(f"{where}.intra_bandwidth_gbs", None, "be given when the node's devices are not in the catalog")
+    return NodeSpec(name=node_name, devices=tuple(devices), intra_bandwidth_gbs=intra)
+
+
+def _resolve_type(dev_raw: Mapping[str, Any], where: str) -> DeviceType | None:
+    type_name = dev_raw.get("type")
+    if not isinstance(type_name, str) or not type_name:
+        raise field_error(f"{where}.type", type_name, "be a device type name (string)")
+    explicit = all(k in dev_raw for k in ("tflops", "memory_gb", "memory_bandwidth_gbs"))
+    try:
+        return lookup_device_type(type_name, f"{where}.type")
+    except ConfigError:
+        if explicit:
+            return None  # a custom device described by its own figures
+        raise
+
+
+def _device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: DeviceType | None,
+                      where: str) -> DeviceSpec:
+    tflops_raw = dev_raw.get("tflops")
+    if tflops_raw is None:
+        tflops = dict(dt.tflops)  # type: ignore[union-attr]
+    elif isinstance(tflops_raw, (int, float)) and not isinstance(tflops_raw, bool):
+        # one measured figure: applies to every dtype the device supports
+        base = dt.tflops if dt else {"fp32": 1.0}
+        tflops = {k: float(tflops_raw) for k in base}
+    elif isinstance(tflops_raw, Mapping):
+        tflops = {str(k): require_number(v, f"{where}.tflops.{k}") for k, v in tflops_raw.items()}
+    else:
+        raise field_error(f"{where}.tflops", tflops_raw, "be a number or a mapping dtype -> TFLOPS")
+    measured = tflops_raw is not None
+    eff_default = 1.0 if (measured and "efficiency" not in dev_raw) else (dt.efficiency if dt else 1.0)
+    speed = dev_raw.get("emulated_speed")
+    return DeviceSpec(
+        name=name,
+        type=dt.name if dt else str(dev_raw["type"]),
+        node=node,
+        tflops=tflops,
+        memory_gb=require_number(dev_raw.get("memory_gb", dt.memory_gb if dt else None), f"{where}.memory_gb"),
+        memory_bandwidth_gbs=require_number(dev_raw.get("memory_bandwidth_gbs", dt.memory_bandwidth_gbs if dt else None),
+                                        f"{where}.memory_bandwidth_gbs"),
+        efficiency=require_number(dev_raw.get("efficiency", eff_default), f"{where}.efficiency"),
+        emulated_speed=None if speed is None else require_number(speed, f"{where}.emulated_speed"),
+    )
+
+
+def _require_unique(names: list[str], field_name: str) -> None:
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            raise field_error(field_name, n, "be unique (duplicate name)")
+        seen.add(n)

@@ -1,0 +1,395 @@
+"""The cost model: predicted step time and memory of any Plan.
+
+One function, ``CostModel.score(plan)``, scores every plan — planned here, read
+from a file, or hand-made — so plans from different sources compare on equal
+terms.  Per micro-batch, a stage costs
+
+    t_s = sum over its layers of forward + backward time on its device
+          (measured profile if it covers the device type, else FLOPs / sustained
+          FLOP/s with backward = 2 x forward, +1 forward with activation
+          checkpointing) + tensor-parallel allreduces + MoE all-to-alls
+    c_s = activation forward + gradient backward over the link to the next stage
+
+and a pipeline with n micro-batches takes, in 1F1B order,
+
+    T_p = (fill: sum_s t_s + sum_s c_s for the first micro-batch)
+          + (n - 1) x bottleneck  (bottleneck = max(max_s t_s, max_s c_s))
+
+(the last micro-batch may be smaller and is costed at its own size).  After the
+slowest pipeline, every device allreduces its gradients with the replicas that
+hold the same layers, over the slowest link among them (ring: 2(d-1)/d of the
+bytes; ZeRO-3 adds the parameter all-gathers, 1.5x), then runs its optimizer
+update (memory-bound).  Step time = max_p T_p + max sync + max update.  Gradient
+sync is not overlapped with backward here: the model errs on the slow side.
+
+Memory per device: weights + gradients + optimizer state (sharded by ZeRO stage
+over the data-parallel degree) + activations of the micro-batches in flight
+(1F1B keeps min(S - s, n) on stage s) + a fixed reserve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from het_strategy.cluster import ClusterSpec, DeviceSpec
+from het_strategy.errors import field_error, require_int, require_number
+from het_strategy.plan import Pipeline, Plan, Stage
+from het_strategy.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
+
+__all__ = ["TrainSettings", "StageCost", "PlanScore", "CostModel"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How the model is trained: batch, precision, memory-saving options, search bounds."""
+
+    global_batch_size: int
+    """Samples per optimizer step."""
+    dtype: str = "bf16"
+    """Training dtype: bf16, fp16 (mixed precision) or fp32."""
+    zero_stage: int = 0
+    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward (keeps only layer inputs)."""
+    max_tp: int = 1
+    """Largest tensor-parallel degree the planner may use (the DDP runtime runs tp=1 only)."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro-batch sizes the planner tries."""
+    memory_reserve_gb: float = 1.0
+    """GiB per device kept for the framework, CUDA context and fragmentation."""
+    max_stages: int = 16
+    """Most pipeline stages the planner considers."""
+
+    def __post_init__(self) -> None:
+        require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
+        if self.dtype not in DTYPE_BYTES:
+            raise field_error("train.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise field_error("train.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
+        if self.max_tp not in (1, 2, 4, 8):
+            raise field_error("train.max_tp", self.max_tp, "be 1, 2, 4 or 8")
+        sizes = tuple(self.micro_batch_sizes)
+        if not sizes:
+            raise field_error("train.micro_batch_sizes", list(sizes), "list at least one size")
+        for m in sizes:
+            require_int(m, "train.micro_batch_sizes[]", minimum=1)
+        object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(sizes))))
+        require_number(self.memory_reserve_gb, "train.memory_reserve_gb", allow_zero=True)
+        require_int(self.max_stages, "train.max_stages", minimum=1)
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """Adam: m and v in fp32, plus an fp32 master copy under mixed precision."""
+        return 8 if self.dtype == "fp32" else 12
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-micro-batch cost of one stage, and its memory per device."""
+
+    compute_s: float
+    """Forward + backward of one micro-batch, seconds (tensor-parallel comm included)."""
+    send_s: float
+    """Activation to the next stage + gradient back, seconds (0 for the last stage)."""
+    memory_bytes: float
+    """Peak memory per device of the stage."""
+
+
+@dataclass
+class PlanScore:
+    """The cost model's figures for one plan."""
+
+    step_time_s: float
+    samples_per_s: float
+    pipeline_times_s: list[float]
+    sync_time_s: float
+    update_time_s: float
+    memory_bytes: dict[str, float]
+    memory_capacity_bytes: dict[str, float]
+    stage_costs: list[list[StageCost]] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(self.memory_bytes[d] <= self.memory_capacity_bytes[d] for d in self.memory_bytes)
+
+    def worst_memory(self) -> tuple[str, float, float]:
+        """(device, needed bytes, capacity bytes) of the device with the least headroom."""
+        dev = max(self.memory_bytes, key=lambda d: self.memory_bytes[d] / self.memory_capacity_bytes[d])
+        return dev, self.memory_bytes[dev], self.memory_capacity_bytes[dev]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "samples_per_s": self.samples_per_s,
+            "pipeline_times_s": self.pipeline_times_s,
+            "sync_time_s": self.sync_time_s,
+            "update_time_s": self.update_time_s,
+            "memory_gb": {d: round(b / GiB, 3) for d, b in self.memory_bytes.items()},
+            "memory_capacity_gb": {d: round(b / GiB, 3) for d, b in self.memory_capacity_bytes.items()},
+            "fits": self.fits,
+        }
+
+
+class CostModel:
+    """Scores plans for one cluster, workload and set of training settings."""
+
+    def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
+                 profile: MeasuredProfile | None = None) -> None:
+        self.cluster = cluster
+        self.workload = workload
+        self.settings = settings
+        self.profile = profile
+        if profile is not None:
+            profile.check_matches(workload)
+        layers = workload.layers
+        act_scale = settings.param_bytes / DTYPE_BYTES[workload.dtype]
+        self._params = _prefix([layer.params for layer in layers])
+        self._expert_params = [layer.moe.params_per_expert * layer.moe.num_experts if layer.moe else 0
+                               for layer in layers]
+        self._act = _prefix([layer.activation_bytes_per_sample * act_scale for layer in layers])
+        self._out = [layer.output_bytes_per_sample * act_scale for layer in layers]
+        self._ckpt_act = _prefix([layer.output_bytes_per_sample * act_scale for layer in layers])
+        self._max_act = [layer.activation_bytes_per_sample * act_scale for layer in layers]
+        self._latency_s = cluster.latency_us * 1e-6
+        self._representative: dict[tuple, DeviceSpec] = {}
+        self._prefix_cache: dict[tuple, tuple[list[float], list[float]]] = {}
+
+    # -- per-layer times ------------------------------------------------------------------------
+    def device_key(self, device: DeviceSpec) -> tuple:
+        """Devices with equal keys cost the same per layer (the planner groups them)."""
+        key = (device.type, tuple(sorted(device.tflops.items())), device.efficiency, device.memory_gb,
+               device.memory_bandwidth_gbs, self.cluster.node(device.node).intra_bandwidth_gbs)
+        self._representative.setdefault(key, device)
+        return key
+
+    def uses_profile(self, device: DeviceSpec, tp: int) -> bool:
+        return self.profile is not None and self.profile.covers(device.type, tp)
+
+    def _layer_compute_prefix(self, device: DeviceSpec, tp: int, micro_batch: int
+                              ) -> tuple[list[float], list[float]]:
+        """Prefix sums of (fwd + bwd) and optimizer-update seconds per layer (dense part), cached."""
+        cache_key = (self.device_key(device), tp, micro_batch)
+        hit = self._prefix_cache.get(cache_key)
+        if hit is None:
+            hit = self._prefix_cache[cache_key] = self._compute_layer_prefix(device, tp, micro_batch)
+        return hit
+
+    def _compute_layer_prefix(self, device: DeviceSpec, tp: int, micro_batch: int
+                              ) -> tuple[list[float], list[float]]:
+        ckpt = self.settings.activation_checkpointing
+        if self.uses_profile(device, tp):
+            rows = self.profile.layer_times(device.type, tp, micro_batch)  # type: ignore[union-attr]
+            comp = [f + b + (f if ckpt else 0.0) for f, b, _ in rows]
+            upd = [u for _, _, u in rows]
+        else:
+            rate = device.flops_per_second(self.settings.dtype) * tp
+            comp = []
+            for layer in self.workload.layers:
+                fwd = layer.flops_per_sample * micro_batch / rate
+                comp.append(fwd * (4.0 if ckpt else 3.0))
+            # Adam update is memory bound: read/write fp32 master, m, v and the gradient
+            bw = device.memory_bandwidth_gbs * 1e9
+            upd = [layer.total_params / tp * 16 / bw for layer in self.workload.layers]
+            if tp > 1:
+                tp_bw = self.cluster.node(device.node).intra_bandwidth_gbs * 1e9
+                for i, layer in enumerate(self.workload.layers):
+                    if layer.name.startswith("block") or layer.moe:
+                        # two allreduces forward, two backward (Megatron-style)
+                        vol = self._out[i] * micro_batch * 2 * (tp - 1) / tp
+                        comp[i] += 4 * (vol / tp_bw + self._latency_s)
+        return _prefix(comp), _prefix(upd)
+
+    def stage_compute_s(self, device: DeviceSpec, tp: int, micro_batch: int, start: int, stop: int) -> float:
+        """Forward + backward seconds of layers [start, stop) for one micro-batch (dense part)."""
+        comp, _ = self._layer_compute_prefix(device, tp, micro_batch)
+        return comp[stop] - comp[start]
+
+    def stage_update_s(self, device: DeviceSpec, tp: int, start: int, stop: int, dp: int) -> float:
+        _, upd = self._layer_compute_prefix(device, tp, 1)
+        shard = dp if self.settings.zero_stage >= 1 else 1
+        return (upd[stop] - upd[start]) / shard
+
+    def send_s(self, micro_batch: int, last_layer: int, src: str, dst: str) -> float:
+        """Activation forward + gradient backward across a stage boundary."""
+        return 2 * (self._out[last_layer] * micro_batch / self.cluster.bandwidth(src, dst) + self._latency_s)
+
+    def stage_param_count(self, start: int, stop: int, experts_held: dict[int, int] | None = None) -> float:
+        """Parameters a stage holds: dense part + all experts, or only the experts placed on it."""
+        dense = self._params[stop] - self._params[start]
+        expert = 0.0
+        for layer in range(start, stop):
+            moe = self.workload.layers[layer].moe
+            if moe is None:
+                continue
+            held = moe.num_experts if experts_held is None or layer not in experts_held else experts_held[layer]
+            expert += held * moe.params_per_expert
+        return dense + expert
+
+    def stage_memory_bytes(self, start: int, stop: int, tp: int, micro_batch: int, in_flight: int, dp: int,
+                           experts_held: dict[int, int] | None = None) -> float:
+        """Peak bytes per device of a stage: weights, grads, optimizer state, activations, reserve."""
+        s = self.settings
+        params = self.stage_param_count(start, stop, experts_held) / tp
+        weights = params * s.param_bytes
+        grads = params * s.param_bytes
+        optim = params * s.optimizer_bytes_per_param
+        if s.zero_stage >= 1:
+            optim /= dp
+        if s.zero_stage >= 2:
+            grads /= dp
+        if s.zero_stage >= 3:
+            weights /= dp
+        if s.activation_checkpointing:
+            acts = (self._ckpt_act[stop] - self._ckpt_act[start]) * micro_batch * in_flight
+            acts += max(self._max_act[start:stop]) * micro_batch
+        else:
+            acts = (self._act[stop] - self._act[start]) * micro_batch * in_flight
+        return weights + grads + optim + acts / tp + s.memory_reserve_gb * GiB
+
+    def memory_capacity_bytes(self, device: DeviceSpec) -> float:
+        return device.memory_bytes
+
+    def allreduce_s(self, num_bytes: float, group_size: int, bandwidth: float) -> float:
+        """Ring allreduce of ``num_bytes`` among ``group_size`` members over ``bandwidth`` bytes/s."""
+        if group_size <= 1 or num_bytes <= 0:
+            return 0.0
+        factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
+        steps = 2 * (group_size - 1)
+        return factor * (steps / group_size * num_bytes / bandwidth + steps * self._latency_s)
+
+    # -- MoE ----------------------------------------------------------------------------------
+    def _experts_by_device(self, plan: Plan) -> dict[str, dict[int, int]]:
+        held: dict[str, dict[int, int]] = {}
+        for layer, mapping in plan.experts.items():
+            for dev, ids in mapping.items():
+                held.setdefault(dev, {})[layer] = len(ids)
+        return held
+
+    def expert_compute_s(self, device: DeviceSpec, tp: int, start: int, stop: int, tokens_per_microbatch: float,
+                         experts_held: dict[int, int] | None, group_tokens_per_microbatch: float) -> float:
+        """Expert FLOPs of one micro-batch step on ``device`` for MoE layers in [start, stop).
+
+        Without a placement each replica holds every expert and runs its own
+        tokens (top-k per token).  With a placement, the tokens of the whole
+        expert-parallel group are routed uniformly to experts, so a device holding
+        n of E experts runs n/E of the group's routed tokens.
+        """
+        rate = device.flops_per_second(self.settings.dtype) * tp
+        total = 0.0
+        for layer in range(start, stop):
+            moe = self.workload.layers[layer].moe
+            if moe is None:
+                continue
+            if experts_held is None or layer not in experts_held:
+                tokens = tokens_per_microbatch * moe.top_k
+            else:
+                tokens = group_tokens_per_microbatch * moe.top_k * experts_held[layer] / moe.num_experts
+            total += 3.0 * tokens * moe.flops_per_token_per_expert / rate
+        return total
+
+    # -- scoring ------------------------------------------------------------------------------
+    def score(self, plan: Plan) -> PlanScore:
+        """Predicted step time, throughput and per-device memory of ``plan``."""
+        plan.check_against(self.cluster, self.workload)
+        dp = plan.num_pipelines
+        experts_by_dev = self._experts_by_device(plan)
+        seq = self.workload.seq_len
+        mean_micro = sum(p.samples / p.num_micro_batches for p in plan.pipelines)
+        pipeline_times: list[float] = []
+        stage_costs: list[list[StageCost]] = []
+        memory: dict[str, float] = {}
+        capacity: dict[str, float] = {}
+        update = 0.0
+        for pipe in plan.pipelines:
+            n = pipe.num_micro_batches
+            last = pipe.samples - (n - 1) * pipe.micro_batch_size
+            costs_full, costs_last = [], []
+            for s, stage in enumerate(pipe.stages):
+                held = experts_by_dev.get(stage.devices[0])
+                start, stop = stage.layers
+
+                def _stage(mb: int) -> tuple[float, float]:
+                    comp = max(self.stage_compute_s(self.cluster.device(d), stage.tp, mb, start, stop)
+                               + self.expert_compute_s(self.cluster.device(d), stage.tp, start, stop, mb * seq,
+                                                       experts_by_dev.get(d), mean_micro * seq)
+                               for d in stage.devices)
+                    send = 0.0
+                    if s + 1 < len(pipe.stages):
+                        nxt = pipe.stages[s + 1]
+                        send = max(self.send_s(mb, stop - 1, a, b) for a, b in zip(stage.devices, _cycle(nxt.devices, stage.tp)))
+                    return comp, send
+
+                comp_full, send_full = _stage(pipe.micro_batch_size)
+                comp_last, send_last = _stage(last) if n > 1 else (comp_full, send_full)
+                in_flight = min(len(pipe.stages) - s, n)
+                mem = self.stage_memory_bytes(start, stop, stage.tp, pipe.micro_batch_size, in_flight, dp, held)
+                costs_full.append(StageCost(comp_full, send_full, mem))
+                costs_last.append(StageCost(comp_last, send_last, mem))
+                for d in stage.devices:
+                    dev = self.cluster.device(d)
+                    memory[d] = self.stage_memory_bytes(start, stop, stage.tp, pipe.micro_batch_size, in_flight, dp,
+                                                        experts_by_dev.get(d))
+                    capacity[d] = self.memory_capacity_bytes(dev)
+                    update = max(update, self.stage_update_s(dev, stage.tp, start, stop, dp))
+            pipeline_times.append(pipeline_time_s(costs_full, costs_last, n))
+            stage_costs.append(costs_full)
+        sync = self._sync_time_s(plan, experts_by_dev)
+        step = max(pipeline_times) + sync + update
+        return PlanScore(step_time_s=step, samples_per_s=plan.global_batch_size / step,
+                         pipeline_times_s=pipeline_times, sync_time_s=sync, update_time_s=update,
+                         memory_bytes=memory, memory_capacity_bytes=capacity, stage_costs=stage_costs)
+
+    def _sync_time_s(self, plan: Plan, experts_by_dev: dict[str, dict[int, int]]) -> float:
+        """Max over devices of the gradient allreduce of the layers it holds, per layer segment."""
+        dp = plan.num_pipelines
+        if dp <= 1:
+            return 0.0
+        cuts = sorted({b for p in plan.pipelines for b in p.boundaries()})
+        per_device: dict[str, float] = {}
+        for a, b in zip(cuts, cuts[1:]):
+            holders = [_stage_holding(p, a) for p in plan.pipelines]
+            group = [d for st in holders for d in st.devices]
+            bw = self.cluster.min_bandwidth(group)
+            for st in holders:
+                dense = (self._params[b] - self._params[a]) / st.tp * self.settings.param_bytes
+                t = self.allreduce_s(dense, dp, bw)
+                for d in st.devices:
+                    per_device[d] = per_device.get(d, 0.0) + t
+        return max(per_device.values(), default=0.0)
+
+
+def pipeline_time_s(costs: list[StageCost], costs_last: list[StageCost], num_micro_batches: int) -> float:
+    """1F1B time of one pipeline: fill with the first micro-batch, then one bottleneck per micro-batch."""
+    first = costs if num_micro_batches > 1 else costs_last
+    fill = sum(c.compute_s + c.send_s for c in first)
+    if num_micro_batches == 1:
+        return fill
+    bottleneck = max(max(c.compute_s, c.send_s) for c in costs)
+    bottleneck_last = max(max(c.compute_s, c.send_s) for c in costs_last)
+    return fill + (num_micro_batches - 2) * bottleneck + bottleneck_last
+
+
+def _stage_holding(pipe: Pipeline, layer: int) -> Stage:
+    for st in pipe.stages:
+        if st.layers[0] <= layer < st.layers[1]:
+            return st
+    raise AssertionError(f"layer {layer} is in no stage")  # Plan validation makes this unreachable
+
+
+def _cycle(devices: tuple[str, ...], n: int) -> list[str]:
+    return [devices[i % len(devices)] for i in range(n)]
+
+
+def _prefix(values: Iterable[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

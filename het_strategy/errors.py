@@ -1,0 +1,60 @@
+"""The one error type that bad input raises.
+
+Every message names the field, the value and the rule (and, where there is
+one, the fix), so a user can correct a YAML file without reading our code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+__all__ = ["ConfigError", "field_error", "check_keys", "is_positive", "require_number", "require_int"]
+
+
+class ConfigError(ValueError):
+    """Bad cluster, model, batch or plan input; the CLIs turn it into exit code 2."""
+
+    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+def field_error(field: str, value: Any, rule: str, fix: str | None = None) -> ConfigError:
+    """Build ``ConfigError`` in the house form: "`field` is value; it must rule (fix)"."""
+    msg = f"`{field}` is {value!r}; it must {rule}"
+    if fix:
+        msg += f" ({fix})"
+    return ConfigError(msg, field=field, value=value)
+
+
+def is_positive(v: Any) -> bool:
+    """True for a finite real number > 0 (bools are not numbers here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def require_number(v: Any, field: str, allow_zero: bool = False) -> float:
+    """``v`` as a float, or ConfigError if it is not a finite number > 0 (>= 0 with allow_zero)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise field_error(field, v, "be a number")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise field_error(field, v, "be >= 0" if allow_zero else "be > 0")
+    return float(v)
+
+
+def require_int(v: Any, field: str, minimum: int = 0) -> int:
+    """``v`` as an int >= minimum, or ConfigError."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise field_error(field, v, "be an integer")
+    if v < minimum:
+        raise field_error(field, v, f"be >= {minimum}")
+    return v
+
+
+def check_keys(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    """Reject keys a schema does not know (a typo must not be silently ignored)."""
+    for key in raw:
+        if key not in allowed:
+            raise field_error(f"{where}.{key}", raw[key], "not be there: unknown key",
+                              f"allowed keys: {', '.join(sorted(allowed))}")

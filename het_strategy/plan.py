@@ -1,0 +1,283 @@
+"""The Plan: who computes which layers on how many samples.
+
+A Plan is a list of data-parallel replicas ("pipelines").  Pipelines may differ
+in length and device types.  Each pipeline processes ``samples`` of every global
+batch as ``num_micro_batches`` micro-batches of ``micro_batch_size`` (the last
+one may be smaller), through ``stages``; a stage is a tensor-parallel group of
+``tp`` devices holding layers ``[start, stop)``.  Pure data parallelism is the
+special case of one single-device stage per pipeline, and then
+``rank_shares()`` gives each device's share of the global batch.
+
+JSON form (``SCHEMA_VERSION`` 1) is documented in README.md; ``Plan.load``
+reads it back, and ``Plan.check_against`` refuses a plan made for another
+cluster or model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from het_strategy.errors import ConfigError, field_error, require_int
+
+if TYPE_CHECKING:
+    from het_strategy.cluster import ClusterSpec
+    from het_strategy.workload import WorkloadSpec
+
+__all__ = ["SCHEMA_VERSION", "Stage", "Pipeline", "Plan"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A tensor-parallel group of devices holding a contiguous layer range."""
+
+    devices: tuple[str, ...]
+    """Device names; their count is the tensor-parallel degree."""
+    layers: tuple[int, int]
+    """Layer range ``[start, stop)``."""
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": list(self.devices), "layers": list(self.layers), "tp": self.tp}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One data-parallel replica: stages in order, and its share of the global batch."""
+
+    stages: tuple[Stage, ...]
+    """Stages in execution order; their layer ranges tile ``[0, num_layers)``."""
+    micro_batch_size: int
+    """Samples per micro-batch."""
+    samples: int
+    """Samples of each global batch this pipeline processes."""
+
+    @property
+    def num_micro_batches(self) -> int:
+        return math.ceil(self.samples / self.micro_batch_size)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+    def boundaries(self) -> list[int]:
+        """Stage boundaries ``[0, b1, ..., num_layers]``, as DeepSpeed's ``parts``."""
+        return [self.stages[0].layers[0]] + [s.layers[1] for s in self.stages]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size, "num_micro_batches": self.num_micro_batches,
+                "samples": self.samples, "stages": [s.to_dict() for s in self.stages]}
+
+
+@dataclass
+class Plan:
+    """A complete parallel plan for one cluster, model and global batch."""
+
+    cluster: str
+    """Cluster name the plan was made for."""
+    cluster_devices: tuple[str, ...]
+    """Every device name of that cluster, in rank order (the plan may leave some idle)."""
+    model: dict[str, Any]
+    """The workload's fingerprint (name, layers, params, seq_len)."""
+    global_batch_size: int
+    """Samples per optimizer step."""
+    pipelines: tuple[Pipeline, ...]
+    """The data-parallel replicas."""
+    zero_stage: int = 0
+    """ZeRO stage the memory figures assume."""
+    dtype: str = "bf16"
+    """Training dtype."""
+    mode: str = "hybrid"
+    """Planner that made it (dp, pipeline, hybrid, manual)."""
+    experts: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    """MoE expert placement: ``{layer: {device: [expert ids]}}``."""
+    predicted: dict[str, Any] = field(default_factory=dict)
+    """Cost-model figures: step_time_s, samples_per_s, memory_gb per device, ..."""
+
+    def __post_init__(self) -> None:
+        self.pipelines = tuple(self.pipelines)
+        self.cluster_devices = tuple(self.cluster_devices)
+        self._check_shape()
+
+    # -- structure ---------------------------------------------------------------------------
+    def _check_shape(self) -> None:
+        require_int(self.global_batch_size, "plan.global_batch_size", minimum=1)
+        if not self.pipelines:
+            raise field_error("plan.pipelines", [], "list at least one pipeline")
+        num_layers = int(self.model.get("num_layers", 0))
+        seen: set[str] = set()
+        for p, pipe in enumerate(self.pipelines):
+            where = f"plan.pipelines[{p}]"
+            require_int(pipe.micro_batch_size, f"{where}.micro_batch_size", minimum=1)
+            require_int(pipe.samples, f"{where}.samples", minimum=1)
+            if not pipe.stages:
+                raise field_error(f"{where}.stages", [], "list at least one stage")
+            expected_start = 0
+            for s, stage in enumerate(pipe.stages):
+                sw = f"{where}.stages[{s}]"
+                start, stop = stage.layers
+                if start != expected_start or stop <= start:
+                    raise field_error(f"{sw}.layers", list(stage.layers),
+                                      f"start at {expected_start} and be non-empty (stages tile the layers in order)")
+                expected_start = stop
+                if not stage.devices:
+                    raise field_error(f"{sw}.devices", [], "list at least one device")
+                for d in stage.devices:
+                    if d in seen:
+                        raise field_error(f"{sw}.devices", d, "not repeat a device used elsewhere in the plan")
+                    seen.add(d)
+            if num_layers and expected_start != num_layers:
+                raise field_error(f"{where}.stages[-1].layers", list(pipe.stages[-1].layers),
+                                  f"end at the model's last layer ({num_layers})")
+        total = sum(p.samples for p in self.pipelines)
+        if total != self.global_batch_size:
+            raise field_error("plan.pipelines[].samples", [p.samples for p in self.pipelines],
+                              f"sum to global_batch_size ({self.global_batch_size}); they sum to {total}")
+        if self.dtype not in ("fp32", "fp16", "bf16"):
+            raise field_error("plan.dtype", self.dtype, "be fp32, fp16 or bf16")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise field_error("plan.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def used_devices(self) -> tuple[str, ...]:
+        return tuple(d for p in self.pipelines for d in p.devices)
+
+    @property
+    def is_pure_dp(self) -> bool:
+        return all(len(p.stages) == 1 and p.stages[0].tp == 1 for p in self.pipelines)
+
+    def rank_shares(self) -> dict[str, int]:
+        """Samples per device for a pure data-parallel plan (0 for idle devices)."""
+        if not self.is_pure_dp:
+            raise ConfigError("rank_shares() needs a pure data-parallel plan (one single-device stage per pipeline)")
+        shares = {d: 0 for d in self.cluster_devices}
+        for p in self.pipelines:
+            shares[p.stages[0].devices[0]] = p.samples
+        return shares
+
+    def check_against(self, cluster: "ClusterSpec", workload: "WorkloadSpec") -> None:
+        """Refuse a plan made for another cluster or model (names every mismatch it finds first)."""
+        names = {d.name for d in cluster.devices}
+        for d in self.used_devices:
+            if d not in names:
+                raise field_error("plan.pipelines[].stages[].devices", d,
+                                  f"name a device of cluster `{cluster.name}`",
+                                  "the plan was made for another cluster; re-plan or pass the matching cluster")
+        if int(self.model.get("num_layers", -1)) != workload.num_layers:
+            raise field_error("plan.model.num_layers", self.model.get("num_layers"),
+                              f"equal the model's {workload.num_layers} layers (`{workload.name}`)",
+                              "the plan was made for another model")
+        for p, pipe in enumerate(self.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                nodes = {cluster.device(d).node for d in stage.devices}
+                if len(nodes) > 1:
+                    raise field_error(f"plan.pipelines[{p}].stages[{s}].devices", list(stage.devices),
+                                      "lie in one node (a tensor-parallel group needs the node's fast link)")
+
+    # -- JSON --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "cluster": self.cluster,
+            "cluster_devices": list(self.cluster_devices),
+            "model": dict(self.model),
+            "global_batch_size": self.global_batch_size,
+            "mode": self.mode,
+            "dtype": self.dtype,
+            "zero_stage": self.zero_stage,
+            "pipelines": [p.to_dict() for p in self.pipelines],
+        }
+        if self.is_pure_dp:
+            out["rank_shares"] = self.rank_shares()
+        if self.experts:
+            out["experts"] = {str(layer): {d: list(ids) for d, ids in m.items()} for layer, m in self.experts.items()}
+        if self.predicted:
+            out["predicted"] = self.predicted
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Plan":
+        if not isinstance(raw, Mapping):
+            raise field_error("plan", type(raw).__name__, "be a JSON object")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise field_error("plan.schema_version", version, f"be {SCHEMA_VERSION}")
+        try:
+            pipelines = tuple(
+                Pipeline(
+                    stages=tuple(Stage(tuple(str(d) for d in s["devices"]), (int(s["layers"][0]), int(s["layers"][1])))
+                                 for s in p["stages"]),
+                    micro_batch_size=p["micro_batch_size"],
+                    samples=p["samples"],
+                )
+                for p in raw["pipelines"]
+            )
+            experts = {int(k): {str(d): [int(i) for i in ids] for d, ids in v.items()}
+                       for k, v in (raw.get("experts") or {}).items()}
+            return cls(
+                cluster=str(raw["cluster"]),
+                cluster_devices=tuple(raw.get("cluster_devices", ())),
+                model=dict(raw["model"]),
+                global_batch_size=raw["global_batch_size"],
+                pipelines=pipelines,
+                zero_stage=raw.get("zero_stage", 0),
+                dtype=raw.get("dtype", "bf16"),
+                mode=raw.get("mode", "manual"),
+                experts=experts,
+                predicted=dict(raw.get("predicted") or {}),
+            )
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"plan JSON is malformed: missing or wrong field ({exc!r}); see README 'Plan JSON'",
+                              field="plan") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write JSON atomically (a crash never leaves a half-written plan)."""
+        return write_atomic(Path(path), self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        if not path.exists():
+            raise field_error("plan", str(path), "be an existing plan JSON file")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"plan file {path} is not valid JSON: {exc}", field="plan", value=str(path)) from None
+        return cls.from_dict(raw)
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

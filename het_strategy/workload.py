@@ -1,0 +1,269 @@
+"""Workloads: what each layer of a model costs, independent of any device.
+
+Two sources fill the same ``WorkloadSpec``:
+
+* ``transformer_workload`` — an analytic decoder-only transformer (optionally
+  MoE), giving per-layer forward FLOPs, parameter and activation bytes;
+* ``het_strategy.profiling.profile_module`` — a real ``nn.Module`` and a sample
+  batch, FLOPs counted by ``torch.utils.flop_counter``.
+
+``MeasuredProfile`` carries per-layer times measured on real devices (Sailor's
+published profiles, or our own profiler); the cost model prefers it to
+datasheet throughput whenever it covers a device type.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from het_strategy.errors import ConfigError, check_keys, field_error, require_int, require_number
+
+__all__ = [
+    "LayerCost",
+    "MoESpec",
+    "WorkloadSpec",
+    "TransformerConfig",
+    "MeasuredProfile",
+    "transformer_workload",
+    "load_workload",
+    "DTYPE_BYTES",
+]
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The expert part of one MoE layer (its dense part is in the LayerCost)."""
+
+    num_experts: int
+    """Experts in the layer."""
+    top_k: int
+    """Experts each token is routed to."""
+    params_per_expert: int
+    """Parameters of one expert."""
+    flops_per_token_per_expert: float
+    """Forward FLOPs one expert spends on one routed token."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Device-independent cost of one layer for one sample (a full sequence)."""
+
+    name: str
+    """Layer name (``embedding``, ``block3``, ``head`` or the module path)."""
+    flops_per_sample: float
+    """Forward FLOPs for one sample, experts excluded (backward is counted as 2x)."""
+    params: int
+    """Parameter count of the dense part (experts are in ``moe``)."""
+    activation_bytes_per_sample: float
+    """Bytes kept for backward per sample in the training dtype."""
+    output_bytes_per_sample: float
+    """Bytes of the layer's output per sample: what crosses a pipeline boundary."""
+    moe: MoESpec | None = None
+    """Expert part, for MoE layers."""
+
+    @property
+    def total_params(self) -> int:
+        return self.params + (self.moe.num_experts * self.moe.params_per_expert if self.moe else 0)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """An ordered list of layers; a pipeline stage holds a contiguous range of them."""
+
+    name: str
+    """Model name, part of a Plan's identity."""
+    layers: tuple[LayerCost, ...]
+    """Layers in execution order."""
+    seq_len: int
+    """Tokens per sample."""
+    dtype: str = "bf16"
+    """Dtype the activation figures were computed for."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise field_error("model.layers", [], "list at least one layer")
+        if self.dtype not in DTYPE_BYTES:
+            raise field_error("model.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.total_params for layer in self.layers)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a Plan records to check it is applied to the model it was made for."""
+        return {"name": self.name, "num_layers": self.num_layers, "total_params": self.total_params,
+                "seq_len": self.seq_len}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "seq_len": self.seq_len, "dtype": self.dtype,
+                "layers": [{k: v for k, v in layer.__dict__.items() if k != "moe"}
+                           | ({"moe": dict(layer.moe.__dict__)} if layer.moe else {}) for layer in self.layers]}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """An analytic decoder-only transformer (GPT/OPT shape), optionally with MoE blocks."""
+
+    name: str
+    """Model name."""
+    num_layers: int
+    """Transformer blocks (the embedding and head are added as layers of their own)."""
+    hidden_size: int
+    """Model width h."""
+    num_heads: int
+    """Attention heads."""
+    seq_len: int
+    """Tokens per sample."""
+    vocab_size: int
+    """Vocabulary size (embedding and output head)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; 4h when not given."""
+    num_experts: int = 0
+    """Experts per MoE block; 0 for a dense model."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    moe_every: int = 1
+    """Every n-th block is MoE (1 = all blocks, 2 = every other block)."""
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size"):
+            require_int(getattr(self, f), f"model.{f}", minimum=1)
+        if self.ffn_hidden_size is not None:
+            require_int(self.ffn_hidden_size, "model.ffn_hidden_size", minimum=1)
+        if self.hidden_size % self.num_heads:
+            raise field_error("model.hidden_size", self.hidden_size,
+                              f"be divisible by model.num_heads ({self.num_heads})")
+        require_int(self.num_experts, "model.num_experts", minimum=0)
+        if self.num_experts:
+            require_int(self.top_k, "model.top_k", minimum=1)
+            require_int(self.moe_every, "model.moe_every", minimum=1)
+            if self.top_k > self.num_experts:
+                raise field_error("model.top_k", self.top_k, f"be <= model.num_experts ({self.num_experts})")
+
+
+def transformer_workload(cfg: TransformerConfig, dtype: str = "bf16") -> WorkloadSpec:
+    """Per-layer costs of an analytic transformer.
+
+    FLOPs count multiply-adds as 2 (QKV, scores, scores x V, output projection,
+    MLP; LM head 2·s·h·V).  Activation bytes per block follow Korthikanti et al.
+    (2022): s·h·(34 + 5·a·s/h) bytes in a 16-bit dtype without recomputation.
+    """
+    s, h, a, v = cfg.seq_len, cfg.hidden_size, cfg.num_heads, cfg.vocab_size
+    f = cfg.ffn_hidden_size or 4 * h
+    scale = DTYPE_BYTES[dtype] / 2
+    boundary = s * h * DTYPE_BYTES[dtype]
+    attn_flops = 2 * s * 4 * h * h + 4 * s * s * h
+    mlp_flops = 4 * s * h * f
+    attn_params = 4 * h * h + 4 * h + 4 * h  # qkv + out (with bias) + two layernorms
+    mlp_params = 2 * h * f + f + h
+    block_act = (s * h * 34 + 5 * a * s * s) * scale
+    layers = [LayerCost("embedding", 2 * s * h, v * h + s * h, s * h * DTYPE_BYTES[dtype], boundary)]
+    for i in range(cfg.num_layers):
+        is_moe = cfg.num_experts > 0 and (i % cfg.moe_every == cfg.moe_every - 1)
+        if is_moe:
+            moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.top_k, params_per_expert=mlp_params,
+                          flops_per_token_per_expert=4 * h * f)
+            router_flops = 2 * s * h * cfg.num_experts
+            layers.append(LayerCost(f"block{i}", attn_flops + router_flops, attn_params + h * cfg.num_experts,
+                                    block_act + s * h * cfg.top_k * DTYPE_BYTES[dtype], boundary, moe))
+        else:
+            layers.append(LayerCost(f"block{i}", attn_flops + mlp_flops, attn_params + mlp_params, block_act,
+                                    boundary))
+    # logits are kept in fp32 for the loss
+    layers.append(LayerCost("head", 2 * s * h * v, v * h + 2 * h, s * v * 4 + s * h * DTYPE_BYTES[dtype], s * 4))
+    return WorkloadSpec(name=cfg.name, layers=tuple(layers), seq_len=s, dtype=dtype)
+
+
+_MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "ffn_hidden_size",
+               "num_experts", "top_k", "moe_every", "kind", "description"}
+
+
+def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: str = "bf16") -> WorkloadSpec:
+    """A workload from a shipped model name, a YAML path, a mapping, or a WorkloadSpec."""
+    if isinstance(source, WorkloadSpec):
+        return source
+    if not isinstance(source, Mapping):
+        path = Path(source)
+        if not path.suffix:
+            import het_strategy.configs as configs_pkg
+
+            candidate = Path(configs_pkg.__file__).parent / "model" / f"{source}.yaml"
+            if candidate.exists():
+                path = candidate
+        if not path.exists():
+            import het_strategy.configs as configs_pkg
+
+            shipped = sorted(p.stem for p in (Path(configs_pkg.__file__).parent / "model").glob("*.yaml"))
+            raise field_error("model", str(source), "be a shipped model name or a YAML file path",
+                              f"shipped: {', '.join(shipped)}")
+        raw = yaml.safe_load(path.read_text()) or {}
+        raw = {"name": path.stem, **raw}
+        source = raw
+    raw = dict(source)
+    check_keys(raw, _MODEL_KEYS, "model")
+    kind = raw.pop("kind", "transformer")
+    raw.pop("description", None)
+    if kind != "transformer":
+        raise field_error("model.kind", kind, "be `transformer` (use profile_module for your own nn.Module)")
+    try:
+        cfg = TransformerConfig(**raw)
+    except TypeError as exc:
+        raise ConfigError(f"model: {exc}", field="model") from None
+    return transformer_workload(cfg, dtype=dtype)
+
+
+@dataclass
+class MeasuredProfile:
+    """Per-layer times measured on real devices, replacing datasheet throughput.
+
+    ``times[(device_type, tp)][micro_batch] = [(forward_s, backward_s, update_s), ...]``
+    one tuple per layer of the workload.  Micro-batch sizes between measured ones
+    are interpolated linearly; beyond the largest, time grows proportionally.
+    """
+
+    model: str
+    """Model the times belong to (checked against the workload's name)."""
+    times: dict[tuple[str, int], dict[int, list[tuple[float, float, float]]]] = field(default_factory=dict)
+    """Measured seconds per (device type, tp) and micro-batch size, per layer."""
+
+    def covers(self, device_type: str, tp: int) -> bool:
+        return (device_type, tp) in self.times
+
+    def device_types(self) -> set[str]:
+        return {dt for dt, _ in self.times}
+
+    def layer_times(self, device_type: str, tp: int, micro_batch: int) -> list[tuple[float, float, float]]:
+        """(forward, backward, update) seconds per layer at ``micro_batch``."""
+        table = self.times[(device_type, tp)]
+        sizes = sorted(table)
+        if micro_batch in table:
+            return table[micro_batch]
+        if micro_batch > sizes[-1]:
+            ratio = micro_batch / sizes[-1]
+            return [(f * ratio, b * ratio, u) for f, b, u in table[sizes[-1]]]
+        if micro_batch < sizes[0]:
+            ratio = micro_batch / sizes[0]
+            return [(f * ratio, b * ratio, u) for f, b, u in table[sizes[0]]]
+        hi = bisect.bisect_left(sizes, micro_batch)
+        m0, m1 = sizes[hi - 1], sizes[hi]
+        w = (micro_batch - m0) / (m1 - m0)
+        return [(f0 + w * (f1 - f0), b0 + w * (b1 - b0), u0)
+                for (f0, b0, u0), (f1, b1, _) in zip(table[m0], table[m1])]
+
+    def check_matches(self, workload: WorkloadSpec) -> None:
+        for (dt, tp), table in self.times.items():
+            for mb, rows in table.items():
+                if len(rows) != workload.num_layers:
+                    raise field_error(f"profile[{dt}][tp={tp}][mbs={mb}]", f"{len(rows)} layers",
+                                      f"have one entry per layer of `{workload.name}` ({workload.num_layers})")
