@@ -243,6 +243,16 @@ class ClusterSpec:
             return self.node(nodes[0]).intra_bandwidth_gbs * 1e9
         return min(self.node_bandwidth_gbs(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:]) * 1e9
 
+    def min_node_set_bandwidth_gbs(self, nodes_a: set[str], nodes_b: set[str]) -> float:
+        """GB/s of the slowest link between any node of ``nodes_a`` and any of ``nodes_b``."""
+        if self.links:
+            return min(self.node_bandwidth_gbs(a, b) for a in nodes_a for b in nodes_b)
+        best = min((self.node(n).intra_bandwidth_gbs for n in nodes_a & nodes_b), default=math.inf)
+        if not (len(nodes_a) == 1 and nodes_a == nodes_b) and (nodes_a | nodes_b) != (nodes_a & nodes_b) or \
+                len(nodes_a & nodes_b) > 1:
+            best = min(best, self.inter_node_bandwidth_gbs)
+        return best
+
     def to_dict(self) -> dict[str, Any]:
         """The explicit YAML form (every device listed with resolved figures)."""
         return {

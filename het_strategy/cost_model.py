@@ -17,10 +17,11 @@ and a pipeline with n micro-batches takes, in 1F1B order,
 
 (the last micro-batch may be smaller and is costed at its own size).  After the
 slowest pipeline, every device allreduces its gradients with the replicas that
-hold the same layers, over the slowest link among them (ring: 2(d-1)/d of the
-bytes; ZeRO-3 adds the parameter all-gathers, 1.5x), then runs its optimizer
-update (memory-bound).  Step time = max_p T_p + max sync + max update.  Gradient
-sync is not overlapped with backward here: the model errs on the slow side.
+hold the same layers, over the slowest link from its stage to the other
+pipelines (ring: 2(d-1)/d of the bytes; ZeRO-3 adds the parameter all-gathers,
+1.5x), then runs its optimizer update (memory-bound).
+Step time = max_p T_p + max over devices of (sync + update).  Gradient sync is
+not overlapped with backward here: the model errs on the slow side.
 
 Memory per device: weights + gradients + optimizer state (sharded by ZeRO stage
 over the data-parallel degree) + activations of the micro-batches in flight
@@ -32,6 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+import numpy as np
 
 from het_strategy.cluster import ClusterSpec, DeviceSpec
 from het_strategy.errors import field_error, require_int, require_number
@@ -158,6 +161,7 @@ class CostModel:
         self._out = [layer.output_bytes_per_sample * act_scale for layer in layers]
         self._ckpt_act = _prefix([layer.output_bytes_per_sample * act_scale for layer in layers])
         self._max_act = [layer.activation_bytes_per_sample * act_scale for layer in layers]
+        self._total_params = _prefix([layer.total_params for layer in layers])
         self._latency_s = cluster.latency_us * 1e-6
         self._representative: dict[tuple, DeviceSpec] = {}
         self._prefix_cache: dict[tuple, tuple[list[float], list[float]]] = {}
@@ -254,12 +258,48 @@ class CostModel:
             acts = (self._act[stop] - self._act[start]) * micro_batch * in_flight
         return weights + grads + optim + acts / tp + s.memory_reserve_gb * GiB
 
+    def memory_matrix(self, tp: int, micro_batch: int, in_flight: int, dp: int) -> np.ndarray:
+        """``stage_memory_bytes`` for every range [i, j) at once (experts all held), as an (L+1)^2 array."""
+        s = self.settings
+        P = np.asarray(self._total_params)
+        params = (P[None, :] - P[:, None]) / tp
+        per_param = (s.param_bytes / (dp if s.zero_stage >= 3 else 1)
+                     + s.param_bytes / (dp if s.zero_stage >= 2 else 1)
+                     + s.optimizer_bytes_per_param / (dp if s.zero_stage >= 1 else 1))
+        if s.activation_checkpointing:
+            C = np.asarray(self._ckpt_act)
+            acts = (C[None, :] - C[:, None]) * micro_batch * in_flight
+            L = len(self._max_act)
+            peak = np.zeros((L + 1, L + 1))
+            for i in range(L):
+                peak[i, i + 1:] = np.maximum.accumulate(np.asarray(self._max_act[i:]))
+            acts = acts + peak * micro_batch
+        else:
+            A = np.asarray(self._act)
+            acts = (A[None, :] - A[:, None]) * micro_batch * in_flight
+        return params * per_param + acts / tp + s.memory_reserve_gb * GiB
+
+    def post_matrix(self, device: DeviceSpec, tp: int, dp: int, bandwidth: float) -> np.ndarray:
+        """Gradient sync + optimizer update of every range [i, j) on ``device``, as an (L+1)^2 array."""
+        P = np.asarray(self._params)
+        grad_bytes = (P[None, :] - P[:, None]) / tp * self.settings.param_bytes
+        if dp <= 1 or not math.isfinite(bandwidth):
+            sync = np.zeros_like(grad_bytes)
+        else:
+            factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
+            steps = 2 * (dp - 1)
+            sync = np.where(grad_bytes > 0, factor * (steps / dp * grad_bytes / bandwidth + steps * self._latency_s),
+                            0.0)
+        _, upd = self._layer_compute_prefix(device, tp, 1)
+        U = np.asarray(upd) / (dp if self.settings.zero_stage >= 1 else 1)
+        return sync + (U[None, :] - U[:, None])
+
     def memory_capacity_bytes(self, device: DeviceSpec) -> float:
         return device.memory_bytes
 
     def allreduce_s(self, num_bytes: float, group_size: int, bandwidth: float) -> float:
         """Ring allreduce of ``num_bytes`` among ``group_size`` members over ``bandwidth`` bytes/s."""
-        if group_size <= 1 or num_bytes <= 0:
+        if group_size <= 1 or num_bytes <= 0 or not math.isfinite(bandwidth):
             return 0.0
         factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
         steps = 2 * (group_size - 1)
@@ -301,69 +341,96 @@ class CostModel:
         plan.check_against(self.cluster, self.workload)
         dp = plan.num_pipelines
         experts_by_dev = self._experts_by_device(plan)
-        seq = self.workload.seq_len
-        mean_micro = sum(p.samples / p.num_micro_batches for p in plan.pipelines)
+        # tokens one expert-parallel group routes per micro-batch step (MoE placement only)
+        group_tokens = sum(p.samples / p.num_micro_batches for p in plan.pipelines) * self.workload.seq_len
         pipeline_times: list[float] = []
         stage_costs: list[list[StageCost]] = []
         memory: dict[str, float] = {}
         capacity: dict[str, float] = {}
-        update = 0.0
         for pipe in plan.pipelines:
-            n = pipe.num_micro_batches
-            last = pipe.samples - (n - 1) * pipe.micro_batch_size
-            costs_full, costs_last = [], []
-            for s, stage in enumerate(pipe.stages):
-                held = experts_by_dev.get(stage.devices[0])
-                start, stop = stage.layers
-
-                def _stage(mb: int) -> tuple[float, float]:
-                    comp = max(self.stage_compute_s(self.cluster.device(d), stage.tp, mb, start, stop)
-                               + self.expert_compute_s(self.cluster.device(d), stage.tp, start, stop, mb * seq,
-                                                       experts_by_dev.get(d), mean_micro * seq)
-                               for d in stage.devices)
-                    send = 0.0
-                    if s + 1 < len(pipe.stages):
-                        nxt = pipe.stages[s + 1]
-                        send = max(self.send_s(mb, stop - 1, a, b) for a, b in zip(stage.devices, _cycle(nxt.devices, stage.tp)))
-                    return comp, send
-
-                comp_full, send_full = _stage(pipe.micro_batch_size)
-                comp_last, send_last = _stage(last) if n > 1 else (comp_full, send_full)
-                in_flight = min(len(pipe.stages) - s, n)
-                mem = self.stage_memory_bytes(start, stop, stage.tp, pipe.micro_batch_size, in_flight, dp, held)
-                costs_full.append(StageCost(comp_full, send_full, mem))
-                costs_last.append(StageCost(comp_last, send_last, mem))
-                for d in stage.devices:
-                    dev = self.cluster.device(d)
-                    memory[d] = self.stage_memory_bytes(start, stop, stage.tp, pipe.micro_batch_size, in_flight, dp,
-                                                        experts_by_dev.get(d))
-                    capacity[d] = self.memory_capacity_bytes(dev)
-                    update = max(update, self.stage_update_s(dev, stage.tp, start, stop, dp))
-            pipeline_times.append(pipeline_time_s(costs_full, costs_last, n))
-            stage_costs.append(costs_full)
-        sync = self._sync_time_s(plan, experts_by_dev)
+            time_s, costs, mem = self.pipeline_cost(pipe, dp, experts_by_dev, group_tokens)
+            pipeline_times.append(time_s)
+            stage_costs.append(costs)
+            memory.update(mem)
+            capacity.update({d: self.memory_capacity_bytes(self.cluster.device(d)) for d in mem})
+        post = self._post_times_s(plan)
+        last_device = max(post, key=lambda d: sum(post[d]))
+        sync, update = post[last_device]
         step = max(pipeline_times) + sync + update
         return PlanScore(step_time_s=step, samples_per_s=plan.global_batch_size / step,
                          pipeline_times_s=pipeline_times, sync_time_s=sync, update_time_s=update,
                          memory_bytes=memory, memory_capacity_bytes=capacity, stage_costs=stage_costs)
 
-    def _sync_time_s(self, plan: Plan, experts_by_dev: dict[str, dict[int, int]]) -> float:
-        """Max over devices of the gradient allreduce of the layers it holds, per layer segment."""
+    def pipeline_cost(self, pipe: Pipeline, dp: int, experts_by_dev: dict[str, dict[int, int]] | None = None,
+                      group_tokens: float = 0.0) -> tuple[float, list[StageCost], dict[str, float]]:
+        """(1F1B time, per-stage costs at the full micro-batch, memory per device) of one pipeline."""
+        experts_by_dev = experts_by_dev or {}
+        seq = self.workload.seq_len
+        n = pipe.num_micro_batches
+        last = pipe.samples - (n - 1) * pipe.micro_batch_size
+        costs_full: list[StageCost] = []
+        costs_last: list[StageCost] = []
+        memory: dict[str, float] = {}
+        for s, stage in enumerate(pipe.stages):
+            start, stop = stage.layers
+            nxt = pipe.stages[s + 1] if s + 1 < len(pipe.stages) else None
+
+            def _stage(mb: int, stage: Stage = stage, start: int = start, stop: int = stop,
+                       nxt: Stage | None = nxt) -> tuple[float, float]:
+                comp = max(self.stage_compute_s(self.cluster.device(d), stage.tp, mb, start, stop)
+                           + self.expert_compute_s(self.cluster.device(d), stage.tp, start, stop, mb * seq,
+                                                   experts_by_dev.get(d), group_tokens)
+                           for d in stage.devices)
+                send = 0.0
+                if nxt is not None:
+                    send = max(self.send_s(mb, stop - 1, a, b)
+                               for a, b in zip(stage.devices, _cycle(nxt.devices, stage.tp)))
+                return comp, send
+
+            in_flight = min(len(pipe.stages) - s, n)
+            for d in stage.devices:
+                memory[d] = self.stage_memory_bytes(start, stop, stage.tp, pipe.micro_batch_size, in_flight, dp,
+                                                    experts_by_dev.get(d))
+            comp_full, send_full = _stage(pipe.micro_batch_size)
+            comp_last, send_last = _stage(last) if last != pipe.micro_batch_size else (comp_full, send_full)
+            costs_full.append(StageCost(comp_full, send_full, max(memory[d] for d in stage.devices)))
+            costs_last.append(StageCost(comp_last, send_last, costs_full[-1].memory_bytes))
+        return pipeline_time_s(costs_full, costs_last, n), costs_full, memory
+
+    def _post_times_s(self, plan: Plan) -> dict[str, tuple[float, float]]:
+        """Per device: (gradient sync, optimizer update) seconds after the slowest pipeline.
+
+        Each device allreduces the gradients of its layers with the replicas of
+        those layers in the other pipelines.  The ring's bandwidth is taken as
+        the slowest link between the device's stage and the other pipelines'
+        devices, so it depends on the plan's structure and not on how other
+        pipelines split their layers (which keeps the planner's search exact).
+        """
         dp = plan.num_pipelines
-        if dp <= 1:
-            return 0.0
-        cuts = sorted({b for p in plan.pipelines for b in p.boundaries()})
-        per_device: dict[str, float] = {}
-        for a, b in zip(cuts, cuts[1:]):
-            holders = [_stage_holding(p, a) for p in plan.pipelines]
-            group = [d for st in holders for d in st.devices]
-            bw = self.cluster.min_bandwidth(group)
-            for st in holders:
-                dense = (self._params[b] - self._params[a]) / st.tp * self.settings.param_bytes
-                t = self.allreduce_s(dense, dp, bw)
-                for d in st.devices:
-                    per_device[d] = per_device.get(d, 0.0) + t
-        return max(per_device.values(), default=0.0)
+        out: dict[str, tuple[float, float]] = {}
+        for p, pipe in enumerate(plan.pipelines):
+            others = [d for q, other in enumerate(plan.pipelines) if q != p for d in other.devices]
+            for stage in pipe.stages:
+                bw = self.ring_bandwidth(stage.devices, others)
+                start, stop = stage.layers
+                for d in stage.devices:
+                    dev = self.cluster.device(d)
+                    out[d] = (self.stage_sync_s(start, stop, stage.tp, dp, bw),
+                              self.stage_update_s(dev, stage.tp, start, stop, dp))
+        return out
+
+    def ring_bandwidth(self, stage_devices: tuple[str, ...] | list[str], other_devices: list[str]) -> float:
+        """Bytes/s of the slowest link from a stage to the other replicas (inf without replicas)."""
+        if not other_devices:
+            return math.inf
+        nodes = {self.cluster.device(d).node for d in stage_devices}
+        other_nodes = {self.cluster.device(d).node for d in other_devices}
+        return self.cluster.min_node_set_bandwidth_gbs(nodes, other_nodes) * 1e9
+
+    def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, bandwidth: float) -> float:
+        """Gradient allreduce of a stage's dense parameters among ``dp`` replicas."""
+        grad_bytes = (self._params[stop] - self._params[start]) / tp * self.settings.param_bytes
+        return self.allreduce_s(grad_bytes, dp, bandwidth)
 
 
 def pipeline_time_s(costs: list[StageCost], costs_last: list[StageCost], num_micro_batches: int) -> float:

@@ -1,0 +1,100 @@
+"""Planners behind one entry: ``plan(cluster, workload, settings, mode)``.
+
+Modes:
+- ``dp``: uneven data parallelism, exact integer shares (``dp_split``);
+- ``pipeline``: one pipeline through every device, exact layer split, stage
+  order chosen among the cluster order and memory-descending order (``pipeline``);
+- ``hybrid``: pipelines x stages x tensor parallelism x micro-batches (``hybrid``);
+- ``auto``: the best of the three by the cost model.
+MoE workloads get an expert placement afterwards (``experts``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from het_strategy.cluster import ClusterSpec
+from het_strategy.cost_model import GiB, CostModel, PlanScore, TrainSettings
+from het_strategy.errors import ConfigError, field_error
+from het_strategy.plan import Plan
+from het_strategy.planning.allocation import allocate_min_max
+from het_strategy.planning.dp_split import equal_split_plan, plan_data_parallel
+from het_strategy.planning.experts import place_experts
+from het_strategy.planning.hybrid import plan_hybrid
+from het_strategy.planning.pipeline import plan_pipeline_stages
+from het_strategy.planning.structure import StructureResult, assemble_plan
+from het_strategy.workload import MeasuredProfile, WorkloadSpec
+
+__all__ = ["MODES", "PlanningError", "plan", "score_plan", "plan_pipeline", "plan_data_parallel",
+           "plan_hybrid", "plan_pipeline_stages", "allocate_min_max", "equal_split_plan", "place_experts"]
+
+MODES = ("auto", "dp", "pipeline", "hybrid")
+
+
+class PlanningError(ConfigError):
+    """No plan satisfies the constraints (usually memory); the message says what is missing."""
+
+
+def plan_pipeline(cm: CostModel) -> StructureResult | None:
+    """One pipeline over every device; stage order: cluster order, or most memory first."""
+    names = [d.name for d in cm.cluster.devices]
+    by_memory = sorted(names, key=lambda n: -cm.cluster.device(n).memory_gb)
+    best = None
+    for order in dict.fromkeys((tuple(names), tuple(by_memory))):
+        if len(order) > cm.workload.num_layers:
+            continue
+        res = assemble_plan(cm, [tuple((d,) for d in order)], "pipeline")
+        if res is not None and (best is None or res.step_time_s < best.step_time_s):
+            best = res
+    return best
+
+
+def plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "auto",
+         profile: MeasuredProfile | None = None) -> Plan:
+    """Search a plan and fill ``plan.predicted`` with the cost model's figures."""
+    if mode not in MODES:
+        raise field_error("planner.mode", mode, f"be one of {', '.join(MODES)}")
+    cm = CostModel(cluster, workload, settings, profile)
+    planners = {"dp": plan_data_parallel, "pipeline": plan_pipeline, "hybrid": plan_hybrid}
+    chosen = planners if mode == "auto" else {mode: planners[mode]}
+    results = []
+    for name, planner in chosen.items():
+        try:
+            res = planner(cm)
+        except ConfigError:
+            if mode != "auto":
+                raise
+            continue  # e.g. dp with a batch smaller than the cluster: other modes may still work
+        if res is not None:
+            results.append(res)
+    if not results:
+        raise PlanningError(_nothing_fits_message(cm, mode))
+    best = min(results, key=lambda r: r.step_time_s)
+    result = best.plan
+    if any(layer.moe for layer in workload.layers):
+        result.experts = place_experts(cm, result)
+    result.predicted = cm.score(result).to_dict()
+    return result
+
+
+def score_plan(plan_: Plan, cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
+               profile: MeasuredProfile | None = None) -> PlanScore:
+    """Score any plan (from a file, another tool, by hand) with the same cost model."""
+    return CostModel(cluster, workload, settings, profile).score(plan_)
+
+
+def _nothing_fits_message(cm: CostModel, mode: str) -> str:
+    """Say what is missing: the memory the smallest feasible layout needs vs the largest device."""
+    largest = max(cm.cluster.devices, key=lambda d: d.memory_gb)
+    m = min(cm.settings.micro_batch_sizes)
+    L = cm.workload.num_layers
+    stages = min(cm.cluster.num_devices, L, cm.settings.max_stages)
+    # memory of the heaviest stage when layers are spread evenly over as many stages as allowed
+    bounds = [round(i * L / stages) for i in range(stages + 1)]
+    need = max((cm.stage_memory_bytes(a, b, 1, m, stages - s, cm.cluster.num_devices), s)
+               for s, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a)
+    return (f"no {mode} plan fits in memory: the model needs {need[0] / GiB:.1f} GiB on stage {need[1]} even "
+            f"when split over {stages} stages at micro-batch {m}; the largest device ({largest.name}, "
+            f"{largest.type}) has {largest.memory_gb:g} GiB; try ZeRO-3 (train.zero_stage=3), activation "
+            f"checkpointing (train.activation_checkpointing=true), offload, or more stages "
+            f"(train.max_stages) / devices")

@@ -1,0 +1,44 @@
+"""Uneven data parallelism: integer per-rank shares of the global batch.
+
+Every device is a one-stage pipeline holding the whole model (plain DDP).
+Its time on b samples, g_i(b), is the best over micro-batch sizes that fit its
+memory of (n - 1) micro-batches of size m plus one of the remainder — a
+non-decreasing function — so the exact min-max allocation in
+``allocation.allocate_min_max`` gives the optimal integer shares (not
+proportional rounding).  Every rank gets at least one sample: DDP runs every
+rank every step.
+"""
+
+from __future__ import annotations
+
+from het_strategy.cost_model import CostModel
+from het_strategy.errors import field_error
+from het_strategy.planning.structure import StructureResult, assemble_plan
+
+__all__ = ["plan_data_parallel", "equal_split_plan"]
+
+
+def plan_data_parallel(cm: CostModel) -> StructureResult | None:
+    """Optimal uneven data-parallel plan over all devices (None if the model fits on none)."""
+    devices = [d.name for d in cm.cluster.devices]
+    if cm.settings.global_batch_size < len(devices):
+        raise field_error("train.global_batch_size", cm.settings.global_batch_size,
+                          f"be >= the number of data-parallel ranks ({len(devices)}): every rank needs a sample")
+    return assemble_plan(cm, [((d,),) for d in devices], "dp")
+
+
+def equal_split_plan(cm: CostModel):
+    """The plain-DDP baseline: the global batch split as evenly as integers allow, same micro-batch everywhere."""
+    from het_strategy.plan import Pipeline, Plan, Stage
+
+    devices = [d.name for d in cm.cluster.devices]
+    B, n = cm.settings.global_batch_size, len(devices)
+    if B < n:
+        raise field_error("train.global_batch_size", B, f"be >= the number of ranks ({n})")
+    shares = [B // n + (1 if i < B % n else 0) for i in range(n)]
+    L = cm.workload.num_layers
+    m = max((m for m in cm.settings.micro_batch_sizes if m <= min(shares)), default=1)
+    pipes = tuple(Pipeline((Stage((d,), (0, L)),), m, b) for d, b in zip(devices, shares))
+    return Plan(cluster=cm.cluster.name, cluster_devices=tuple(devices), model=cm.workload.fingerprint(),
+                global_batch_size=B, pipelines=pipes, zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype,
+                mode="equal")

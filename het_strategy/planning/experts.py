@@ -1,0 +1,55 @@
+"""MoE expert placement: non-uniform expert counts per device by speed and memory.
+
+For every MoE layer, the devices holding it (one stage per pipeline; all
+devices of a tensor-parallel group count as one holder, its first device
+listed) form the expert-parallel group.  Tokens are routed uniformly, so a
+holder with n of E experts runs n/E of the group's routed tokens; its expert
+time is proportional to n / speed.  Experts are integer and each holder must
+keep at least one, so the counts come from the exact min-max allocation,
+capped by the memory each holder has left after its stage's dense part.
+Expert ids are then given out in contiguous ranges, holder by holder.
+"""
+
+from __future__ import annotations
+
+from het_strategy.cost_model import CostModel
+from het_strategy.plan import Plan
+from het_strategy.planning.allocation import allocate_min_max
+
+__all__ = ["place_experts"]
+
+
+def place_experts(cm: CostModel, plan: Plan) -> dict[int, dict[str, list[int]]]:
+    """``{layer: {device: [expert ids]}}`` for every MoE layer of the workload."""
+    placement: dict[int, dict[str, list[int]]] = {}
+    dp = plan.num_pipelines
+    for layer, cost in enumerate(cm.workload.layers):
+        moe = cost.moe
+        if moe is None:
+            continue
+        holders = []
+        for pipe in plan.pipelines:
+            for stage in pipe.stages:
+                if stage.layers[0] <= layer < stage.layers[1]:
+                    holders.append((stage, pipe))
+        if len(holders) > moe.num_experts:
+            continue  # more holders than experts: keep every expert replicated (no placement)
+        costs, caps = [], []
+        for stage, pipe in holders:
+            dev = cm.cluster.device(stage.devices[0])
+            rate = dev.flops_per_second(cm.settings.dtype) * stage.tp
+            costs.append(lambda n, rate=rate: n / rate)
+            # memory left for this layer's experts after the stage's dense part (and all its other experts)
+            n_flight = min(len(pipe.stages) - pipe.stages.index(stage), pipe.num_micro_batches)
+            used = cm.stage_memory_bytes(stage.layers[0], stage.layers[1], stage.tp, pipe.micro_batch_size,
+                                         n_flight, dp, experts_held={layer: 0})
+            per_expert = moe.params_per_expert / stage.tp * (2 * cm.settings.param_bytes
+                                                             + cm.settings.optimizer_bytes_per_param)
+            caps.append(max(1, int((cm.memory_capacity_bytes(dev) - used) // per_expert)))
+        counts = allocate_min_max(costs, moe.num_experts, minimum=[1] * len(holders), cap=caps)
+        if counts is None:
+            continue
+        ids = iter(range(moe.num_experts))
+        placement[layer] = {stage.devices[0]: [next(ids) for _ in range(n)]
+                            for (stage, _), n in zip(holders, counts)}
+    return placement

@@ -1,0 +1,183 @@
+"""From fixed pipelines (ordered device groups) to a Plan.
+
+Given the pipelines' stage slots, choose each pipeline's micro-batch size,
+layer split and share of the global batch so that the step time
+
+    max_p T_p(b_p) + max over devices of (gradient sync + optimizer update)
+
+is smallest.  Every planner mode ends here; they differ only in which
+structures they try.
+
+Steps:
+1. For each pipeline and micro-batch size, the exact layer-split front
+   (``pipeline.partition_front``) — cached by the pipeline's cost signature,
+   so thousands of identical pipelines cost one front.
+2. ``g_p(b)`` = the best 1F1B time of pipeline p on b samples over its
+   micro-batch sizes and splits (non-decreasing in b), evaluated with the cost
+   model's own pipeline formula (last micro-batch at its real size).
+3. Batch shares: exact min-max allocation (``allocation.allocate_min_max``),
+   each pipeline at least one sample.
+4. Sync/update coupling: the post-step term depends on each stage's layers.
+   Starting from no limit, the stages' post time is capped ever lower
+   (``post_limit`` = current max - epsilon) and steps 1-3 re-run; the pipeline
+   part can only grow as the cap falls, so the loop stops as soon as it alone
+   exceeds the best step found.  This makes the result exact for the
+   structure, given exact fronts.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+from het_strategy.cost_model import CostModel
+from het_strategy.plan import Pipeline, Plan, Stage
+from het_strategy.planning.allocation import allocate_min_max
+from het_strategy.planning.pipeline import Partition, partition_front
+
+__all__ = ["StructureResult", "assemble_plan"]
+
+Slots = tuple[tuple[str, ...], ...]
+_MAX_POST_ROUNDS = 12
+
+
+@dataclass
+class StructureResult:
+    """The best plan found for one structure and its estimated step time."""
+
+    plan: Plan
+    step_time_s: float
+
+
+class _PipelineOracle:
+    """g_p(b) for one pipeline shape: best time on b samples and the split that gives it."""
+
+    def __init__(self, cm: CostModel, slots: Slots, dp: int, ring_bw: Sequence[float], post_limit: float,
+                 fronts: dict) -> None:
+        self.cm = cm
+        self.slots = slots
+        self.dp = dp
+        self.ring_bw = tuple(ring_bw)
+        self.post_limit = post_limit
+        self._fronts = fronts
+        self._signature = _signature(cm, slots, ring_bw)
+        self._best: dict[int, tuple[float, int, Partition] | None] = {}
+
+    def _front(self, micro_batch: int, n: int):
+        n_class = min(n, len(self.slots))
+        key = (self._signature, self.dp, micro_batch, n_class, self.post_limit)
+        if key not in self._fronts:
+            self._fronts[key] = partition_front(self.cm, self.slots, micro_batch, n_class, self.dp, self.ring_bw,
+                                                self.post_limit)
+        return self._fronts[key]
+
+    def best(self, samples: int) -> tuple[float, int, Partition] | None:
+        """(time, micro-batch size, partition) minimising the pipeline's time on ``samples``."""
+        if samples in self._best:
+            return self._best[samples]
+        found: tuple[float, int, Partition] | None = None
+        for m in self.cm.settings.micro_batch_sizes:
+            if m > samples and m != self.cm.settings.micro_batch_sizes[0]:
+                continue
+            n = math.ceil(samples / m)
+            front = self._front(m, n)
+            if front is None:
+                continue
+            for part in front.partitions:
+                t = self.cm.pipeline_cost(_pipeline(self.slots, part.bounds, m, samples), self.dp)[0]
+                if found is None or t < found[0] - 1e-15:
+                    found = (t, m, part)
+        self._best[samples] = found
+        return found
+
+    def time_s(self, samples: int) -> float:
+        res = self.best(samples)
+        return math.inf if res is None else res[0]
+
+
+def _signature(cm: CostModel, slots: Slots, ring_bw: Sequence[float]) -> tuple:
+    keys = tuple((cm.device_key(cm.cluster.device(s[0])), len(s)) for s in slots)
+    links = tuple(cm.cluster.bandwidth(a[0], b[0]) for a, b in zip(slots, slots[1:]))
+    return keys, links, tuple(ring_bw)
+
+
+def _pipeline(slots: Slots, bounds: Sequence[int], micro_batch: int, samples: int) -> Pipeline:
+    return Pipeline(stages=tuple(Stage(tuple(devs), (bounds[s], bounds[s + 1])) for s, devs in enumerate(slots)),
+                    micro_batch_size=micro_batch, samples=samples)
+
+
+_FRONT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
+
+
+def ring_bandwidths(cm: CostModel, structure: Sequence[Slots]) -> list[list[float]]:
+    """Per pipeline, per stage: bandwidth of the gradient ring to the other pipelines."""
+    node_of = {d.name: d.node for d in cm.cluster.devices}
+    pipe_nodes = [{node_of[d] for slot in slots for d in slot} for slots in structure]
+    touching: dict[str, int] = {}
+    for nodes in pipe_nodes:
+        for n in nodes:
+            touching[n] = touching.get(n, 0) + 1
+    out = []
+    for slots, own in zip(structure, pipe_nodes):
+        others = {n for n, c in touching.items() if c - (1 if n in own else 0) > 0}
+        row = []
+        for slot in slots:
+            if not others:
+                row.append(math.inf)
+            else:
+                row.append(cm.cluster.min_node_set_bandwidth_gbs({node_of[d] for d in slot}, others) * 1e9)
+        out.append(row)
+    return out
+
+
+def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: float = math.inf
+                  ) -> StructureResult | None:
+    """Best plan for pipelines with these stage slots; None if nothing fits or it can't beat ``cutoff``."""
+    B = cm.settings.global_batch_size
+    dp = len(structure)
+    if dp == 0 or B < dp:
+        return None
+    fronts = _FRONT_CACHES.setdefault(cm, {})
+    ring = ring_bandwidths(cm, structure)
+    best: StructureResult | None = None
+    post_limit = math.inf
+    for _ in range(_MAX_POST_ROUNDS):
+        oracles = _oracles(cm, structure, dp, ring, post_limit, fronts)
+        shares = allocate_min_max([o.time_s for o in oracles], B, minimum=[1] * dp)
+        if shares is None:
+            break
+        picks = [o.best(b) for o, b in zip(oracles, shares)]
+        if any(p is None for p in picks):
+            break
+        pipe_time = max(p[0] for p in picks)  # type: ignore[index]
+        if pipe_time >= min(cutoff, best.step_time_s if best else math.inf):
+            break
+        pipelines = [_pipeline(slots, part.bounds, m, b)
+                     for slots, b, (_, m, part) in zip(structure, shares, picks)]  # type: ignore[misc]
+        post = max(part.post_s for _, _, part in picks)  # type: ignore[misc]
+        step = pipe_time + post
+        if best is None or step < best.step_time_s:
+            plan = Plan(cluster=cm.cluster.name, cluster_devices=tuple(d.name for d in cm.cluster.devices),
+                        model=cm.workload.fingerprint(), global_batch_size=B, pipelines=tuple(pipelines),
+                        zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype, mode=mode)
+            best = StructureResult(plan, step)
+        if post <= 0:
+            break
+        post_limit = post * (1 - 1e-9)
+    return best
+
+
+def _oracles(cm: CostModel, structure: Sequence[Slots], dp: int, ring: list[list[float]], post_limit: float,
+             fronts: dict) -> list[_PipelineOracle]:
+    # identical pipelines share one oracle object, so g_p(b) is computed once per shape
+    shared: dict[tuple, _PipelineOracle] = {}
+    out = []
+    for slots, bw in zip(structure, ring):
+        key = (_signature(cm, slots, bw), post_limit)
+        oracle = shared.get(key)
+        if oracle is None:
+            oracle = shared[key] = _PipelineOracle(cm, slots, dp, bw, post_limit, fronts)
+        out.append(oracle)
+    return out
