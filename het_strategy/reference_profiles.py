@@ -1,0 +1,202 @@
+"""Measured reference data from the Sailor project (SOSP'25, ETH Zurich; MIT licence).
+
+The JSON files under ``het_strategy/data/sailor/`` were measured on real GPUs by
+Sailor's authors and are the figures Sailor's own planner and simulator use, so a
+plan scored with them competes on equal terms.  This module turns them into our
+types:
+
+* ``load_sailor_profile`` — per-layer (forward, backward, optimizer update) seconds
+  as a ``MeasuredProfile`` keyed by our catalog's device names;
+* ``sailor_bandwidth_gbs`` — the measured intra- and inter-node bandwidth fits,
+  evaluated at a message size.
+
+Layout of ``layer_profiles.json``: ``[model][gpu][micro_batch][tp][layer]``.  The
+shared README gives the two middle keys the other way round; the data and Sailor's
+simulator say otherwise: the simulator reads ``prof_gpu[str(mbs)][tmp]``, the
+block time grows linearly with the first key and shrinks with the second, the
+per-layer optimizer time halves with the second key (parameters sharded by tp)
+and is flat in the first, and the first key reaches 128 for OPT-350 (16 heads),
+which only a micro-batch size can.  Times are seconds per micro-batch.
+
+Planning core: no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from het_strategy.cluster import lookup_device_type
+from het_strategy.errors import ConfigError, field_error
+from het_strategy.workload import MeasuredProfile, WorkloadSpec
+
+__all__ = [
+    "SAILOR_DATA_DIR",
+    "DEFAULT_ZONE",
+    "sailor_models",
+    "load_sailor_profile",
+    "load_sailor_training_config",
+    "sailor_bandwidth_gbs",
+    "sailor_peak_bandwidth_gbs",
+]
+
+SAILOR_DATA_DIR = Path(__file__).with_name("data") / "sailor"
+"""Folder of the vendored Sailor JSON files (shipped in the wheel)."""
+
+DEFAULT_ZONE = "us-central1-a"
+"""The zone Sailor's single-site experiments use on both sides of a link."""
+
+_TRAINING_FILES = {"OPT-350": "training_opt_350.json", "GPT-Neo-2.7": "training_gpt_neo27.json"}
+
+
+@functools.lru_cache(maxsize=None)
+def _read_json(name: str) -> Any:
+    path = SAILOR_DATA_DIR / name
+    if not path.exists():
+        raise ConfigError(f"Sailor reference file {path} is missing; reinstall het_strategy", field="sailor_data",
+                          value=str(path))
+    return json.loads(path.read_text())
+
+
+def sailor_models() -> list[str]:
+    """Model names with measured layer profiles (``OPT-350``, ``GPT-Neo-2.7``, ...)."""
+    return sorted(_read_json("layer_profiles.json"))
+
+
+def _canonical_type(sailor_gpu: str) -> str | None:
+    """Our catalog's name for one of Sailor's GPU names, or None if the catalog lacks it."""
+    try:
+        return lookup_device_type(sailor_gpu, "gpu").name
+    except ConfigError:
+        return None
+
+
+def load_sailor_profile(model: str = "OPT-350", workload: WorkloadSpec | None = None) -> MeasuredProfile:
+    """Sailor's measured per-layer times for ``model`` as a ``MeasuredProfile``.
+
+    Keys are ``(catalog device name, tp)`` (Sailor's ``A100-40`` becomes
+    ``A100-40GB``); GPUs the catalog lacks are skipped.  Micro-batch sizes and
+    tp become ints.  With ``workload``, every table must have one entry per layer
+    of it (OPT-350: 26 = embedding + 24 blocks + head), else ConfigError.
+    """
+    data = _read_json("layer_profiles.json")
+    if model not in data:
+        raise field_error("model", model, "be a model Sailor profiled", f"profiled: {', '.join(sorted(data))}")
+    times: dict[tuple[str, int], dict[int, list[tuple[float, float, float]]]] = {}
+    num_layers: int | None = None
+    for sailor_gpu, by_mbs in data[model].items():
+        device_type = _canonical_type(sailor_gpu)
+        if device_type is None:
+            continue
+        for mbs_key, by_tp in by_mbs.items():
+            for tp_key, by_layer in by_tp.items():
+                where = f"sailor[{model}][{sailor_gpu}][mbs={mbs_key}][tp={tp_key}]"
+                rows = _layer_rows(by_layer, where)
+                if num_layers is None:
+                    num_layers = len(rows)
+                elif len(rows) != num_layers:
+                    raise field_error(where, f"{len(rows)} layers", f"have {num_layers} layers like the other tables")
+                times.setdefault((device_type, int(tp_key)), {})[int(mbs_key)] = rows
+    profile = MeasuredProfile(model=model, times=times)
+    if workload is not None:
+        profile.check_matches(workload)
+    return profile
+
+
+def _layer_rows(by_layer: dict[str, list[float]], where: str) -> list[tuple[float, float, float]]:
+    indices = sorted(int(k) for k in by_layer)
+    if indices != list(range(len(indices))):
+        raise field_error(f"{where}.layers", indices, "number the layers 0..n-1 without gaps")
+    rows = []
+    for i in indices:
+        entry = by_layer[str(i)]
+        if len(entry) != 3:
+            raise field_error(f"{where}[{i}]", entry, "be [forward_s, backward_s, update_s]")
+        rows.append((float(entry[0]), float(entry[1]), float(entry[2])))
+    return rows
+
+
+def load_sailor_training_config(model: str = "OPT-350") -> dict[str, Any]:
+    """The model shape and global batch of Sailor's experiments (``training_*.json``)."""
+    if model not in _TRAINING_FILES:
+        raise field_error("model", model, "be a model with a Sailor training config",
+                          f"known: {', '.join(sorted(_TRAINING_FILES))}")
+    return dict(_read_json(_TRAINING_FILES[model]))
+
+
+# -- bandwidth fits ---------------------------------------------------------------------------
+
+
+def _sailor_gpu_key(gpu: str, available: list[str], field_name: str) -> str:
+    """Sailor's key for ``gpu`` given as Sailor's name or our catalog name."""
+    if gpu in available:
+        return gpu
+    wanted = _canonical_type(gpu)
+    for key in available:
+        if wanted is not None and _canonical_type(key) == wanted:
+            return key
+    raise field_error(field_name, gpu, "be a GPU type Sailor measured here", f"measured: {', '.join(available)}")
+
+
+def _fit(gpu: str, num_gpus: int, inter_node: bool, zone: str, peer_gpu: str | None,
+         peer_num_gpus: int | None) -> tuple[list[float], float]:
+    """(coefficients, peak bytes/s) of the matching fit."""
+    if inter_node:
+        data = _read_json("inter_node_bandwidth_fits.json")
+        if zone not in data:
+            raise field_error("zone", zone, "be a zone Sailor measured", f"measured: {', '.join(sorted(data))}")
+        side = data[zone]
+        key = _sailor_gpu_key(gpu, sorted(side), "gpu")
+        n = _num_gpus_key(side[key], num_gpus, "num_gpus")
+        remote = side[key][n].get(zone, {})
+        peer_key = _sailor_gpu_key(peer_gpu or gpu, sorted(remote), "peer_gpu")
+        peer_n = _num_gpus_key(remote[peer_key], num_gpus if peer_num_gpus is None else peer_num_gpus,
+                               "peer_num_gpus")
+        coeffs, peak = remote[peer_key][peer_n]
+    else:
+        data = _read_json("intra_node_bandwidth_fits.json")
+        key = _sailor_gpu_key(gpu, sorted(data), "gpu")
+        n = _num_gpus_key(data[key], num_gpus, "num_gpus")
+        coeffs, peak = data[key][n]
+    return [float(c) for c in coeffs], float(peak)
+
+
+def _num_gpus_key(table: dict[str, Any], num_gpus: int, field_name: str) -> str:
+    if str(num_gpus) not in table:
+        raise field_error(field_name, num_gpus, "be a GPU count Sailor measured",
+                          f"measured: {', '.join(sorted(table, key=int))}")
+    return str(num_gpus)
+
+
+def sailor_bandwidth_gbs(gpu: str, num_gpus: int, message_bytes: float, inter_node: bool = False,
+                         zone: str = DEFAULT_ZONE, *, peer_gpu: str | None = None,
+                         peer_num_gpus: int | None = None) -> float:
+    """Measured bandwidth in GB/s for a message of ``message_bytes``, from Sailor's fits.
+
+    The fit gives ``sum(c[i] * m**(n-1-i))`` GB/s with ``m = log2(x / 1e6)``; the
+    result is capped at the fit's measured peak.  Intra-node fits are per GPU
+    type and group size; inter-node fits join ``num_gpus`` GPUs of ``gpu`` to
+    ``peer_num_gpus`` of ``peer_gpu`` (both default to this side) in ``zone``.
+    A message so small that the fit gives <= 0 GB/s is outside the measured
+    range and raises ConfigError rather than inventing a figure.
+    """
+    if isinstance(message_bytes, bool) or not isinstance(message_bytes, (int, float)) or not message_bytes > 0 \
+            or not math.isfinite(message_bytes):
+        raise field_error("message_bytes", message_bytes, "be a finite number > 0 (bytes)")
+    coeffs, peak = _fit(gpu, num_gpus, inter_node, zone, peer_gpu, peer_num_gpus)
+    m = math.log2(message_bytes / 1e6)
+    n = len(coeffs)
+    gbs = sum(c * m ** (n - 1 - i) for i, c in enumerate(coeffs))
+    if gbs <= 0:
+        raise field_error("message_bytes", message_bytes,
+                          f"be large enough for the fit to hold (it gives {gbs:.3g} GB/s there)")
+    return min(gbs, peak / 1e9)
+
+
+def sailor_peak_bandwidth_gbs(gpu: str, num_gpus: int, inter_node: bool = False, zone: str = DEFAULT_ZONE, *,
+                              peer_gpu: str | None = None, peer_num_gpus: int | None = None) -> float:
+    """The fit's measured peak in GB/s (the file stores bytes/s)."""
+    return _fit(gpu, num_gpus, inter_node, zone, peer_gpu, peer_num_gpus)[1] / 1e9
