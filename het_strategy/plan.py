@@ -276,6 +276,9 @@ def write_atomic(path: Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plan file is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

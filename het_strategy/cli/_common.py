@@ -1,0 +1,270 @@
+"""What the Hydra command-line tools (``het-plan``, ``het-train``) share.
+
+1. ``compose_config`` composes a shipped primary config (``het_strategy.configs``)
+   with Hydra overrides through Hydra's compose API, so the tools never change
+   the working directory nor create output folders.  ``group=<file.yaml>`` is
+   accepted for the ``cluster`` and ``model`` groups: the file is staged as an
+   option of that group in a temporary search-path folder, so further overrides
+   such as ``cluster.inter_node_bandwidth_gbs=5`` still apply to it.
+2. Hydra's own errors (unknown key, unknown group option, bad override syntax)
+   become ``ConfigError`` with a one-line message naming the field, the value
+   and the rule.
+3. ``cluster_from_cfg`` / ``workload_from_cfg`` / ``train_settings_from_cfg``
+   turn the composed groups into the planning core's typed specs.
+4. ``run_cli`` runs a tool's body and turns every ``ConfigError`` into
+   ``<prog>: error: <message>`` on stderr and exit code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from het_strategy.errors import ConfigError, field_error
+
+if TYPE_CHECKING:
+    from het_strategy.cluster import ClusterSpec
+    from het_strategy.cost_model import TrainSettings
+    from het_strategy.workload import WorkloadSpec
+
+__all__ = [
+    "CONFIG_MODULE",
+    "FILE_GROUPS",
+    "EXIT_CONFIG_ERROR",
+    "compose_config",
+    "shipped_options",
+    "cfg_to_dict",
+    "cluster_from_cfg",
+    "workload_from_cfg",
+    "train_settings_from_cfg",
+    "run_cli",
+]
+
+CONFIG_MODULE = "het_strategy.configs"
+FILE_GROUPS = ("cluster", "model")
+EXIT_CONFIG_ERROR = 2
+_YAML_SUFFIXES = (".yaml", ".yml")
+_STAGED_PREFIX = "file_"
+
+
+def shipped_options(group: str) -> list[str]:
+    """Names of the shipped options of a config group (``configs/<group>/*.yaml``)."""
+    import het_strategy.configs as configs_pkg
+
+    folder = Path(configs_pkg.__file__).parent / group
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def compose_config(config_name: str, overrides: Sequence[str] = (),
+                   file_groups: Sequence[str] = FILE_GROUPS) -> DictConfig:
+    """Compose ``config_name`` from the shipped configs with Hydra ``overrides``.
+
+    ``<group>=<path.yaml>`` for a group in ``file_groups`` loads that file as the
+    group's option.  Groups whose YAML lacks a ``name`` get the option name (or
+    the file's stem) as ``name``.  Raises ``ConfigError`` for every bad input.
+    Works inside or outside another ``hydra.initialize*`` context.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    overrides = [str(o) for o in overrides]
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with tempfile.TemporaryDirectory(prefix="het_cfg_") as staging:
+            overrides, file_names = _stage_group_files(overrides, Path(staging), file_groups)
+            try:
+                with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE,
+                                              job_name=config_name):
+                    cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+            except Exception as exc:  # Hydra raises several unrelated types; all mean bad input here
+                raise _hydra_error(exc, overrides, file_groups) from None
+    finally:
+        GlobalHydra.instance().clear()
+        restore_gh_from_backup(backup)
+    choices = dict(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+        for group in file_groups:
+            node = cfg.get(group)
+            if isinstance(node, DictConfig) and "name" not in node:
+                choice = str(choices.get(group, group))
+                node["name"] = file_names.get(choice, choice)
+    return cfg
+
+
+def _stage_group_files(overrides: list[str], staging: Path, file_groups: Sequence[str]
+                       ) -> tuple[list[str], dict[str, str]]:
+    """Rewrite ``group=<file.yaml>`` into a staged option of ``group`` on a temporary search path."""
+    out: list[str] = []
+    names: dict[str, str] = {}
+    staged = False
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        group = key.lstrip("+~")
+        if sep and group in file_groups and value.lower().endswith(_YAML_SUFFIXES):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise field_error(group, value, f"be a shipped {group} name or an existing .yaml file",
+                                  f"shipped: {', '.join(shipped_options(group))}")
+            raw = _read_yaml(path, group)
+            option = _STAGED_PREFIX + re.sub(r"[^A-Za-z0-9_]", "_", path.stem)
+            target = staging / group / f"{option}.yaml"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(yaml.safe_dump(raw, sort_keys=False))
+            names[option] = path.stem
+            out.append(f"{key}={option}")
+            staged = True
+        else:
+            out.append(ov)
+    if staged:
+        out.append(f"hydra.searchpath=[{staging.resolve().as_uri()}]")
+    return out, names
+
+
+def _read_yaml(path: Path, group: str) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"`{group}` file {path} is not valid YAML ({first}; line "
+                          f"{getattr(getattr(exc, 'problem_mark', None), 'line', -1) + 1})",
+                          field=group, value=str(path)) from None
+    if not isinstance(raw, dict):
+        raise field_error(group, f"{path} ({type(raw).__name__})", "be a YAML mapping (key: value) at the top level")
+    return raw
+
+
+def _override_value(overrides: Sequence[str], full_key: str) -> Any:
+    for ov in reversed(overrides):
+        key, _, value = ov.partition("=")
+        if key.lstrip("+~") == full_key:
+            return value
+    return None
+
+
+def _hydra_error(exc: Exception, overrides: Sequence[str], file_groups: Sequence[str]) -> ConfigError:
+    """One-line ConfigError for a Hydra composition failure."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    if isinstance(exc, ConfigError):
+        return exc
+    cause = exc.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        key = str(cause.full_key)
+        parent = getattr(cause, "parent_node", None)
+        known = sorted(str(k) for k in parent.keys()) if isinstance(parent, DictConfig) else []
+        fix = f"known keys here: {', '.join(known)}" if known else "check the spelling"
+        msg = str(cause).splitlines()[0]
+        if "not in struct" in msg:
+            return field_error(key, _override_value(overrides, key), "not be there: unknown key", fix)
+        return field_error(key, _override_value(overrides, key), f"be a valid override ({msg})")
+    if isinstance(exc, MissingConfigException):
+        match = re.search(r"Could not find '([^/']+)/([^']+)'", str(exc))
+        if match:
+            group, option = match.groups()
+            how = " or a path to a .yaml file" if group in file_groups else ""
+            return field_error(group, option, f"be a shipped {group} name{how}",
+                               f"shipped: {', '.join(shipped_options(group))}")
+        return ConfigError(str(exc).splitlines()[0], field="config")
+    if isinstance(exc, OverrideParseException):
+        bad = [o for o in overrides if "=" not in o]
+        detail = str(exc).splitlines()[0]
+        return ConfigError(f"override is not valid ({detail}); overrides look like `key=value`, `+key=value` "
+                           f"or `group=option`" + (f"; got {bad[0]!r}" if bad else ""), field="override")
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return ConfigError(lines[0] if lines else type(exc).__name__, field="config")
+
+
+# -- groups -> typed specs ------------------------------------------------------------------------
+
+def cfg_to_dict(node: Any, where: str) -> dict[str, Any]:
+    """A config node as a plain dict with interpolations resolved; ConfigError otherwise."""
+    if isinstance(node, Mapping) and not isinstance(node, DictConfig):
+        return dict(node)
+    if not isinstance(node, DictConfig):
+        raise field_error(where, node, "be a mapping")
+    try:
+        out = OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"`{where}` cannot be resolved: {str(exc).splitlines()[0]}", field=where) from None
+    assert isinstance(out, dict)
+    return out
+
+
+def cluster_from_cfg(cfg: DictConfig) -> "ClusterSpec":
+    """The ClusterSpec of ``cfg.cluster``."""
+    from het_strategy.cluster import cluster_from_dict
+
+    return cluster_from_dict(_named_group(cfg, "cluster"))
+
+
+def train_settings_from_cfg(cfg: DictConfig) -> "TrainSettings":
+    """The TrainSettings of ``cfg.train`` (unknown keys and non-boolean switches are errors)."""
+    from het_strategy.cost_model import TrainSettings
+    from het_strategy.errors import check_keys
+
+    raw = cfg_to_dict(cfg.get("train"), "train")
+    fields = {f.name for f in dataclasses.fields(TrainSettings)}
+    check_keys(raw, fields, "train")
+    if "activation_checkpointing" in raw and not isinstance(raw["activation_checkpointing"], bool):
+        raise field_error("train.activation_checkpointing", raw["activation_checkpointing"], "be true or false")
+    sizes = raw.get("micro_batch_sizes")
+    if sizes is not None and not isinstance(sizes, (list, tuple)):
+        raise field_error("train.micro_batch_sizes", sizes, "be a list of integers, e.g. [1,2,4]")
+    if "global_batch_size" not in raw:
+        raise field_error("train.global_batch_size", None, "be given (samples per optimizer step)")
+    return TrainSettings(**raw)
+
+
+def workload_from_cfg(cfg: DictConfig, dtype: str) -> "WorkloadSpec":
+    """The WorkloadSpec of ``cfg.model``, its activation figures in ``dtype``."""
+    from het_strategy.workload import load_workload
+
+    return load_workload(_named_group(cfg, "model"), dtype=dtype)
+
+
+def _named_group(cfg: DictConfig, group: str) -> dict[str, Any]:
+    """``cfg.<group>`` as a dict; without a ``name``, the group's Hydra choice (when composed with the
+    hydra node) or the group's own name stands in."""
+    raw = cfg_to_dict(cfg.get(group), group)
+    if "name" not in raw:
+        choice = OmegaConf.select(cfg, f"hydra.runtime.choices.{group}", default=None)
+        raw["name"] = str(choice) if choice is not None else group
+    return raw
+
+
+# -- running ------------------------------------------------------------------------------------
+
+def run_cli(prog: str, body: Callable[[], int | None]) -> int:
+    """Run ``body``; bad input becomes ``<prog>: error: <message>`` on stderr and exit code 2."""
+    try:
+        return int(body() or 0)
+    except ConfigError as exc:
+        print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except OmegaConfBaseException as exc:
+        print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except BrokenPipeError:
+        # the reader went away (``het-plan | head``): stop quietly, as other command-line tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())

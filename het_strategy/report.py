@@ -1,0 +1,325 @@
+"""Human-readable forms of a Plan: a fixed-width table and a PNG picture.
+
+``plan_table`` prints one row per stage of each pipeline; pipelines that are
+identical (same device types, stage layout and batch) are folded into one row
+with a count, so the table of a 512-device plan stays a screen long.
+``plot_plan`` draws a Gantt-like picture: one row per device (or per group of
+identical pipelines beyond 64 devices), a bar over the layer range each holds,
+coloured by device type and labelled with its batch share.  matplotlib is
+imported inside ``plot_plan`` only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from het_strategy.cluster import ClusterSpec
+    from het_strategy.cost_model import PlanScore
+    from het_strategy.plan import Plan
+
+__all__ = ["plan_table", "plot_plan", "compress_devices", "PipelineGroup", "group_pipelines"]
+
+GiB = 2**30
+_MAX_DEVICE_ROWS = 64
+_DEVICES_WIDTH = 30
+_MAX_SHARE_RUNS = 16
+
+
+@dataclass(frozen=True)
+class PipelineGroup:
+    """Pipelines with the same device types, stage layout and batch, shown as one row set."""
+
+    indices: tuple[int, ...]
+    """Indices of the pipelines in ``plan.pipelines``."""
+    signature: tuple
+    """What makes them identical: per stage (device types, layers), micro-batch size, samples."""
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+
+def group_pipelines(plan: "Plan", cluster: "ClusterSpec") -> list[PipelineGroup]:
+    """Fold identical pipelines (device types per stage, layer ranges, micro-batch, samples) together."""
+    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
+    for i, pipe in enumerate(plan.pipelines):
+        sig = (tuple((tuple(cluster.device(d).type for d in st.devices), st.layers) for st in pipe.stages),
+               pipe.micro_batch_size, pipe.samples)
+        groups.setdefault(sig, []).append(i)
+    return [PipelineGroup(tuple(ix), sig) for sig, ix in groups.items()]
+
+
+# -- device names ------------------------------------------------------------------------------
+
+_INDEXED = re.compile(r"^(?P<node>.+)/(?P<idx>\d+)$")
+
+
+def _int_runs(values: Sequence[int]) -> str:
+    """``[0,1,2,3,7,9,10]`` -> ``0-3,7,9-10``."""
+    out: list[str] = []
+    vals = sorted(set(values))
+    start = prev = vals[0]
+    for v in vals[1:] + [None]:  # type: ignore[operator]
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(out)
+
+
+def _name_runs(names: Sequence[str]) -> list[str]:
+    """Per node, ``node0/0``, ``node0/1``, ... -> ``node0/0-1``; other names as they are."""
+    by_node: "OrderedDict[str, list[int]]" = OrderedDict()
+    loose: list[str] = []
+    for n in names:
+        m = _INDEXED.match(n)
+        if m:
+            by_node.setdefault(m["node"], []).append(int(m["idx"]))
+        else:
+            loose.append(n)
+    pieces = [f"{node}/{_int_runs(ix)}" for node, ix in by_node.items()]
+    return pieces + loose
+
+
+def compress_devices(names: Sequence[str], cluster: "ClusterSpec", width: int = _DEVICES_WIDTH) -> str:
+    """A short text for a set of devices: ``node0/0-3``, or ``12x V100-16GB @node1`` when long."""
+    if not names:
+        return "-"
+    text = ", ".join(_name_runs(names))
+    if len(text) <= width:
+        return text
+    types = Counter(cluster.device(d).type for d in names)
+    nodes = list(dict.fromkeys(cluster.device(d).node for d in names))
+    what = " + ".join(f"{n}x {t}" for t, n in types.items())
+    where = f"@{nodes[0]}" if len(nodes) == 1 else f"@{len(nodes)} nodes"
+    return f"{what} {where}"
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+def _fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def _stage_rows(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", group: PipelineGroup) -> list[list[str]]:
+    rows = []
+    first = plan.pipelines[group.indices[0]]
+    pipe_label = str(group.indices[0]) if group.count == 1 else f"{_int_runs(group.indices)} x{group.count}"
+    for s, stage in enumerate(first.stages):
+        members = [plan.pipelines[i].stages[s] for i in group.indices]
+        devices = [d for st in members for d in st.devices]
+        types = " + ".join(dict.fromkeys(cluster.device(d).type for d in stage.devices))
+        compute = max(score.stage_costs[i][s].compute_s for i in group.indices)
+        send = max(score.stage_costs[i][s].send_s for i in group.indices)
+        used = max(score.memory_bytes[d] for d in devices)
+        cap = min(score.memory_capacity_bytes[d] for d in devices)
+        worst = min((score.memory_capacity_bytes[d] - score.memory_bytes[d]) / score.memory_capacity_bytes[d]
+                    for d in devices)
+        batch = f"{first.micro_batch_size}x{first.num_micro_batches} ({first.samples})"
+        rows.append([
+            pipe_label if s == 0 else "",
+            str(s),
+            compress_devices(devices, cluster),
+            types,
+            str(stage.tp),
+            f"[{stage.layers[0]},{stage.layers[1]})",
+            batch if s == 0 else "",
+            _fmt_ms(compute),
+            _fmt_ms(send) if s + 1 < len(first.stages) else "-",
+            f"{used / GiB:.1f}/{cap / GiB:.0f}",
+            f"{worst * 100:.0f}%" + (" OVER" if worst < 0 else ""),
+        ])
+    return rows
+
+
+def _format_table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(r[c].rjust(widths[c]) if c in right else r[c].ljust(widths[c])
+                         for c in range(len(header))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return [fmt(header), rule, *(fmt(r) for r in rows)]
+
+
+def _shares_lines(plan: "Plan", cluster: "ClusterSpec") -> list[str]:
+    """Per-rank batch shares of a pure-DP plan, runs of equal shares folded."""
+    shares = plan.rank_shares()
+    runs: list[tuple[int, list[str]]] = []
+    for dev in cluster.devices:
+        share = shares.get(dev.name, 0)
+        if runs and runs[-1][0] == share and cluster.device(runs[-1][1][-1]).node == dev.node:
+            runs[-1][1].append(dev.name)
+        else:
+            runs.append((share, [dev.name]))
+    if len(runs) <= _MAX_SHARE_RUNS:
+        parts = [f"{', '.join(_name_runs(names))}: {share}" + (" each" if len(names) > 1 else "")
+                 for share, names in runs]
+        return ["per-rank batch shares (samples):"] + [f"  {p}" for p in parts]
+    by_kind: "OrderedDict[tuple[str, int], int]" = OrderedDict()
+    for dev in cluster.devices:
+        key = (dev.type, shares.get(dev.name, 0))
+        by_kind[key] = by_kind.get(key, 0) + 1
+    return ["per-rank batch shares (samples), by device type:"] + [
+        f"  {dtype}: {n} rank{'s' if n > 1 else ''} x {share}" for (dtype, share), n in by_kind.items()]
+
+
+def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
+    """A readable fixed-width table of ``plan`` with the cost model's figures from ``score``."""
+    used = set(plan.used_devices)
+    header_lines = [
+        f"plan for cluster `{cluster.name}` ({cluster.num_devices} devices, {len(used)} used), "
+        f"model `{plan.model.get('name', '?')}` ({plan.model.get('num_layers', '?')} layers, "
+        f"{_fmt_params(plan.model.get('total_params'))} params)",
+        f"mode {plan.mode}, global batch {plan.global_batch_size}, {plan.dtype}, ZeRO-{plan.zero_stage}, "
+        f"{plan.num_pipelines} pipeline{'s' if plan.num_pipelines != 1 else ''}",
+        "",
+    ]
+    header = ["pipeline", "stage", "devices", "type", "tp", "layers", "micro-batch x n (samples)",
+              "ms/mb", "send ms", "mem GiB used/cap", "headroom"]
+    rows: list[list[str]] = []
+    for group in group_pipelines(plan, cluster):
+        rows.extend(_stage_rows(plan, score, cluster, group))
+    lines = header_lines + _format_table(header, rows, right={1, 4, 7, 8, 9, 10})
+    slowest = max(score.pipeline_times_s)
+    lines += [
+        "",
+        f"predicted step time: {score.step_time_s * 1e3:.1f} ms   throughput: {score.samples_per_s:.1f} samples/s",
+        f"  = slowest pipeline {slowest * 1e3:.1f} ms + gradient sync {score.sync_time_s * 1e3:.1f} ms"
+        f" + optimizer update {score.update_time_s * 1e3:.1f} ms",
+    ]
+    dev, need, cap = score.worst_memory()
+    verdict = "fits" if score.fits else "DOES NOT FIT"
+    lines.append(f"memory: {verdict}; least headroom on {dev} ({cluster.device(dev).type}): "
+                 f"{need / GiB:.1f} of {cap / GiB:.1f} GiB ({(cap - need) / cap * 100:.0f}% free)")
+    idle = [d.name for d in cluster.devices if d.name not in used]
+    if idle:
+        lines.append(f"idle devices ({len(idle)}): {', '.join(_name_runs(idle))}")
+    if plan.is_pure_dp:
+        lines += _shares_lines(plan, cluster)
+    if plan.experts:
+        lines.append(f"expert placement: {len(plan.experts)} MoE layer(s) placed over "
+                     f"{len({d for m in plan.experts.values() for d in m})} devices (see plan.json `experts`)")
+    return "\n".join(lines)
+
+
+def _fmt_params(n: object) -> str:
+    if not isinstance(n, (int, float)):
+        return "?"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(int(n))
+
+
+# -- the picture -------------------------------------------------------------------------------
+
+def plot_plan(plan: "Plan", cluster: "ClusterSpec", path: str | Path) -> Path:
+    """Save a Gantt-like PNG of ``plan``: rows of devices (or pipeline groups), bars over layer ranges.
+
+    Rows are devices in rank order when the cluster has at most 64 of them;
+    otherwise one row per group of identical pipelines.  Bars are coloured by
+    device type and labelled with the batch share; idle devices get an empty row.
+    The file is written atomically.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    num_layers = int(plan.model.get("num_layers") or max(p.stages[-1].layers[1] for p in plan.pipelines))
+    types = list(cluster.device_types)
+    palette = plt.get_cmap("tab10")
+    color = {t: palette(i % 10) for i, t in enumerate(types)}
+
+    # rows: (label, [(start, stop, device type, text)])
+    rows: list[tuple[str, list[tuple[int, int, str, str]]]] = []
+    if cluster.num_devices <= _MAX_DEVICE_ROWS:
+        where: dict[str, tuple[int, int]] = {}
+        for p, pipe in enumerate(plan.pipelines):
+            for s, st in enumerate(pipe.stages):
+                for d in st.devices:
+                    where[d] = (p, s)
+        for dev in cluster.devices:
+            if dev.name not in where:
+                rows.append((f"{dev.name} ({dev.type})", []))
+                continue
+            p, s = where[dev.name]
+            pipe, st = plan.pipelines[p], plan.pipelines[p].stages[s]
+            text = f"p{p} s{s}" + (f" tp{st.tp}" if st.tp > 1 else "") + \
+                f" | {pipe.micro_batch_size}x{pipe.num_micro_batches} = {pipe.samples} samples"
+            rows.append((f"{dev.name} ({dev.type})", [(st.layers[0], st.layers[1], dev.type, text)]))
+        ylabel = "device"
+    else:
+        for group in group_pipelines(plan, cluster):
+            pipe = plan.pipelines[group.indices[0]]
+            label = (f"pipe {group.indices[0]}" if group.count == 1
+                     else f"pipes {_int_runs(group.indices)} (x{group.count})")
+            bars = []
+            for s, st in enumerate(pipe.stages):
+                dtype = cluster.device(st.devices[0]).type
+                share = f" | {pipe.samples} samples" + (" each" if group.count > 1 else "")
+                text = f"s{s} " + (f"{st.tp}x " if st.tp > 1 else "") + dtype + (share if s == 0 else "")
+                bars.append((st.layers[0], st.layers[1], dtype, text))
+            rows.append((label, bars))
+        used = set(plan.used_devices)
+        idle = [d for d in cluster.devices if d.name not in used]
+        if idle:
+            rows.append((f"idle: {compress_devices([d.name for d in idle], cluster)}", []))
+        ylabel = "group of identical pipelines"
+
+    height = max(2.5, 0.32 * len(rows) + 1.6)
+    fig, ax = plt.subplots(figsize=(11, height), dpi=110)
+    try:
+        for y, (label, bars) in enumerate(rows):
+            for start, stop, dtype, text in bars:
+                ax.barh(y, stop - start, left=start, height=0.8, color=color.get(dtype, "grey"),
+                        edgecolor="black", linewidth=0.5)
+                ax.text((start + stop) / 2, y, text, ha="center", va="center", fontsize=7, clip_on=True)
+            if not bars:
+                ax.text(num_layers / 2, y, "idle", ha="center", va="center", fontsize=7, color="grey")
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r[0] for r in rows], fontsize=7)
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top, every row (idle ones too) in view
+        ax.set_xlim(0, num_layers)
+        ax.set_xlabel(f"layer (0 = embedding, {num_layers - 1} = head)")
+        ax.set_ylabel(ylabel)
+        title = f"{plan.cluster} / {plan.model.get('name', '?')}: global batch {plan.global_batch_size}, mode {plan.mode}"
+        pred = plan.predicted or {}
+        if "step_time_s" in pred:
+            title += f"\npredicted {pred['step_time_s'] * 1e3:.1f} ms/step, {pred.get('samples_per_s', 0):.1f} samples/s"
+        ax.set_title(title, fontsize=9)
+        ax.legend(handles=[Patch(color=color[t], label=t) for t in types], fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), frameon=False)
+        fig.tight_layout()
+        return _save_atomic(fig, Path(path))
+    finally:
+        plt.close(fig)
+
+
+def _save_atomic(fig: object, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")  # type: ignore[attr-defined]
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is for sharing
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
