@@ -36,12 +36,12 @@ class PlanningError(ConfigError):
 
 
 def plan_pipeline(cm: CostModel) -> StructureResult | None:
-    """One pipeline over every device; stage order: cluster order, or most memory first."""
+    """One pipeline over every device (if within train.max_stages); stage order: cluster order, or most memory first."""
     names = [d.name for d in cm.cluster.devices]
     by_memory = sorted(names, key=lambda n: -cm.cluster.device(n).memory_gb)
     best = None
     for order in dict.fromkeys((tuple(names), tuple(by_memory))):
-        if len(order) > cm.workload.num_layers:
+        if len(order) > min(cm.workload.num_layers, cm.settings.max_stages):
             continue
         res = assemble_plan(cm, [tuple((d,) for d in order)], "pipeline")
         if res is not None and (best is None or res.step_time_s < best.step_time_s):

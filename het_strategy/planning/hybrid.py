@@ -41,6 +41,7 @@ __all__ = ["plan_hybrid", "device_classes", "DeviceClass"]
 _EXHAUSTIVE_TEMPLATES = 400
 _EXHAUSTIVE_STRUCTURES = 20000
 _FAMILY_OPTIONS_PER_TYPE = 3
+_FAMILY_POST_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def _families(cm: CostModel) -> StructureResult | None:
                 struct = _homogeneous(pool, tp, stages)
                 if not struct or cm.settings.global_batch_size < len(struct):
                     continue
-                res = assemble_plan(cm, struct, "hybrid")
+                res = assemble_plan(cm, struct, "hybrid", post_rounds=_FAMILY_POST_ROUNDS, exact_in_flight=False)
                 if res is not None:
                     scored.append((res.step_time_s, struct))
         scored.sort(key=lambda x: x[0])
@@ -221,7 +222,8 @@ def _families(cm: CostModel) -> StructureResult | None:
         used = devices_in(struct)
         if not struct or len(set(used)) != len(used):  # a mixed option shares the roomy type's devices
             continue
-        res = assemble_plan(cm, struct, "hybrid", cutoff=best.step_time_s if best else math.inf)
+        res = assemble_plan(cm, struct, "hybrid", cutoff=best.step_time_s if best else math.inf,
+                            post_rounds=_FAMILY_POST_ROUNDS, exact_in_flight=False)
         if res is not None and (best is None or res.step_time_s < best.step_time_s):
             best = res
     return best
@@ -239,7 +241,7 @@ def _add_mixed_options(cm: CostModel, pools: list[_TypePool], options: list[list
             continue
         mine, theirs = pools[i].units(1), pools[roomy].units(1)
         for k_mine in _stage_counts(cm, len(mine)):
-            for k_theirs in _stage_counts(cm, len(theirs)):
+            for k_theirs in (1, 2, 4):
                 n_pipes = min(len(mine) // k_mine, len(theirs) // k_theirs)
                 if n_pipes == 0 or k_mine + k_theirs > cm.settings.max_stages:
                     continue
@@ -249,7 +251,8 @@ def _add_mixed_options(cm: CostModel, pools: list[_TypePool], options: list[list
                         a = mine[p * k_mine:(p + 1) * k_mine]
                         b = theirs[p * k_theirs:(p + 1) * k_theirs]
                         struct.append(tuple(a + b) if mine_first else tuple(b + a))
-                    if cm.settings.global_batch_size >= len(struct) and assemble_plan(cm, struct, "hybrid"):
+                    if cm.settings.global_batch_size >= len(struct) and assemble_plan(
+                            cm, struct, "hybrid", post_rounds=_FAMILY_POST_ROUNDS, exact_in_flight=False):
                         options[i].append(struct)
         # a mixed pipeline uses the roomy type's devices too: such options replace the roomy type's own
         options[i] = options[i][:_FAMILY_OPTIONS_PER_TYPE]

@@ -25,6 +25,7 @@ Steps:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -68,36 +69,49 @@ class PartitionFront:
         return self.best(num_micro_batches).time_s(num_micro_batches)
 
 
+_SLOT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
+
+
 def _stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch: int, in_flight: Sequence[int],
                     dp: int, ring_bw: Sequence[float]) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Per slot: (bottleneck cost, fill cost, post cost) matrices, inf where infeasible or i >= j."""
+    cache = _SLOT_CACHES.setdefault(cm, {})
+    bott, fill, post = [], [], []
+    for s, devices in enumerate(slots):
+        dev = cm.cluster.device(devices[0])
+        link = cm.cluster.bandwidth(devices[0], slots[s + 1][0]) if s + 1 < len(slots) else None
+        key = (cm.device_key(dev), len(devices), micro_batch, in_flight[s], dp, ring_bw[s], link)
+        mats = cache.get(key)
+        if mats is None:
+            nxt = slots[s + 1][0] if s + 1 < len(slots) else None
+            mats = cache[key] = _slot_matrices(cm, dev, len(devices), micro_batch, in_flight[s], dp, ring_bw[s],
+                                               devices[0], nxt)
+        bott.append(mats[0])
+        fill.append(mats[1])
+        post.append(mats[2])
+    return bott, fill, post
+
+
+def _slot_matrices(cm: CostModel, dev, tp: int, micro_batch: int, in_flight: int, dp: int, ring_bw: float,
+                   src: str, nxt: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     L = cm.workload.num_layers
     idx = np.arange(L + 1)
     valid = idx[:, None] < idx[None, :]
     seq = cm.workload.seq_len
-    bott, fill, post = [], [], []
-    for s, devices in enumerate(slots):
-        dev = cm.cluster.device(devices[0])
-        tp = len(devices)
-        comp_prefix, _ = cm._layer_compute_prefix(dev, tp, micro_batch)  # noqa: SLF001 - same package family
-        comp = np.asarray(comp_prefix)
-        # MoE experts without a placement: each replica runs its own routed tokens
-        expert = np.asarray(_prefix([cm.expert_compute_s(dev, tp, l, l + 1, micro_batch * seq, None, 0.0)
-                                     for l in range(L)]))
-        c = (comp[None, :] - comp[:, None]) + (expert[None, :] - expert[:, None])
-        if s + 1 < len(slots):
-            nxt = slots[s + 1][0]
-            send_by_stop = np.array([0.0] + [cm.send_s(micro_batch, j - 1, devices[0], nxt) for j in range(1, L + 1)])
-            send = np.broadcast_to(send_by_stop[None, :], c.shape)
-        else:
-            send = np.zeros_like(c)
-        mem = cm.memory_matrix(tp, micro_batch, in_flight[s], dp)
-        ok = valid & (mem <= cm.memory_capacity_bytes(dev))
-        sync = np.where(valid, cm.post_matrix(dev, tp, dp, ring_bw[s]), np.inf)
-        bott.append(np.where(ok, np.maximum(c, send), np.inf))
-        fill.append(np.where(ok, c + send, np.inf))
-        post.append(np.where(ok, sync, np.inf))
-    return bott, fill, post
+    comp = np.asarray(cm._layer_compute_prefix(dev, tp, micro_batch)[0])  # noqa: SLF001 - planner reads the cache
+    # MoE experts without a placement: each replica runs its own routed tokens
+    expert = np.asarray(_prefix([cm.expert_compute_s(dev, tp, l, l + 1, micro_batch * seq, None, 0.0)
+                                 for l in range(L)]))
+    c = (comp[None, :] - comp[:, None]) + (expert[None, :] - expert[:, None])
+    if nxt is not None:
+        send_by_stop = np.array([0.0] + [cm.send_s(micro_batch, j - 1, src, nxt) for j in range(1, L + 1)])
+        send = np.broadcast_to(send_by_stop[None, :], c.shape)
+    else:
+        send = np.zeros_like(c)
+    mem = cm.memory_matrix(tp, micro_batch, in_flight, dp)
+    ok = valid & (mem <= cm.memory_capacity_bytes(dev))
+    sync = np.where(valid, cm.post_matrix(dev, tp, dp, ring_bw), np.inf)
+    return np.where(ok, np.maximum(c, send), np.inf), np.where(ok, c + send, np.inf), np.where(ok, sync, np.inf)
 
 
 def _min_bottleneck(bott: list[np.ndarray]) -> float:

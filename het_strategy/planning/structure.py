@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
-from het_strategy.cost_model import CostModel
+from het_strategy.cost_model import CostModel, StageCost, pipeline_time_s
 from het_strategy.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.pipeline import Partition, partition_front
@@ -55,38 +55,61 @@ class _PipelineOracle:
     """g_p(b) for one pipeline shape: best time on b samples and the split that gives it."""
 
     def __init__(self, cm: CostModel, slots: Slots, dp: int, ring_bw: Sequence[float], post_limit: float,
-                 fronts: dict) -> None:
+                 fronts: dict, exact_in_flight: bool = True) -> None:
         self.cm = cm
         self.slots = slots
         self.dp = dp
         self.ring_bw = tuple(ring_bw)
         self.post_limit = post_limit
         self._fronts = fronts
+        self._exact_in_flight = exact_in_flight
         self._signature = _signature(cm, slots, ring_bw)
         self._best: dict[int, tuple[float, int, Partition] | None] = {}
+        self._costs: dict[tuple, list[StageCost]] = {}
 
     def _front(self, micro_batch: int, n: int):
-        n_class = min(n, len(self.slots))
+        # 1F1B keeps min(S - s, n) micro-batches on stage s: fewer than S micro-batches need less memory.
+        # The fast regime always assumes the full S (a plan it finds fits all the more).
+        n_class = min(n, len(self.slots)) if self._exact_in_flight else len(self.slots)
         key = (self._signature, self.dp, micro_batch, n_class, self.post_limit)
         if key not in self._fronts:
             self._fronts[key] = partition_front(self.cm, self.slots, micro_batch, n_class, self.dp, self.ring_bw,
                                                 self.post_limit)
         return self._fronts[key]
 
+    def _stage_costs(self, bounds: tuple[int, ...], micro_batch: int) -> list[StageCost]:
+        """Per-stage costs of a split at one micro-batch size (cached: few splits, few sizes)."""
+        key = (bounds, micro_batch)
+        hit = self._costs.get(key)
+        if hit is None:
+            pipe = _pipeline(self.slots, bounds, micro_batch, micro_batch)
+            hit = self._costs[key] = self.cm.pipeline_cost(pipe, self.dp)[1]
+        return hit
+
     def best(self, samples: int) -> tuple[float, int, Partition] | None:
-        """(time, micro-batch size, partition) minimising the pipeline's time on ``samples``."""
+        """(time, micro-batch size, partition) minimising the pipeline's time on ``samples``.
+
+        The time is the cost model's own 1F1B formula (``pipeline_time_s``),
+        with the last micro-batch costed at its real size.
+        """
         if samples in self._best:
             return self._best[samples]
         found: tuple[float, int, Partition] | None = None
-        for m in self.cm.settings.micro_batch_sizes:
-            if m > samples and m != self.cm.settings.micro_batch_sizes[0]:
+        sizes = self.cm.settings.micro_batch_sizes
+        # sizes above the share add nothing, except the smallest of them: one micro-batch of the whole share
+        first_above = min((m for m in sizes if m >= samples), default=None)
+        for m in sizes:
+            if m > samples and m != first_above:
                 continue
             n = math.ceil(samples / m)
             front = self._front(m, n)
             if front is None:
                 continue
+            last = samples - (n - 1) * m
             for part in front.partitions:
-                t = self.cm.pipeline_cost(_pipeline(self.slots, part.bounds, m, samples), self.dp)[0]
+                full = self._stage_costs(part.bounds, m)
+                tail = full if last == m else self._stage_costs(part.bounds, last)
+                t = pipeline_time_s(full, tail, n)
                 if found is None or t < found[0] - 1e-15:
                     found = (t, m, part)
         self._best[samples] = found
@@ -132,8 +155,8 @@ def ring_bandwidths(cm: CostModel, structure: Sequence[Slots]) -> list[list[floa
     return out
 
 
-def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: float = math.inf
-                  ) -> StructureResult | None:
+def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: float = math.inf,
+                  post_rounds: int = _MAX_POST_ROUNDS, exact_in_flight: bool = True) -> StructureResult | None:
     """Best plan for pipelines with these stage slots; None if nothing fits or it can't beat ``cutoff``."""
     B = cm.settings.global_batch_size
     dp = len(structure)
@@ -143,8 +166,8 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
     ring = ring_bandwidths(cm, structure)
     best: StructureResult | None = None
     post_limit = math.inf
-    for _ in range(_MAX_POST_ROUNDS):
-        oracles = _oracles(cm, structure, dp, ring, post_limit, fronts)
+    for _ in range(post_rounds):
+        oracles = _oracles(cm, structure, dp, ring, post_limit, fronts, exact_in_flight)
         shares = allocate_min_max([o.time_s for o in oracles], B, minimum=[1] * dp)
         if shares is None:
             break
@@ -170,7 +193,7 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
 
 
 def _oracles(cm: CostModel, structure: Sequence[Slots], dp: int, ring: list[list[float]], post_limit: float,
-             fronts: dict) -> list[_PipelineOracle]:
+             fronts: dict, exact_in_flight: bool) -> list[_PipelineOracle]:
     # identical pipelines share one oracle object, so g_p(b) is computed once per shape
     shared: dict[tuple, _PipelineOracle] = {}
     out = []
@@ -178,6 +201,6 @@ def _oracles(cm: CostModel, structure: Sequence[Slots], dp: int, ring: list[list
         key = (_signature(cm, slots, bw), post_limit)
         oracle = shared.get(key)
         if oracle is None:
-            oracle = shared[key] = _PipelineOracle(cm, slots, dp, bw, post_limit, fronts)
+            oracle = shared[key] = _PipelineOracle(cm, slots, dp, bw, post_limit, fronts, exact_in_flight)
         out.append(oracle)
     return out
