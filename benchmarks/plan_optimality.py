@@ -287,9 +287,9 @@ def brute_force_plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: Tra
         dp = len(pipes)
         max_share = B - dp + 1
         fronts = []
-        for template, slots in zip(struct, pipes):
-            others = [d for q in pipes if q is not slots for slot in q for d in slot]
-            ring = tuple(cm.ring_bandwidth(slot, others) for slot in slots)
+        rings = cm.ring_bandwidths([tuple(slots) for slots in pipes])
+        for template, slots, ring in zip(struct, pipes, rings):
+            ring = tuple(ring)
             key = (template, dp, ring)
             if key not in front_cache:
                 front_cache[key] = ev.fronts(slots, dp, ring, max_share)

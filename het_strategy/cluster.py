@@ -194,6 +194,7 @@ class ClusterSpec:
             if not is_positive(link.bandwidth_gbs):
                 raise field_error(f"links[{i}].bandwidth_gbs", link.bandwidth_gbs, "be > 0 (GB/s)")
         object.__setattr__(self, "_by_name", {d.name: d for d in self.devices})
+        object.__setattr__(self, "_nodes_by_name", {n.name: n for n in self.nodes})
         object.__setattr__(self, "_pair_bw", {frozenset(l.nodes): l.bandwidth_gbs for l in self.links})
 
     # -- lookups ---------------------------------------------------------------------------
@@ -218,9 +219,9 @@ class ClusterSpec:
             raise ConfigError(f"device `{name}` is not in cluster `{self.name}`", field="device", value=name) from None
 
     def node(self, name: str) -> NodeSpec:
-        for n in self.nodes:
-            if n.name == name:
-                return n
+        found = self._nodes_by_name.get(name)  # type: ignore[attr-defined]
+        if found is not None:
+            return found
         raise ConfigError(f"node `{name}` is not in cluster `{self.name}`", field="node", value=name)
 
     def node_bandwidth_gbs(self, node_a: str, node_b: str) -> float:

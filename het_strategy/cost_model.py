@@ -401,31 +401,46 @@ class CostModel:
         """Per device: (gradient sync, optimizer update) seconds after the slowest pipeline.
 
         Each device allreduces the gradients of its layers with the replicas of
-        those layers in the other pipelines.  The ring's bandwidth is taken as
-        the slowest link between the device's stage and the other pipelines'
-        devices, so it depends on the plan's structure and not on how other
-        pipelines split their layers (which keeps the planner's search exact).
+        those layers in the other pipelines, over the bandwidth ``ring_bandwidths``
+        gives its stage.
         """
         dp = plan.num_pipelines
+        rings = self.ring_bandwidths([tuple(st.devices for st in pipe.stages) for pipe in plan.pipelines])
         out: dict[str, tuple[float, float]] = {}
-        for p, pipe in enumerate(plan.pipelines):
-            others = [d for q, other in enumerate(plan.pipelines) if q != p for d in other.devices]
-            for stage in pipe.stages:
-                bw = self.ring_bandwidth(stage.devices, others)
+        for pipe, ring in zip(plan.pipelines, rings):
+            for stage, bw in zip(pipe.stages, ring):
                 start, stop = stage.layers
                 for d in stage.devices:
-                    dev = self.cluster.device(d)
                     out[d] = (self.stage_sync_s(start, stop, stage.tp, dp, bw),
-                              self.stage_update_s(dev, stage.tp, start, stop, dp))
+                              self.stage_update_s(self.cluster.device(d), stage.tp, start, stop, dp))
         return out
 
-    def ring_bandwidth(self, stage_devices: tuple[str, ...] | list[str], other_devices: list[str]) -> float:
-        """Bytes/s of the slowest link from a stage to the other replicas (inf without replicas)."""
-        if not other_devices:
-            return math.inf
-        nodes = {self.cluster.device(d).node for d in stage_devices}
-        other_nodes = {self.cluster.device(d).node for d in other_devices}
-        return self.cluster.min_node_set_bandwidth_gbs(nodes, other_nodes) * 1e9
+    def ring_bandwidths(self, structure: list[tuple[tuple[str, ...], ...]]) -> list[list[float]]:
+        """Per pipeline, per stage: bytes/s of the gradient ring to the other pipelines (inf for one pipeline).
+
+        The ring's bandwidth is taken as the slowest link between the stage's
+        node(s) and any node holding another pipeline's devices, so it depends
+        on the plan's structure and not on how the other pipelines split their
+        layers (which keeps the planner's search exact).
+        """
+        node_of = {d.name: d.node for d in self.cluster.devices}
+        pipe_nodes = [frozenset(node_of[d] for slot in slots for d in slot) for slots in structure]
+        touching: dict[str, int] = {}
+        for nodes in pipe_nodes:
+            for n in nodes:
+                touching[n] = touching.get(n, 0) + 1
+        everywhere = frozenset(touching)
+        out = []
+        for slots, own in zip(structure, pipe_nodes):
+            # nodes that only this pipeline uses hold no other replica
+            exclusive = {n for n in own if touching[n] == 1}
+            others = everywhere - exclusive if exclusive else everywhere
+            if not others:
+                out.append([math.inf] * len(slots))
+                continue
+            out.append([self.cluster.min_node_set_bandwidth_gbs({node_of[d] for d in slot}, others) * 1e9
+                        for slot in slots])
+        return out
 
     def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, bandwidth: float) -> float:
         """Gradient allreduce of a stage's dense parameters among ``dp`` replicas."""

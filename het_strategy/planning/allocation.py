@@ -11,8 +11,8 @@ Steps:
 2. Bisect T between the largest cost at the minimums and the cost of the
    largest useful counts, to a relative 1e-10: the optimum T* is within it.
 3. Take ``count_i(T)`` everywhere and hand back the excess from the workers
-   whose last unit costs most; no worker's cost rises, so the result's
-   maximum is T* (to that precision).
+   whose last unit costs most (lowest index first among equals); no worker's
+   cost rises, so the result's maximum is T* (to that precision).
 
 Workers passed the *same* cost callable with the same bounds are solved once
 per group, so thousands of identical pipelines cost what a few do.
@@ -40,7 +40,7 @@ def allocate_min_max(costs: Sequence[Callable[[int], float]], total: int,
         return None
     groups: dict[tuple, list[int]] = {}
     for i in range(n):
-        groups.setdefault((id(costs[i]), mins[i], caps[i]), []).append(i)
+        groups.setdefault((costs[i], mins[i], caps[i]), []).append(i)  # equal callables: one group
     reps = [(costs[idx[0]], mins[idx[0]], caps[idx[0]], idx) for idx in groups.values()]
 
     def at(cost: Callable[[int], float], x: int) -> float:
@@ -82,17 +82,33 @@ def allocate_min_max(costs: Sequence[Callable[[int], float]], total: int,
                 hi = mid
             else:
                 lo = mid
-    result = [0] * n
-    for x, idx in counts(hi):
-        for i in idx:
-            result[i] = x
-    excess = sum(result) - total
-    heap = [(-at(costs[i], result[i]), i) for i in range(n) if result[i] > mins[i]]
+    # hand back the excess, always from the workers whose last unit costs most; workers of one
+    # group share a count, so they are handled as one segment (count, members) at a time
+    segments = [[x, list(idx)] for x, idx in counts(hi)]
+    excess = sum(x * len(idx) for x, idx in segments) - total
+    cost_of = {id(seg): reps[k][0] for k, seg in enumerate(segments)}
+    min_of = {id(seg): reps[k][1] for k, seg in enumerate(segments)}
+    heap = [(-at(cost_of[id(seg)], seg[0]), k, seg) for k, seg in enumerate(segments) if seg[0] > min_of[id(seg)]]
     heapq.heapify(heap)
+    serial = len(segments)
     while excess > 0:
-        _, i = heapq.heappop(heap)
-        result[i] -= 1
-        excess -= 1
-        if result[i] > mins[i]:
-            heapq.heappush(heap, (-at(costs[i], result[i]), i))
+        _, _, seg = heapq.heappop(heap)
+        x, members = seg
+        take = min(excess, len(members))
+        excess -= take
+        lowered, kept = members[:take], members[take:]
+        if kept:
+            heapq.heappush(heap, (-at(cost_of[id(seg)], x), serial, seg))
+            seg[1] = kept
+            serial += 1
+        new = [x - 1, lowered]
+        segments.append(new)
+        cost_of[id(new)], min_of[id(new)] = cost_of[id(seg)], min_of[id(seg)]
+        if x - 1 > min_of[id(new)]:
+            heapq.heappush(heap, (-at(cost_of[id(new)], x - 1), serial, new))
+            serial += 1
+    result = [0] * n
+    for x, members in segments:
+        for i in members:
+            result[i] = x
     return result

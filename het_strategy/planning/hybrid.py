@@ -40,7 +40,7 @@ __all__ = ["plan_hybrid", "device_classes", "DeviceClass"]
 
 _EXHAUSTIVE_TEMPLATES = 400
 _EXHAUSTIVE_STRUCTURES = 20000
-_FAMILY_OPTIONS_PER_TYPE = 3
+_FAMILY_OPTIONS_PER_TYPE = 2
 _FAMILY_POST_ROUNDS = 3
 
 

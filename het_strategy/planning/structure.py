@@ -134,27 +134,6 @@ def _pipeline(slots: Slots, bounds: Sequence[int], micro_batch: int, samples: in
 _FRONT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
 
 
-def ring_bandwidths(cm: CostModel, structure: Sequence[Slots]) -> list[list[float]]:
-    """Per pipeline, per stage: bandwidth of the gradient ring to the other pipelines."""
-    node_of = {d.name: d.node for d in cm.cluster.devices}
-    pipe_nodes = [{node_of[d] for slot in slots for d in slot} for slots in structure]
-    touching: dict[str, int] = {}
-    for nodes in pipe_nodes:
-        for n in nodes:
-            touching[n] = touching.get(n, 0) + 1
-    out = []
-    for slots, own in zip(structure, pipe_nodes):
-        others = {n for n, c in touching.items() if c - (1 if n in own else 0) > 0}
-        row = []
-        for slot in slots:
-            if not others:
-                row.append(math.inf)
-            else:
-                row.append(cm.cluster.min_node_set_bandwidth_gbs({node_of[d] for d in slot}, others) * 1e9)
-        out.append(row)
-    return out
-
-
 def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: float = math.inf,
                   post_rounds: int = _MAX_POST_ROUNDS, exact_in_flight: bool = True) -> StructureResult | None:
     """Best plan for pipelines with these stage slots; None if nothing fits or it can't beat ``cutoff``."""
@@ -163,7 +142,7 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
     if dp == 0 or B < dp:
         return None
     fronts = _FRONT_CACHES.setdefault(cm, {})
-    ring = ring_bandwidths(cm, structure)
+    ring = cm.ring_bandwidths(list(structure))
     best: StructureResult | None = None
     post_limit = math.inf
     for _ in range(post_rounds):
