@@ -128,9 +128,9 @@ class DeviceSpec:
         return self.memory_gb * 2**30
 
     def flops_per_second(self, dtype: str) -> float:
-        """Sustained FLOP/s for ``dtype``; an unsupported dtype runs at the fp32 rate."""
+        """Sustained FLOP/s for ``dtype`` (x the emulated speed, if any); unsupported dtypes run at fp32 rate."""
         peak = self.tflops.get(dtype, self.tflops.get("fp32", min(self.tflops.values())))
-        return peak * 1e12 * self.efficiency
+        return peak * 1e12 * self.efficiency * (self.emulated_speed or 1.0)
 
 
 @dataclass(frozen=True)

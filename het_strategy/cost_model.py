@@ -170,7 +170,7 @@ class CostModel:
     def device_key(self, device: DeviceSpec) -> tuple:
         """Devices with equal keys cost the same per layer (the planner groups them)."""
         key = (device.type, tuple(sorted(device.tflops.items())), device.efficiency, device.memory_gb,
-               device.memory_bandwidth_gbs, self.cluster.node(device.node).intra_bandwidth_gbs)
+               device.memory_bandwidth_gbs, device.emulated_speed, self.cluster.node(device.node).intra_bandwidth_gbs)
         self._representative.setdefault(key, device)
         return key
 
