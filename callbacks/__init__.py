@@ -1,0 +1,1 @@
+"""Lightning callbacks (straggler detection, telemetry), shipped as ``het_strategy.callbacks``."""
