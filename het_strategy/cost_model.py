@@ -165,6 +165,7 @@ class CostModel:
         self._latency_s = cluster.latency_us * 1e-6
         self._representative: dict[tuple, DeviceSpec] = {}
         self._prefix_cache: dict[tuple, tuple[list[float], list[float]]] = {}
+        self._replicated_prefix_cache: dict[tuple, np.ndarray] = {}
 
     # -- per-layer times ------------------------------------------------------------------------
     def device_key(self, device: DeviceSpec) -> tuple:
@@ -210,6 +211,21 @@ class CostModel:
                         vol = self._out[i] * micro_batch * 2 * (tp - 1) / tp
                         comp[i] += 4 * (vol / tp_bw + self._latency_s)
         return _prefix(comp), _prefix(upd)
+
+    def replicated_compute_prefix(self, device: DeviceSpec, tp: int, micro_batch: int) -> np.ndarray:
+        """Prefix sums over layers of one micro-batch's forward + backward seconds, every expert held locally.
+
+        What a stage costs before any expert placement: ``p[stop] - p[start]``.
+        """
+        key = (self.device_key(device), tp, micro_batch)
+        hit = self._replicated_prefix_cache.get(key)
+        if hit is None:
+            dense = np.asarray(self._layer_compute_prefix(device, tp, micro_batch)[0])
+            tokens = micro_batch * self.workload.seq_len
+            experts = _prefix(self.expert_compute_s(device, tp, layer, layer + 1, tokens, None, 0.0)
+                              for layer in range(self.workload.num_layers))
+            hit = self._replicated_prefix_cache[key] = dense + np.asarray(experts)
+        return hit
 
     def stage_compute_s(self, device: DeviceSpec, tp: int, micro_batch: int, start: int, stop: int) -> float:
         """Forward + backward seconds of layers [start, stop) for one micro-batch (dense part)."""

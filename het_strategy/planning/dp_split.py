@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from het_strategy.cost_model import CostModel
 from het_strategy.errors import field_error
-from het_strategy.planning.structure import StructureResult, assemble_plan
+from het_strategy.plan import Pipeline, Plan, Stage
+from het_strategy.planning.structure import StructureResult, assemble_plan, plan_from_pipelines
 
 __all__ = ["plan_data_parallel", "equal_split_plan"]
 
@@ -27,10 +28,8 @@ def plan_data_parallel(cm: CostModel) -> StructureResult | None:
     return assemble_plan(cm, [((d,),) for d in devices], "dp")
 
 
-def equal_split_plan(cm: CostModel):
+def equal_split_plan(cm: CostModel) -> Plan:
     """The plain-DDP baseline: the global batch split as evenly as integers allow, same micro-batch everywhere."""
-    from het_strategy.plan import Pipeline, Plan, Stage
-
     devices = [d.name for d in cm.cluster.devices]
     B, n = cm.settings.global_batch_size, len(devices)
     if B < n:
@@ -38,7 +37,5 @@ def equal_split_plan(cm: CostModel):
     shares = [B // n + (1 if i < B % n else 0) for i in range(n)]
     L = cm.workload.num_layers
     m = max((m for m in cm.settings.micro_batch_sizes if m <= min(shares)), default=1)
-    pipes = tuple(Pipeline((Stage((d,), (0, L)),), m, b) for d, b in zip(devices, shares))
-    return Plan(cluster=cm.cluster.name, cluster_devices=tuple(devices), model=cm.workload.fingerprint(),
-                global_batch_size=B, pipelines=pipes, zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype,
-                mode="equal")
+    pipes = [Pipeline((Stage((d,), (0, L)),), m, b) for d, b in zip(devices, shares)]
+    return plan_from_pipelines(cm, pipes, "equal")

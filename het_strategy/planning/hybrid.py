@@ -67,9 +67,7 @@ def _tp_options(cm: CostModel, count: int) -> list[int]:
 def _unit_rate(cm: CostModel, device_name: str, tp: int) -> float:
     """Samples/s a unit would reach computing the whole model alone (memory ignored): an upper bound."""
     m = max(cm.settings.micro_batch_sizes)
-    t = cm.stage_compute_s(cm.cluster.device(device_name), tp, m, 0, cm.workload.num_layers)
-    t += cm.expert_compute_s(cm.cluster.device(device_name), tp, 0, cm.workload.num_layers,
-                             m * cm.workload.seq_len, None, 0.0)
+    t = float(cm.replicated_compute_prefix(cm.cluster.device(device_name), tp, m)[-1])
     return m / t if t > 0 else math.inf
 
 

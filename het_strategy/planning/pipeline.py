@@ -65,9 +65,6 @@ class PartitionFront:
     def best(self, num_micro_batches: int) -> Partition:
         return min(self.partitions, key=lambda p: (p.time_s(num_micro_batches), p.post_s))
 
-    def time_s(self, num_micro_batches: int) -> float:
-        return self.best(num_micro_batches).time_s(num_micro_batches)
-
 
 _SLOT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
 
@@ -97,12 +94,9 @@ def _slot_matrices(cm: CostModel, dev, tp: int, micro_batch: int, in_flight: int
     L = cm.workload.num_layers
     idx = np.arange(L + 1)
     valid = idx[:, None] < idx[None, :]
-    seq = cm.workload.seq_len
-    comp = np.asarray(cm._layer_compute_prefix(dev, tp, micro_batch)[0])  # noqa: SLF001 - planner reads the cache
     # MoE experts without a placement: each replica runs its own routed tokens
-    expert = np.asarray(_prefix([cm.expert_compute_s(dev, tp, l, l + 1, micro_batch * seq, None, 0.0)
-                                 for l in range(L)]))
-    c = (comp[None, :] - comp[:, None]) + (expert[None, :] - expert[:, None])
+    comp = cm.replicated_compute_prefix(dev, tp, micro_batch)
+    c = comp[None, :] - comp[:, None]
     if nxt is not None:
         send_by_stop = np.array([0.0] + [cm.send_s(micro_batch, j - 1, src, nxt) for j in range(1, L + 1)])
         send = np.broadcast_to(send_by_stop[None, :], c.shape)
@@ -192,9 +186,3 @@ def plan_pipeline_stages(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_
     front = partition_front(cm, slots, micro_batch, num_micro_batches, dp, ring)
     return None if front is None else front.best(num_micro_batches)
 
-
-def _prefix(values: list[float]) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out

@@ -37,7 +37,7 @@ from het_strategy.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.pipeline import Partition, partition_front
 
-__all__ = ["StructureResult", "assemble_plan"]
+__all__ = ["StructureResult", "assemble_plan", "plan_from_pipelines"]
 
 Slots = tuple[tuple[str, ...], ...]
 _MAX_POST_ROUNDS = 12
@@ -54,8 +54,8 @@ class StructureResult:
 class _PipelineOracle:
     """g_p(b) for one pipeline shape: best time on b samples and the split that gives it."""
 
-    def __init__(self, cm: CostModel, slots: Slots, dp: int, ring_bw: Sequence[float], post_limit: float,
-                 fronts: dict, exact_in_flight: bool = True) -> None:
+    def __init__(self, cm: CostModel, slots: Slots, signature: tuple, dp: int, ring_bw: Sequence[float],
+                 post_limit: float, fronts: dict, exact_in_flight: bool = True) -> None:
         self.cm = cm
         self.slots = slots
         self.dp = dp
@@ -63,7 +63,7 @@ class _PipelineOracle:
         self.post_limit = post_limit
         self._fronts = fronts
         self._exact_in_flight = exact_in_flight
-        self._signature = _signature(cm, slots, ring_bw)
+        self._signature = signature
         self._best: dict[int, tuple[float, int, Partition] | None] = {}
         self._costs: dict[tuple, list[StageCost]] = {}
 
@@ -131,6 +131,13 @@ def _pipeline(slots: Slots, bounds: Sequence[int], micro_batch: int, samples: in
                     micro_batch_size=micro_batch, samples=samples)
 
 
+def plan_from_pipelines(cm: CostModel, pipelines: Sequence[Pipeline], mode: str) -> Plan:
+    """A Plan for the cost model's cluster, workload and settings."""
+    return Plan(cluster=cm.cluster.name, cluster_devices=tuple(d.name for d in cm.cluster.devices),
+                model=cm.workload.fingerprint(), global_batch_size=cm.settings.global_batch_size,
+                pipelines=tuple(pipelines), zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype, mode=mode)
+
+
 _FRONT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -161,10 +168,7 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
         post = max(part.post_s for _, _, part in picks)  # type: ignore[misc]
         step = pipe_time + post
         if best is None or step < best.step_time_s:
-            plan = Plan(cluster=cm.cluster.name, cluster_devices=tuple(d.name for d in cm.cluster.devices),
-                        model=cm.workload.fingerprint(), global_batch_size=B, pipelines=tuple(pipelines),
-                        zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype, mode=mode)
-            best = StructureResult(plan, step)
+            best = StructureResult(plan_from_pipelines(cm, pipelines, mode), step)
         if post <= 0:
             break
         post_limit = post * (1 - 1e-9)
@@ -177,9 +181,10 @@ def _oracles(cm: CostModel, structure: Sequence[Slots], dp: int, ring: list[list
     shared: dict[tuple, _PipelineOracle] = {}
     out = []
     for slots, bw in zip(structure, ring):
-        key = (_signature(cm, slots, bw), post_limit)
-        oracle = shared.get(key)
+        signature = _signature(cm, slots, bw)
+        oracle = shared.get(signature)
         if oracle is None:
-            oracle = shared[key] = _PipelineOracle(cm, slots, dp, bw, post_limit, fronts, exact_in_flight)
+            oracle = shared[signature] = _PipelineOracle(cm, slots, signature, dp, bw, post_limit, fronts,
+                                                         exact_in_flight)
         out.append(oracle)
     return out
