@@ -66,16 +66,20 @@ class _PipelineOracle:
         self._signature = signature
         self._best: dict[int, tuple[float, int, Partition] | None] = {}
         self._costs: dict[tuple, list[StageCost]] = {}
+        self._local_fronts: dict[tuple[int, int], object] = {}
 
     def _front(self, micro_batch: int, n: int):
         # 1F1B keeps min(S - s, n) micro-batches on stage s: fewer than S micro-batches need less memory.
         # The fast regime always assumes the full S (a plan it finds fits all the more).
         n_class = min(n, len(self.slots)) if self._exact_in_flight else len(self.slots)
-        key = (self._signature, self.dp, micro_batch, n_class, self.post_limit)
-        if key not in self._fronts:
-            self._fronts[key] = partition_front(self.cm, self.slots, micro_batch, n_class, self.dp, self.ring_bw,
-                                                self.post_limit)
-        return self._fronts[key]
+        local = (micro_batch, n_class)
+        if local not in self._local_fronts:  # small key first: hashing the signature is not free
+            key = (self._signature, self.dp, micro_batch, n_class, self.post_limit)
+            if key not in self._fronts:
+                self._fronts[key] = partition_front(self.cm, self.slots, micro_batch, n_class, self.dp,
+                                                    self.ring_bw, self.post_limit)
+            self._local_fronts[local] = self._fronts[key]
+        return self._local_fronts[local]
 
     def _stage_costs(self, bounds: tuple[int, ...], micro_batch: int) -> list[StageCost]:
         """Per-stage costs of a split at one micro-batch size (cached: few splits, few sizes)."""
@@ -181,7 +185,10 @@ def _oracles(cm: CostModel, structure: Sequence[Slots], dp: int, ring: list[list
     shared: dict[tuple, _PipelineOracle] = {}
     out = []
     for slots, bw in zip(structure, ring):
-        signature = _signature(cm, slots, bw)
+        memo = ("signature", slots, tuple(bw))  # the per-cost-model cache also holds signatures
+        signature = fronts.get(memo)
+        if signature is None:
+            signature = fronts[memo] = _signature(cm, slots, bw)
         oracle = shared.get(signature)
         if oracle is None:
             oracle = shared[signature] = _PipelineOracle(cm, slots, signature, dp, bw, post_limit, fronts,
