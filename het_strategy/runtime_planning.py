@@ -1,0 +1,91 @@
+"""What the strategy needs from the planning core at run time, with no process group in sight.
+
+* ``precision_dtype`` — Lightning's precision string as the cost model's dtype;
+* ``estimate_workload`` — a one-layer workload of any model (parameters
+  counted, FLOPs by the standard 2 x parameters x tokens forward estimate),
+  used when the user names no workload;
+* ``data_parallel_plan`` — the uneven data-parallel plan of a run: searched, or
+  a given plan checked against the cluster, the model and the global batch;
+* ``shares_in_rank_order`` — the plan's shares, rank r playing device r.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from het_strategy.cluster import ClusterSpec
+from het_strategy.cost_model import TrainSettings
+from het_strategy.errors import ConfigError, field_error
+from het_strategy.plan import Plan
+from het_strategy.planning import plan as search_plan
+from het_strategy.workload import LayerCost, WorkloadSpec
+
+__all__ = ["precision_dtype", "estimate_workload", "data_parallel_plan",
+           "shares_in_rank_order", "equal_shares"]
+
+_PRECISIONS = {"32": "fp32", "32-true": "fp32", "64": "fp32", "64-true": "fp32", "transformer-engine": "bf16",
+               "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16": "fp16", "16-mixed": "fp16",
+               "16-true": "fp16"}
+
+
+def precision_dtype(precision: Any) -> str:
+    """The cost model's dtype for a Lightning precision setting (``"32-true"`` -> ``fp32``)."""
+    key = str(precision)
+    if key not in _PRECISIONS:
+        raise field_error("Trainer.precision", precision, f"be one of {sorted(_PRECISIONS)}")
+    return _PRECISIONS[key]
+
+
+def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: str) -> WorkloadSpec:
+    """A one-layer workload: forward FLOPs ~ 2 x parameters x tokens per sample.
+
+    Enough for a data-parallel split, where only the ratio of device speeds and
+    the gradient volume matter; activation memory is not known (0), so pass a
+    workload to plan memory-bound runs.
+    """
+    if num_params < 1:
+        raise field_error("model", name, "have trainable parameters")
+    layer = LayerCost(name="model", flops_per_sample=2.0 * num_params * max(1, tokens_per_sample),
+                      params=num_params, activation_bytes_per_sample=0, output_bytes_per_sample=0)
+    return WorkloadSpec(name=name, layers=(layer,), seq_len=max(1, tokens_per_sample), dtype=dtype)
+
+
+def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: str,
+                       given: Plan | str | Path | None = None) -> Plan:
+    """The run's pure data-parallel plan: ``given`` checked, or the planner's optimum."""
+    if given is None:
+        settings = TrainSettings(global_batch_size=global_batch_size, dtype=dtype,
+                                 micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})))
+        return search_plan(cluster, workload, settings, mode="dp")
+    plan = given if isinstance(given, Plan) else Plan.load(given)
+    plan.check_against(cluster, workload)
+    if list(plan.cluster_devices) != [d.name for d in cluster.devices]:
+        raise field_error("plan.cluster_devices", list(plan.cluster_devices),
+                          f"equal the devices of cluster `{cluster.name}` in rank order "
+                          f"({[d.name for d in cluster.devices]})", "the plan was made for another cluster")
+    if not plan.is_pure_dp:
+        raise field_error("plan.mode", plan.mode, "be a pure data-parallel plan (one single-device stage per "
+                          "pipeline) for the `hetero` strategy", "pipeline plans run through DeepSpeed")
+    if plan.global_batch_size != global_batch_size:
+        raise field_error("plan.global_batch_size", plan.global_batch_size,
+                          f"equal the run's global batch {global_batch_size} (DataLoader batch_size x world "
+                          "size, or the strategy's global_batch_size)",
+                          "re-plan for this batch or set global_batch_size to the plan's")
+    return plan
+
+
+def shares_in_rank_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
+    """Samples of a full global batch per rank, rank r playing ``cluster.devices[r]``."""
+    shares = plan.rank_shares()
+    out = [int(shares.get(d.name, 0)) for d in cluster.devices]
+    if sum(out) != plan.global_batch_size:
+        raise ConfigError(f"plan shares {out} sum to {sum(out)}, not the plan's global batch "
+                          f"{plan.global_batch_size}")
+    return out
+
+
+def equal_shares(global_batch_size: int, world_size: int) -> list[int]:
+    """The plain-DDP split of a global batch, for comparison."""
+    base, rest = divmod(global_batch_size, world_size)
+    return [base + (1 if r < rest else 0) for r in range(world_size)]

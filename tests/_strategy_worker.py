@@ -1,0 +1,60 @@
+"""Shared pieces of the multi-process strategy tests: a float64 model that records what each rank saw."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import Dataset
+
+
+class IndexedData(Dataset):
+    """Regression data whose items carry their own index, so tests can see which rank used which sample."""
+
+    def __init__(self, n: int, dim: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g, dtype=torch.float64)
+        self.y = torch.randn(n, generator=g, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        return self.x[i], self.y[i], i
+
+
+def make_net(dim: int = 4) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(dim, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+
+
+class Recorder(pl.LightningModule):
+    """Records (epoch, batch, indices, counted samples, weighted mean loss) per training batch, per rank."""
+
+    def __init__(self, out_dir: str, lr: float = 0.1) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.out_dir = out_dir
+        self.lr = lr
+        self.rows: list[dict] = []
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y, idx = batch
+        loss = (self.net(x).squeeze(-1) - y).pow(2).mean()
+        strategy = self.trainer.strategy
+        counted = getattr(strategy, "current_local_samples", None)
+        synced = strategy.reduce(loss.detach().clone(), reduce_op="mean")
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True, batch_size=len(y))
+        self.rows.append({"epoch": self.current_epoch, "batch": batch_idx, "indices": idx.tolist(),
+                          "counted": counted, "synced_loss": float(synced), "local_loss": float(loss)})
+        return loss
+
+    def on_train_end(self) -> None:
+        path = Path(self.out_dir) / f"rank{self.global_rank}.json"
+        existing = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(existing + self.rows))
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -1,0 +1,268 @@
+"""The runtime probe: device measurement, link measurement over gloo, the probed ClusterSpec and its cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from het_strategy import probe  # noqa: E402
+from het_strategy.errors import ConfigError  # noqa: E402
+from het_strategy.probe import (  # noqa: E402
+    AllreduceTiming,
+    DeviceMeasurement,
+    LinkMeasurement,
+    P2PTiming,
+    ProbeResult,
+    cluster_from_measurements,
+    measure_device,
+)
+
+TIMEOUT_S = 60
+BUDGET_S = 0.05
+SIZES = (4096, 65536)
+HOST_GIB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _device(host: str, tflops: float = 1.0, mem: float = 8.0) -> DeviceMeasurement:
+    return DeviceMeasurement(host=host, device="cpu", raw_name="cpu", type="CPU", dtype="fp32", tflops=tflops,
+                             memory_gb=mem, memory_bandwidth_gbs=20.0)
+
+
+def _links(pairs: dict[tuple[int, int], float], world: int, busbw: float = 3.0) -> LinkMeasurement:
+    size = 1 << 20
+    return LinkMeasurement(
+        backend="gloo", world_size=world,
+        allreduce=(AllreduceTiming(size, 1e-3, size / 1e-3 / 1e9, busbw),),
+        p2p=tuple(P2PTiming(a, b, size, size / gbs / 1e9, gbs) for (a, b), gbs in pairs.items()))
+
+
+# -- one device -------------------------------------------------------------------------------------
+def test_measure_device_on_cpu_gives_positive_figures_and_the_hosts_memory_share():
+    m = measure_device("cpu", "fp32", budget_s=BUDGET_S, num_local_ranks=2)
+    assert m.tflops > 0 and m.memory_bandwidth_gbs > 0
+    assert m.memory_gb == pytest.approx(HOST_GIB / 2)
+    assert (m.host, m.device, m.type, m.dtype) == (socket.gethostname(), "cpu", "CPU", "fp32")
+
+
+def test_measure_device_counts_two_n_cubed_flops_per_matmul(monkeypatch):
+    # a stand-in matmul that takes 10 ms: the figure must be 2 n^3 / 10 ms (sleep overshoots, never undershoots)
+    delay, side = 0.01, 32
+
+    def slow_mm(a, b, *, out):
+        time.sleep(delay)
+        return out
+
+    monkeypatch.setattr(torch, "mm", slow_mm)
+    m = measure_device("cpu", budget_s=BUDGET_S, matmul_size=side)
+    expected = 2 * side**3 / delay / 1e12
+    assert 0.8 * expected < m.tflops <= expected
+
+
+def test_measure_device_runs_in_the_training_dtype(monkeypatch):
+    seen = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append(a.dtype) or real_mm(a, b, **kw))
+    m = measure_device("cpu", "bf16", budget_s=0.01, matmul_size=16)
+    assert m.dtype == "bf16" and set(seen) == {torch.bfloat16}
+
+
+def test_device_measurement_round_trips_through_json():
+    m = measure_device("cpu", budget_s=0.01, matmul_size=64)
+    assert DeviceMeasurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+
+
+@pytest.mark.parametrize("bad", [{"host": "h"}, {**_device("h").to_dict(), "extra": 1},
+                                 {**_device("h").to_dict(), "tflops": -1.0}, {**_device("h").to_dict(), "dtype": "fp8"}])
+def test_device_measurement_rejects_bad_dicts(bad):
+    with pytest.raises(ConfigError):
+        DeviceMeasurement.from_dict(bad)
+
+
+def test_measure_device_rejects_a_bad_dtype_naming_it():
+    with pytest.raises(ConfigError, match="`dtype` is 'fp8'"):
+        measure_device("cpu", "fp8")
+
+
+def test_link_measurement_round_trips():
+    links = _links({(0, 1): 2.0, (1, 0): 2.5}, world=2)
+    assert LinkMeasurement.from_dict(json.loads(json.dumps(links.to_dict()))) == links
+
+
+# -- measurements -> ClusterSpec ------------------------------------------------------------------------
+def test_cluster_from_measurements_two_hosts_uses_slowest_pairs():
+    devices = [_device("a", 1.0), _device("a", 2.0), _device("b", 3.0, mem=4.0), _device("b", 4.0)]
+    # ring pairs: (0,1) and (2,3) inside hosts, (1,2) and (3,0) across
+    links = _links({(0, 1): 9.0, (1, 2): 1.5, (2, 3): 7.0, (3, 0): 1.2}, world=4)
+    cluster = cluster_from_measurements(devices, links, name="probed")
+    assert cluster.name == "probed"
+    assert [n.name for n in cluster.nodes] == ["a", "b"]
+    assert [d.name for d in cluster.devices] == ["rank0", "rank1", "rank2", "rank3"]
+    assert [n.intra_bandwidth_gbs for n in cluster.nodes] == [9.0, 7.0]
+    assert cluster.inter_node_bandwidth_gbs == 1.2
+    assert [d.tflops for d in cluster.devices] == [{"fp32": t} for t in (1.0, 2.0, 3.0, 4.0)]
+    assert {d.efficiency for d in cluster.devices} == {1.0}
+    assert cluster.device("rank2").memory_gb == 4.0 and cluster.device("rank2").memory_bandwidth_gbs == 20.0
+
+
+def test_single_rank_nodes_take_the_allreduce_bus_bandwidth():
+    links = _links({(0, 1): 2.0, (1, 0): 2.2}, world=2, busbw=3.0)
+    cluster = cluster_from_measurements([_device("a"), _device("b")], links)
+    assert [n.intra_bandwidth_gbs for n in cluster.nodes] == [3.0, 3.0]
+    assert cluster.inter_node_bandwidth_gbs == 2.0
+
+
+def test_unknown_device_type_is_described_by_its_measured_figures():
+    dev = DeviceMeasurement(host="h", device="cuda:0", raw_name="Some New GPU", type="Some New GPU", dtype="bf16",
+                            tflops=300.0, memory_gb=64.0, memory_bandwidth_gbs=2000.0)
+    cluster = cluster_from_measurements([dev], _links({}, world=1, busbw=0.0))
+    (d,) = cluster.devices
+    assert (d.type, dict(d.tflops), d.memory_gb) == ("Some New GPU", {"bf16": 300.0}, 64.0)
+    # one rank: no link exists, the device's own memory bandwidth stands in
+    assert cluster.nodes[0].intra_bandwidth_gbs == 2000.0 == cluster.inter_node_bandwidth_gbs
+
+
+def test_interleaved_hosts_warn():
+    links = _links({(0, 1): 1.0, (1, 2): 1.0, (2, 0): 1.0}, world=3)
+    with pytest.warns(UserWarning, match="not contiguous"):
+        cluster = cluster_from_measurements([_device("a"), _device("b"), _device("a")], links)
+    assert [d.name for d in cluster.node("a").devices] == ["rank0", "rank2"]
+
+
+def test_table_lists_every_rank_and_link():
+    devices = (_device("a", 1.25), _device("a", 2.5))
+    links = _links({(0, 1): 2.0, (1, 0): 2.5}, world=2)
+    text = ProbeResult(cluster_from_measurements(devices, links), devices, links, from_cache=True).table()
+    assert "cached" in text and "p2p 0->1" in text and "p2p 1->0" in text and "allreduce" in text
+    rows = [line.split() for line in text.splitlines()[3:5]]
+    assert [r[:5] for r in rows] == [["0", "a", "cpu", "CPU", "1.25"], ["1", "a", "cpu", "CPU", "2.5"]]
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("HET_STRATEGY_CACHE", str(tmp_path))
+    assert probe.default_cache_dir() == tmp_path
+    monkeypatch.delenv("HET_STRATEGY_CACHE")
+    assert probe.default_cache_dir() == Path.home() / ".cache" / "het_strategy" / "probe"
+
+
+# -- two gloo ranks ------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(result: ProbeResult) -> dict:
+    return {"cluster": result.cluster.to_dict(), "devices": [d.to_dict() for d in result.devices],
+            "links": result.links.to_dict(), "from_cache": result.from_cache}
+
+
+def _probe_worker(rank: int, port: int, cache_dir: str, out_dir: str) -> None:
+    """One rank: probe four times (measure, cached, corrupt cache on rank 0, refresh), write what it saw."""
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=TIMEOUT_S))
+        kw = dict(cache_dir=cache_dir, budget_s=BUDGET_S, sizes_bytes=SIZES, repeats=2, print_table=False)
+        runs = {"first": probe.probe_cluster("cpu", **kw), "second": probe.probe_cluster("cpu", **kw)}
+        if rank == 0:
+            for path in Path(cache_dir).glob("device-*cpu0of2*.json"):
+                path.write_text("{ not json")
+        dist.barrier()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs["corrupt"] = probe.probe_cluster("cpu", **kw)
+        runs["refresh"] = probe.probe_cluster("cpu", refresh=True, **kw)
+        table = runs["second"].table()
+        dist.destroy_process_group()
+        summary = {k: _summary(v) for k, v in runs.items()}
+        summary["warnings"] = [str(w.message) for w in caught]
+        summary["table"] = table
+        (out / f"rank{rank}.json").write_text(json.dumps(summary))
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _run_two_ranks(tmp_path: Path) -> list[dict]:
+    """Start both ranks; kill both when one fails (its peer would block in a collective) or after TIMEOUT_S."""
+    ctx = mp.get_context("spawn")
+    port, cache, out = _free_port(), tmp_path / "cache", tmp_path / "out"
+    out.mkdir()
+    procs = [ctx.Process(target=_probe_worker, args=(r, port, str(cache), str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            codes = [p.exitcode for p in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+    codes = [p.exitcode for p in procs]
+    if codes != [0, 0]:
+        errors = "\n----\n".join(f.read_text() for f in sorted(out.glob("*.err")))
+        pytest.fail(f"ranks exited {codes} (negative: killed after {TIMEOUT_S} s or on a peer's failure):\n{errors}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.multiprocess
+def test_probe_cluster_measures_then_loads_from_cache(tmp_path):
+    rank0, rank1 = _run_two_ranks(tmp_path)
+    warned = rank0.pop("warnings") + rank1.pop("warnings")
+    assert rank0 == rank1, "every rank must get the same probe result"
+
+    first, second = rank0["first"], rank0["second"]
+    assert (first["from_cache"], second["from_cache"]) == (False, True)
+    # measured floats reproduced exactly: the second run read the files instead of measuring
+    assert second["cluster"] == first["cluster"] and second["devices"] == first["devices"]
+    assert second["links"] == first["links"]
+
+    cluster = first["cluster"]
+    devices = first["devices"]
+    (node,) = cluster["nodes"]
+    assert node["name"] == socket.gethostname()
+    assert [d["name"] for d in node["devices"]] == ["rank0", "rank1"]
+    for spec, measured in zip(node["devices"], devices):
+        assert spec["type"] == "CPU" and spec["efficiency"] == 1.0
+        assert spec["tflops"] == {"fp32": measured["tflops"]} and measured["tflops"] > 0
+        assert spec["memory_gb"] == measured["memory_gb"] == pytest.approx(HOST_GIB / 2)
+
+    links = first["links"]
+    assert (links["backend"], links["world_size"]) == ("gloo", 2)
+    assert [t["size_bytes"] for t in links["allreduce"]] == list(SIZES)
+    for t in links["allreduce"]:
+        assert t["algbw_gbs"] == pytest.approx(t["size_bytes"] / t["seconds"] / 1e9)
+        assert t["busbw_gbs"] == pytest.approx(t["algbw_gbs"])  # 2 (n-1)/n = 1 for two ranks
+    assert sorted((t["src"], t["dst"], t["size_bytes"]) for t in links["p2p"]) == \
+        sorted((s, 1 - s, size) for s in (0, 1) for size in SIZES)
+    largest = [t["gbs"] for t in links["p2p"] if t["size_bytes"] == max(SIZES)]
+    assert node["intra_bandwidth_gbs"] == min(largest) == cluster["inter_node_bandwidth_gbs"]
+
+    # rank 0's device file was corrupt: a warning, and both ranks measured again (links still cached)
+    assert any("unreadable" in w and "measuring again" in w for w in warned)
+    corrupt = rank0["corrupt"]
+    assert corrupt["from_cache"] is False and corrupt["links"] == first["links"]
+    assert corrupt["devices"] != first["devices"]
+    assert rank0["refresh"]["from_cache"] is False and rank0["refresh"]["links"] != first["links"]
+
+    assert rank0["table"].startswith("Probed cluster `auto` (cached; gloo, 2 ranks)")
+    files = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
+    assert files == ["device", "device", "links"]

@@ -1,0 +1,189 @@
+"""The hetero strategy on real gloo processes (Lightning's fork launcher): exact updates, exactly-once data, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+import lightning.pytorch as pl  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from het_strategy import HeteroStrategy  # noqa: E402
+from tests._strategy_worker import IndexedData, Recorder, make_net  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
+
+# Three CPU devices whose sustained speeds are 5 : 2 : 1, so the planner's shares of 16 are 10 / 4 / 2.
+CLUSTER_521 = {
+    "name": "three_speeds",
+    "inter_node_bandwidth_gbs": 10,
+    "nodes": [{"name": "local", "devices": [
+        {"name": "fast", "type": "CPU", "tflops": {"fp32": 5.0}},
+        {"name": "mid", "type": "CPU", "tflops": {"fp32": 2.0}},
+        {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}},
+    ]}],
+}
+
+
+def _trainer(tmp: Path, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    strategy = HeteroStrategy(cluster=CLUSTER_521, global_batch_size=16, start_method="fork", verbose=False,
+                              timeout=__import__("datetime").timedelta(seconds=120))
+    defaults = dict(accelerator="cpu", devices=3, strategy=strategy, precision="64-true", logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                    num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return pl.Trainer(default_root_dir=str(tmp), **defaults)
+
+
+def _rows(out: Path) -> list[list[dict]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+
+
+def _reference(data: IndexedData, steps: list[list[list[int]]], accumulate: int, lr: float = 0.1
+               ) -> tuple[torch.nn.Module, list[float]]:
+    """Single process: each optimizer step averages the mean-loss gradients of its global batches (Lightning
+    divides every batch's loss by ``accumulate``)."""
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for group in steps:
+        opt.zero_grad()
+        for indices in group:
+            x, y = data.x[indices], data.y[indices]
+            loss = (net(x).squeeze(-1) - y).pow(2).mean()
+            losses.append(loss.item())
+            (loss / accumulate).backward()
+        opt.step()
+    return net, losses
+
+
+def test_three_ranks_uneven_shares_equal_single_process_update(tmp_path: Path) -> None:
+    """Shares 10/4/2, a short last batch with a filler rank, 2 epochs, gradient accumulation 2: the parameters
+    equal a single-process run's on the same global batches; every sample is used once per epoch."""
+    data = IndexedData(34)  # global batches 16, 16, 2 -> the last one splits 1/1/0 (rank 2 gets a weight-0 filler)
+    out = tmp_path / "rows"
+    out.mkdir()
+    model = Recorder(str(out))
+    trainer = _trainer(tmp_path, max_epochs=2, accumulate_grad_batches=2)
+    trainer.fit(model, DataLoader(data, batch_size=5, shuffle=True))
+    rows = _rows(out)
+
+    # Same number of steps on every rank; the planned shares; the filler counted as 0.
+    assert [len(r) for r in rows] == [6, 6, 6]
+    assert [rows[r][0]["counted"] for r in range(3)] == [10, 4, 2]
+    assert [rows[r][2]["counted"] for r in range(3)] == [1, 1, 0]
+
+    # Exactly once per epoch across ranks (fillers excluded), and a different order in the two epochs.
+    per_step: list[list[int]] = []
+    for epoch in range(2):
+        used: list[int] = []
+        for b in range(3):
+            step: list[int] = []
+            for r in range(3):
+                row = rows[r][3 * epoch + b]
+                assert (row["epoch"], row["batch"]) == (epoch, b)
+                step += row["indices"][: row["counted"]] if row["counted"] else []
+            used += step
+            per_step.append(step)
+        assert sorted(used) == list(range(34))
+    assert per_step[0] != per_step[3]
+
+    # Single-process reference on the same global batches: steps after batches (0,1) and (2) of each epoch.
+    groups = [[per_step[0], per_step[1]], [per_step[2]], [per_step[3], per_step[4]], [per_step[5]]]
+    ref, ref_losses = _reference(data, groups, accumulate=2)
+    for (name, p), q in zip(model.net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12, msg=name)
+    # The weighted reduce of the per-rank mean losses is the global batch's mean loss.
+    synced = [rows[0][i]["synced_loss"] for i in range(6)]
+    assert synced == pytest.approx(ref_losses, abs=1e-12)
+
+
+CLUSTER_21 = {
+    "name": "two_speeds",
+    "inter_node_bandwidth_gbs": 10,
+    "nodes": [{"name": "local", "devices": [
+        {"name": "fast", "type": "CPU", "tflops": {"fp32": 2.0}},
+        {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}},
+    ]}],
+}
+
+
+def _two_rank_trainer(tmp: Path, cluster: dict, global_batch: int, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    strategy = HeteroStrategy(cluster=cluster, global_batch_size=global_batch, start_method="fork", verbose=False,
+                              timeout=__import__("datetime").timedelta(seconds=120))
+    defaults = dict(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return pl.Trainer(default_root_dir=str(tmp), **defaults)
+
+
+def _losses(out: Path) -> list[tuple[int, int, float]]:
+    rows = json.loads((out / "rank0.json").read_text())
+    return [(r["epoch"], r["batch"], r["synced_loss"]) for r in rows]
+
+
+def test_resume_mid_epoch_continues_identically(tmp_path: Path) -> None:
+    """A run resumed from a mid-epoch checkpoint (also mid-way into the short last batch's epoch) reproduces the
+    uninterrupted run's batches and losses; the checkpoint carries the plan and shares."""
+    data = IndexedData(40)  # shares 8/4 of 12: batches 12, 12, 12, 4 per epoch
+    full_out, first_out, resumed_out = (tmp_path / n for n in ("full", "first", "resumed"))
+    for d in (full_out, first_out, resumed_out):
+        d.mkdir()
+
+    _two_rank_trainer(tmp_path / "a", CLUSTER_21, 12, max_epochs=2, enable_checkpointing=False).fit(
+        Recorder(str(full_out)), DataLoader(data, batch_size=6, shuffle=True))
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
+    _two_rank_trainer(tmp_path / "b", CLUSTER_21, 12, max_steps=3, callbacks=[ckpt]).fit(
+        Recorder(str(first_out)), DataLoader(data, batch_size=6, shuffle=True))
+    path = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    state = torch.load(path, weights_only=False)["het_strategy"]
+    assert state["shares"] == [8, 4] and state["devices"] == ["fast", "slow"]
+    assert state["plan"]["rank_shares"] == {"fast": 8, "slow": 4}
+
+    _two_rank_trainer(tmp_path / "c", CLUSTER_21, 12, max_epochs=2, enable_checkpointing=False).fit(
+        Recorder(str(resumed_out)), DataLoader(data, batch_size=6, shuffle=True), ckpt_path=str(path))
+
+    full = _losses(full_out)
+    assert len(full) == 8
+    assert _losses(first_out) == full[:3]
+    resumed = _losses(resumed_out)
+    assert [(e, b) for e, b, _ in resumed] == [(e, b) for e, b, _ in full[3:]]
+    assert [x for *_, x in resumed] == pytest.approx([x for *_, x in full[3:]], abs=1e-12)
+
+
+def test_rank_with_no_share_never_hangs(tmp_path: Path) -> None:
+    """A given plan that leaves a device idle: that rank runs weight-0 fillers in step with the other, and the
+    update is the busy rank's alone (as a single process on its batches)."""
+    from het_strategy.plan import Pipeline, Plan, Stage
+
+    plan = Plan(cluster="two_speeds", cluster_devices=("fast", "slow"), model={"num_layers": 1},
+                global_batch_size=8, pipelines=(Pipeline((Stage(("fast",), (0, 1)),), 8, 8),), dtype="fp32",
+                mode="manual")
+    plan.save(tmp_path / "plan.json")
+    data = IndexedData(24)
+    out = tmp_path / "rows"
+    out.mkdir()
+    model = Recorder(str(out))
+    torch.set_num_threads(1)
+    strategy = HeteroStrategy(cluster=CLUSTER_21, plan=tmp_path / "plan.json", start_method="fork",
+                              verbose=False, timeout=__import__("datetime").timedelta(seconds=120))
+    pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+               max_epochs=1, default_root_dir=str(tmp_path)).fit(model, DataLoader(data, batch_size=4))
+    rows = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["counted"] for r in rows[0]] == [8, 8, 8]
+    assert [r["counted"] for r in rows[1]] == [0, 0, 0]
+    assert sorted(i for r in rows[0] for i in r["indices"]) == list(range(24))
+    ref, _ = _reference(data, [[r["indices"]] for r in rows[0]], accumulate=1)
+    for p, q in zip(model.net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12)
