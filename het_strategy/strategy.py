@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,8 @@ from het_strategy.runtime_planning import data_parallel_plan, estimate_workload,
 from het_strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint, split_by_shares
 from het_strategy.workload import WorkloadSpec, load_workload
 
-__all__ = ["StepRecord", "HeteroDataLoader", "build_strategy_class", "register_strategies"]
+__all__ = ["StepRecord", "HeteroDataLoader", "HeteroStrategy", "HeteroStrategyPL", "EmulatedDeviceCallback",
+           "EmulatedDeviceCallbackPL", "build_strategy_class", "register_strategies"]
 
 CHECKPOINT_KEY = "het_strategy"
 STATE_VERSION = 1
@@ -184,6 +186,9 @@ class _HeteroLogic:
 
     # -- setup ------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
+        # Lightning warns that its DistributedSampler may repeat samples in validation; ours replaces it and
+        # evaluates every sample exactly once.
+        warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
         super().setup_environment()  # type: ignore[misc]
         self.cluster = self._resolve_cluster()
 
@@ -531,20 +536,59 @@ def build_strategy_class(pl: ModuleType) -> type:
     """``HeteroStrategy`` on ``pl``'s own DDPStrategy and Callback (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     class EmulatedDeviceCallback(pl.Callback):  # type: ignore[name-defined,misc]
-        """Pads each batch's compute before backward to the emulated device's time (set up by the strategy)."""
+        """Pads each training batch's compute, before backward, to the emulated device's time.
+
+        Under the ``hetero`` strategy (which adds it by itself) it asks the
+        strategy, which knows each batch's real sample count.  Under any other
+        strategy (plain ``ddp``, for comparison) give it the cluster and the
+        workload: rank r then plays the cluster's r-th device and a batch's
+        samples are the first tensor's length.
+        """
+
+        def __init__(self, cluster: Any = None, workload: Any = None, dtype: str = "fp32") -> None:
+            self._cluster_source, self._workload_source, self._dtype = cluster, workload, dtype
+            self._own: EmulatedCompute | None = None
+            self._samples = 0
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if hasattr(trainer.strategy, "pad_emulated_compute") or self._cluster_source is None:
+                return
+            cluster = load_cluster(self._cluster_source)
+            if cluster.num_devices != trainer.world_size:
+                raise field_error("cluster", cluster.name, f"describe {trainer.world_size} devices (the world size); "
+                                  f"it has {cluster.num_devices}")
+            if self._workload_source is None:
+                raise field_error("workload", None, "be given when the strategy is not `hetero`",
+                                  "pass the model's workload (a shipped model name or WorkloadSpec)")
+            workload = load_workload(self._workload_source, self._dtype)
+            device = cluster.devices[trainer.global_rank]
+            self._own = EmulatedCompute(emulated_seconds_per_sample(cluster, device.name, workload, self._dtype))
+            if trainer.global_rank == 0:
+                print(emulation_summary(cluster, workload, self._dtype), flush=True)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if self._own is not None:
+                first = _first_tensor(batch)
+                self._samples = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+                self._own.begin()
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+            if not trainer.training:
+                return
             pad = getattr(trainer.strategy, "pad_emulated_compute", None)
-            if pad is not None and trainer.training:
+            if pad is not None:
                 pad()
+            elif self._own is not None:
+                self._own.pad_before_backward(self._samples)
 
     class HeteroStrategy(_HeteroLogic, pl.strategies.DDPStrategy):  # type: ignore[misc]
         __doc__ = _HeteroLogic.__doc__
         _emulation_callback_cls = EmulatedDeviceCallback
 
-    HeteroStrategy.__module__ = __name__
-    HeteroStrategy.__qualname__ = "HeteroStrategy" if pl.__name__ == "lightning.pytorch" else "HeteroStrategyPL"
-    EmulatedDeviceCallback.__module__ = __name__
+    HeteroStrategy.__module__ = EmulatedDeviceCallback.__module__ = __name__
+    suffix = "" if pl.__name__ == "lightning.pytorch" else "PL"
+    HeteroStrategy.__qualname__ = HeteroStrategy.__name__ = f"HeteroStrategy{suffix}"
+    EmulatedDeviceCallback.__qualname__ = EmulatedDeviceCallback.__name__ = f"EmulatedDeviceCallback{suffix}"
     return HeteroStrategy
 
 
@@ -567,8 +611,10 @@ def _optional(name: str) -> ModuleType | None:
 
 _lightning = _optional("lightning.pytorch")
 HeteroStrategy = build_strategy_class(_lightning) if _lightning is not None else None
+EmulatedDeviceCallback = HeteroStrategy._emulation_callback_cls if HeteroStrategy is not None else None
 _pytorch_lightning = _optional("pytorch_lightning")
 HeteroStrategyPL = build_strategy_class(_pytorch_lightning) if _pytorch_lightning is not None else None
+EmulatedDeviceCallbackPL = HeteroStrategyPL._emulation_callback_cls if HeteroStrategyPL is not None else None
 if _lightning is not None:
     register_strategies(_lightning, HeteroStrategy)  # type: ignore[arg-type]
 if _pytorch_lightning is not None:

@@ -187,3 +187,36 @@ def test_rank_with_no_share_never_hangs(tmp_path: Path) -> None:
     ref, _ = _reference(data, [[r["indices"]] for r in rows[0]], accumulate=1)
     for p, q in zip(model.net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12)
+
+
+def test_auto_cluster_probes_caches_and_trains(tmp_path: Path) -> None:
+    """cluster="auto": every rank measures its device and the links, the figures are cached per host and device,
+    and the plan splits by the measured speeds (two equal CPU processes here: an even split)."""
+    cache = tmp_path / "cache"
+    out = tmp_path / "rows"
+    out.mkdir()
+    torch.set_num_threads(1)
+    strategy = HeteroStrategy(cluster="auto", global_batch_size=8, probe_cache_dir=cache, start_method="fork",
+                              verbose=False, timeout=__import__("datetime").timedelta(seconds=120))
+    pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_steps=2,
+               default_root_dir=str(tmp_path)).fit(Recorder(str(out)), DataLoader(IndexedData(16), batch_size=4))
+    assert len(list(cache.glob("device-*.json"))) == 2 and len(list(cache.glob("links-*.json"))) == 1
+    rows = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    counted = [[row["counted"] for row in rank_rows] for rank_rows in rows]
+    assert [a + b for a, b in zip(*counted)] == [8, 8]
+    assert all(c >= 1 for c in counted[0] + counted[1])
+
+
+def test_a_cluster_of_another_size_than_the_world_is_refused_before_training(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    strategy = HeteroStrategy(cluster=CLUSTER_521, start_method="fork", verbose=False,
+                              timeout=__import__("datetime").timedelta(seconds=60))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, max_steps=1,
+                         default_root_dir=str(tmp_path))
+    out = tmp_path / "rows"
+    out.mkdir()
+    with pytest.raises(Exception, match="as many devices as the launched world has ranks"):
+        trainer.fit(Recorder(str(out)), DataLoader(IndexedData(8), batch_size=2))
+    assert not list(out.iterdir())  # no training step ran

@@ -1,0 +1,301 @@
+"""``het-train``: the main job — a character-level GPT on the standard library's source, on a mixed cluster.
+
+Usage (every field of ``configs/train.yaml`` can be overridden Hydra-style)::
+
+    het-train                                  # 4 emulated CPU devices of speeds 1, 1, 0.5, 0.25
+    het-train strategy=ddp                     # plain Lightning DDP on the same cluster, for comparison
+    het-train cluster=local_cpu2 train.max_steps=30 model.num_layers=2 model.hidden_size=64
+    het-train cluster=auto devices=2           # probe the real devices (cached) instead of a cluster file
+    het-train --cfg                            # print the composed config and stop
+
+Steps of one run:
+
+1. compose and check the config in the launching process (bad input: one line
+   ``het-train: error: ...`` and exit code 2, before any worker starts);
+2. build the corpus (stdlib source, split by file), the model and the strategy —
+   ``hetero`` (planned uneven shares) or ``ddp`` (even split; on an emulated
+   cluster the same emulation callback pads its compute);
+3. ``Trainer.fit`` on ``devices`` processes (Lightning re-runs this command for
+   ranks 1..n-1), then a full validation pass;
+4. rank 0 prints the plan, per-rank throughput, the losses and the speed-up
+   over an equal split, and writes ``output.dir/output.summary``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg, compose_config, run_cli, shipped_options
+from het_strategy.errors import ConfigError, check_keys, field_error
+
+__all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
+
+PROG = "het-train"
+CONFIG_NAME = "train"
+_TOP_KEYS = {"cluster", "model", "strategy", "accelerator", "devices", "train", "data", "logger", "wandb",
+             "output", "checkpoint", "resume"}
+_TRAIN_KEYS = {"global_batch_size", "max_steps", "lr", "weight_decay", "precision", "accumulate_grad_batches",
+               "val_every_n_steps", "val_batches", "seed"}
+_STRATEGIES = ("hetero", "ddp")
+_LOGGERS = ("wandb", "csv", "none")
+
+_USAGE = f"""usage: {PROG} [--cfg] [key=value ...]
+
+Train a character-level GPT on the Python standard library's source on a heterogeneous cluster.
+
+overrides (Hydra syntax; see configs/train.yaml for every field):
+  cluster=<name|file.yaml|auto>  shipped: {{clusters}}
+  model=<name|file.yaml>         model.num_layers=N model.hidden_size=N model.num_heads=N model.seq_len=N
+  strategy=hetero|ddp            devices=N   accelerator=cpu|cuda
+  train.global_batch_size=N  train.max_steps=N  train.lr=X  train.precision=32-true|bf16-mixed  train.seed=N
+  train.val_every_n_steps=N  train.val_batches=N  train.accumulate_grad_batches=N
+  data.max_bytes=N  data.val_fraction=X
+  logger=wandb|csv|none          wandb.mode=offline|online|disabled
+  output.dir=DIR  output.summary=summary.json  checkpoint.every_n_steps=N  resume=<ckpt>
+
+options:
+  --cfg       print the composed config and exit
+  -h, --help  show this help and exit
+"""
+
+
+def compose_train_config(overrides: Sequence[str] = ()) -> tuple[DictConfig, bool]:
+    """The composed ``train`` config, and whether ``cluster=auto`` (probe at run time) was asked for."""
+    overrides = list(overrides)
+    auto = "cluster=auto" in overrides
+    if auto:
+        overrides.remove("cluster=auto")
+    return compose_config(CONFIG_NAME, overrides), auto
+
+
+class TrainJob:
+    """A checked ``het-train`` config: everything needed to build the run, no process group yet."""
+
+    def __init__(self, cfg: DictConfig, auto_cluster: bool = False) -> None:
+        from het_strategy.cost_model import TrainSettings  # noqa: F401  (checks dtype names below)
+        from het_strategy.runtime_planning import precision_dtype
+        from het_strategy.workload import TransformerConfig, transformer_workload
+
+        top = set(cfg.keys())
+        check_keys({k: None for k in top}, _TOP_KEYS, "config")
+        self.train = cfg_to_dict(cfg.train, "train")
+        check_keys(self.train, _TRAIN_KEYS, "train")
+        self.strategy = str(cfg.strategy)
+        if self.strategy not in _STRATEGIES:
+            raise field_error("strategy", cfg.strategy, f"be one of {', '.join(_STRATEGIES)}")
+        self.logger = str(cfg.logger)
+        if self.logger not in _LOGGERS:
+            raise field_error("logger", cfg.logger, f"be one of {', '.join(_LOGGERS)}")
+        self.accelerator = str(cfg.accelerator)
+        if self.accelerator not in ("cpu", "cuda"):
+            raise field_error("accelerator", cfg.accelerator, "be cpu or cuda")
+        self.auto_cluster = auto_cluster
+        self.cluster = None if auto_cluster else cluster_from_cfg(cfg)
+        devices = cfg.devices
+        if devices is None:
+            if self.cluster is None:
+                raise field_error("devices", None, "be given with cluster=auto (how many processes to probe)")
+            devices = self.cluster.num_devices
+        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+            raise field_error("devices", devices, "be an integer >= 1 (processes on this node)")
+        if self.cluster is not None and self.cluster.num_devices != devices:
+            raise field_error("devices", devices,
+                              f"equal the device count of cluster `{self.cluster.name}` "
+                              f"({self.cluster.num_devices}): rank r plays the cluster's r-th device",
+                              f"pass devices={self.cluster.num_devices} or a cluster of {devices} devices")
+        self.devices = devices
+        self.dtype = precision_dtype(self.train.get("precision", "32-true"))
+        model_raw = cfg_to_dict(cfg.model, "model")
+        model_raw.pop("description", None)
+        if model_raw.pop("kind", "transformer") != "transformer":
+            raise field_error("model.kind", cfg.model.get("kind"), "be `transformer` for het-train")
+        try:
+            self.model_cfg = TransformerConfig(**model_raw)
+        except TypeError as exc:
+            raise ConfigError(f"model: {exc}", field="model") from None
+        self.workload = transformer_workload(self.model_cfg, self.dtype)
+        gb = self.train.get("global_batch_size")
+        if not isinstance(gb, int) or isinstance(gb, bool) or gb < devices:
+            raise field_error("train.global_batch_size", gb, f"be an integer >= devices ({devices}): every rank "
+                              "needs a sample")
+        if self.strategy == "ddp" and gb % devices:
+            raise field_error("train.global_batch_size", gb, f"be divisible by devices ({devices}) for plain ddp, "
+                              "which splits the batch evenly")
+        self.global_batch_size = gb
+        for key in ("max_steps", "val_every_n_steps", "val_batches", "accumulate_grad_batches"):
+            value = self.train.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise field_error(f"train.{key}", value, "be an integer >= 1")
+        self.data = cfg_to_dict(cfg.data, "data")
+        check_keys(self.data, {"max_bytes", "val_fraction"}, "data")
+        self.wandb = cfg_to_dict(cfg.wandb, "wandb")
+        check_keys(self.wandb, {"project", "mode"}, "wandb")
+        self.output = cfg_to_dict(cfg.output, "output")
+        check_keys(self.output, {"dir", "summary"}, "output")
+        self.checkpoint = cfg_to_dict(cfg.checkpoint, "checkpoint")
+        check_keys(self.checkpoint, {"every_n_steps"}, "checkpoint")
+        every = self.checkpoint.get("every_n_steps")
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise field_error("checkpoint.every_n_steps", every, "be an integer >= 1 or null")
+        self.resume = None if cfg.resume is None else str(cfg.resume)
+        if self.resume is not None and not Path(self.resume).is_file():
+            raise field_error("resume", self.resume, "be an existing checkpoint file")
+        self.cfg = cfg
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(str(self.output.get("dir") or "."))
+
+
+def run_train(job: TrainJob) -> dict[str, Any] | None:
+    """Train; returns the run summary on rank 0 (None on other ranks)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    import het_strategy  # noqa: F401  (registers the strategy)
+    from het_strategy.callbacks.throughput import ThroughputMonitor
+    from het_strategy.examples_data import CharDataset, stdlib_corpus
+    from het_strategy.strategy import EmulatedDeviceCallback, HeteroStrategy
+    from het_strategy.emulation import cluster_is_emulated
+    from het_strategy.tiny_gpt import CharGPT
+
+    started = time.perf_counter()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.devices))
+    pl.seed_everything(int(job.train["seed"]), workers=True, verbose=False)
+    corpus = stdlib_corpus(max_bytes=int(job.data["max_bytes"]), val_fraction=float(job.data["val_fraction"]),
+                           seed=int(job.train["seed"]))
+    seq = job.model_cfg.seq_len
+    train_set, val_set = CharDataset(corpus.train, seq), CharDataset(corpus.val, seq)
+    per_rank = max(1, job.global_batch_size // job.devices)
+    train_loader = DataLoader(train_set, batch_size=per_rank, shuffle=True)
+    val_loader = DataLoader(val_set, batch_size=per_rank)
+    model = CharGPT.from_workload_config(job.model_cfg, lr=float(job.train["lr"]),
+                                         weight_decay=float(job.train["weight_decay"]))
+
+    out = job.out_dir
+    summary_path = out / str(job.output["summary"]) if job.output.get("summary") else None
+    throughput = ThroughputMonitor(warmup_steps=min(3, max(0, job.train["max_steps"] - 2)),
+                                   summary_path=None, verbose=False)
+    callbacks: list[Any] = [throughput]
+    cluster_source: Any = "auto" if job.auto_cluster else job.cluster
+    if job.strategy == "hetero":
+        strategy: Any = HeteroStrategy(cluster=cluster_source, workload=job.workload,
+                                       global_batch_size=job.global_batch_size)
+    else:
+        strategy = "ddp"
+        if job.cluster is not None and cluster_is_emulated(job.cluster):
+            callbacks.append(EmulatedDeviceCallback(cluster=job.cluster, workload=job.workload, dtype=job.dtype))
+    every = job.checkpoint.get("every_n_steps")
+    if every is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="{step}",
+                                         every_n_train_steps=every, save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator=job.accelerator, devices=job.devices, strategy=strategy,
+        precision=job.train["precision"], max_steps=int(job.train["max_steps"]),
+        accumulate_grad_batches=int(job.train["accumulate_grad_batches"]),
+        val_check_interval=int(job.train["val_every_n_steps"]), check_val_every_n_epoch=None,
+        limit_val_batches=int(job.train["val_batches"]), num_sanity_val_steps=0,
+        logger=_loggers(job), callbacks=callbacks, enable_checkpointing=every is not None,
+        enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1)
+    trainer.fit(model, train_loader, val_loader, ckpt_path=job.resume)
+    train_loss = trainer.callback_metrics.get("train_loss")
+    trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
+    full_val = trainer.validate(model, val_loader, verbose=False)
+    if trainer.global_rank != 0:
+        return None
+    summary = dict(throughput.summary or {})
+    summary.update({
+        "strategy": job.strategy, "cluster": "auto" if job.auto_cluster else job.cluster.name,  # type: ignore[union-attr]
+        "model": OmegaConf.to_container(job.cfg.model), "max_steps": int(job.train["max_steps"]),
+        "final_train_loss": float(train_loss) if train_loss is not None else None,
+        "final_val_loss": float(full_val[0]["val_loss"]) if full_val else None,
+        "val_samples": len(val_set), "train_samples": len(train_set), "wall_s": time.perf_counter() - started,
+    })
+    summary.update(_predicted_speedup(trainer.strategy, job))
+    _print_report(summary)
+    if summary_path is not None:
+        import json
+
+        from het_strategy.plan import write_atomic
+
+        write_atomic(summary_path, json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _loggers(job: TrainJob) -> Any:
+    if job.logger == "none":
+        return False
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers: list[Any] = [CSVLogger(save_dir=str(job.out_dir), name="csv")]
+    if job.logger == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        loggers.append(WandbLogger(project=str(job.wandb["project"]), save_dir=str(job.out_dir),
+                                   mode=str(job.wandb["mode"]),
+                                   config=OmegaConf.to_container(job.cfg, resolve=True)))
+    return loggers
+
+
+def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
+    """The cost model's step time for the plan and for an even split of the same batch."""
+    plan, cluster = getattr(strategy, "plan", None), getattr(strategy, "cluster", None)
+    if plan is None or cluster is None:
+        return {}
+    from het_strategy.cost_model import CostModel, TrainSettings
+    from het_strategy.planning.dp_split import equal_split_plan
+
+    cm = CostModel(cluster, job.workload, TrainSettings(global_batch_size=job.global_batch_size, dtype=job.dtype,
+                                                        micro_batch_sizes=(1,)))
+    planned = cm.score(plan).step_time_s
+    equal = cm.score(equal_split_plan(cm)).step_time_s
+    return {"shares": strategy.current_shares(), "predicted_step_s": planned, "predicted_equal_step_s": equal,
+            "predicted_speedup_vs_equal": equal / planned}
+
+
+def _print_report(summary: dict[str, Any]) -> None:
+    from het_strategy.callbacks.throughput import format_summary
+
+    print(format_summary(summary))
+    if "shares" in summary:
+        print(f"shares per rank: {summary['shares']}; predicted speed-up over an equal split "
+              f"{summary['predicted_speedup_vs_equal']:.2f}x (cost model)")
+    print(f"final train loss {summary['final_train_loss']:.4f}   validation loss {summary['final_val_loss']:.4f} "
+          f"(all {summary['val_samples']} held-out sequences)   wall {summary['wall_s']:.1f} s", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(_USAGE.format(clusters=", ".join(shipped_options("cluster") + ["auto"])))
+        return 0
+    show_cfg = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+    for a in args:
+        if a.startswith("-"):
+            print(f"{PROG}: error: unknown option {a} (overrides are key=value; see --help)", file=sys.stderr)
+            return 2
+
+    def body() -> int:
+        cfg, auto = compose_train_config(args)
+        if show_cfg:
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        run_train(TrainJob(cfg, auto))
+        return 0
+
+    return run_cli(PROG, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
