@@ -191,6 +191,17 @@ class _HeteroLogic:
         warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
         super().setup_environment()  # type: ignore[misc]
         self.cluster = self._resolve_cluster()
+        self._cap_emulated_memory()
+
+    def _cap_emulated_memory(self) -> None:
+        """On CUDA, an emulated device smaller than the real one gets its memory as an allocator cap."""
+        assert self.cluster is not None
+        if not cluster_is_emulated(self.cluster) or self.root_device.type != "cuda":
+            return  # on CPU the emulated memory is honoured by the planner only
+        total = torch.cuda.get_device_properties(self.root_device).total_memory
+        cap = self.cluster.devices[self.global_rank].memory_bytes
+        if cap < total:
+            torch.cuda.set_per_process_memory_fraction(cap / total, self.root_device)
 
     def _resolve_cluster(self) -> ClusterSpec:
         source = self._cluster_source
@@ -243,8 +254,8 @@ class _HeteroLogic:
             return dataloader
         trainer = self.lightning_module.trainer
         stage = trainer.state.stage.value if trainer.state.stage is not None else ""
-        if stage == "predict":
-            return dataloader
+        if stage == "predict" or isinstance(dataloader, HeteroDataLoader):
+            return dataloader  # prediction keeps Lightning's sampler; ours is already split
         if isinstance(dataloader.dataset, torch.utils.data.IterableDataset):
             raise field_error("DataLoader.dataset", type(dataloader.dataset).__name__,
                               "be a map-style dataset (the hetero strategy splits indices by shares)")
@@ -321,9 +332,10 @@ class _HeteroLogic:
         if self.plan is not None and self.plan.global_batch_size == global_batch:
             return
         assert self.cluster is not None
+        if self.workload is None:
+            self.workload = self._resolve_workload(dataloader, self.dtype)
         self.plan = self._restored_plan(global_batch) or self._make_plan(dataloader, global_batch)
         if cluster_is_emulated(self.cluster):
-            assert self.workload is not None
             device = self.cluster.devices[self.global_rank]
             self.emulator = EmulatedCompute(emulated_seconds_per_sample(self.cluster, device.name,
                                                                         self.workload, self.dtype))
@@ -445,9 +457,13 @@ class _HeteroLogic:
             closure_loss = closure_loss * (local * self.world_size / total)
         out = super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
         if self._counts is not None and self.lightning_module.trainer.training:
+            # No comm hook ran after the batch started when DDP skipped the sync (gradient accumulation):
+            # then the whole backward was this rank's own compute.
+            synced = self._last_grad_ready >= self._batch_t0
+            end = self._last_grad_ready if synced else time.perf_counter()
             self.records.append(StepRecord(step=self._train_step, samples=self._counts[0],
                                            forward_s=self._forward_s, pad_s=self._pad_s,
-                                           compute_s=max(self._last_grad_ready - self._batch_t0, 0.0)))
+                                           compute_s=end - self._batch_t0))
         return out
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

@@ -130,27 +130,33 @@ def _losses(out: Path) -> list[tuple[int, int, float]]:
     return [(r["epoch"], r["batch"], r["synced_loss"]) for r in rows]
 
 
+CLUSTER_21_EMULATED = {"name": "two_speeds", "inter_node_bandwidth_gbs": 10, "nodes": [{"name": "local", "devices": [
+    {"name": "fast", "type": "CPU", "tflops": {"fp32": 1.0}, "emulated_speed": 1.0},
+    {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}, "emulated_speed": 0.5}]}]}
+
+
 def test_resume_mid_epoch_continues_identically(tmp_path: Path) -> None:
-    """A run resumed from a mid-epoch checkpoint (also mid-way into the short last batch's epoch) reproduces the
-    uninterrupted run's batches and losses; the checkpoint carries the plan and shares."""
+    """A run resumed from a mid-epoch checkpoint reproduces the uninterrupted run's batches and losses, through
+    the short last batch and into the next epoch; the checkpoint carries the plan and the shares.  (An emulated
+    cluster, speeds 1 : 0.5, so the resumed run also rebuilds its emulated devices.)"""
     data = IndexedData(40)  # shares 8/4 of 12: batches 12, 12, 12, 4 per epoch
     full_out, first_out, resumed_out = (tmp_path / n for n in ("full", "first", "resumed"))
     for d in (full_out, first_out, resumed_out):
         d.mkdir()
 
-    _two_rank_trainer(tmp_path / "a", CLUSTER_21, 12, max_epochs=2, enable_checkpointing=False).fit(
+    _two_rank_trainer(tmp_path / "a", CLUSTER_21_EMULATED, 12, max_epochs=2, enable_checkpointing=False).fit(
         Recorder(str(full_out)), DataLoader(data, batch_size=6, shuffle=True))
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
-    _two_rank_trainer(tmp_path / "b", CLUSTER_21, 12, max_steps=3, callbacks=[ckpt]).fit(
+    _two_rank_trainer(tmp_path / "b", CLUSTER_21_EMULATED, 12, max_steps=3, callbacks=[ckpt]).fit(
         Recorder(str(first_out)), DataLoader(data, batch_size=6, shuffle=True))
     path = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
     state = torch.load(path, weights_only=False)["het_strategy"]
     assert state["shares"] == [8, 4] and state["devices"] == ["fast", "slow"]
     assert state["plan"]["rank_shares"] == {"fast": 8, "slow": 4}
 
-    _two_rank_trainer(tmp_path / "c", CLUSTER_21, 12, max_epochs=2, enable_checkpointing=False).fit(
+    _two_rank_trainer(tmp_path / "c", CLUSTER_21_EMULATED, 12, max_epochs=2, enable_checkpointing=False).fit(
         Recorder(str(resumed_out)), DataLoader(data, batch_size=6, shuffle=True), ckpt_path=str(path))
 
     full = _losses(full_out)

@@ -55,7 +55,7 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   strategy=hetero|ddp            devices=N   accelerator=cpu|cuda
   train.global_batch_size=N  train.max_steps=N  train.lr=X  train.precision=32-true|bf16-mixed  train.seed=N
   train.val_every_n_steps=N  train.val_batches=N  train.accumulate_grad_batches=N
-  data.max_bytes=N  data.val_fraction=X
+  data.max_bytes=N  data.val_fraction=X  data.seed=N
   logger=wandb|csv|none          wandb.mode=offline|online|disabled
   output.dir=DIR  output.summary=summary.json  checkpoint.every_n_steps=N  resume=<ckpt>
 
@@ -133,7 +133,7 @@ class TrainJob:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise field_error(f"train.{key}", value, "be an integer >= 1")
         self.data = cfg_to_dict(cfg.data, "data")
-        check_keys(self.data, {"max_bytes", "val_fraction"}, "data")
+        check_keys(self.data, {"max_bytes", "val_fraction", "seed"}, "data")
         self.wandb = cfg_to_dict(cfg.wandb, "wandb")
         check_keys(self.wandb, {"project", "mode"}, "wandb")
         self.output = cfg_to_dict(cfg.output, "output")
@@ -170,7 +170,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.devices))
     pl.seed_everything(int(job.train["seed"]), workers=True, verbose=False)
     corpus = stdlib_corpus(max_bytes=int(job.data["max_bytes"]), val_fraction=float(job.data["val_fraction"]),
-                           seed=int(job.train["seed"]))
+                           seed=int(job.data["seed"]))
     seq = job.model_cfg.seq_len
     train_set, val_set = CharDataset(corpus.train, seq), CharDataset(corpus.val, seq)
     per_rank = max(1, job.global_batch_size // job.devices)
