@@ -19,7 +19,7 @@ from het_strategy.cost_model import TrainSettings
 from het_strategy.errors import ConfigError, field_error
 from het_strategy.plan import Plan
 from het_strategy.planning import plan as search_plan
-from het_strategy.workload import LayerCost, WorkloadSpec
+from het_strategy.workload import LayerCost, MeasuredProfile, WorkloadSpec
 
 __all__ = ["precision_dtype", "estimate_workload", "data_parallel_plan",
            "shares_in_rank_order", "equal_shares"]
@@ -52,12 +52,16 @@ def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype:
 
 
 def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: str,
-                       given: Plan | str | Path | None = None) -> Plan:
-    """The run's pure data-parallel plan: ``given`` checked, or the planner's optimum."""
+                       given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None) -> Plan:
+    """The run's pure data-parallel plan: ``given`` checked, or the planner's optimum.
+
+    ``profile`` (measured per-layer times of this model per device type) replaces
+    datasheet throughput where it covers a device type.
+    """
     if given is None:
         settings = TrainSettings(global_batch_size=global_batch_size, dtype=dtype,
                                  micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})))
-        return search_plan(cluster, workload, settings, mode="dp")
+        return search_plan(cluster, workload, settings, mode="dp", profile=profile)
     plan = given if isinstance(given, Plan) else Plan.load(given)
     plan.check_against(cluster, workload)
     if list(plan.cluster_devices) != [d.name for d in cluster.devices]:

@@ -53,7 +53,7 @@ from het_strategy.plan import Plan
 from het_strategy.runtime_planning import data_parallel_plan, estimate_workload, precision_dtype, \
     shares_in_rank_order
 from het_strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint, split_by_shares
-from het_strategy.workload import WorkloadSpec, load_workload
+from het_strategy.workload import MeasuredProfile, WorkloadSpec, load_workload
 
 __all__ = ["StepRecord", "HeteroDataLoader", "HeteroStrategy", "HeteroStrategyPL", "EmulatedDeviceCallback",
            "EmulatedDeviceCallbackPL", "build_strategy_class", "register_strategies"]
@@ -139,6 +139,10 @@ class _HeteroLogic:
         emulation: honour the cluster's emulated speeds (pad compute); ``False``
             drops them (every rank plans and runs at its real speed).
         probe_cache_dir: where ``cluster="auto"`` caches its measurements.
+        profile_input: with ``cluster="auto"``, what the model's ``forward`` takes
+            from a batch (e.g. ``lambda batch: batch[0]``): every rank then times
+            the model's forward/backward per block on its device
+            (``profiling.profile_module``) and the planner uses those times.
         verbose: print the plan (and emulation) table on rank 0.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``,
             ``find_unused_parameters``, ``timeout``, ...).
@@ -149,7 +153,8 @@ class _HeteroLogic:
     def __init__(self, cluster: str | Path | ClusterSpec | dict = "auto", plan: str | Path | Plan | None = None,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
                  compression: Callable | None = None, compression_state: Any = None, rebalance: Any = None,
-                 emulation: bool = True, probe_cache_dir: str | Path | None = None, verbose: bool = True,
+                 emulation: bool = True, probe_cache_dir: str | Path | None = None,
+                 profile_input: Callable[[Any], Any] | None = None, verbose: bool = True,
                  **ddp_kwargs: Any) -> None:
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
             raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 or None")
@@ -157,6 +162,8 @@ class _HeteroLogic:
             raise field_error("compression", compression, "be a DDP comm hook: a callable (state, bucket) -> Future")
         if not isinstance(emulation, bool):
             raise field_error("emulation", emulation, "be true or false")
+        if profile_input is not None and not callable(profile_input):
+            raise field_error("profile_input", profile_input, "be a callable: batch -> the model's forward input")
         if plan is not None and not isinstance(plan, (str, Path, Plan)):
             raise field_error("plan", type(plan).__name__, "be a plan JSON path, a Plan, or None to plan at setup")
         super().__init__(ddp_comm_hook=compression, ddp_comm_state=compression_state, **ddp_kwargs)
@@ -167,12 +174,14 @@ class _HeteroLogic:
         self._rebalance = rebalance
         self._emulation_on = emulation
         self._probe_cache_dir = probe_cache_dir
+        self._profile_input = profile_input
         self._verbose = verbose
         self.cluster: ClusterSpec | None = None
         self.plan: Plan | None = None
         self._eval_plan: Plan | None = None
         self.train_sampler: HeteroBatchSampler | None = None
         self.workload: WorkloadSpec | None = None
+        self.profile: MeasuredProfile | None = None
         self.emulator: EmulatedCompute | None = None
         self.records: deque[StepRecord] = deque(maxlen=10_000)
         self._restored: dict[str, Any] | None = None
@@ -190,8 +199,9 @@ class _HeteroLogic:
         # evaluates every sample exactly once.
         warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
         super().setup_environment()  # type: ignore[misc]
-        self.cluster = self._resolve_cluster()
-        self._cap_emulated_memory()
+        if self.cluster is None:  # once per strategy: a later trainer.validate/test keeps the cluster
+            self.cluster = self._resolve_cluster()
+            self._cap_emulated_memory()
 
     def _cap_emulated_memory(self) -> None:
         """On CUDA, an emulated device smaller than the real one gets its memory as an allocator cap."""
@@ -208,11 +218,8 @@ class _HeteroLogic:
         if isinstance(source, str) and source == "auto":
             from het_strategy.probe import probe_cluster
 
-            result = probe_cluster(self.root_device, dtype=precision_dtype(self.precision_plugin.precision),
-                                   cache_dir=self._probe_cache_dir)
-            if self.global_rank == 0 and self._verbose:
-                print(result.table(), flush=True)
-            cluster = result.cluster
+            cluster = probe_cluster(self.root_device, dtype=self.dtype, cache_dir=self._probe_cache_dir,
+                                    print_table=self._verbose).cluster
         else:
             cluster = load_cluster(source)
         if cluster.num_devices != self.world_size:
@@ -333,7 +340,10 @@ class _HeteroLogic:
             return
         assert self.cluster is not None
         if self.workload is None:
-            self.workload = self._resolve_workload(dataloader, self.dtype)
+            if self._cluster_source == "auto" and self._profile_input is not None:
+                self.workload, self.profile = self._profile_model(dataloader)
+            else:
+                self.workload = self._resolve_workload(dataloader, self.dtype)
         self.plan = self._restored_plan(global_batch) or self._make_plan(dataloader, global_batch)
         if cluster_is_emulated(self.cluster):
             device = self.cluster.devices[self.global_rank]
@@ -356,7 +366,7 @@ class _HeteroLogic:
         if self.global_rank == 0:
             try:
                 payload[0] = ("plan", data_parallel_plan(self.cluster, self.workload, global_batch, self.dtype,
-                                                         self._plan_source).to_dict())
+                                                         self._plan_source, self.profile).to_dict())
             except ConfigError as exc:
                 payload[0] = ("error", str(exc))
         dist.broadcast_object_list(payload, src=0)
@@ -364,6 +374,30 @@ class _HeteroLogic:
         if kind == "error":
             raise ConfigError(value)
         return Plan.from_dict(value)
+
+    def _profile_model(self, dataloader: DataLoader) -> tuple[WorkloadSpec, MeasuredProfile]:
+        """Every rank times the model per block on its device; the first rank of each device type speaks for it."""
+        from het_strategy.profiling import profile_module
+
+        assert self.cluster is not None and self._profile_input is not None
+        n = min(len(dataloader.dataset), 4)
+        batch = dataloader.collate_fn([dataloader.dataset[i] for i in range(n)])
+        sample = self.batch_to_device(self._profile_input(batch), self.root_device)
+        module = self.lightning_module
+        param = next(p for p in module.parameters() if p.is_floating_point())
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(param.dtype)
+        if dtype is None:
+            raise field_error("profile_input", "a model in " + str(param.dtype),
+                              "profile a model whose parameters are fp32, bf16 or fp16")
+        device_type = self.cluster.devices[self.global_rank].type
+        result = profile_module(module, sample, dtype=dtype, device_type=device_type, name=type(module).__name__)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, result.profile.times)
+        times: dict[tuple[str, int], Any] = {}
+        for rank_times in gathered:
+            for key, rows in rank_times.items():
+                times.setdefault(key, rows)
+        return result.workload, MeasuredProfile(model=result.workload.name, times=times)
 
     def _resolve_workload(self, dataloader: DataLoader, dtype: str) -> WorkloadSpec:
         if self._workload_source is not None:
@@ -398,7 +432,7 @@ class _HeteroLogic:
         assert self.plan is not None and self.cluster is not None and self.workload is not None
         settings = TrainSettings(global_batch_size=self.plan.global_batch_size, dtype=self.dtype,
                                  micro_batch_sizes=(1,))
-        score = CostModel(self.cluster, self.workload, settings).score(self.plan)
+        score = CostModel(self.cluster, self.workload, settings, self.profile).score(self.plan)
         print(plan_table(self.plan, score, self.cluster), flush=True)
         if cluster_is_emulated(self.cluster):
             print(emulation_summary(self.cluster, self.workload, self.dtype), flush=True)

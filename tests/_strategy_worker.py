@@ -33,21 +33,27 @@ def make_net(dim: int = 4) -> torch.nn.Module:
 class Recorder(pl.LightningModule):
     """Records (epoch, batch, indices, counted samples, weighted mean loss) per training batch, per rank."""
 
-    def __init__(self, out_dir: str, lr: float = 0.1) -> None:
+    def __init__(self, out_dir: str, lr: float = 0.1, dtype: torch.dtype = torch.float64) -> None:
         super().__init__()
-        self.net = make_net()
+        self.net = make_net().to(dtype)
         self.out_dir = out_dir
         self.lr = lr
         self.rows: list[dict] = []
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y, idx = batch
+        x, y = x.to(self.net[0].weight.dtype), y.to(self.net[0].weight.dtype)
         loss = (self.net(x).squeeze(-1) - y).pow(2).mean()
         strategy = self.trainer.strategy
         counted = getattr(strategy, "current_local_samples", None)
         synced = strategy.reduce(loss.detach().clone(), reduce_op="mean")
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True, batch_size=len(y))
+        logged = self.trainer.callback_metrics.get("train_loss_step")  # what self.log just synced
         self.rows.append({"epoch": self.current_epoch, "batch": batch_idx, "indices": idx.tolist(),
+                          "logged": None if logged is None else float(logged),
                           "counted": counted, "synced_loss": float(synced), "local_loss": float(loss)})
         return loss
 
@@ -55,6 +61,13 @@ class Recorder(pl.LightningModule):
         path = Path(self.out_dir) / f"rank{self.global_rank}.json"
         existing = json.loads(path.read_text()) if path.exists() else []
         path.write_text(json.dumps(existing + self.rows))
+        strategy = self.trainer.strategy
+        plan = getattr(strategy, "plan", None)
+        if plan is not None:
+            profile = getattr(strategy, "profile", None)
+            (Path(self.out_dir) / f"strategy{self.global_rank}.json").write_text(json.dumps({
+                "plan": plan.to_dict(), "profiled_types": sorted(t for t, _ in profile.times) if profile else [],
+                "workload_layers": [layer.name for layer in strategy.workload.layers]}))
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -103,6 +103,8 @@ def test_three_ranks_uneven_shares_equal_single_process_update(tmp_path: Path) -
     # The weighted reduce of the per-rank mean losses is the global batch's mean loss.
     synced = [rows[0][i]["synced_loss"] for i in range(6)]
     assert synced == pytest.approx(ref_losses, abs=1e-12)
+    # ... and so is what `self.log(..., sync_dist=True)` recorded for each step.
+    assert [rows[0][i]["logged"] for i in range(6)] == pytest.approx(ref_losses, abs=1e-12)
 
 
 CLUSTER_21 = {
@@ -195,19 +197,26 @@ def test_rank_with_no_share_never_hangs(tmp_path: Path) -> None:
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12)
 
 
-def test_auto_cluster_probes_caches_and_trains(tmp_path: Path) -> None:
-    """cluster="auto": every rank measures its device and the links, the figures are cached per host and device,
-    and the plan splits by the measured speeds (two equal CPU processes here: an even split)."""
+def test_auto_cluster_probes_caches_profiles_and_trains(tmp_path: Path) -> None:
+    """cluster="auto": every rank measures its device and the links (cached per host and device), times the
+    model per block on its device, and the plan — made with those times — splits the batch (two equal CPU
+    processes here: about evenly)."""
     cache = tmp_path / "cache"
     out = tmp_path / "rows"
     out.mkdir()
     torch.set_num_threads(1)
     strategy = HeteroStrategy(cluster="auto", global_batch_size=8, probe_cache_dir=cache, start_method="fork",
-                              verbose=False, timeout=__import__("datetime").timedelta(seconds=120))
-    pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
+                              profile_input=lambda batch: batch[0].float(), verbose=False,
+                              timeout=__import__("datetime").timedelta(seconds=120))
+    pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False,
                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_steps=2,
-               default_root_dir=str(tmp_path)).fit(Recorder(str(out)), DataLoader(IndexedData(16), batch_size=4))
+               default_root_dir=str(tmp_path)).fit(Recorder(str(out), dtype=torch.float32),
+                                                   DataLoader(IndexedData(16), batch_size=4))
     assert len(list(cache.glob("device-*.json"))) == 2 and len(list(cache.glob("links-*.json"))) == 1
+    info = json.loads((out / "strategy0.json").read_text())
+    assert info["profiled_types"] == ["CPU"]
+    assert info["workload_layers"] == ["block0", "block1", "block2"]  # the Sequential's three modules
+    assert info["plan"]["cluster"] == "auto" and info["plan"]["predicted"]["step_time_s"] > 0
     rows = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     counted = [[row["counted"] for row in rank_rows] for rank_rows in rows]
     assert [a + b for a, b in zip(*counted)] == [8, 8]

@@ -186,8 +186,9 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     callbacks: list[Any] = [throughput]
     cluster_source: Any = "auto" if job.auto_cluster else job.cluster
     if job.strategy == "hetero":
-        strategy: Any = HeteroStrategy(cluster=cluster_source, workload=job.workload,
-                                       global_batch_size=job.global_batch_size)
+        # with cluster=auto the strategy profiles the model itself (per block, on every device type)
+        strategy: Any = HeteroStrategy(cluster=cluster_source, workload=None if job.auto_cluster else job.workload,
+                                       global_batch_size=job.global_batch_size, profile_input=model_input)
     else:
         strategy = "ddp"
         if job.cluster is not None and cluster_is_emulated(job.cluster):
@@ -231,6 +232,11 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     return summary
 
 
+def model_input(batch: Any) -> Any:
+    """What CharGPT's forward takes from a (tokens, targets) batch."""
+    return batch[0]
+
+
 def _loggers(job: TrainJob) -> Any:
     if job.logger == "none":
         return False
@@ -255,8 +261,9 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
     from het_strategy.cost_model import CostModel, TrainSettings
     from het_strategy.planning.dp_split import equal_split_plan
 
-    cm = CostModel(cluster, job.workload, TrainSettings(global_batch_size=job.global_batch_size, dtype=job.dtype,
-                                                        micro_batch_sizes=(1,)))
+    cm = CostModel(cluster, strategy.workload, TrainSettings(global_batch_size=job.global_batch_size,
+                                                             dtype=job.dtype, micro_batch_sizes=(1,)),
+                   strategy.profile)
     planned = cm.score(plan).step_time_s
     equal = cm.score(equal_split_plan(cm)).step_time_s
     return {"shares": strategy.current_shares(), "predicted_step_s": planned, "predicted_equal_step_s": equal,
