@@ -501,8 +501,8 @@ class _HeteroLogic:
         return out
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Inside a step, a mean of logged values is weighted by each rank's samples."""
-        if (self._in_step and self._counts is not None and isinstance(tensor, torch.Tensor)
+        """Inside a step, a mean over the whole world (``sync_dist`` logging) is weighted by each rank's samples."""
+        if (self._in_step and self._counts is not None and group is None and isinstance(tensor, torch.Tensor)
                 and torch.is_floating_point(tensor) and _is_mean(reduce_op)):
             local, total = self._counts
             summed = super().reduce(tensor * local, group=group, reduce_op="sum")  # type: ignore[misc]
