@@ -23,6 +23,7 @@ __all__ = [
     "DeviceSpec",
     "NodeSpec",
     "LinkSpec",
+    "Slowdown",
     "ClusterSpec",
     "device_catalog",
     "lookup_device_type",
@@ -162,6 +163,23 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class Slowdown:
+    """An emulated device running ``factor`` times slower from ``start_step`` until ``end_step`` (exclusive)."""
+
+    device: str
+    """Device name."""
+    factor: float
+    """Compute-time multiplier while active (3.0: three times slower; 0.5: twice as fast)."""
+    start_step: int
+    """First optimizer step it applies to."""
+    end_step: int | None = None
+    """First step it no longer applies to; None: until the end of the run."""
+
+    def active(self, step: int) -> bool:
+        return step >= self.start_step and (self.end_step is None or step < self.end_step)
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """Devices grouped into nodes, with intra- and inter-node bandwidth."""
 
@@ -175,6 +193,10 @@ class ClusterSpec:
     """Per-node-pair overrides of ``inter_node_bandwidth_gbs``."""
     latency_us: float = 10.0
     """Per-message latency added to every transfer, microseconds."""
+    slowdowns: tuple[Slowdown, ...] = ()
+    """Scheduled slowdowns of emulated devices (tests and benchmarks of straggler handling)."""
+    emulation_noise: float = 0.0
+    """Emulated compute time varies by a uniform factor in [1 - noise, 1 + noise] per step (0: none)."""
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -193,6 +215,20 @@ class ClusterSpec:
                                       f"known: {sorted(node_names)}")
             if not is_positive(link.bandwidth_gbs):
                 raise field_error(f"links[{i}].bandwidth_gbs", link.bandwidth_gbs, "be > 0 (GB/s)")
+        emulated = {d.name for d in self.devices if d.emulated_speed is not None}
+        for i, sd in enumerate(self.slowdowns):
+            where = f"slowdowns[{i}]"
+            if sd.device not in emulated:
+                raise field_error(f"{where}.device", sd.device, "name an emulated device of this cluster "
+                                  "(one with emulated_speed)", f"emulated: {sorted(emulated) or 'none'}")
+            if not is_positive(sd.factor):
+                raise field_error(f"{where}.factor", sd.factor, "be > 0 (compute-time multiplier)")
+            if not isinstance(sd.start_step, int) or sd.start_step < 0:
+                raise field_error(f"{where}.start_step", sd.start_step, "be an integer >= 0")
+            if sd.end_step is not None and (not isinstance(sd.end_step, int) or sd.end_step <= sd.start_step):
+                raise field_error(f"{where}.end_step", sd.end_step, f"be an integer > start_step ({sd.start_step})")
+        if not (isinstance(self.emulation_noise, (int, float)) and 0 <= self.emulation_noise < 1):
+            raise field_error("emulation_noise", self.emulation_noise, "be in [0, 1) (a fraction of the step time)")
         object.__setattr__(self, "_by_name", {d.name: d for d in self.devices})
         object.__setattr__(self, "_nodes_by_name", {n.name: n for n in self.nodes})
         object.__setattr__(self, "_pair_bw", {frozenset(l.nodes): l.bandwidth_gbs for l in self.links})
@@ -254,9 +290,22 @@ class ClusterSpec:
             best = min(best, self.inter_node_bandwidth_gbs)
         return best
 
+    def slowdown_factor(self, device_name: str, step: int) -> float:
+        """The product of the scheduled slowdown factors of ``device_name`` active at ``step``."""
+        factor = 1.0
+        for sd in self.slowdowns:
+            if sd.device == device_name and sd.active(step):
+                factor *= sd.factor
+        return factor
+
     def to_dict(self) -> dict[str, Any]:
         """The explicit YAML form (every device listed with resolved figures)."""
-        return {
+        extra: dict[str, Any] = {}
+        if self.slowdowns:
+            extra["slowdowns"] = [{k: v for k, v in sd.__dict__.items() if v is not None} for sd in self.slowdowns]
+        if self.emulation_noise:
+            extra["emulation_noise"] = self.emulation_noise
+        return extra | {
             "name": self.name,
             "inter_node_bandwidth_gbs": self.inter_node_bandwidth_gbs,
             "latency_us": self.latency_us,
@@ -280,7 +329,9 @@ class ClusterSpec:
 
 # -- loading ----------------------------------------------------------------------------------
 
-_CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_us", "description"}
+_CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_us", "description", "slowdowns",
+                 "emulation_noise"}
+_SLOWDOWN_KEYS = {"device", "factor", "start_step", "end_step"}
 _NODE_KEYS = {"name", "devices", "intra_bandwidth_gbs", "count"}
 _DEVICE_KEYS = {"name", "type", "count", "tflops", "memory_gb", "memory_bandwidth_gbs", "efficiency",
                 "emulated_speed"}
@@ -350,8 +401,21 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
         links.append(LinkSpec((str(pair[0]), str(pair[1])),
                               require_number(link_raw.get("bandwidth_gbs"), f"links[{i}].bandwidth_gbs")))
     latency = require_number(raw.get("latency_us", 10.0), "latency_us", allow_zero=True)
+    slowdowns = []
+    for i, sd_raw in enumerate(raw.get("slowdowns") or []):
+        if not isinstance(sd_raw, Mapping):
+            raise field_error(f"slowdowns[{i}]", sd_raw, "be a mapping with device, factor, start_step[, end_step]")
+        check_keys(sd_raw, _SLOWDOWN_KEYS, f"slowdowns[{i}]")
+        for key in ("device", "factor", "start_step"):
+            if key not in sd_raw:
+                raise field_error(f"slowdowns[{i}].{key}", None, "be given")
+        end = sd_raw.get("end_step")
+        slowdowns.append(Slowdown(str(sd_raw["device"]), require_number(sd_raw["factor"], f"slowdowns[{i}].factor"),
+                                  require_int(sd_raw["start_step"], f"slowdowns[{i}].start_step", minimum=0),
+                                  None if end is None else require_int(end, f"slowdowns[{i}].end_step", minimum=1)))
+    noise = require_number(raw.get("emulation_noise", 0.0), "emulation_noise", allow_zero=True)
     return ClusterSpec(name=name, nodes=tuple(nodes), inter_node_bandwidth_gbs=inter, links=tuple(links),
-                       latency_us=latency)
+                       latency_us=latency, slowdowns=tuple(slowdowns), emulation_noise=noise)
 
 
 def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str) -> NodeSpec:

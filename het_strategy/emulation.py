@@ -18,7 +18,9 @@ config asks for it.
 
 from __future__ import annotations
 
+import random
 import time
+import zlib
 from dataclasses import dataclass, field
 
 from het_strategy.cluster import ClusterSpec
@@ -26,7 +28,8 @@ from het_strategy.cost_model import CostModel, TrainSettings
 from het_strategy.errors import field_error
 from het_strategy.workload import WorkloadSpec
 
-__all__ = ["EmulatedCompute", "emulated_seconds_per_sample", "cluster_is_emulated", "emulation_summary"]
+__all__ = ["EmulatedCompute", "emulated_seconds_per_sample", "emulated_factor", "cluster_is_emulated",
+           "emulation_summary"]
 
 
 def cluster_is_emulated(cluster: ClusterSpec) -> bool:
@@ -41,12 +44,31 @@ def emulated_seconds_per_sample(cluster: ClusterSpec, device_name: str, workload
     return float(cm.replicated_compute_prefix(cluster.device(device_name), 1, 1)[-1])
 
 
+def emulated_factor(cluster: ClusterSpec, device_name: str, step: int) -> float:
+    """The compute-time multiplier of ``device_name`` at optimizer ``step``: scheduled slowdowns x noise.
+
+    The noise is a uniform factor in ``[1 - n, 1 + n]`` drawn from a seed of
+    (device, step), so a run and its resumed copy see the same values.
+    """
+    factor = cluster.slowdown_factor(device_name, step)
+    if cluster.emulation_noise:
+        rng = random.Random(zlib.crc32(f"{device_name}:{step}".encode()))
+        factor *= 1.0 + cluster.emulation_noise * (2.0 * rng.random() - 1.0)
+    return factor
+
+
 def emulation_summary(cluster: ClusterSpec, workload: WorkloadSpec, dtype: str) -> str:
     """One line per device: its emulated speed and per-sample compute time."""
     lines = [f"EMULATED cluster `{cluster.name}` (compute padded to the emulated device; collectives are real):"]
     for d in cluster.devices:
         t = emulated_seconds_per_sample(cluster, d.name, workload, dtype)
         lines.append(f"  {d.name:<12} speed {d.emulated_speed or 1.0:<6g} {t * 1e3:9.2f} ms/sample")
+    for sd in cluster.slowdowns:
+        until = f"until step {sd.end_step}" if sd.end_step is not None else "to the end"
+        lines.append(f"  scheduled: {sd.device} {sd.factor:g}x slower from step {sd.start_step} {until}")
+    if cluster.emulation_noise:
+        lines.append(f"  noise: each step's compute x uniform [{1 - cluster.emulation_noise:g}, "
+                     f"{1 + cluster.emulation_noise:g}]")
     return "\n".join(lines)
 
 
@@ -55,8 +77,8 @@ class EmulatedCompute:
     """Pads one rank's forward + backward to ``samples x seconds_per_sample``.
 
     ``begin()`` at the start of a batch, ``pad_before_backward(samples)`` after
-    its forward.  ``slowdown(step)`` (a factor >= 1, default 1) lets a schedule
-    make the device slower for a while.
+    its forward, with the step's ``factor`` (``emulated_factor``: scheduled
+    slowdowns and noise; 1 by default).
     """
 
     seconds_per_sample: float
@@ -75,14 +97,18 @@ class EmulatedCompute:
     def begin(self) -> None:
         self._t0 = time.perf_counter()
 
-    def target_s(self, samples: int, slowdown: float = 1.0) -> float:
+    def target_s(self, samples: int, factor: float = 1.0) -> float:
         """Emulated forward + backward seconds of ``samples`` samples."""
-        return samples * self.seconds_per_sample * slowdown
+        return samples * self.seconds_per_sample * factor
 
-    def pad_before_backward(self, samples: int, slowdown: float = 1.0) -> float:
-        """Sleep for the emulated time the real forward (and expected backward) did not take; returns it."""
-        forward = time.perf_counter() - self._t0
-        pad = self.target_s(samples, slowdown) - forward * (1.0 + self.backward_ratio)
+    def pad_before_backward(self, samples: int, factor: float = 1.0, waited_s: float = 0.0) -> float:
+        """Sleep for the emulated time the real forward (and expected backward) did not take; returns it.
+
+        ``waited_s``: time the forward spent inside collectives (e.g. ``sync_dist``
+        logging), which is not compute.
+        """
+        forward = max(time.perf_counter() - self._t0 - waited_s, 0.0)
+        pad = self.target_s(samples, factor) - forward * (1.0 + self.backward_ratio)
         self.real_forward_s += forward
         self.steps += 1
         if pad > 0:

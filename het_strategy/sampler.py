@@ -165,6 +165,12 @@ class HeteroBatchSampler(Sampler[list[int]]):
             current = shares
         return current
 
+    @property
+    def produced(self) -> int:
+        """Steps of this epoch the current iterator has already yielded (prefetched ones included)."""
+        self._sync_epoch()
+        return self._produced
+
     def set_shares(self, shares: Sequence[int], first_step: int) -> None:
         """Use ``shares`` from ``first_step`` of this epoch on (and in later epochs).
 

@@ -46,8 +46,8 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from het_strategy.cluster import ClusterSpec, load_cluster
-from het_strategy.emulation import EmulatedCompute, cluster_is_emulated, emulated_seconds_per_sample, \
-    emulation_summary
+from het_strategy.emulation import EmulatedCompute, cluster_is_emulated, emulated_factor, \
+    emulated_seconds_per_sample, emulation_summary
 from het_strategy.errors import ConfigError, field_error
 from het_strategy.plan import Plan
 from het_strategy.runtime_planning import data_parallel_plan, estimate_workload, precision_dtype, \
@@ -191,6 +191,7 @@ class _HeteroLogic:
         self._forward_s = 0.0
         self._pad_s = 0.0
         self._last_grad_ready = 0.0
+        self._collective_s = 0.0  # time this batch spent inside reduce() collectives (not compute)
         self._train_step = -1
 
     # -- setup ------------------------------------------------------------------------------------
@@ -322,6 +323,24 @@ class _HeteroLogic:
         assert self.plan is not None and self.cluster is not None
         return shares_in_rank_order(self.plan, self.cluster)
 
+    def next_safe_step(self) -> int:
+        """The first step of the epoch no rank has produced yet (a collective: call it on every rank)."""
+        assert self.train_sampler is not None
+        produced = torch.tensor([self.train_sampler.produced], dtype=torch.long, device=self.root_device)
+        dist.all_reduce(produced, op=dist.ReduceOp.MAX)
+        return int(produced.item())
+
+    def set_shares(self, shares: list[int], first_step: int) -> None:
+        """Live rebalancing: split every global batch from ``first_step`` of this epoch on by ``shares``.
+
+        Every rank must call it with the same arguments (straggler callbacks decide
+        from the same gathered telemetry); updates stay exact and each sample of the
+        epoch is still used once.
+        """
+        if self.train_sampler is None:
+            raise ConfigError("set_shares: no training DataLoader has been split yet")
+        self.train_sampler.set_shares(shares, first_step)
+
     def _check_same_order(self, sampler: HeteroBatchSampler) -> None:
         fingerprints: list[Any] = [None] * self.world_size
         dist.all_gather_object(fingerprints, order_fingerprint(sampler.sampler.indices()))
@@ -450,6 +469,7 @@ class _HeteroLogic:
         self._train_step = batch_idx
         self._batch_t0 = time.perf_counter()
         self._pad_s = 0.0
+        self._collective_s = 0.0
         if self.emulator is not None:
             self.emulator.begin()
         self._in_step = True
@@ -480,10 +500,13 @@ class _HeteroLogic:
         """Samples this rank really uses in the current batch (0 for a filler), if known."""
         return None if self._counts is None else self._counts[0]
 
-    def pad_emulated_compute(self, slowdown: float = 1.0) -> None:
-        """Called before backward by the emulation callback."""
+    def pad_emulated_compute(self) -> None:
+        """Called before backward by the emulation callback: pad to the emulated device's time at this step."""
         if self.emulator is not None and self._counts is not None:
-            self._pad_s = self.emulator.pad_before_backward(self._counts[0], slowdown)
+            assert self.cluster is not None
+            factor = emulated_factor(self.cluster, self.cluster.devices[self.global_rank].name,
+                                     self.lightning_module.trainer.global_step)
+            self._pad_s = self.emulator.pad_before_backward(self._counts[0], factor, self._collective_s)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._counts is not None:
@@ -496,18 +519,27 @@ class _HeteroLogic:
             synced = self._last_grad_ready >= self._batch_t0
             end = self._last_grad_ready if synced else time.perf_counter()
             self.records.append(StepRecord(step=self._train_step, samples=self._counts[0],
-                                           forward_s=self._forward_s, pad_s=self._pad_s,
-                                           compute_s=end - self._batch_t0))
+                                           forward_s=self._forward_s - self._collective_s, pad_s=self._pad_s,
+                                           compute_s=max(end - self._batch_t0 - self._collective_s, 0.0)))
         return out
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Inside a step, a mean over the whole world (``sync_dist`` logging) is weighted by each rank's samples."""
-        if (self._in_step and self._counts is not None and group is None and isinstance(tensor, torch.Tensor)
-                and torch.is_floating_point(tensor) and _is_mean(reduce_op)):
-            local, total = self._counts
-            summed = super().reduce(tensor * local, group=group, reduce_op="sum")  # type: ignore[misc]
-            return summed / total
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        """Inside a step, a mean over the whole world (``sync_dist`` logging) is weighted by each rank's samples.
+
+        Time spent in it during a step is waiting and communication, not compute:
+        it is kept out of the step's compute time and emulated padding.
+        """
+        start = time.perf_counter()
+        try:
+            if (self._in_step and self._counts is not None and group is None and isinstance(tensor, torch.Tensor)
+                    and torch.is_floating_point(tensor) and _is_mean(reduce_op)):
+                local, total = self._counts
+                summed = super().reduce(tensor * local, group=group, reduce_op="sum")  # type: ignore[misc]
+                return summed / total
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        finally:
+            if self._in_step:
+                self._collective_s += time.perf_counter() - start
 
     # -- checkpoints ------------------------------------------------------------------------------
     def het_state(self) -> dict[str, Any]:
@@ -598,6 +630,8 @@ def build_strategy_class(pl: ModuleType) -> type:
         def __init__(self, cluster: Any = None, workload: Any = None, dtype: str = "fp32") -> None:
             self._cluster_source, self._workload_source, self._dtype = cluster, workload, dtype
             self._own: EmulatedCompute | None = None
+            self._cluster: ClusterSpec | None = None
+            self._device = ""
             self._samples = 0
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -611,8 +645,8 @@ def build_strategy_class(pl: ModuleType) -> type:
                 raise field_error("workload", None, "be given when the strategy is not `hetero`",
                                   "pass the model's workload (a shipped model name or WorkloadSpec)")
             workload = load_workload(self._workload_source, self._dtype)
-            device = cluster.devices[trainer.global_rank]
-            self._own = EmulatedCompute(emulated_seconds_per_sample(cluster, device.name, workload, self._dtype))
+            self._cluster, self._device = cluster, cluster.devices[trainer.global_rank].name
+            self._own = EmulatedCompute(emulated_seconds_per_sample(cluster, self._device, workload, self._dtype))
             if trainer.global_rank == 0:
                 print(emulation_summary(cluster, workload, self._dtype), flush=True)
 
@@ -629,7 +663,8 @@ def build_strategy_class(pl: ModuleType) -> type:
             if pad is not None:
                 pad()
             elif self._own is not None:
-                self._own.pad_before_backward(self._samples)
+                self._own.pad_before_backward(self._samples,
+                                              emulated_factor(self._cluster, self._device, trainer.global_step))
 
     class HeteroStrategy(_HeteroLogic, pl.strategies.DDPStrategy):  # type: ignore[misc]
         __doc__ = _HeteroLogic.__doc__

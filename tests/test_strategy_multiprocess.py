@@ -235,3 +235,71 @@ def test_a_cluster_of_another_size_than_the_world_is_refused_before_training(tmp
     with pytest.raises(Exception, match="as many devices as the launched world has ranks"):
         trainer.fit(Recorder(str(out)), DataLoader(IndexedData(8), batch_size=2))
     assert not list(out.iterdir())  # no training step ran
+
+
+def _slowdown_cluster(start: int) -> dict:
+    # ~8 ms of emulated compute per sample for the 49-parameter test net (3 x 98 FLOPs / 3.7e-8 TFLOPS)
+    dev = {"type": "CPU", "tflops": {"fp32": 3.7e-8}, "efficiency": 1.0, "emulated_speed": 1.0}
+    return {"name": "three_equal", "inter_node_bandwidth_gbs": 10,
+            "slowdowns": [{"device": "r1", "factor": 3.0, "start_step": start}],
+            "nodes": [{"name": "local", "devices": [{"name": f"r{i}", **dev} for i in range(3)]}]}
+
+
+def test_scheduled_slowdown_triggers_an_exact_rebalance_that_survives_resume(tmp_path: Path) -> None:
+    """Rank 1 becomes 3x slower at step 6: the straggler callback moves work off it at a step boundary on every
+    rank; the parameters still equal a single process's on the same global batches, every sample is used once
+    per epoch, and a run resumed from a checkpoint after the rebalance keeps its shares, detector state and
+    batches."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from het_strategy.callbacks.straggler import StragglerMitigation
+
+    data = IndexedData(60)  # global batch 12: 5 steps per epoch, 4 epochs
+    runs = {name: tmp_path / name for name in ("full", "resumed")}
+    for d in runs.values():
+        d.mkdir()
+
+    def trainer(root: Path, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
+        torch.set_num_threads(1)
+        strategy = HeteroStrategy(cluster=_slowdown_cluster(6), global_batch_size=12, start_method="fork",
+                                  verbose=False, timeout=__import__("datetime").timedelta(seconds=120))
+        straggler = StragglerMitigation(every_n_steps=2, consecutive=3, warmup=4, verbose=False, log=False)
+        return pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, precision="64-true", logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, max_epochs=4,
+                          default_root_dir=str(root), callbacks=[straggler, *kwargs.pop("callbacks", [])], **kwargs)
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=16, save_top_k=-1)
+    model = Recorder(str(runs["full"]))
+    trainer(tmp_path / "a", callbacks=[ckpt]).fit(model, DataLoader(data, batch_size=4, shuffle=True))
+    rows = [json.loads((runs["full"] / f"rank{r}.json").read_text()) for r in range(3)]
+    counted = [[rows[r][i]["counted"] for r in range(3)] for i in range(20)]
+    assert counted[0] == [4, 4, 4]
+    assert counted[-1][1] < 4 and sum(counted[-1]) == 12  # work moved off the slow rank
+    switch = next(i for i, c in enumerate(counted) if c != [4, 4, 4])
+    assert 6 < switch <= 6 + 10, f"shares changed at step {switch}, the slowdown began at 6"
+    assert all(c[1] < 4 for c in counted[switch:]), "the slow rank keeps a smaller share once rebalanced"
+
+    steps = []
+    for epoch in range(4):
+        used = []
+        for b in range(5):
+            step = [i for r in range(3) for i in rows[r][5 * epoch + b]["indices"][: rows[r][5 * epoch + b]["counted"]]]
+            steps.append(step)
+            used += step
+        assert sorted(used) == list(range(60))
+    ref, ref_losses = _reference(data, [[s] for s in steps], accumulate=1)
+    for p, q in zip(model.net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12)
+
+    path = tmp_path / "ckpt" / "epoch=3-step=16.ckpt"
+    saved = torch.load(path, weights_only=False)
+    assert saved["het_strategy"]["shares"] == counted[switch]
+    (cb_state,) = [v for k, v in saved["callbacks"].items() if "StragglerMitigation" in k]
+    assert cb_state["decisions"] and len(cb_state["detectors"]) == 3
+
+    trainer(tmp_path / "c").fit(Recorder(str(runs["resumed"])), DataLoader(data, batch_size=4, shuffle=True),
+                                ckpt_path=str(path))
+    resumed = [json.loads((runs["resumed"] / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [[resumed[r][i]["counted"] for r in range(3)] for i in range(4)] == counted[16:]
+    assert [row["synced_loss"] for row in resumed[0]] == pytest.approx(
+        [row["synced_loss"] for row in rows[0][16:]], abs=1e-12)

@@ -1,0 +1,279 @@
+"""Detect slow ranks online and rebalance the global batch without restarting.
+
+**Detection** (``ShiftDetector``, one per rank, on its per-sample compute time
+— the compute time of a step divided by the samples it used, so a change of
+share is not a change of speed).  The baseline is the median of the current
+regime's recent values (up to ``window``) before the last ``consecutive``
+ones; its spread the scaled MAD.  A shift is declared when *every one* of the
+last ``consecutive`` values lies beyond both ``baseline x (1 + threshold)``
+and ``baseline + z x MAD`` (or below ``baseline / (1 + threshold)`` and
+``baseline - z x MAD`` for a recovery).  A spike shorter than ``consecutive``
+steps cannot trigger it; noise of +-n% per step cannot when ``threshold`` > 2n
+(defaults: 0.25, 4 steps, z = 4).  The new regime then starts from those
+values.  Sensitivity: lower ``threshold`` to catch smaller shifts, lower
+``consecutive`` to react faster (at more risk from bursts of noise).
+
+**Mitigation ladder** (``StragglerMitigation``), decided identically on every
+rank from the same gathered telemetry (no extra agreement step):
+
+a. re-split the global batch in proportion to the measured speeds
+   (exact integer min-max), from the first step no rank has produced yet, so
+   every rank switches at the same step and the strategy's sampler and weighted
+   gradients keep each update exact and each sample used once per epoch;
+b. a rank slower than ``evict_ratio`` x the median keeps only ``min_share``
+   of the batch (a fraction; 0 makes it run weight-0 fillers in step);
+c. a rank slower than ``stop_ratio`` x the median: save a checkpoint and stop
+   with a message naming it, so an elastic launcher can restart without it.
+
+Every decision is printed on rank 0, logged to the loggers and kept in
+``decisions`` (and in checkpoints, with the detectors' state).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from het_strategy.callbacks.telemetry import FIELDS, StepTelemetry
+from het_strategy.errors import field_error
+from het_strategy.planning.allocation import allocate_min_max
+
+__all__ = ["Shift", "ShiftDetector", "Decision", "StragglerMitigation"]
+
+_MAD_SCALE = 1.4826  # MAD of a normal distribution -> its standard deviation
+
+
+@dataclass(frozen=True)
+class Shift:
+    """A persistent change of a series' level."""
+
+    old: float
+    new: float
+
+    @property
+    def ratio(self) -> float:
+        return self.new / self.old
+
+
+class ShiftDetector:
+    """Online detector of persistent level shifts in a positive series (see the module docstring)."""
+
+    def __init__(self, threshold: float = 0.25, consecutive: int = 4, window: int = 32, warmup: int = 8,
+                 z: float = 4.0) -> None:
+        if not (isinstance(threshold, (int, float)) and threshold > 0):
+            raise field_error("threshold", threshold, "be > 0 (a relative shift, e.g. 0.25 = 25%)")
+        for name, value, least in (("consecutive", consecutive, 1), ("window", window, 2), ("warmup", warmup, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise field_error(name, value, f"be an integer >= {least}")
+        if window <= consecutive:
+            raise field_error("window", window, f"be > consecutive ({consecutive})")
+        if not (isinstance(z, (int, float)) and z >= 0):
+            raise field_error("z", z, "be >= 0 (MADs)")
+        self.threshold, self.consecutive, self.window, self.warmup, self.z = threshold, consecutive, window, warmup, z
+        self.history: deque[float] = deque(maxlen=window)
+        self._min_baseline = warmup
+        self._last_level: float | None = None
+
+    @property
+    def level(self) -> float | None:
+        """The current regime's median (the last known one right after a restart)."""
+        return statistics.median(self.history) if self.history else self._last_level
+
+    def update(self, value: float) -> Shift | None:
+        """Add one value; a Shift when the last ``consecutive`` values confirm a new level."""
+        self.history.append(float(value))
+        values = list(self.history)
+        k = self.consecutive
+        if len(values) < self._min_baseline + k:
+            return None
+        base, recent = values[:-k], values[-k:]
+        b = statistics.median(base)
+        mad = _MAD_SCALE * statistics.median(abs(v - b) for v in base)
+        high = max(b * (1 + self.threshold), b + self.z * mad)
+        low = min(b / (1 + self.threshold), b - self.z * mad)
+        if min(recent) > high or max(recent) < low:
+            self.history = deque(recent, maxlen=self.window)
+            self._min_baseline = 0  # the new regime's baseline is the values that confirmed it
+            return Shift(old=b, new=statistics.median(recent))
+        return None
+
+    def restart(self) -> None:
+        """Forget the regime (after this rank's share changed); the next ``consecutive`` values found the next."""
+        self._last_level = self.level
+        self.history.clear()
+        self._min_baseline = self.consecutive
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "min_baseline": self._min_baseline, "last_level": self._last_level}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque((float(v) for v in state["history"]), maxlen=self.window)
+        self._min_baseline = int(state["min_baseline"])
+        self._last_level = state["last_level"]
+
+
+@dataclass
+class Decision:
+    """One action of the ladder, with its reason."""
+
+    step: int
+    """Steps completed when decided."""
+    effective_step: int
+    """First step (counted like ``step``) that runs with the new shares."""
+    action: str
+    """``rebalance``, ``minimum_share`` or ``stop``."""
+    ranks: list[int]
+    shares_before: list[int]
+    shares_after: list[int]
+    reason: str
+
+
+class StragglerMitigation(StepTelemetry):
+    """Telemetry + online detection + the mitigation ladder, for the ``hetero`` strategy.
+
+    Args:
+        every_n_steps: telemetry exchange period (decisions happen then).
+        threshold, consecutive, window, warmup, z: the detectors' sensitivity.
+        min_share: the least fraction of the global batch a rank keeps (0 to 1/world).
+        evict_ratio: rank slower than this x the median keeps only ``min_share`` (> 1; None: off).
+        stop_ratio: rank slower than this x the median: checkpoint and stop (> 1; None: off).
+        checkpoint_dir: where the stop checkpoint goes (default: the Trainer's root dir).
+        log: log telemetry and decisions to the Trainer's loggers.
+        verbose: print decisions on rank 0.
+    """
+
+    def __init__(self, every_n_steps: int = 2, threshold: float = 0.25, consecutive: int = 4, window: int = 32,
+                 warmup: int = 8, z: float = 4.0, min_share: float = 0.0, evict_ratio: float | None = None,
+                 stop_ratio: float | None = None, checkpoint_dir: str | Path | None = None, log: bool = True,
+                 verbose: bool = True) -> None:
+        super().__init__(every_n_steps=every_n_steps, log=log)
+        self._detector_args = dict(threshold=threshold, consecutive=consecutive, window=window, warmup=warmup, z=z)
+        ShiftDetector(**self._detector_args)  # validates them now, not at setup
+        if not (isinstance(min_share, (int, float)) and 0 <= min_share < 1):
+            raise field_error("min_share", min_share, "be a fraction of the global batch in [0, 1/world]")
+        for name, ratio in (("evict_ratio", evict_ratio), ("stop_ratio", stop_ratio)):
+            if ratio is not None and not (isinstance(ratio, (int, float)) and ratio > 1):
+                raise field_error(name, ratio, "be > 1 (times the median per-sample time) or None")
+        if evict_ratio is not None and stop_ratio is not None and stop_ratio <= evict_ratio:
+            raise field_error("stop_ratio", stop_ratio, f"be > evict_ratio ({evict_ratio}): stopping is the last rung")
+        self.min_share, self.evict_ratio, self.stop_ratio = float(min_share), evict_ratio, stop_ratio
+        self.checkpoint_dir = checkpoint_dir
+        self.verbose = verbose
+        self.detectors: list[ShiftDetector] = []
+        self.decisions: list[Decision] = []
+        self._restored_detectors: list[dict[str, Any]] | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        world = trainer.world_size
+        if self.min_share > 1 / world:
+            raise field_error("min_share", self.min_share, f"be <= 1/world = {1 / world:.4g} (every rank can't "
+                              "keep more than an equal share)")
+        if len(self.detectors) != world:
+            self.detectors = [ShiftDetector(**self._detector_args) for _ in range(world)]
+        if self._restored_detectors is not None:
+            for det, state in zip(self.detectors, self._restored_detectors):
+                det.load_state_dict(state)
+            self._restored_detectors = None
+
+    # -- deciding -------------------------------------------------------------------------------
+    def on_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, window: torch.Tensor,
+                  batch_idx: int) -> None:
+        samples_i, compute_i = FIELDS.index("samples"), FIELDS.index("compute_s")
+        shifted: dict[int, Shift] = {}
+        for s in range(window.shape[1]):
+            for r, det in enumerate(self.detectors):
+                n = float(window[r, s, samples_i])
+                if n > 0:
+                    shift = det.update(float(window[r, s, compute_i]) / n)
+                    if shift is not None:
+                        shifted[r] = shift
+        if shifted:
+            self._act(trainer, shifted, batch_idx)
+
+    def _act(self, trainer: pl.Trainer, shifted: dict[int, Shift], batch_idx: int) -> None:
+        strategy = trainer.strategy
+        before = list(strategy.current_shares())  # type: ignore[attr-defined]
+        total = sum(before)
+        levels = [det.level for det in self.detectors]
+        if any(t is None for t in levels):
+            return  # a rank has never computed a sample yet: nothing to compare
+        t = [float(x) for x in levels]  # type: ignore[arg-type]
+        median_t = statistics.median(t)
+        reasons = [f"rank{r} per-sample compute {s.old * 1e3:.2f} -> {s.new * 1e3:.2f} ms ({s.ratio - 1:+.0%} for "
+                   f"{self.detectors[r].consecutive} consecutive steps)" for r, s in sorted(shifted.items())]
+        if self.stop_ratio is not None:
+            stop = [r for r in range(len(t)) if t[r] > self.stop_ratio * median_t]
+            if stop:
+                self._stop(trainer, stop, before, t, median_t, reasons)
+                return
+        min_samples = int(self.min_share * total)
+        evicted = [r for r in range(len(t)) if self.evict_ratio is not None and t[r] > self.evict_ratio * median_t]
+        caps = [min_samples if r in evicted else None for r in range(len(t))]
+        after = allocate_min_max([_linear(x) for x in t], total, minimum=[min_samples] * len(t), cap=caps)
+        if after is None or after == before:
+            return
+        action = "minimum_share" if evicted else "rebalance"
+        if evicted:
+            reasons.append(f"rank(s) {evicted} slower than {self.evict_ratio}x the median per-sample time "
+                           f"({median_t * 1e3:.2f} ms): minimum share {min_samples}")
+        first_step = strategy.next_safe_step()  # type: ignore[attr-defined]
+        strategy.set_shares(after, first_step)  # type: ignore[attr-defined]
+        for r, (old, new) in enumerate(zip(before, after)):
+            if old != new:
+                self.detectors[r].restart()
+        done = self.steps_seen
+        self._record(trainer, Decision(step=done, effective_step=done + first_step - (batch_idx + 1), action=action,
+                                       ranks=sorted(shifted), shares_before=before, shares_after=after,
+                                       reason="; ".join(reasons)))
+
+    def _stop(self, trainer: pl.Trainer, ranks: list[int], before: list[int], t: list[float], median_t: float,
+              reasons: list[str]) -> None:
+        folder = Path(self.checkpoint_dir or trainer.default_root_dir)
+        path = folder / f"straggler-stop-step{self.steps_seen}.ckpt"
+        reason = (f"rank(s) {ranks} slower than {self.stop_ratio}x the median per-sample time "
+                  f"({', '.join(f'{t[r] * 1e3:.2f}' for r in ranks)} vs {median_t * 1e3:.2f} ms): saved {path} and "
+                  "stopped; restart without them (e.g. an elastic launcher and a cluster without those devices)")
+        self._record(trainer, Decision(step=self.steps_seen, effective_step=self.steps_seen, action="stop",
+                                       ranks=ranks, shares_before=before, shares_after=before,
+                                       reason="; ".join(reasons + [reason])))
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+
+    def _record(self, trainer: pl.Trainer, decision: Decision) -> None:
+        self.decisions.append(decision)
+        if trainer.global_rank != 0:
+            return
+        if self.verbose:
+            print(f"het_strategy straggler [{decision.action} after step {decision.step}, effective from step "
+                  f"{decision.effective_step}]: shares {decision.shares_before} -> {decision.shares_after}; "
+                  f"{decision.reason}", flush=True)
+        if self.log:
+            for logger in trainer.loggers:
+                logger.log_metrics({f"straggler/share_rank{r}": float(s) for r, s in
+                                    enumerate(decision.shares_after)}, step=decision.step)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"detectors": [d.state_dict() for d in self.detectors],
+                                       "decisions": [asdict(d) for d in self.decisions]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.decisions = [Decision(**d) for d in state_dict.get("decisions", [])]
+        detectors = state_dict.get("detectors", [])
+        if self.detectors and len(self.detectors) == len(detectors):
+            for det, state in zip(self.detectors, detectors):
+                det.load_state_dict(state)
+        else:
+            self._restored_detectors = detectors
+
+
+def _linear(seconds_per_sample: float) -> Any:
+    return lambda n: n * seconds_per_sample

@@ -1,0 +1,111 @@
+"""Per-rank step telemetry: compute, data loading and communication time, gathered every N steps.
+
+On every rank and training step ``StepTelemetry`` records
+
+* ``compute_s`` — from the batch's start to the moment its last gradient bucket
+  was ready (the ``hetero`` strategy timestamps that in its comm hook): the
+  rank's own forward, backward (and emulated padding), without waiting;
+* ``comm_s`` — from then to the end of backward: the gradient collectives'
+  tail plus waiting for slower ranks;
+* ``data_s`` — from the end of the previous step to this batch's start:
+  fetching the batch (and the loop's own bookkeeping);
+* ``step_s`` — end of the previous step to the end of this one;
+* ``samples`` — the samples the rank really used (0 for a filler).
+
+Every ``every_n_steps`` steps the rows of all ranks are exchanged in one
+``all_gather`` (no collective in the other steps), handed to ``on_window`` —
+which subclasses (the straggler callback) use to decide — and logged on rank 0
+to the Trainer's loggers (wandb, CSV) as ``telemetry/rank{r}/<field>``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from het_strategy.errors import field_error
+
+__all__ = ["StepTelemetry", "FIELDS"]
+
+FIELDS = ("step", "samples", "compute_s", "comm_s", "data_s", "step_s")
+
+
+class StepTelemetry(pl.Callback):
+    """Records per-rank step timings and exchanges them every ``every_n_steps`` steps.
+
+    Args:
+        every_n_steps: steps per exchange (one small ``all_gather``).
+        log: log the gathered figures to the Trainer's loggers on rank 0.
+    """
+
+    def __init__(self, every_n_steps: int = 2, log: bool = True) -> None:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise field_error("every_n_steps", every_n_steps, "be an integer >= 1")
+        self.every_n_steps = every_n_steps
+        self.log = log
+        self.steps_seen = 0
+        self._rows: list[list[float]] = []
+        self._last_end: float | None = None
+        self._start = 0.0
+        self._after_backward = 0.0
+
+    # -- recording ------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not hasattr(trainer.strategy, "records"):
+            raise field_error("strategy", type(trainer.strategy).__name__,
+                              "be `hetero` (it timestamps each rank's compute in its comm hook)")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._after_backward = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        end = time.perf_counter()
+        record = trainer.strategy.records[-1]  # type: ignore[attr-defined]
+        data_s = self._start - self._last_end if self._last_end is not None else 0.0
+        step_s = end - self._last_end if self._last_end is not None else end - self._start
+        comm_s = max(self._after_backward - self._start - record.compute_s, 0.0)
+        self._rows.append([float(self.steps_seen), float(record.samples), record.compute_s, comm_s, data_s, step_s])
+        self._last_end = end
+        self.steps_seen += 1
+        if self.steps_seen % self.every_n_steps == 0:
+            window = self._exchange(trainer, pl_module)
+            if self.log and trainer.global_rank == 0:
+                self._log(trainer, window)
+            self.on_window(trainer, pl_module, window, batch_idx)
+
+    def _exchange(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.Tensor:
+        """[world, steps, len(FIELDS)] on every rank (float64, CPU)."""
+        mine = torch.tensor(self._rows, dtype=torch.float64, device=pl_module.device)
+        self._rows = []
+        gathered = trainer.strategy.all_gather(mine)
+        if gathered.dim() == 2:  # a world of one
+            gathered = gathered.unsqueeze(0)
+        return gathered.cpu()
+
+    def _log(self, trainer: pl.Trainer, window: torch.Tensor) -> None:
+        for s in range(window.shape[1]):
+            step = int(window[0, s, 0])
+            metrics = {f"telemetry/rank{r}/{name}": float(window[r, s, i])
+                       for r in range(window.shape[0]) for i, name in enumerate(FIELDS) if name != "step"}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def on_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, window: torch.Tensor,
+                  batch_idx: int) -> None:
+        """Called on every rank with the same gathered window; subclasses act on it."""
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_seen": self.steps_seen, "rows": [list(r) for r in self._rows]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps_seen = int(state_dict["steps_seen"])
+        self._rows = [list(r) for r in state_dict["rows"]]

@@ -1,0 +1,128 @@
+"""Straggler detection on synthetic series, the ladder's arguments, and the scheduled slowdowns of a cluster."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from het_strategy.callbacks.straggler import ShiftDetector, StragglerMitigation  # noqa: E402
+from het_strategy.cluster import load_cluster  # noqa: E402
+from het_strategy.emulation import emulated_factor  # noqa: E402
+from het_strategy.errors import ConfigError  # noqa: E402
+
+
+def _run(values: list[float], **kwargs) -> list[tuple[int, float]]:  # type: ignore[no-untyped-def]
+    det = ShiftDetector(**kwargs)
+    return [(i, s.ratio) for i, v in enumerate(values) if (s := det.update(v)) is not None]
+
+
+def _noisy(n: int, level: float, noise: float, rng: random.Random) -> list[float]:
+    return [level * (1 + noise * (2 * rng.random() - 1)) for _ in range(n)]
+
+
+def test_step_change_is_found_after_exactly_consecutive_steps() -> None:
+    rng = random.Random(0)
+    values = _noisy(30, 1.0, 0.1, rng) + _noisy(30, 3.0, 0.1, rng)
+    shifts = _run(values, consecutive=4)
+    assert len(shifts) == 1
+    index, ratio = shifts[0]
+    assert index == 30 + 4 - 1
+    assert 2.5 < ratio < 3.5
+
+
+def test_spikes_shorter_than_consecutive_never_trigger() -> None:
+    rng = random.Random(1)
+    values = _noisy(200, 1.0, 0.1, rng)
+    for start in (40, 90, 150):
+        values[start: start + 3] = [6.0, 8.0, 5.0]  # bursts of 3 < consecutive = 4
+    values[120] = 50.0
+    assert _run(values, consecutive=4) == []
+
+
+def test_noise_of_ten_percent_never_triggers() -> None:
+    for seed in range(5):
+        assert _run(_noisy(2000, 1.0, 0.1, random.Random(seed))) == []
+
+
+def test_a_drift_is_caught_while_it_happens() -> None:
+    values = [1.0] * 40 + [1.0 + 2.0 * i / 100 for i in range(100)] + [3.0] * 40
+    shifts = _run(values)
+    assert shifts, "a drift from 1 to 3 must be declared"
+    assert 40 < shifts[0][0] < 140 and shifts[0][1] > 1.25
+
+
+def test_slowdown_then_recovery_gives_two_opposite_shifts() -> None:
+    rng = random.Random(2)
+    values = _noisy(30, 1.0, 0.1, rng) + _noisy(40, 3.0, 0.1, rng) + _noisy(30, 1.0, 0.1, rng)
+    shifts = _run(values, consecutive=4)
+    assert [i for i, _ in shifts] == [33, 73]
+    assert shifts[0][1] > 2.5 and shifts[1][1] < 0.4
+
+
+def test_restart_after_a_share_change_needs_only_consecutive_values() -> None:
+    det = ShiftDetector(consecutive=3, warmup=8)
+    for _ in range(20):
+        det.update(1.0)
+    det.restart()
+    assert det.level == 1.0  # the last known level until the new regime has values
+    for v in (2.0, 2.0, 2.0):
+        assert det.update(v) is None  # these found the new regime, they are not a shift
+    assert det.level == 2.0
+    assert [det.update(6.0) for _ in range(3)][-1] is not None
+
+
+def test_detector_state_round_trip_continues_identically() -> None:
+    rng = random.Random(3)
+    values = _noisy(50, 1.0, 0.1, rng) + _noisy(30, 2.0, 0.1, rng)
+    a = ShiftDetector()
+    for v in values[:45]:
+        a.update(v)
+    b = ShiftDetector()
+    b.load_state_dict(a.state_dict())
+    assert [a.update(v) for v in values[45:]] == [b.update(v) for v in values[45:]]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"threshold": 0}, "threshold"), ({"threshold": -0.1}, "threshold"), ({"consecutive": 0}, "consecutive"),
+    ({"window": 4, "consecutive": 4}, "window"), ({"min_share": 1.0}, "min_share"),
+    ({"min_share": -0.1}, "min_share"), ({"evict_ratio": 1.0}, "evict_ratio"), ({"stop_ratio": 0.5}, "stop_ratio"),
+    ({"evict_ratio": 3.0, "stop_ratio": 2.0}, "stop_ratio"), ({"every_n_steps": 0}, "every_n_steps"),
+])
+def test_bad_arguments_fail_at_construction(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        StragglerMitigation(**kwargs)
+
+
+def test_min_share_above_one_over_world_is_refused_before_training() -> None:
+    import lightning.pytorch as pl
+
+    cb = StragglerMitigation(min_share=0.3)
+
+    class _Trainer:
+        world_size = 4
+        strategy = type("S", (), {"records": []})()
+
+    with pytest.raises(ConfigError, match="min_share"):
+        cb.setup(_Trainer(), pl.LightningModule(), "fit")  # type: ignore[arg-type]
+
+
+def test_scheduled_slowdown_and_noise_in_a_cluster_config() -> None:
+    raw = load_cluster("local_cpu4_equal").to_dict()
+    raw["slowdowns"] = [{"device": "rank2", "factor": 3.0, "start_step": 50, "end_step": 150}]
+    raw["emulation_noise"] = 0.1
+    cluster = load_cluster(raw)
+    assert [cluster.slowdown_factor("rank2", s) for s in (49, 50, 149, 150)] == [1.0, 3.0, 3.0, 1.0]
+    assert cluster.slowdown_factor("rank1", 60) == 1.0
+    factors = [emulated_factor(cluster, "rank0", s) for s in range(500)]
+    assert all(0.9 <= f <= 1.1 for f in factors) and max(factors) - min(factors) > 0.15
+    assert factors == [emulated_factor(cluster, "rank0", s) for s in range(500)]  # reproducible
+    assert 2.7 <= emulated_factor(cluster, "rank2", 60) <= 3.3
+    raw["slowdowns"] = [{"device": "rank7", "factor": 3.0, "start_step": 50}]
+    with pytest.raises(ConfigError, match="rank7"):
+        load_cluster(raw)
+    raw["slowdowns"] = [{"device": "rank1", "factor": 3.0, "start_step": 50, "end_step": 40}]
+    with pytest.raises(ConfigError, match="end_step"):
+        load_cluster(raw)
