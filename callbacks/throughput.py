@@ -7,6 +7,7 @@ ready — the compute seconds per step without waiting for others.  Rank 0 gets
 a summary (``.summary``, optionally a JSON file) and a printed table:
 
 * ``samples_per_s``: global batch / mean wall time of a step (after warm-up);
+* ``step_durations_s``: rank 0's wall time of every step (step i at index i);
 * per rank: samples per step, compute seconds per step, compute samples/s;
 * ``equal_split_step_s`` (estimated): what a step would take with the global
   batch split evenly, from each rank's measured compute rate plus the measured
@@ -98,10 +99,12 @@ class ThroughputMonitor(pl.Callback):
     def _summarise(self, trainer: pl.Trainer, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         step_s = ranks[0]["step_s"]
         global_batch = sum(r["samples_per_step"] or 0 for r in ranks)
+        ends = [self._start] + self._ends
         out: dict[str, Any] = {"strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size,
                                "steps_measured": ranks[0]["steps"], "global_batch": global_batch,
                                "step_s": step_s, "samples_per_s": global_batch / step_s if step_s else None,
-                               "ranks": ranks}
+                               "ranks": ranks,
+                               "step_durations_s": [b - a for a, b in zip(ends, ends[1:])]}
         if step_s and all("compute_s" in r and r["compute_samples"] for r in ranks):
             per_sample = [r["compute_s"] / r["compute_samples"] for r in ranks]
             for r, t in zip(ranks, per_sample):

@@ -25,6 +25,9 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
     (["resume=/nonexistent.ckpt"], "resume"),
     (["cluster=local_cpu9"], "cluster"),
     (["train.max_stepz=3"], "max_stepz"),
+    (["strategy=ddp", "straggler.enabled=true"], "straggler"),
+    (["straggler.enabled=true", "straggler.threshold=0"], "threshold"),
+    (["straggler.enabled=true", "straggler.min_share=1.5"], "min_share"),
 ])
 def test_bad_input_is_one_line_and_exit_2(overrides: list[str], needle: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,7 +39,9 @@ __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
 PROG = "het-train"
 CONFIG_NAME = "train"
 _TOP_KEYS = {"cluster", "model", "strategy", "accelerator", "devices", "train", "data", "logger", "wandb",
-             "output", "checkpoint", "resume"}
+             "output", "checkpoint", "resume", "straggler"}
+_STRAGGLER_KEYS = {"enabled", "every_n_steps", "threshold", "consecutive", "warmup", "min_share", "evict_ratio",
+                   "stop_ratio"}
 _TRAIN_KEYS = {"global_batch_size", "max_steps", "lr", "weight_decay", "precision", "accumulate_grad_batches",
                "val_every_n_steps", "val_batches", "seed"}
 _STRATEGIES = ("hetero", "ddp")
@@ -58,6 +60,7 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   data.max_bytes=N  data.val_fraction=X  data.seed=N
   logger=wandb|csv|none          wandb.mode=offline|online|disabled
   output.dir=DIR  output.summary=summary.json  checkpoint.every_n_steps=N  resume=<ckpt>
+  straggler.enabled=true  straggler.threshold=X  straggler.consecutive=N  straggler.min_share=X
 
 options:
   --cfg       print the composed config and exit
@@ -143,10 +146,24 @@ class TrainJob:
         every = self.checkpoint.get("every_n_steps")
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise field_error("checkpoint.every_n_steps", every, "be an integer >= 1 or null")
+        self.straggler = cfg_to_dict(cfg.straggler, "straggler")
+        check_keys(self.straggler, _STRAGGLER_KEYS, "straggler")
+        if not isinstance(self.straggler.get("enabled"), bool):
+            raise field_error("straggler.enabled", self.straggler.get("enabled"), "be true or false")
+        if self.straggler["enabled"]:
+            if self.strategy != "hetero":
+                raise field_error("straggler.enabled", True, "go with strategy=hetero (it rebalances the hetero "
+                                  "strategy's shares)")
+            from het_strategy.callbacks.straggler import StragglerMitigation
+
+            StragglerMitigation(**self._straggler_args())  # bad settings fail here, before any worker starts
         self.resume = None if cfg.resume is None else str(cfg.resume)
         if self.resume is not None and not Path(self.resume).is_file():
             raise field_error("resume", self.resume, "be an existing checkpoint file")
         self.cfg = cfg
+
+    def _straggler_args(self) -> dict[str, Any]:
+        return {k: v for k, v in self.straggler.items() if k != "enabled"}
 
     @property
     def out_dir(self) -> Path:
@@ -193,6 +210,12 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         strategy = "ddp"
         if job.cluster is not None and cluster_is_emulated(job.cluster):
             callbacks.append(EmulatedDeviceCallback(cluster=job.cluster, workload=job.workload, dtype=job.dtype))
+    straggler = None
+    if job.straggler["enabled"]:
+        from het_strategy.callbacks.straggler import StragglerMitigation
+
+        straggler = StragglerMitigation(**job._straggler_args())
+        callbacks.append(straggler)
     every = job.checkpoint.get("every_n_steps")
     if every is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -221,6 +244,10 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         "final_val_loss": float(full_val[0]["val_loss"]) if full_val else None,
         "val_samples": len(val_set), "train_samples": len(train_set), "wall_s": time.perf_counter() - started,
     })
+    if straggler is not None:
+        from dataclasses import asdict
+
+        summary["straggler_decisions"] = [asdict(d) for d in straggler.decisions]
     summary.update(_predicted_speedup(trainer.strategy, job))
     _print_report(summary)
     if summary_path is not None:
