@@ -74,17 +74,22 @@ def emulation_summary(cluster: ClusterSpec, workload: WorkloadSpec, dtype: str) 
 
 @dataclass
 class EmulatedCompute:
-    """Pads one rank's forward + backward to ``samples x seconds_per_sample``.
+    """Pads one rank's compute of a batch to ``samples x seconds_per_sample x factor``.
 
-    ``begin()`` at the start of a batch, ``pad_before_backward(samples)`` after
-    its forward, with the step's ``factor`` (``emulated_factor``: scheduled
-    slowdowns and noise; 1 by default).
+    ``begin()`` at the start of a batch; ``pad(samples, factor, computed_s)``
+    sleeps for whatever of the emulated time the real compute so far
+    (``computed_s``) did not take, and returns it.  The ``hetero`` strategy calls
+    it when the last gradient bucket is ready — the real forward and backward
+    are over, so the emulated compute ends exactly on time, before the last
+    gradient collective starts.  Without that hook (plain DDP) the caller pads
+    before backward with an estimate of the backward still to come
+    (``estimate_with_backward``).
     """
 
     seconds_per_sample: float
     backward_ratio: float = 2.0
+    """Expected real backward time / real forward time, for padding before backward."""
     padded_s: float = 0.0
-    real_forward_s: float = 0.0
     steps: int = 0
     _t0: float = field(default=0.0, repr=False)
 
@@ -97,22 +102,24 @@ class EmulatedCompute:
     def begin(self) -> None:
         self._t0 = time.perf_counter()
 
+    def elapsed_s(self) -> float:
+        """Wall time since ``begin()``."""
+        return time.perf_counter() - self._t0
+
+    def estimate_with_backward(self, waited_s: float = 0.0) -> float:
+        """Called before backward: the real forward so far plus the backward expected from it."""
+        return max(self.elapsed_s() - waited_s, 0.0) * (1.0 + self.backward_ratio)
+
     def target_s(self, samples: int, factor: float = 1.0) -> float:
         """Emulated forward + backward seconds of ``samples`` samples."""
         return samples * self.seconds_per_sample * factor
 
-    def pad_before_backward(self, samples: int, factor: float = 1.0, waited_s: float = 0.0) -> float:
-        """Sleep for the emulated time the real forward (and expected backward) did not take; returns it.
-
-        ``waited_s``: time the forward spent inside collectives (e.g. ``sync_dist``
-        logging), which is not compute.
-        """
-        forward = max(time.perf_counter() - self._t0 - waited_s, 0.0)
-        pad = self.target_s(samples, factor) - forward * (1.0 + self.backward_ratio)
-        self.real_forward_s += forward
+    def pad(self, samples: int, factor: float, computed_s: float) -> float:
+        """Sleep for the emulated time ``computed_s`` of real compute did not take; returns the sleep."""
         self.steps += 1
-        if pad > 0:
-            time.sleep(pad)
-            self.padded_s += pad
-            return pad
+        remaining = self.target_s(samples, factor) - computed_s
+        if remaining > 0:
+            time.sleep(remaining)
+            self.padded_s += remaining
+            return remaining
         return 0.0

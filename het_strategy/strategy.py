@@ -192,6 +192,7 @@ class _HeteroLogic:
         self._pad_s = 0.0
         self._last_grad_ready = 0.0
         self._collective_s = 0.0  # time this batch spent inside reduce() collectives (not compute)
+        self._padded = False
         self._train_step = -1
 
     # -- setup ------------------------------------------------------------------------------------
@@ -236,10 +237,6 @@ class _HeteroLogic:
         super().setup(trainer)  # type: ignore[misc]
         if self._rebalance is not None and self._rebalance not in trainer.callbacks:
             trainer.callbacks.append(self._rebalance)
-        if self.cluster is not None and cluster_is_emulated(self.cluster):
-            cb = self._emulation_callback_cls()
-            if not any(isinstance(c, type(cb)) for c in trainer.callbacks):
-                trainer.callbacks.append(cb)
 
     def _register_ddp_hooks(self) -> None:
         """Register the comm hook on every device type (Lightning does only on CUDA), timed."""
@@ -249,6 +246,8 @@ class _HeteroLogic:
         state = self._ddp_comm_state if self._ddp_comm_hook is not None else None
 
         def timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
+            if bucket.is_last():  # forward and backward are over: finish the emulated compute, then sync
+                self._finish_emulated_compute()
             self._last_grad_ready = time.perf_counter()
             return inner(state, bucket)
 
@@ -469,6 +468,7 @@ class _HeteroLogic:
         self._train_step = batch_idx
         self._batch_t0 = time.perf_counter()
         self._pad_s = 0.0
+        self._padded = False
         self._collective_s = 0.0
         if self.emulator is not None:
             self.emulator.begin()
@@ -500,19 +500,23 @@ class _HeteroLogic:
         """Samples this rank really uses in the current batch (0 for a filler), if known."""
         return None if self._counts is None else self._counts[0]
 
-    def pad_emulated_compute(self) -> None:
-        """Called before backward by the emulation callback: pad to the emulated device's time at this step."""
-        if self.emulator is not None and self._counts is not None:
-            assert self.cluster is not None
-            factor = emulated_factor(self.cluster, self.cluster.devices[self.global_rank].name,
-                                     self.lightning_module.trainer.global_step)
-            self._pad_s = self.emulator.pad_before_backward(self._counts[0], factor, self._collective_s)
+    def _finish_emulated_compute(self) -> None:
+        """Pad this batch's compute to the emulated device's time at this step (once per batch)."""
+        if self.emulator is None or self._counts is None or self._padded or not self.lightning_module.trainer.training:
+            return
+        assert self.cluster is not None
+        factor = emulated_factor(self.cluster, self.cluster.devices[self.global_rank].name,
+                                 self.lightning_module.trainer.global_step)
+        computed = max(self.emulator.elapsed_s() - self._collective_s, 0.0)
+        self._pad_s = self.emulator.pad(self._counts[0], factor, computed)
+        self._padded = True
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._counts is not None:
             local, total = self._counts
             closure_loss = closure_loss * (local * self.world_size / total)
         out = super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        self._finish_emulated_compute()  # when DDP skipped the sync (accumulation), no hook padded it
         if self._counts is not None and self.lightning_module.trainer.training:
             # No comm hook ran after the batch started when DDP skipped the sync (gradient accumulation):
             # then the whole backward was this rank's own compute.
@@ -566,9 +570,6 @@ class _HeteroLogic:
             self._restored = state
         return checkpoint
 
-    # -- per-namespace pieces ---------------------------------------------------------------------
-    _emulation_callback_cls: Callable[[], Any]
-
 
 def _without_emulation(cluster: ClusterSpec) -> ClusterSpec:
     raw = cluster.to_dict()
@@ -618,57 +619,49 @@ def build_strategy_class(pl: ModuleType) -> type:
     """``HeteroStrategy`` on ``pl``'s own DDPStrategy and Callback (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
     class EmulatedDeviceCallback(pl.Callback):  # type: ignore[name-defined,misc]
-        """Pads each training batch's compute, before backward, to the emulated device's time.
+        """Emulated devices under a strategy other than ``hetero`` (plain ``ddp``, for comparison).
 
-        Under the ``hetero`` strategy (which adds it by itself) it asks the
-        strategy, which knows each batch's real sample count.  Under any other
-        strategy (plain ``ddp``, for comparison) give it the cluster and the
-        workload: rank r then plays the cluster's r-th device and a batch's
-        samples are the first tensor's length.
+        Rank r plays the cluster's r-th device; a batch's samples are its first
+        tensor's length.  Its compute is padded before backward, with the
+        backward still to come estimated as ``backward_ratio`` x the forward (the
+        ``hetero`` strategy pads exactly, in its comm hook, and needs no callback).
         """
 
-        def __init__(self, cluster: Any = None, workload: Any = None, dtype: str = "fp32") -> None:
-            self._cluster_source, self._workload_source, self._dtype = cluster, workload, dtype
+        def __init__(self, cluster: Any, workload: Any, dtype: str = "fp32") -> None:
+            self._cluster = load_cluster(cluster)
+            self._workload_source, self._dtype = workload, dtype
             self._own: EmulatedCompute | None = None
-            self._cluster: ClusterSpec | None = None
             self._device = ""
             self._samples = 0
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            if hasattr(trainer.strategy, "pad_emulated_compute") or self._cluster_source is None:
-                return
-            cluster = load_cluster(self._cluster_source)
-            if cluster.num_devices != trainer.world_size:
-                raise field_error("cluster", cluster.name, f"describe {trainer.world_size} devices (the world size); "
-                                  f"it has {cluster.num_devices}")
-            if self._workload_source is None:
-                raise field_error("workload", None, "be given when the strategy is not `hetero`",
-                                  "pass the model's workload (a shipped model name or WorkloadSpec)")
+            if hasattr(trainer.strategy, "het_state"):
+                raise field_error("callbacks", type(self).__name__, "not be used with the hetero strategy",
+                                  "it emulates the cluster's devices by itself")
+            if self._cluster.num_devices != trainer.world_size:
+                raise field_error("cluster", self._cluster.name, f"describe {trainer.world_size} devices (the world "
+                                  f"size); it has {self._cluster.num_devices}")
             workload = load_workload(self._workload_source, self._dtype)
-            self._cluster, self._device = cluster, cluster.devices[trainer.global_rank].name
-            self._own = EmulatedCompute(emulated_seconds_per_sample(cluster, self._device, workload, self._dtype))
+            self._device = self._cluster.devices[trainer.global_rank].name
+            self._own = EmulatedCompute(emulated_seconds_per_sample(self._cluster, self._device, workload,
+                                                                    self._dtype))
             if trainer.global_rank == 0:
-                print(emulation_summary(cluster, workload, self._dtype), flush=True)
+                print(emulation_summary(self._cluster, workload, self._dtype), flush=True)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if self._own is not None:
-                first = _first_tensor(batch)
-                self._samples = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
-                self._own.begin()
+            first = _first_tensor(batch)
+            self._samples = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+            assert self._own is not None
+            self._own.begin()
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-            if not trainer.training:
-                return
-            pad = getattr(trainer.strategy, "pad_emulated_compute", None)
-            if pad is not None:
-                pad()
-            elif self._own is not None:
-                self._own.pad_before_backward(self._samples,
-                                              emulated_factor(self._cluster, self._device, trainer.global_step))
+            if trainer.training and self._own is not None:
+                self._own.pad(self._samples, emulated_factor(self._cluster, self._device, trainer.global_step),
+                              self._own.estimate_with_backward())
 
     class HeteroStrategy(_HeteroLogic, pl.strategies.DDPStrategy):  # type: ignore[misc]
         __doc__ = _HeteroLogic.__doc__
-        _emulation_callback_cls = EmulatedDeviceCallback
+        emulation_callback_cls = EmulatedDeviceCallback
 
     HeteroStrategy.__module__ = EmulatedDeviceCallback.__module__ = __name__
     suffix = "" if pl.__name__ == "lightning.pytorch" else "PL"
@@ -696,10 +689,10 @@ def _optional(name: str) -> ModuleType | None:
 
 _lightning = _optional("lightning.pytorch")
 HeteroStrategy = build_strategy_class(_lightning) if _lightning is not None else None
-EmulatedDeviceCallback = HeteroStrategy._emulation_callback_cls if HeteroStrategy is not None else None
+EmulatedDeviceCallback = HeteroStrategy.emulation_callback_cls if HeteroStrategy is not None else None
 _pytorch_lightning = _optional("pytorch_lightning")
 HeteroStrategyPL = build_strategy_class(_pytorch_lightning) if _pytorch_lightning is not None else None
-EmulatedDeviceCallbackPL = HeteroStrategyPL._emulation_callback_cls if HeteroStrategyPL is not None else None
+EmulatedDeviceCallbackPL = HeteroStrategyPL.emulation_callback_cls if HeteroStrategyPL is not None else None
 if _lightning is not None:
     register_strategies(_lightning, HeteroStrategy)  # type: ignore[arg-type]
 if _pytorch_lightning is not None:

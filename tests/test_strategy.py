@@ -124,12 +124,13 @@ def test_emulated_compute_pads_to_the_target() -> None:
     emu = EmulatedCompute(seconds_per_sample=0.02, backward_ratio=2.0)
     emu.begin()
     time.sleep(0.005)  # "forward"
+    estimate = emu.estimate_with_backward()
+    assert 0.015 <= estimate < 0.015 + 0.03
     start = time.perf_counter()
-    pad = emu.pad_before_backward(samples=3)
-    slept = time.perf_counter() - start
-    assert 0.06 - 3 * 0.005 - 0.01 < pad < 0.06 - 3 * 0.005 + 1e-9
-    assert slept >= pad
-    emu.begin()
-    assert emu.pad_before_backward(samples=0) == 0.0  # a filler costs nothing
+    pad = emu.pad(samples=3, factor=1.0, computed_s=estimate)
+    assert pad == pytest.approx(0.06 - estimate) and time.perf_counter() - start >= pad
+    assert emu.pad(samples=1, factor=2.0, computed_s=0.01) == pytest.approx(0.03)  # a 2x slowdown
+    assert emu.pad(samples=0, factor=1.0, computed_s=0.001) == 0.0  # a filler costs nothing
+    assert emu.pad(samples=1, factor=1.0, computed_s=0.5) == 0.0  # slower than emulated: no padding
     with pytest.raises(ConfigError, match="seconds_per_sample"):
         EmulatedCompute(seconds_per_sample=0)
