@@ -77,8 +77,8 @@ class EmulatedCompute:
     """Pads one rank's compute of a batch to ``samples x seconds_per_sample x factor``.
 
     ``begin()`` at the start of a batch; ``pad(samples, factor, computed_s)``
-    sleeps for whatever of the emulated time the real compute so far
-    (``computed_s``) did not take, and returns it.  The ``hetero`` strategy calls
+    sleeps for whatever of the emulated time the batch so far (``computed_s``)
+    did not take, and returns it.  The ``hetero`` strategy calls
     it when the last gradient bucket is ready — the real forward and backward
     are over, so the emulated compute ends exactly on time, before the last
     gradient collective starts.  Without that hook (plain DDP) the caller pads

@@ -193,6 +193,7 @@ class _HeteroLogic:
         self._last_grad_ready = 0.0
         self._collective_s = 0.0  # time this batch spent inside reduce() collectives (not compute)
         self._padded = False
+        self._emulated_s = 0.0
         self._train_step = -1
 
     # -- setup ------------------------------------------------------------------------------------
@@ -468,6 +469,7 @@ class _HeteroLogic:
         self._train_step = batch_idx
         self._batch_t0 = time.perf_counter()
         self._pad_s = 0.0
+        self._emulated_s = 0.0
         self._padded = False
         self._collective_s = 0.0
         if self.emulator is not None:
@@ -501,14 +503,20 @@ class _HeteroLogic:
         return None if self._counts is None else self._counts[0]
 
     def _finish_emulated_compute(self) -> None:
-        """Pad this batch's compute to the emulated device's time at this step (once per batch)."""
+        """Pad this batch's compute to the emulated device's time at this step (once per batch).
+
+        The emulated device is busy from the batch's start for its whole emulated
+        time: real compute and any wait inside it (a ``sync_dist`` log waiting for
+        another rank's real forward) fall within that window, as they would on the
+        real device, so the pad is the emulated time minus the wall time so far.
+        """
         if self.emulator is None or self._counts is None or self._padded or not self.lightning_module.trainer.training:
             return
         assert self.cluster is not None
         factor = emulated_factor(self.cluster, self.cluster.devices[self.global_rank].name,
                                  self.lightning_module.trainer.global_step)
-        computed = max(self.emulator.elapsed_s() - self._collective_s, 0.0)
-        self._pad_s = self.emulator.pad(self._counts[0], factor, computed)
+        self._emulated_s = self.emulator.target_s(self._counts[0], factor)
+        self._pad_s = self.emulator.pad(self._counts[0], factor, self.emulator.elapsed_s())
         self._padded = True
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -522,16 +530,19 @@ class _HeteroLogic:
             # then the whole backward was this rank's own compute.
             synced = self._last_grad_ready >= self._batch_t0
             end = self._last_grad_ready if synced else time.perf_counter()
+            measured = max(end - self._batch_t0 - self._collective_s, 0.0)
+            # an emulated device computed for its whole emulated time (or longer, if the real work took longer)
+            compute = max(measured, self._emulated_s) if self.emulator is not None else measured
             self.records.append(StepRecord(step=self._train_step, samples=self._counts[0],
                                            forward_s=self._forward_s - self._collective_s, pad_s=self._pad_s,
-                                           compute_s=max(end - self._batch_t0 - self._collective_s, 0.0)))
+                                           compute_s=compute))
         return out
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Inside a step, a mean over the whole world (``sync_dist`` logging) is weighted by each rank's samples.
 
         Time spent in it during a step is waiting and communication, not compute:
-        it is kept out of the step's compute time and emulated padding.
+        it is kept out of the step's measured compute time.
         """
         start = time.perf_counter()
         try:
@@ -622,9 +633,11 @@ def build_strategy_class(pl: ModuleType) -> type:
         """Emulated devices under a strategy other than ``hetero`` (plain ``ddp``, for comparison).
 
         Rank r plays the cluster's r-th device; a batch's samples are its first
-        tensor's length.  Its compute is padded before backward, with the
-        backward still to come estimated as ``backward_ratio`` x the forward (the
-        ``hetero`` strategy pads exactly, in its comm hook, and needs no callback).
+        tensor's length.  As under ``hetero``, the compute is padded when the last
+        gradient bucket is ready, through a comm hook this callback registers on
+        the DDP model (allreduce, as DDP's default); where the model already has a
+        hook, it pads before backward instead, estimating the backward still to
+        come as ``backward_ratio`` x the forward.
         """
 
         def __init__(self, cluster: Any, workload: Any, dtype: str = "fp32") -> None:
@@ -633,6 +646,9 @@ def build_strategy_class(pl: ModuleType) -> type:
             self._own: EmulatedCompute | None = None
             self._device = ""
             self._samples = 0
+            self._in_hook = False
+            self._padded = False
+            self._step = 0
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if hasattr(trainer.strategy, "het_state"):
@@ -648,16 +664,46 @@ def build_strategy_class(pl: ModuleType) -> type:
             if trainer.global_rank == 0:
                 print(emulation_summary(self._cluster, workload, self._dtype), flush=True)
 
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = trainer.strategy.model
+            if not isinstance(model, DistributedDataParallel):
+                return
+
+            def padding_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
+                if bucket.is_last():
+                    self._finish()
+                return allreduce_hook(state, bucket)
+
+            try:
+                model.register_comm_hook(state=None, hook=padding_hook)
+                self._in_hook = True
+            except RuntimeError:  # the model has a hook already: pad before backward
+                self._in_hook = False
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             first = _first_tensor(batch)
             self._samples = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+            self._step, self._padded = trainer.global_step, False
             assert self._own is not None
             self._own.begin()
 
+        def _finish(self, computed_s: float | None = None) -> None:
+            if self._own is None or self._padded:
+                return
+            computed = self._own.elapsed_s() if computed_s is None else computed_s
+            self._own.pad(self._samples, emulated_factor(self._cluster, self._device, self._step), computed)
+            self._padded = True
+
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-            if trainer.training and self._own is not None:
-                self._own.pad(self._samples, emulated_factor(self._cluster, self._device, trainer.global_step),
-                              self._own.estimate_with_backward())
+            if trainer.training and not self._in_hook and self._own is not None:
+                self._finish(self._own.estimate_with_backward())
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.training:
+                self._finish()  # a backward without sync (gradient accumulation) ran no hook
 
     class HeteroStrategy(_HeteroLogic, pl.strategies.DDPStrategy):  # type: ignore[misc]
         __doc__ = _HeteroLogic.__doc__
