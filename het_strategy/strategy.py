@@ -1,7 +1,7 @@
 """The ``hetero`` Lightning strategy: DDP with uneven, planned per-rank batches.
 
 ``Trainer(strategy="hetero")`` (after ``import het_strategy``) runs ordinary
-DDP, with four changes:
+DDP, with these changes:
 
 1. **Cluster** — at setup it loads the cluster (a shipped name, a YAML path, a
    ``ClusterSpec``) or probes the devices and links (``cluster="auto"``), and
@@ -17,10 +17,12 @@ DDP, with four changes:
    over the whole global batch: the update equals the single-process one.
    Values logged with ``sync_dist=True`` inside a step are averaged weighted by
    the samples behind them.
-4. **Emulation and timing** — on an emulated cluster each rank's compute is
-   padded to its emulated device's time; a DDP comm hook (the user's, or
-   allreduce) is registered on every device type and timestamps when the last
-   gradient bucket is ready, which is the rank's compute time without waiting.
+4. **Emulation and timing** — a DDP comm hook (the user's, or allreduce) is
+   registered on every device type; it timestamps when the last gradient bucket
+   is ready (the rank's compute time without waiting) and, on an emulated
+   cluster, first pads the batch to its emulated device's time.
+5. **Live rebalancing** — ``set_shares(shares, first_step)`` switches every
+   rank to new shares at the same step (the straggler callback's lever).
 
 The plan, the shares and the sampler's position travel in Lightning
 checkpoints, so a resumed run continues with the same batches.

@@ -126,3 +126,97 @@ def test_scheduled_slowdown_and_noise_in_a_cluster_config() -> None:
     raw["slowdowns"] = [{"device": "rank1", "factor": 3.0, "start_step": 50, "end_step": 40}]
     with pytest.raises(ConfigError, match="end_step"):
         load_cluster(raw)
+
+
+class _FakeStrategy:
+    def __init__(self, shares: list[int]) -> None:
+        self.shares = shares
+        self.records: list = []
+        self.calls: list[tuple[list[int], int]] = []
+
+    def current_shares(self) -> list[int]:
+        return list(self.shares)
+
+    def next_safe_step(self) -> int:
+        return 3
+
+    def set_shares(self, shares: list[int], first_step: int) -> None:
+        self.calls.append((shares, first_step))
+        self.shares = shares
+
+
+class _FakeTrainer:
+    global_rank = 0
+    world_size = 4
+    loggers: list = []
+    default_root_dir = "."
+
+    def __init__(self, shares: list[int]) -> None:
+        self.strategy = _FakeStrategy(shares)
+        self.should_stop = False
+        self.saved: list[str] = []
+
+    def save_checkpoint(self, path: object) -> None:
+        self.saved.append(str(path))
+
+
+def _window(per_sample: list[list[float]], samples: list[int]):  # type: ignore[no-untyped-def]
+    """A gathered telemetry window: per_sample[r][s] seconds per sample of rank r in step s."""
+    import torch
+
+    from het_strategy.callbacks.telemetry import FIELDS
+
+    w = torch.zeros(len(per_sample), len(per_sample[0]), len(FIELDS), dtype=torch.float64)
+    for r, series in enumerate(per_sample):
+        for s, t in enumerate(series):
+            w[r, s, FIELDS.index("samples")] = samples[r]
+            w[r, s, FIELDS.index("compute_s")] = t * samples[r]
+    return w
+
+
+def _feed(cb: StragglerMitigation, trainer: _FakeTrainer, slow: float, steps: int = 12) -> None:
+    import lightning.pytorch as pl
+
+    cb.setup(trainer, pl.LightningModule(), "fit")  # type: ignore[arg-type]
+    base = [[0.01] * steps for _ in range(4)]
+    cb.on_window(trainer, pl.LightningModule(), _window(base, [8] * 4), batch_idx=0)  # type: ignore[arg-type]
+    after = [[0.01] * 4, [0.01] * 4, [0.01 * slow] * 4, [0.01] * 4]
+    cb.on_window(trainer, pl.LightningModule(), _window(after, [8] * 4), batch_idx=1)  # type: ignore[arg-type]
+
+
+def test_ladder_rebalances_by_measured_speed() -> None:
+    cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8, 8, 8])
+    _feed(cb, trainer, slow=3.0)
+    ((shares, first_step),) = trainer.strategy.calls
+    assert first_step == 3 and sum(shares) == 32 and shares[2] in (2, 3)
+    # min-max of n x t with rank2 3x slower: the slowest rank-time is the optimum, 10 samples x 0.01 s
+    assert max(n * t for n, t in zip(shares, [0.01, 0.01, 0.03, 0.01])) == pytest.approx(0.10)
+    (d,) = cb.decisions
+    assert d.action == "rebalance" and d.ranks == [2] and "rank2" in d.reason and "+200%" in d.reason
+
+
+def test_ladder_gives_a_far_slower_rank_only_the_minimum_share() -> None:
+    cb = StragglerMitigation(min_share=0.0625, evict_ratio=5.0, verbose=False, log=False)
+    trainer = _FakeTrainer([8, 8, 8, 8])
+    _feed(cb, trainer, slow=8.0)
+    assert trainer.strategy.calls == [([10, 10, 2, 10], 3)]  # 6.25% of 32 = 2 samples
+    assert cb.decisions[0].action == "minimum_share" and "minimum share 2" in cb.decisions[0].reason
+
+
+def test_ladder_stops_with_a_checkpoint_naming_the_rank() -> None:
+    cb = StragglerMitigation(evict_ratio=5.0, stop_ratio=20.0, verbose=False, log=False)
+    trainer = _FakeTrainer([8, 8, 8, 8])
+    _feed(cb, trainer, slow=30.0)
+    assert trainer.should_stop and trainer.saved and trainer.saved[0].endswith(".ckpt")
+    assert trainer.strategy.calls == []
+    assert cb.decisions[0].action == "stop" and "rank(s) [2]" in cb.decisions[0].reason
+
+
+def test_callback_state_round_trip() -> None:
+    cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8, 8, 8])
+    _feed(cb, trainer, slow=3.0)
+    restored = StragglerMitigation(verbose=False, log=False)
+    restored.load_state_dict(cb.state_dict())
+    restored.setup(_FakeTrainer([10, 10, 2, 10]), None, "fit")  # type: ignore[arg-type]
+    assert [d.state_dict() for d in restored.detectors] == [d.state_dict() for d in cb.detectors]
+    assert restored.decisions == cb.decisions and restored.steps_seen == cb.steps_seen
