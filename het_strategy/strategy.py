@@ -35,6 +35,7 @@ same behaviour is built on each package's own ``DDPStrategy``
 from __future__ import annotations
 
 import importlib
+import os
 import time
 import warnings
 from collections import deque
@@ -73,7 +74,8 @@ class StepRecord:
     forward_s: float
     pad_s: float
     compute_s: float
-    """Batch start to the last gradient bucket ready: this rank's work, no waiting for others."""
+    """Batch start to the last gradient bucket ready, less time inside collectives: this rank's own work
+    (on an emulated device, at least its emulated time)."""
 
 
 class HeteroDataLoader(DataLoader):
@@ -112,8 +114,6 @@ def _global_order_source(dl: DataLoader) -> tuple[bool, int, Any]:
             return False, 0, inner
         return bool(sampler.shuffle), int(sampler.seed), None
     if isinstance(sampler, RandomSampler):
-        import os
-
         return True, int(os.environ.get("PL_GLOBAL_SEED", 0)), None
     if isinstance(sampler, SequentialSampler):
         return False, 0, None
