@@ -304,12 +304,19 @@ class _HeteroLogic:
         Before any training plan exists (the sanity check, ``trainer.validate``)
         an evaluation loader gets its own plan for its global batch.
         """
+        assert self.cluster is not None
         if self.plan is not None:
             shares = self.current_shares()
+        elif self._plan_source is not None:  # a given plan, checked for its own global batch, then scaled
+            given = self._plan_source if isinstance(self._plan_source, Plan) else Plan.load(self._plan_source)
+            workload = self.workload or self._resolve_workload(dataloader, self.dtype)
+            checked = data_parallel_plan(self.cluster, workload, given.global_batch_size, self.dtype, given)
+            shares = shares_in_rank_order(checked, self.cluster)
         else:
             if self._eval_plan is None or self._eval_plan.global_batch_size != global_batch:
-                self._eval_plan = self._make_plan(dataloader, global_batch)
-            assert self.cluster is not None
+                # before training (sanity check, trainer.validate): the model's costs from its size; the
+                # training plan profiles the model when asked (not possible here, under inference mode)
+                self._eval_plan = self._make_plan(global_batch, self._resolve_workload(dataloader, self.dtype))
             shares = shares_in_rank_order(self._eval_plan, self.cluster)
         if sum(shares) == global_batch:
             return shares
@@ -365,7 +372,7 @@ class _HeteroLogic:
                 self.workload, self.profile = self._profile_model(dataloader)
             else:
                 self.workload = self._resolve_workload(dataloader, self.dtype)
-        self.plan = self._restored_plan(global_batch) or self._make_plan(dataloader, global_batch)
+        self.plan = self._restored_plan(global_batch) or self._make_plan(global_batch, self.workload)
         if cluster_is_emulated(self.cluster):
             device = self.cluster.devices[self.global_rank]
             self.emulator = EmulatedCompute(emulated_seconds_per_sample(self.cluster, device.name,
@@ -378,16 +385,15 @@ class _HeteroLogic:
         """The training dtype as the cost model names it."""
         return precision_dtype(self.precision_plugin.precision)
 
-    def _make_plan(self, dataloader: DataLoader, global_batch: int) -> Plan:
+    def _make_plan(self, global_batch: int, workload: WorkloadSpec) -> Plan:
         """Rank 0 plans (or checks the given plan) and broadcasts it; an error stops every rank."""
         assert self.cluster is not None
-        if self.workload is None:
-            self.workload = self._resolve_workload(dataloader, self.dtype)
         payload: list[Any] = [None]
         if self.global_rank == 0:
             try:
-                payload[0] = ("plan", data_parallel_plan(self.cluster, self.workload, global_batch, self.dtype,
-                                                         self._plan_source, self.profile).to_dict())
+                profile = self.profile if workload is self.workload else None
+                payload[0] = ("plan", data_parallel_plan(self.cluster, workload, global_batch, self.dtype,
+                                                         self._plan_source, profile).to_dict())
             except ConfigError as exc:
                 payload[0] = ("error", str(exc))
         dist.broadcast_object_list(payload, src=0)

@@ -57,6 +57,11 @@ class Recorder(pl.LightningModule):
                           "counted": counted, "synced_loss": float(synced), "local_loss": float(loss)})
         return loss
 
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y, _ = batch
+        x, y = x.to(self.net[0].weight.dtype), y.to(self.net[0].weight.dtype)
+        self.log("val_loss", (self.net(x).squeeze(-1) - y).pow(2).mean(), sync_dist=True, batch_size=len(y))
+
     def on_train_end(self) -> None:
         path = Path(self.out_dir) / f"rank{self.global_rank}.json"
         existing = json.loads(path.read_text()) if path.exists() else []

@@ -198,7 +198,8 @@ def test_rank_with_no_share_never_hangs(tmp_path: Path) -> None:
                               verbose=False, timeout=__import__("datetime").timedelta(seconds=120))
     pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-               max_epochs=1, default_root_dir=str(tmp_path)).fit(model, DataLoader(data, batch_size=4))
+               max_epochs=1, default_root_dir=str(tmp_path)).fit(
+        model, DataLoader(data, batch_size=4), DataLoader(IndexedData(6, seed=5), batch_size=3))  # sanity check first
     rows = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["counted"] for r in rows[0]] == [8, 8, 8]
     assert [r["counted"] for r in rows[1]] == [0, 0, 0]
@@ -222,7 +223,8 @@ def test_auto_cluster_probes_caches_profiles_and_trains(tmp_path: Path) -> None:
     pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False,
                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_steps=2,
                default_root_dir=str(tmp_path)).fit(Recorder(str(out), dtype=torch.float32),
-                                                   DataLoader(IndexedData(16), batch_size=4))
+                                                   DataLoader(IndexedData(16), batch_size=4),
+                                                   DataLoader(IndexedData(8, seed=5), batch_size=2))  # sanity check first
     assert len(list(cache.glob("device-*.json"))) == 2 and len(list(cache.glob("links-*.json"))) == 1
     info = json.loads((out / "strategy0.json").read_text())
     assert info["profiled_types"] == ["CPU"]
