@@ -60,6 +60,33 @@ from het_strategy.workload import DTYPE_BYTES, LayerCost, MeasuredProfile, Workl
 __all__ = ["ProfileResult", "profile_module", "catalog_device_name"]
 
 _TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _register_cpu_attention_flops() -> None:
+    """Count the CPU kernels of ``scaled_dot_product_attention`` as torch counts the CUDA ones.
+
+    FlopCounterMode (torch 2.13) has formulas for the flash/efficient/cuDNN
+    attention ops but not for ``_scaled_dot_product_flash_attention_for_cpu``
+    and its backward, so attention scores cost 0 FLOPs on CPU (4·s²·h per
+    block missing).  Same formulas: full (non-causal) attention.
+    """
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is not None and forward not in fc.flop_registry:
+        @fc.register_flop_formula(forward)
+        def _cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):  # type: ignore[no-untyped-def]
+            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+    if backward is not None and backward not in fc.flop_registry:
+        @fc.register_flop_formula(backward)
+        def _cpu_sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args,  # type: ignore[no-untyped-def]
+                               out_shape=None, **kwargs):
+            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register_cpu_attention_flops()
 _LEAD_NAME = "embedding"
 _TRAIL_NAME = "head"
 
