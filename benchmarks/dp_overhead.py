@@ -54,12 +54,8 @@ def main() -> None:
         emulated = _overhead(["cluster=local_cpu4_equal", f"train.max_steps={args.steps}",
                               f"train.val_every_n_steps={args.steps}", f"train.global_batch_size={args.batch}", *val],
                              args.rounds, tmp, "emulated")
-        raw = load_cluster("local_cpu4_equal").to_dict()
-        for node in raw["nodes"]:
-            for dev in node["devices"]:
-                dev.pop("emulated_speed", None)
         plain = tmp / "cpu4_real.yaml"
-        plain.write_text(yaml.safe_dump(raw))
+        plain.write_text(yaml.safe_dump(load_cluster("local_cpu4_equal").without_emulation().to_dict()))
         print(f"real compute (no emulation), 2-block GPT, global batch {args.batch}, {args.real_steps} steps per run:")
         real = _overhead([f"cluster={plain}", f"train.max_steps={args.real_steps}",
                           f"train.val_every_n_steps={args.real_steps}", f"train.global_batch_size={args.batch}",

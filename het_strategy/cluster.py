@@ -7,6 +7,7 @@ the field, the value and the rule.  Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -297,6 +298,13 @@ class ClusterSpec:
             if sd.device == device_name and sd.active(step):
                 factor *= sd.factor
         return factor
+
+    def without_emulation(self) -> "ClusterSpec":
+        """The same cluster with every emulation setting dropped: speeds, scheduled slowdowns, noise."""
+        return dataclasses.replace(
+            self, slowdowns=(), emulation_noise=0.0,
+            nodes=tuple(dataclasses.replace(n, devices=tuple(dataclasses.replace(d, emulated_speed=None)
+                                                             for d in n.devices)) for n in self.nodes))
 
     def to_dict(self) -> dict[str, Any]:
         """The explicit YAML form (every device listed with resolved figures)."""

@@ -233,7 +233,7 @@ class _HeteroLogic:
                               f"it has {cluster.num_devices}",
                               "launch devices x num_nodes = the cluster's device count, or pass the matching cluster")
         if cluster_is_emulated(cluster) and not self._emulation_on:
-            cluster = _without_emulation(cluster)
+            cluster = cluster.without_emulation()
         return cluster
 
     def setup(self, trainer: Any) -> None:
@@ -588,14 +588,6 @@ class _HeteroLogic:
                                   f"be {STATE_VERSION}", "the checkpoint was written by another het_strategy")
             self._restored = state
         return checkpoint
-
-
-def _without_emulation(cluster: ClusterSpec) -> ClusterSpec:
-    raw = cluster.to_dict()
-    for node in raw["nodes"]:
-        for dev in node["devices"]:
-            dev.pop("emulated_speed", None)
-    return load_cluster(raw)
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:

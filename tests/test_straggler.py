@@ -120,6 +120,9 @@ def test_scheduled_slowdown_and_noise_in_a_cluster_config() -> None:
     assert all(0.9 <= f <= 1.1 for f in factors) and max(factors) - min(factors) > 0.15
     assert factors == [emulated_factor(cluster, "rank0", s) for s in range(500)]  # reproducible
     assert 2.7 <= emulated_factor(cluster, "rank2", 60) <= 3.3
+    plain = cluster.without_emulation()  # emulation=False, real-compute benchmarks: speeds, schedule, noise gone
+    assert not plain.slowdowns and plain.emulation_noise == 0
+    assert all(d.emulated_speed is None for d in plain.devices) and plain.devices[0].tflops == cluster.devices[0].tflops
     raw["slowdowns"] = [{"device": "rank7", "factor": 3.0, "start_step": 50}]
     with pytest.raises(ConfigError, match="rank7"):
         load_cluster(raw)
