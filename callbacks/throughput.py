@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 
 from het_strategy.errors import field_error
 from het_strategy.plan import write_atomic
+from het_strategy.profiling import batch_length
 
 __all__ = ["ThroughputMonitor"]
 
@@ -62,7 +62,7 @@ class ThroughputMonitor(pl.Callback):
                            batch_idx: int) -> None:
         self._ends.append(time.perf_counter())
         local = getattr(trainer.strategy, "current_local_samples", None)
-        self._samples.append(int(local) if local is not None else _batch_len(batch))
+        self._samples.append(int(local) if local is not None else batch_length(batch))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mine = self._rank_stats(trainer)
@@ -85,7 +85,7 @@ class ThroughputMonitor(pl.Callback):
         stats: dict[str, Any] = {"rank": trainer.global_rank, "steps": len(steps),
                                  "step_s": statistics.fmean(steps) if steps else None,
                                  "samples_per_step": statistics.fmean(self._samples[w + 1:]) if steps else None}
-        records = [r for r in getattr(trainer.strategy, "records", []) if r.step >= 0][w + 1:]
+        records = list(getattr(trainer.strategy, "records", []))[w + 1:]
         if records:
             stats["compute_s"] = statistics.fmean(r.compute_s for r in records)
             stats["pad_s"] = statistics.fmean(r.pad_s for r in records)
@@ -134,16 +134,3 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = _batch_len(item)
-            if n:
-                return n
-    return 0

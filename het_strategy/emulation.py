@@ -89,8 +89,6 @@ class EmulatedCompute:
     seconds_per_sample: float
     backward_ratio: float = 2.0
     """Expected real backward time / real forward time, for padding before backward."""
-    padded_s: float = 0.0
-    steps: int = 0
     _t0: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,10 +114,8 @@ class EmulatedCompute:
 
     def pad(self, samples: int, factor: float, computed_s: float) -> float:
         """Sleep for the emulated time ``computed_s`` of real compute did not take; returns the sleep."""
-        self.steps += 1
         remaining = self.target_s(samples, factor) - computed_s
         if remaining > 0:
             time.sleep(remaining)
-            self.padded_s += remaining
             return remaining
         return 0.0

@@ -57,7 +57,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from het_strategy.errors import ConfigError, field_error, require_int
 from het_strategy.workload import DTYPE_BYTES, LayerCost, MeasuredProfile, WorkloadSpec
 
-__all__ = ["ProfileResult", "profile_module", "catalog_device_name"]
+__all__ = ["ProfileResult", "profile_module", "catalog_device_name", "first_tensor", "batch_length"]
 
 _TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -154,7 +154,7 @@ def profile_module(
     _check_module_dtype(params, dtype)
     repeats = require_int(repeats, "repeats", minimum=1)
     warmup = require_int(warmup, "warmup", minimum=0)
-    first = _first_tensor(sample_batch)
+    first = first_tensor(sample_batch)
     if first is None:
         raise field_error("sample_batch", type(sample_batch).__name__, "hold at least one tensor",
                           "pass a tensor, a tuple of positional arguments or a dict of keyword arguments")
@@ -608,8 +608,17 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _first_tensor(obj: Any) -> torch.Tensor | None:
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor in nested tuples, lists and dicts (a batch's main tensor), or None."""
     return next(_tensors(obj), None)
+
+
+def batch_length(batch: Any) -> int:
+    """Samples in a batch: its first tensor's dim 0 (1 for a scalar, 0 without a tensor)."""
+    first = first_tensor(batch)
+    if first is None:
+        return 0
+    return int(first.shape[0]) if first.dim() else 1
 
 
 def _nbytes(obj: Any) -> int:
@@ -637,9 +646,9 @@ def _loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         main = output
     elif isinstance(output, Mapping):
-        main = output["loss"] if isinstance(output.get("loss"), torch.Tensor) else _first_tensor(output)
+        main = output["loss"] if isinstance(output.get("loss"), torch.Tensor) else first_tensor(output)
     elif isinstance(output, (tuple, list)):
-        main = output[0] if output and isinstance(output[0], torch.Tensor) else _first_tensor(output)
+        main = output[0] if output and isinstance(output[0], torch.Tensor) else first_tensor(output)
     else:
         main = None
     if main is None:

@@ -22,7 +22,7 @@ from het_strategy.planning import plan as search_plan
 from het_strategy.workload import LayerCost, MeasuredProfile, WorkloadSpec
 
 __all__ = ["precision_dtype", "estimate_workload", "data_parallel_plan",
-           "shares_in_rank_order", "equal_shares"]
+           "shares_in_rank_order"]
 
 _PRECISIONS = {"32": "fp32", "32-true": "fp32", "64": "fp32", "64-true": "fp32", "transformer-engine": "bf16",
                "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16": "fp16", "16-mixed": "fp16",
@@ -87,9 +87,3 @@ def shares_in_rank_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
         raise ConfigError(f"plan shares {out} sum to {sum(out)}, not the plan's global batch "
                           f"{plan.global_batch_size}")
     return out
-
-
-def equal_shares(global_batch_size: int, world_size: int) -> list[int]:
-    """The plain-DDP split of a global batch, for comparison."""
-    base, rest = divmod(global_batch_size, world_size)
-    return [base + (1 if r < rest else 0) for r in range(world_size)]

@@ -53,6 +53,7 @@ from het_strategy.emulation import EmulatedCompute, cluster_is_emulated, emulate
     emulated_seconds_per_sample, emulation_summary
 from het_strategy.errors import ConfigError, field_error
 from het_strategy.plan import Plan
+from het_strategy.profiling import batch_length, first_tensor
 from het_strategy.runtime_planning import data_parallel_plan, estimate_workload, precision_dtype, \
     shares_in_rank_order
 from het_strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint, split_by_shares
@@ -433,7 +434,7 @@ class _HeteroLogic:
         num_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
         tokens = 1
         if len(dataloader.dataset) > 0:
-            first = _first_tensor(dataloader.dataset[0])
+            first = first_tensor(dataloader.dataset[0])
             if first is not None and not torch.is_floating_point(first) and first.dim() >= 1:
                 tokens = int(first.numel())  # token ids: one sample is a sequence
         return estimate_workload(type(module).__name__, num_params, tokens, dtype)
@@ -590,19 +591,6 @@ class _HeteroLogic:
         return checkpoint
 
 
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
 def _pick_loader(loaders: Any, dataloader_idx: int) -> Any:
     if isinstance(loaders, (list, tuple)):
         return loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
@@ -684,8 +672,7 @@ def build_strategy_class(pl: ModuleType) -> type:
                 self._in_hook = False
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            first = _first_tensor(batch)
-            self._samples = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+            self._samples = batch_length(batch)
             self._step, self._padded = trainer.global_step, False
             assert self._own is not None
             self._own.begin()

@@ -81,7 +81,6 @@ class TrainJob:
     """A checked ``het-train`` config: everything needed to build the run, no process group yet."""
 
     def __init__(self, cfg: DictConfig, auto_cluster: bool = False) -> None:
-        from het_strategy.cost_model import TrainSettings  # noqa: F401  (checks dtype names below)
         from het_strategy.runtime_planning import precision_dtype
         from het_strategy.workload import TransformerConfig, transformer_workload
 
