@@ -41,7 +41,7 @@ import lightning.pytorch as pl
 import torch
 
 from het_strategy.callbacks.telemetry import FIELDS, StepTelemetry
-from het_strategy.errors import field_error
+from het_strategy.errors import field_error, require_int
 from het_strategy.planning.allocation import allocate_min_max
 
 __all__ = ["Shift", "ShiftDetector", "Decision", "StragglerMitigation"]
@@ -69,8 +69,7 @@ class ShiftDetector:
         if not (isinstance(threshold, (int, float)) and threshold > 0):
             raise field_error("threshold", threshold, "be > 0 (a relative shift, e.g. 0.25 = 25%)")
         for name, value, least in (("consecutive", consecutive, 1), ("window", window, 2), ("warmup", warmup, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise field_error(name, value, f"be an integer >= {least}")
+            require_int(value, name, minimum=least)
         if window <= consecutive:
             raise field_error("window", window, f"be > consecutive ({consecutive})")
         if not (isinstance(z, (int, float)) and z >= 0):

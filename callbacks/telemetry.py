@@ -26,7 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from het_strategy.errors import field_error
+from het_strategy.errors import field_error, require_int
 
 __all__ = ["StepTelemetry", "FIELDS"]
 
@@ -42,9 +42,7 @@ class StepTelemetry(pl.Callback):
     """
 
     def __init__(self, every_n_steps: int = 2, log: bool = True) -> None:
-        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-            raise field_error("every_n_steps", every_n_steps, "be an integer >= 1")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = require_int(every_n_steps, "every_n_steps", minimum=1)
         self.log = log
         self.steps_seen = 0
         self._rows: list[list[float]] = []

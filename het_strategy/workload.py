@@ -30,6 +30,7 @@ __all__ = [
     "TransformerConfig",
     "MeasuredProfile",
     "transformer_workload",
+    "transformer_config",
     "load_workload",
     "DTYPE_BYTES",
 ]
@@ -210,6 +211,11 @@ def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: 
         raw = yaml.safe_load(path.read_text()) or {}
         raw = {"name": path.stem, **raw}
         source = raw
+    return transformer_workload(transformer_config(source), dtype=dtype)
+
+
+def transformer_config(source: Mapping[str, Any]) -> TransformerConfig:
+    """The TransformerConfig of a model mapping (the ``model`` YAML schema; ``description`` ignored)."""
     raw = dict(source)
     check_keys(raw, _MODEL_KEYS, "model")
     kind = raw.pop("kind", "transformer")
@@ -217,10 +223,9 @@ def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: 
     if kind != "transformer":
         raise field_error("model.kind", kind, "be `transformer` (use profile_module for your own nn.Module)")
     try:
-        cfg = TransformerConfig(**raw)
+        return TransformerConfig(**raw)
     except TypeError as exc:
         raise ConfigError(f"model: {exc}", field="model") from None
-    return transformer_workload(cfg, dtype=dtype)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg, compose_config, run_cli, shipped_options
-from het_strategy.errors import ConfigError, check_keys, field_error
+from het_strategy.errors import check_keys, field_error, require_int
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
 
@@ -82,7 +82,7 @@ class TrainJob:
 
     def __init__(self, cfg: DictConfig, auto_cluster: bool = False) -> None:
         from het_strategy.runtime_planning import precision_dtype
-        from het_strategy.workload import TransformerConfig, transformer_workload
+        from het_strategy.workload import transformer_config, transformer_workload
 
         top = set(cfg.keys())
         check_keys({k: None for k in top}, _TOP_KEYS, "config")
@@ -113,14 +113,7 @@ class TrainJob:
                               f"pass devices={self.cluster.num_devices} or a cluster of {devices} devices")
         self.devices = devices
         self.dtype = precision_dtype(self.train.get("precision", "32-true"))
-        model_raw = cfg_to_dict(cfg.model, "model")
-        model_raw.pop("description", None)
-        if model_raw.pop("kind", "transformer") != "transformer":
-            raise field_error("model.kind", cfg.model.get("kind"), "be `transformer` for het-train")
-        try:
-            self.model_cfg = TransformerConfig(**model_raw)
-        except TypeError as exc:
-            raise ConfigError(f"model: {exc}", field="model") from None
+        self.model_cfg = transformer_config(cfg_to_dict(cfg.model, "model"))
         self.workload = transformer_workload(self.model_cfg, self.dtype)
         gb = self.train.get("global_batch_size")
         if not isinstance(gb, int) or isinstance(gb, bool) or gb < devices:
@@ -131,9 +124,7 @@ class TrainJob:
                               "which splits the batch evenly")
         self.global_batch_size = gb
         for key in ("max_steps", "val_every_n_steps", "val_batches", "accumulate_grad_batches"):
-            value = self.train.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise field_error(f"train.{key}", value, "be an integer >= 1")
+            require_int(self.train.get(key), f"train.{key}", minimum=1)
         self.data = cfg_to_dict(cfg.data, "data")
         check_keys(self.data, {"max_bytes", "val_fraction", "seed"}, "data")
         self.wandb = cfg_to_dict(cfg.wandb, "wandb")
@@ -143,8 +134,8 @@ class TrainJob:
         self.checkpoint = cfg_to_dict(cfg.checkpoint, "checkpoint")
         check_keys(self.checkpoint, {"every_n_steps"}, "checkpoint")
         every = self.checkpoint.get("every_n_steps")
-        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-            raise field_error("checkpoint.every_n_steps", every, "be an integer >= 1 or null")
+        if every is not None:
+            require_int(every, "checkpoint.every_n_steps", minimum=1)
         self.straggler = cfg_to_dict(cfg.straggler, "straggler")
         check_keys(self.straggler, _STRAGGLER_KEYS, "straggler")
         if not isinstance(self.straggler.get("enabled"), bool):
