@@ -30,16 +30,15 @@ def _fresh_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
 
+def _local_cluster(name: str, devices: dict[str, dict], **extra) -> dict:  # type: ignore[no-untyped-def]
+    """A one-node cluster of CPU devices (``{device name: its fields}``) in the cluster YAML schema."""
+    return {"name": name, "inter_node_bandwidth_gbs": 10, **extra,
+            "nodes": [{"name": "local", "devices": [{"name": n, "type": "CPU", **d} for n, d in devices.items()]}]}
+
+
 # Three CPU devices whose sustained speeds are 5 : 2 : 1, so the planner's shares of 16 are 10 / 4 / 2.
-CLUSTER_521 = {
-    "name": "three_speeds",
-    "inter_node_bandwidth_gbs": 10,
-    "nodes": [{"name": "local", "devices": [
-        {"name": "fast", "type": "CPU", "tflops": {"fp32": 5.0}},
-        {"name": "mid", "type": "CPU", "tflops": {"fp32": 2.0}},
-        {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}},
-    ]}],
-}
+CLUSTER_521 = _local_cluster("three_speeds", {"fast": {"tflops": {"fp32": 5.0}}, "mid": {"tflops": {"fp32": 2.0}},
+                                              "slow": {"tflops": {"fp32": 1.0}}})
 
 
 def _trainer(tmp: Path, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
@@ -118,14 +117,7 @@ def test_three_ranks_uneven_shares_equal_single_process_update(tmp_path: Path) -
     assert [rows[0][i]["logged"] for i in range(6)] == pytest.approx(ref_losses, abs=1e-12)
 
 
-CLUSTER_21 = {
-    "name": "two_speeds",
-    "inter_node_bandwidth_gbs": 10,
-    "nodes": [{"name": "local", "devices": [
-        {"name": "fast", "type": "CPU", "tflops": {"fp32": 2.0}},
-        {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}},
-    ]}],
-}
+CLUSTER_21 = _local_cluster("two_speeds", {"fast": {"tflops": {"fp32": 2.0}}, "slow": {"tflops": {"fp32": 1.0}}})
 
 
 def _two_rank_trainer(tmp: Path, cluster: dict, global_batch: int, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
@@ -143,9 +135,8 @@ def _losses(out: Path) -> list[tuple[int, int, float]]:
     return [(r["epoch"], r["batch"], r["synced_loss"]) for r in rows]
 
 
-CLUSTER_21_EMULATED = {"name": "two_speeds", "inter_node_bandwidth_gbs": 10, "nodes": [{"name": "local", "devices": [
-    {"name": "fast", "type": "CPU", "tflops": {"fp32": 1.0}, "emulated_speed": 1.0},
-    {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}, "emulated_speed": 0.5}]}]}
+CLUSTER_21_EMULATED = _local_cluster("two_speeds", {"fast": {"tflops": {"fp32": 1.0}, "emulated_speed": 1.0},
+                                                    "slow": {"tflops": {"fp32": 1.0}, "emulated_speed": 0.5}})
 
 
 def test_resume_mid_epoch_continues_identically(tmp_path: Path) -> None:
@@ -252,10 +243,9 @@ def test_a_cluster_of_another_size_than_the_world_is_refused_before_training(tmp
 
 def _slowdown_cluster(start: int) -> dict:
     # ~8 ms of emulated compute per sample for the 49-parameter test net (3 x 98 FLOPs / 3.7e-8 TFLOPS)
-    dev = {"type": "CPU", "tflops": {"fp32": 3.7e-8}, "efficiency": 1.0, "emulated_speed": 1.0}
-    return {"name": "three_equal", "inter_node_bandwidth_gbs": 10,
-            "slowdowns": [{"device": "r1", "factor": 3.0, "start_step": start}],
-            "nodes": [{"name": "local", "devices": [{"name": f"r{i}", **dev} for i in range(3)]}]}
+    dev = {"tflops": {"fp32": 3.7e-8}, "efficiency": 1.0, "emulated_speed": 1.0}
+    return _local_cluster("three_equal", {f"r{i}": dev for i in range(3)},
+                          slowdowns=[{"device": "r1", "factor": 3.0, "start_step": start}])
 
 
 def test_scheduled_slowdown_triggers_an_exact_rebalance_that_survives_resume(tmp_path: Path) -> None:
