@@ -17,7 +17,8 @@ DDP, with these changes:
    over the whole global batch: the update equals the single-process one.
    Values logged with ``sync_dist=True`` inside a step are averaged weighted by
    the samples behind them.
-4. **Emulation and timing** — a DDP comm hook (the user's, or allreduce) is
+4. **Emulation, timing, compression** — a DDP comm hook (gradient compression from
+   `het_strategy.compression`, the user's own hook, or allreduce) is
    registered on every device type; it timestamps when the last gradient bucket
    is ready (the rank's compute time without waiting) and, on an emulated
    cluster, first pads the batch to its emulated device's time.
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from het_strategy.cluster import ClusterSpec, load_cluster
+from het_strategy.compression import CompressionState, compression_config, compression_hook
 from het_strategy.emulation import EmulatedCompute, cluster_is_emulated, emulated_factor, \
     emulated_seconds_per_sample, emulation_summary
 from het_strategy.errors import ConfigError, field_error
@@ -136,8 +138,13 @@ class _HeteroLogic:
             (2 x parameters x tokens FLOPs per sample).
         global_batch_size: samples per optimizer step over all ranks; ``None``
             takes the training DataLoader's ``batch_size x world size``.
-        compression: a DDP comm hook ``(state, bucket) -> Future`` with its
-            ``compression_state``; registered on CPU/gloo as well as CUDA.
+        compression: gradient compression, registered on CPU/gloo as well as
+            CUDA: a method name (``"adaptive"``, ``"quantize"``/``"q4"``,
+            ``"powersgd"``, ``"topk"``, ``"fp16"``, ``"bf16"``, ``"none"``), a
+            mapping of ``CompressionConfig`` fields (Hydra ``compression=<group>``)
+            or a ``CompressionConfig`` (its state then travels in checkpoints);
+            or any DDP comm hook ``(state, bucket) -> Future`` with its
+            ``compression_state``.
         rebalance: a callback (straggler mitigation) added to the Trainer's.
         emulation: honour the cluster's emulated speeds (pad compute); ``False``
             drops them (every rank plans and runs at its real speed).
@@ -161,15 +168,19 @@ class _HeteroLogic:
                  **ddp_kwargs: Any) -> None:
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
             raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 or None")
-        if compression is not None and not callable(compression):
-            raise field_error("compression", compression, "be a DDP comm hook: a callable (state, bucket) -> Future")
+        self._compression_config = None if callable(compression) else compression_config(compression)
+        if self._compression_config is not None and compression_state is not None:
+            raise field_error("compression_state", type(compression_state).__name__,
+                              "be None when `compression` names a method (the strategy builds the state)")
         if not isinstance(emulation, bool):
             raise field_error("emulation", emulation, "be true or false")
         if profile_input is not None and not callable(profile_input):
             raise field_error("profile_input", profile_input, "be a callable: batch -> the model's forward input")
         if plan is not None and not isinstance(plan, (str, Path, Plan)):
             raise field_error("plan", type(plan).__name__, "be a plan JSON path, a Plan, or None to plan at setup")
-        super().__init__(ddp_comm_hook=compression, ddp_comm_state=compression_state, **ddp_kwargs)
+        hook = compression if callable(compression) else None
+        super().__init__(ddp_comm_hook=hook, ddp_comm_state=compression_state, **ddp_kwargs)
+        self.compression_state: CompressionState | None = None
         self._cluster_source = cluster
         self._plan_source = plan
         self._workload_source = workload
@@ -248,6 +259,13 @@ class _HeteroLogic:
 
         inner = self._ddp_comm_hook or allreduce_hook
         state = self._ddp_comm_state if self._ddp_comm_hook is not None else None
+        if self._compression_config is not None and self._compression_config.method != "none":
+            if self.compression_state is None:  # a later trainer.validate/test keeps the fitted state
+                self.compression_state = CompressionState(self.model, self._compression_config)  # type: ignore[arg-type]
+                restored = (self._restored or {}).get("compression")
+                if restored is not None:
+                    self.compression_state.load_state_dict(restored)
+            inner, state = compression_hook, self.compression_state
 
         def timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
             if bucket.is_last():  # forward and backward are over: finish the emulated compute, then sync
@@ -255,6 +273,7 @@ class _HeteroLogic:
             self._last_grad_ready = time.perf_counter()
             return inner(state, bucket)
 
+        timed_hook.__qualname__ = f"timed_hook({getattr(inner, '__qualname__', type(inner).__name__)})"
         hook = timed_hook if self._ddp_comm_wrapper is None else self._ddp_comm_wrapper(timed_hook)
         self.model.register_comm_hook(state=state, hook=hook)  # type: ignore[union-attr]
 
@@ -573,7 +592,8 @@ class _HeteroLogic:
                 "devices": [d.name for d in self.cluster.devices],
                 "global_batch_size": self.plan.global_batch_size if self.plan else None,
                 "plan": self.plan.to_dict() if self.plan else None,
-                "shares": self.current_shares() if self.plan else None}
+                "shares": self.current_shares() if self.plan else None,
+                "compression": self.compression_state.state_dict() if self.compression_state else None}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.plan is not None:

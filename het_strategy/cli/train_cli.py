@@ -39,7 +39,7 @@ __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
 PROG = "het-train"
 CONFIG_NAME = "train"
 _TOP_KEYS = {"cluster", "model", "strategy", "accelerator", "devices", "train", "data", "logger", "wandb",
-             "output", "checkpoint", "resume", "straggler"}
+             "output", "checkpoint", "resume", "straggler", "compression"}
 _STRAGGLER_KEYS = {"enabled", "every_n_steps", "threshold", "consecutive", "warmup", "min_share", "evict_ratio",
                    "stop_ratio"}
 _TRAIN_KEYS = {"global_batch_size", "max_steps", "lr", "weight_decay", "precision", "accumulate_grad_batches",
@@ -61,6 +61,7 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   logger=wandb|csv|none          wandb.mode=offline|online|disabled
   output.dir=DIR  output.summary=summary.json  checkpoint.every_n_steps=N  resume=<ckpt>
   straggler.enabled=true  straggler.threshold=X  straggler.consecutive=N  straggler.min_share=X
+  compression=none|adaptive|quantize4|powersgd|topk|fp16|bf16   compression.bits=N  compression.error_budget=X
 
 options:
   --cfg       print the composed config and exit
@@ -147,6 +148,13 @@ class TrainJob:
             from het_strategy.callbacks.straggler import StragglerMitigation
 
             StragglerMitigation(**self._straggler_args())  # bad settings fail here, before any worker starts
+        from het_strategy.compression import compression_config
+
+        self.compression = compression_config(cfg_to_dict(cfg.compression, "compression"))
+        if self.compression is not None and self.compression.method != "none" and self.strategy != "hetero":
+            raise field_error("compression.method", self.compression.method,
+                              "be none with strategy=ddp (Lightning's DDP registers comm hooks on CUDA only)",
+                              "use strategy=hetero, which registers them on every device")
         self.resume = None if cfg.resume is None else str(cfg.resume)
         if self.resume is not None and not Path(self.resume).is_file():
             raise field_error("resume", self.resume, "be an existing checkpoint file")
@@ -195,7 +203,8 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     if job.strategy == "hetero":
         # with cluster=auto the strategy profiles the model itself (per block, on every device type)
         strategy: Any = HeteroStrategy(cluster=cluster_source, workload=None if job.auto_cluster else job.workload,
-                                       global_batch_size=job.global_batch_size, profile_input=model_input)
+                                       global_batch_size=job.global_batch_size, profile_input=model_input,
+                                       compression=job.compression)
     else:
         strategy = "ddp"
         if job.cluster is not None and cluster_is_emulated(job.cluster):
@@ -239,6 +248,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
         summary["straggler_decisions"] = [asdict(d) for d in straggler.decisions]
     summary.update(_predicted_speedup(trainer.strategy, job))
+    summary.update(_compression_summary(trainer.strategy, job))
     _print_report(summary)
     if summary_path is not None:
         import json
@@ -247,6 +257,18 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
         write_atomic(summary_path, json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _compression_summary(strategy: Any, job: TrainJob) -> dict[str, Any]:
+    """The compression config, the wire saving on rank 0 and the last per-layer decisions."""
+    state = getattr(strategy, "compression_state", None)
+    out: dict[str, Any] = {"compression": job.compression.to_dict() if job.compression else None}
+    if state is not None:
+        last = max((d["step"] for d in state.decisions), default=None)
+        out.update({"compression_wire_ratio": state.wire_ratio, "compression_bytes_sent": state.bytes_sent,
+                    "compression_choices": dict(state.choices),
+                    "compression_decisions": [d for d in state.decisions if d["step"] == last]})
+    return out
 
 
 def model_input(batch: Any) -> Any:

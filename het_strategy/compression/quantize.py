@@ -1,0 +1,135 @@
+"""Bucketed uniform quantization of gradients to 2-8 bits, and its bit packing.
+
+A flat fp32 tensor is cut into rows of ``bucket_size`` elements; each row gets
+its own scale, so one large value spoils only its row (CGX's bucketing):
+
+- **max-min** — levels ``min + k * (max - min) / (2^b - 1)``, ``k = 0 .. 2^b - 1``;
+  two fp32 numbers of metadata per row (min and step).
+- **max-norm** — symmetric levels ``k * max|x| / L`` with ``L = 2^(b-1) - 1``,
+  ``k = -L .. L`` (b = 2 gives the ternary {-m, 0, m}); one fp32 per row.
+
+Rounding is to the nearest level (error <= step/2 per element) or stochastic
+(unbiased, error < step).  Codes are packed densely: 8 codes of b bits into b
+bytes, so 3-bit codes cost 3/8 byte each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["QuantizerSpec", "Quantized", "quantize", "dequantize", "pack_codes", "unpack_codes",
+           "packed_row_bytes", "error_bound"]
+
+SCALINGS = ("maxmin", "maxnorm")
+
+
+@dataclass(frozen=True)
+class QuantizerSpec:
+    """How one group of gradients is quantized (validated by ``CompressionConfig``)."""
+
+    bits: int
+    """Bits per element, 2-8."""
+    scaling: str = "maxmin"
+    """``maxmin`` (min and step per row) or ``maxnorm`` (one symmetric scale per row)."""
+    bucket_size: int = 128
+    """Elements sharing one scale; a multiple of 8 (the packing unit)."""
+    stochastic: bool = False
+    """Stochastic (unbiased) rounding instead of round-to-nearest."""
+
+    @property
+    def meta_floats(self) -> int:
+        """fp32 numbers of metadata per row."""
+        return 2 if self.scaling == "maxmin" else 1
+
+    @property
+    def levels(self) -> int:
+        """Largest code + 1."""
+        return 2 ** self.bits if self.scaling == "maxmin" else 2 ** self.bits - 1
+
+
+@dataclass
+class Quantized:
+    """Codes (uint8, one per element) and per-row metadata (fp32, rows x meta_floats)."""
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+
+
+def quantize(x: torch.Tensor, spec: QuantizerSpec, generator: torch.Generator | None = None) -> Quantized:
+    """Quantize a flat fp32 tensor whose length is a multiple of ``spec.bucket_size``."""
+    rows = x.reshape(-1, spec.bucket_size)
+    if spec.scaling == "maxmin":
+        low = rows.amin(dim=1, keepdim=True)
+        step = (rows.amax(dim=1, keepdim=True) - low) / (2 ** spec.bits - 1)
+        step = torch.where(step > 0, step, torch.ones_like(step))  # a constant row: every code is 0
+        scaled = (rows - low) / step
+        top = 2 ** spec.bits - 1
+        meta = torch.cat([low, step], dim=1)
+    else:
+        half = 2 ** (spec.bits - 1) - 1
+        step = rows.abs().amax(dim=1, keepdim=True) / half
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        scaled = rows / step + half
+        top = 2 * half
+        meta = step
+    if spec.stochastic:
+        noise = torch.rand(scaled.shape, generator=generator, dtype=scaled.dtype, device=scaled.device)
+        codes = torch.floor(scaled + noise)
+    else:
+        codes = torch.round(scaled)
+    codes = codes.clamp_(0, top).to(torch.uint8).reshape(-1)
+    return Quantized(codes, meta.contiguous())
+
+
+def dequantize(q: Quantized, spec: QuantizerSpec) -> torch.Tensor:
+    """The fp32 values the codes stand for (flat)."""
+    rows = q.codes.reshape(-1, spec.bucket_size).to(torch.float32)
+    if spec.scaling == "maxmin":
+        values = q.meta[:, :1] + rows * q.meta[:, 1:2]
+    else:
+        half = 2 ** (spec.bits - 1) - 1
+        values = (rows - half) * q.meta
+    return values.reshape(-1)
+
+
+def error_bound(x: torch.Tensor, spec: QuantizerSpec) -> torch.Tensor:
+    """Per-element bound on |dequantize(quantize(x)) - x|: half a step (a full step when stochastic)."""
+    rows = x.reshape(-1, spec.bucket_size)
+    if spec.scaling == "maxmin":
+        step = (rows.amax(dim=1, keepdim=True) - rows.amin(dim=1, keepdim=True)) / (2 ** spec.bits - 1)
+    else:
+        step = rows.abs().amax(dim=1, keepdim=True) / (2 ** (spec.bits - 1) - 1)
+    factor = 1.0 if spec.stochastic else 0.5
+    # float32 arithmetic in quantize/dequantize adds a few ulps of the row's magnitude
+    slack = rows.abs().amax(dim=1, keepdim=True) * 4 * torch.finfo(torch.float32).eps
+    return (step * factor + slack).expand_as(rows).reshape(-1)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes (< 2^bits, length a multiple of 8) densely: 8 codes -> ``bits`` bytes."""
+    if bits == 8:
+        return codes
+    groups = codes.reshape(-1, 8).to(torch.int64)
+    shifts = torch.arange(8, dtype=torch.int64, device=codes.device) * bits
+    words = (groups << shifts).sum(dim=1, keepdim=True)  # at most 56 bits: fits int64
+    byte_shifts = torch.arange(bits, dtype=torch.int64, device=codes.device) * 8
+    return ((words >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``."""
+    if bits == 8:
+        return packed
+    groups = packed.reshape(-1, bits).to(torch.int64)
+    byte_shifts = torch.arange(bits, dtype=torch.int64, device=packed.device) * 8
+    words = (groups << byte_shifts).sum(dim=1, keepdim=True)
+    shifts = torch.arange(8, dtype=torch.int64, device=packed.device) * bits
+    return ((words >> shifts) & (2 ** bits - 1)).to(torch.uint8).reshape(-1)
+
+
+def packed_row_bytes(num_elements: int, spec: QuantizerSpec) -> int:
+    """Bytes that ``num_elements`` (a multiple of the bucket size) take packed, metadata included."""
+    rows = num_elements // spec.bucket_size
+    return num_elements * spec.bits // 8 + rows * spec.meta_floats * 4
