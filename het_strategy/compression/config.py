@@ -57,6 +57,8 @@ class CompressionConfig:
     """Print the per-layer decisions (rank 0) whenever they change."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.candidates, list):  # a list from YAML or code: keep the config hashable and comparable
+            object.__setattr__(self, "candidates", tuple(self.candidates))
         if self.method not in METHODS:
             raise field_error("compression.method", self.method, f"be one of {', '.join(METHODS)}")
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:

@@ -52,7 +52,8 @@ class LinkModel:
     latency_s: float
     bytes_per_s: float
 
-    def seconds(self, num_bytes: float) -> float:
+    def transfer_s(self, num_bytes: float) -> float:
+        """The bandwidth term only: a layer's share of a bucket's collective (latency is paid per collective)."""
         return num_bytes / self.bytes_per_s
 
 
@@ -97,8 +98,9 @@ def solve_layer_methods(options: Sequence[Sequence[LayerOption]], budget: float,
                         resolution: int = 2000) -> list[int]:
     """Index of the chosen option per layer: least total time with total error <= budget.
 
-    1. Discretise: ``bins(e) = ceil(e / budget * resolution)`` (rounded up, so
-       the real total error of any feasible choice is <= budget).
+    1. Discretise: ``bins(e) = ceil(e / budget * resolution - 1e-9)`` (rounded
+       up, so the real total error of a feasible choice is <= budget, up to
+       ``layers x 1e-9`` of a bin that keeps float noise from adding a bin).
     2. ``best[b]`` = least time of the layers so far with error bins exactly
        ``<= b``; fold in one layer at a time, keeping each layer's argmin.
     3. Walk back from the best final bin.

@@ -130,7 +130,7 @@ class CompressionState:
     def state_dict(self) -> dict[str, Any]:
         powersgd = None
         if self.powersgd is not None:
-            powersgd = {k: v for k, v in self.powersgd.__getstate__().items() if k != "rng"}
+            powersgd = self.powersgd.__getstate__()  # torch's own: drops the process group
         return {"version": STATE_VERSION, "config": self.config.to_dict(), "step": self.step,
                 "choices": dict(self.choices), "next_solve": self.next_solve, "interval": self.interval,
                 "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
@@ -415,7 +415,7 @@ def _solve(state: CompressionState, group: dist.ProcessGroup, world: int) -> Non
             for token in candidates:
                 ti = tokens.index(token)
                 codec = 0.0 if token == "none" else _CODEC_FACTOR * float(seconds[li, ti])
-                row.append(LayerOption(token, state.link.seconds(wire_bytes(token, shape, world, cfg)) + codec,
+                row.append(LayerOption(token, state.link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
                                        float(errors[li, ti])))
             options.append(row)
         choice = torch.tensor(solve_layer_methods(options, budget), dtype=torch.int64)
@@ -433,7 +433,8 @@ def _solve(state: CompressionState, group: dist.ProcessGroup, world: int) -> Non
         sent = wire_bytes(token, shape, world, cfg)
         rows.append({"step": state.step, "layer": name, "method": token,
                      "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / numel, 3),
-                     "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)])})
+                     "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
+                     "budget": budget})
     state.decisions.extend(rows)
     if changed and cfg.verbose and dist.get_rank() == 0:
         print(format_decisions(rows, state.link, budget), flush=True)

@@ -111,6 +111,13 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes (< 2^bits, length a multiple of 8) densely: 8 codes -> ``bits`` bytes."""
     if bits == 8:
         return codes
+    if 8 % bits == 0:  # 2 or 4 bits: whole codes per byte, uint8 arithmetic
+        per_byte = 8 // bits
+        groups = codes.reshape(-1, per_byte)
+        packed = groups[:, 0].clone()
+        for j in range(1, per_byte):
+            packed |= groups[:, j] << (bits * j)
+        return packed
     groups = codes.reshape(-1, 8).to(torch.int64)
     shifts = torch.arange(8, dtype=torch.int64, device=codes.device) * bits
     words = (groups << shifts).sum(dim=1, keepdim=True)  # at most 56 bits: fits int64
@@ -122,6 +129,10 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack_codes``."""
     if bits == 8:
         return packed
+    if 8 % bits == 0:
+        per_byte = 8 // bits
+        shifts = torch.arange(per_byte, dtype=torch.uint8, device=packed.device) * bits
+        return ((packed.reshape(-1, 1) >> shifts) & (2 ** bits - 1)).reshape(-1)
     groups = packed.reshape(-1, bits).to(torch.int64)
     byte_shifts = torch.arange(bits, dtype=torch.int64, device=packed.device) * 8
     words = (groups << byte_shifts).sum(dim=1, keepdim=True)

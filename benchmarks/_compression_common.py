@@ -1,0 +1,60 @@
+"""Shared pieces of the compression benchmarks: the models, their data, one DDP training step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from het_strategy.compression import CompressionState, compression_hook
+
+
+def char_gpt(seq_len: int = 64) -> torch.nn.Module:
+    """The main job's char GPT (4 blocks, hidden 128), as a plain module."""
+    from het_strategy.tiny_gpt import CharGPT
+
+    return CharGPT(num_layers=4, hidden_size=128, num_heads=4, seq_len=seq_len)
+
+
+def mlp(inputs: int = 64, hidden: int = 512, classes: int = 10, depth: int = 3) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    width = inputs
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, hidden), torch.nn.ReLU()]
+        width = hidden
+    layers.append(torch.nn.Linear(width, classes))
+    return torch.nn.Sequential(*layers)
+
+
+def wrap(module: torch.nn.Module, compression: Any) -> tuple[DDP, CompressionState | None]:
+    """DDP around ``module``; ``compression=None`` keeps DDP's own allreduce (no hook at all)."""
+    model = DDP(module)
+    if compression is None:
+        return model, None
+    state = CompressionState(model, compression)
+    model.register_comm_hook(state, compression_hook)
+    return model, state
+
+
+def lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def char_batches(seq_len: int, batch: int, rank: int, world: int, steps: int, seed: int,
+                 split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's slices of ``steps`` global batches of ``batch x world`` sequences (same order every run)."""
+    from het_strategy.examples_data import CharDataset, stdlib_corpus
+
+    corpus = stdlib_corpus(max_bytes=2_000_000, val_fraction=0.1, seed=0)
+    data = CharDataset(corpus.train if split == "train" else corpus.val, seq_len)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        idx = torch.randint(len(data), (batch * world,), generator=gen)[rank * batch:(rank + 1) * batch]
+        xs, ys = zip(*(data[int(i)] for i in idx))
+        out.append((torch.stack(xs), torch.stack(ys)))
+    return out

@@ -1,0 +1,59 @@
+"""Run a function on a few gloo ranks forked on this machine (tests, benchmarks, examples).
+
+``run_local_ranks(fn, world, *args)`` forks ``world`` processes, joins them into a
+gloo process group over loopback, calls ``fn(rank, world, *args)`` on each and
+returns every rank's (picklable) result, in rank order.  A rank that fails
+fails the call with its traceback; ranks that do not finish within
+``timeout_s`` are killed, so a collective mismatch cannot hang the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_local_ranks"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
+                    threads: int = 1) -> list[Any]:
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own forked gloo rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), out_dir, threads, args), nprocs=world,
+                                 join=False, start_method="fork")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world} local ranks did not finish within {timeout_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -1,0 +1,529 @@
+"""A real slow network on one machine: a private network namespace whose loopback is shaped with ``tc``.
+
+Benchmarks of gradient compression need a link that is actually slow, not a
+sleep that pretends to be.  ``shaped_namespace`` makes one:
+
+1. create a network namespace with a unique name ``het-<creator pid>-<n>``
+   (``ip netns add``); the pid in the name lets ``remove_stale_namespaces``
+   recognise namespaces left behind by a run that was killed;
+2. bring its loopback up (a fresh namespace's ``lo`` is down);
+3. attach a token-bucket filter (``tbf``) to ``lo``; with ``delay_ms > 0`` a
+   ``netem`` root adds the delay and the ``tbf`` hangs below it;
+4. yield a ``ShapedNamespace``: processes started with ``.run``/``.popen`` (or
+   with ``.command(argv)`` in any launcher) talk over 127.0.0.1 through the
+   shaped ``lo``, so gloo's TCP traffic between them crosses the slow link;
+5. on exit -- normal, exception, KeyboardInterrupt -- end any process still
+   inside and delete the namespace.  If any step of 1-3 fails the namespace is
+   deleted before ``NetnsUnavailable`` is raised: nothing half-made is left.
+
+What the shaping means (measure with this in mind):
+
+- Loopback has a single transmit queue.  Every packet between two processes in
+  the namespace -- both directions, all pairs -- passes through it once, so
+  ``rate_mbit`` is the *total* of all traffic inside the namespace, a shared
+  half-duplex bus, not a per-link or per-direction rate.  Two opposite flows
+  each get about half.  (Per-link shaping would need veth pairs between
+  namespaces; not built here.)
+- The bucket starts full: the first ``LinkShape.burst_bytes`` (256 KiB up to
+  ~500 Mbit/s) pass at full speed, so a short transfer measures a little fast
+  (8 MiB at 50 Mbit/s: 1.03x the rate; 2 MiB at 10 Mbit/s: 1.10x).  Time
+  transfers of many times the burst, or warm the link up first.
+- ``delay_ms`` is added once to every packet on ``lo``, so a round trip sees
+  twice the delay.  It needs the kernel's ``sch_netem``; kernels without it
+  (such as the one this module was written on) give rate shaping only, and a
+  shape with a delay raises ``NetnsUnavailable`` rather than running unshaped.
+- ``shape=None`` makes the same kind of namespace without a qdisc, so a shaped
+  run and its unshaped baseline differ only in the shaping.
+
+The shaping is never on silently: the CLI prints what it applied, and
+``qdisc_stats`` shows the counters of the qdisc that did the work.  Everything
+here needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and the ``ip``/``tc`` tools
+of iproute2; ``netns_available`` tells, cheaply, whether this machine has them.
+
+Command line::
+
+    python -m het_strategy.netshape --rate-mbit 100 [--delay-ms 0] -- CMD ARGS...
+    python -m het_strategy.netshape -- CMD ARGS...          # unshaped namespace
+    python -m het_strategy.netshape --check
+    python -m het_strategy.netshape --remove-stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from het_strategy.errors import ConfigError, field_error
+
+__all__ = [
+    "LinkShape",
+    "NetnsUnavailable",
+    "ShapedNamespace",
+    "netns_available",
+    "netem_available",
+    "shaped_namespace",
+    "remove_stale_namespaces",
+    "main",
+]
+
+_log = logging.getLogger(__name__)
+
+#: Prefix of every namespace this module names itself: ``het-<creator pid>-<n>``.
+NAMESPACE_PREFIX = "het-"
+#: Loopback's MTU (64 KiB); with GSO a single "packet" on lo can be this large,
+#: and tbf drops any packet bigger than its bucket, so the bucket holds several.
+_LO_MTU_BYTES = 65536
+#: Time a packet may wait in tbf's queue before being dropped (sets its limit).
+_TBF_LATENCY_MS = 100
+#: Packets netem may hold while delaying them (its default of 1000 would drop
+#: packets once rate x delay exceeds ~1000 small packets).
+_NETEM_LIMIT_PACKETS = 100_000
+#: Seconds a leftover process gets after SIGTERM before SIGKILL, at teardown.
+_TERMINATE_GRACE_S = 2.0
+#: Seconds any single ip/tc call may take.
+_TOOL_TIMEOUT_S = 30.0
+
+_counter = itertools.count()
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class NetnsUnavailable(RuntimeError):
+    """A network namespace or its qdisc could not be made here; the message says why."""
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """How the namespace's loopback is shaped."""
+
+    rate_mbit: float
+    """Total rate of all traffic on the namespace's loopback, in Mbit/s (10^6 bit/s); > 0."""
+    delay_ms: float = 0.0
+    """Delay added to every packet, in ms (a round trip sees it twice); >= 0; > 0 needs netem."""
+
+    def __post_init__(self) -> None:
+        rate = self.rate_mbit
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate):
+            raise field_error("rate_mbit", rate, "be a finite number of Mbit/s")
+        if rate * 1e6 < 1:
+            raise field_error("rate_mbit", rate, "be >= 1e-6 (at least 1 bit/s)",
+                              "use shape=None for an unshaped namespace")
+        delay = self.delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay):
+            raise field_error("delay_ms", delay, "be a finite number of milliseconds")
+        if delay < 0:
+            raise field_error("delay_ms", delay, "be >= 0")
+
+    @property
+    def rate_bit_per_s(self) -> int:
+        """The rate as whole bits per second, as given to tc."""
+        return max(1, round(self.rate_mbit * 1e6))
+
+    @property
+    def burst_bytes(self) -> int:
+        """tbf bucket size: >= 4 loopback MTUs, and >= one timer tick's worth at HZ=250."""
+        return max(4 * _LO_MTU_BYTES, self.rate_bit_per_s // 8 // 250)
+
+    def describe(self) -> str:
+        """One line for logs: what the qdisc will do."""
+        text = f"tbf rate {self.rate_mbit:g} Mbit/s (burst {self.burst_bytes} B)"
+        if self.delay_ms > 0:
+            text = f"netem delay {self.delay_ms:g} ms + " + text
+        return text
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def _tool(name: str) -> str:
+    """Absolute path of an iproute2 tool; /usr/sbin is often missing from a non-root PATH."""
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
+    if found is None:
+        raise NetnsUnavailable(f"`{name}` (iproute2) is not installed or not on PATH; "
+                               f"install iproute2 to use network namespaces")
+    return found
+
+
+def _call(argv: Sequence[str]) -> subprocess.CompletedProcess:
+    """Run an ip/tc command, capturing its output; never raises for a non-zero exit."""
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=_TOOL_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+
+
+def _why(proc: subprocess.CompletedProcess) -> str:
+    """The failure text of a tool call, with a hint when we are not root."""
+    text = (proc.stderr or proc.stdout or "").strip() or f"exit code {proc.returncode}"
+    if os.geteuid() != 0:
+        text += f" (this process is not root: euid {os.geteuid()}; namespaces need CAP_SYS_ADMIN)"
+    return text
+
+
+def _list_namespaces() -> list[str]:
+    """Names of all named network namespaces (``ip netns list``)."""
+    proc = _call([_tool("ip"), "-j", "netns", "list"])
+    if proc.returncode != 0:
+        raise NetnsUnavailable(f"`ip netns list` failed: {_why(proc)}")
+    text = proc.stdout.strip()
+    if not text:          # iproute2 prints nothing, not [], when /run/netns is empty
+        return []
+    return [entry["name"] for entry in json.loads(text)]
+
+
+def _namespace_exists(name: str) -> bool:
+    return name in _list_namespaces()
+
+
+def _pids_inside(name: str) -> list[int]:
+    """Live processes in namespace ``name`` (``ip netns pids``; zombies are not listed)."""
+    proc = _call([_tool("ip"), "netns", "pids", name])
+    if proc.returncode != 0:
+        return []
+    return [int(tok) for tok in proc.stdout.split() if tok.isdigit()]
+
+
+def _end_processes_inside(name: str) -> None:
+    """SIGTERM, then after a grace period SIGKILL, every process still in ``name``.
+
+    A namespace with a process in it outlives ``ip netns del`` (anonymously, and
+    still shaped), so a worker left behind would keep running on the slow link.
+    """
+    pids = [p for p in _pids_inside(name) if p != os.getpid()]
+    if not pids:
+        return
+    _log.warning("netshape: ending %d process(es) still in namespace %s: %s", len(pids), name, pids)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (_TERMINATE_GRACE_S if sig == signal.SIGTERM else 1.0)
+        while time.monotonic() < deadline:
+            pids = [p for p in _pids_inside(name) if p != os.getpid()]
+            if not pids:
+                return
+            time.sleep(0.05)
+
+
+def _delete_namespace(name: str) -> None:
+    """End what runs in ``name`` and delete it; logs (never raises) if the kernel refuses."""
+    try:
+        _end_processes_inside(name)
+        proc = _call([_tool("ip"), "netns", "del", name])
+        if proc.returncode != 0 and _namespace_exists(name):
+            _log.error("netshape: could not delete namespace %s: %s; remove it with `ip netns del %s`",
+                       name, _why(proc), name)
+    except (OSError, subprocess.SubprocessError, NetnsUnavailable) as exc:
+        _log.error("netshape: could not delete namespace %s: %s; remove it with `ip netns del %s`",
+                   name, exc, name)
+
+
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C during teardown, then deliver it; only the main thread can do this.
+
+    Teardown takes milliseconds; a second Ctrl-C landing in it must not leave
+    the namespace behind.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    except ValueError:    # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        if received and callable(previous):
+            previous(signal.SIGINT, None)
+
+
+def _create_namespace(name: str | None) -> str:
+    """``ip netns add`` a fresh namespace; returns its name.  Ours never reuses an existing one."""
+    ip = _tool("ip")
+    if name is not None:
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise field_error("name", name, "be 1-64 characters of letters, digits, '_', '.', '-', "
+                                            "starting with a letter or digit")
+        if _namespace_exists(name):
+            raise NetnsUnavailable(f"network namespace {name!r} already exists; choose another name "
+                                   f"or remove it with `ip netns del {name}`")
+        candidates: Iterator[str] = iter([name])
+    else:
+        candidates = (f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_counter)}" for _ in range(100))
+    last = ""
+    for candidate in candidates:
+        proc = _call([ip, "netns", "add", candidate])
+        if proc.returncode == 0:
+            return candidate
+        last = _why(proc)
+        if "exists" not in last:     # a name clash is retried with the next counter; anything else is fatal
+            break
+    raise NetnsUnavailable(f"could not create a network namespace (`ip netns add`): {last}")
+
+
+def _shape_loopback(name: str, shape: LinkShape | None) -> None:
+    """Bring ``lo`` up in ``name`` and attach the qdisc(s) of ``shape``; raises NetnsUnavailable."""
+    ip, tc = _tool("ip"), _tool("tc")
+    proc = _call([ip, "-n", name, "link", "set", "lo", "up"])
+    if proc.returncode != 0:
+        raise NetnsUnavailable(f"could not bring loopback up in namespace {name}: {_why(proc)}")
+    if shape is None:
+        return
+    in_ns = [ip, "netns", "exec", name, tc]
+    tbf = ["tbf", "rate", f"{shape.rate_bit_per_s}bit", "burst", str(shape.burst_bytes),
+           "latency", f"{_TBF_LATENCY_MS}ms"]
+    if shape.delay_ms > 0:
+        # netem at the root delays every packet, then hands it to the tbf below (netem's
+        # one class, 1:1), which paces it: the layout of the netem documentation's
+        # "rate control" example.
+        proc = _call([*in_ns, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem",
+                      "delay", f"{shape.delay_ms:g}ms", "limit", str(_NETEM_LIMIT_PACKETS)])
+        if proc.returncode != 0:
+            raise NetnsUnavailable(_netem_failure(proc))
+        proc = _call([*in_ns, "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", *tbf])
+    else:
+        proc = _call([*in_ns, "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf])
+    if proc.returncode != 0:
+        raise NetnsUnavailable(f"could not attach tbf to loopback in namespace {name} "
+                               f"({shape.describe()}): {_why(proc)}")
+
+
+def _netem_failure(proc: subprocess.CompletedProcess) -> str:
+    why = _why(proc)
+    if "unknown" in why.lower() or "not supported" in why.lower():
+        return (f"netem is missing from this kernel (sch_netem; tc says: {why}); only rate shaping "
+                f"is available here -- use delay_ms=0")
+    return f"could not attach netem (needed for delay_ms > 0) to loopback: {why}"
+
+
+# ----------------------------------------------------------------------- the namespace
+
+
+class ShapedNamespace:
+    """A live network namespace made by ``shaped_namespace``; valid only inside that ``with``."""
+
+    __slots__ = ("name", "shape")
+
+    def __init__(self, name: str, shape: LinkShape | None) -> None:
+        self.name = name
+        """The namespace's name (``ip netns exec NAME ...``)."""
+        self.shape = shape
+        """The shaping of its loopback, or None for an unshaped namespace."""
+
+    def __repr__(self) -> str:
+        return f"ShapedNamespace(name={self.name!r}, shape={self.shape!r})"
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed so that it runs inside the namespace."""
+        return [_tool("ip"), "netns", "exec", self.name, *argv]
+
+    def run(self, argv: Sequence[str], **subprocess_kwargs: Any) -> subprocess.CompletedProcess:
+        """``subprocess.run`` of ``argv`` inside the namespace (same keywords)."""
+        return subprocess.run(self.command(argv), **subprocess_kwargs)
+
+    def popen(self, argv: Sequence[str], **subprocess_kwargs: Any) -> subprocess.Popen:
+        """``subprocess.Popen`` of ``argv`` inside the namespace; it is ended at teardown if still running."""
+        return subprocess.Popen(self.command(argv), **subprocess_kwargs)
+
+    def lo_tx_bytes(self) -> int:
+        """Bytes loopback has transmitted in this namespace (every packet, both directions, headers included)."""
+        proc = _call([_tool("ip"), "-n", self.name, "-s", "-j", "link", "show", "lo"])
+        if proc.returncode != 0:
+            raise NetnsUnavailable(f"could not read loopback counters in namespace {self.name}: {_why(proc)}")
+        return int(json.loads(proc.stdout)[0]["stats64"]["tx"]["bytes"])
+
+    def qdisc_stats(self) -> str:
+        """``tc -s qdisc show dev lo`` inside the namespace: sent, dropped, overlimits, backlog."""
+        proc = _call([_tool("ip"), "netns", "exec", self.name, _tool("tc"), "-s", "qdisc", "show", "dev", "lo"])
+        if proc.returncode != 0:
+            raise NetnsUnavailable(f"could not read qdisc stats in namespace {self.name}: {_why(proc)}")
+        return proc.stdout
+
+
+@contextmanager
+def shaped_namespace(shape: LinkShape | None, name: str | None = None) -> Iterator[ShapedNamespace]:
+    """A fresh network namespace with shaped (or, for ``shape=None``, plain) loopback.
+
+    The namespace is named ``het-<pid>-<n>`` unless ``name`` is given (an
+    existing namespace is never adopted).  It is deleted when the block exits,
+    however it exits; processes still inside are terminated first.  Raises
+    ``NetnsUnavailable`` (nothing left behind) when it cannot be made, e.g. not
+    root, no iproute2, or ``delay_ms > 0`` without netem.
+    """
+    if shape is not None and not isinstance(shape, LinkShape):
+        raise field_error("shape", shape, "be a LinkShape or None")
+    created = _create_namespace(name)
+    try:
+        _shape_loopback(created, shape)
+        _log.info("netshape: namespace %s, loopback %s", created,
+                  shape.describe() if shape is not None else "unshaped")
+        yield ShapedNamespace(created, shape)
+    finally:
+        with _sigint_deferred():
+            _delete_namespace(created)
+
+
+# ------------------------------------------------------------------------------ probes
+
+
+def netns_available() -> tuple[bool, str]:
+    """Whether namespaces with a tbf-shaped loopback can be made here, and why (not).
+
+    Creates and deletes a throwaway namespace (tens of milliseconds).  The
+    reason also says whether netem (``delay_ms > 0``) is available.
+    """
+    try:
+        with shaped_namespace(LinkShape(rate_mbit=100.0)):
+            pass
+    except (NetnsUnavailable, OSError, subprocess.SubprocessError) as exc:
+        return False, str(exc)
+    netem_ok, netem_reason = netem_available()
+    return True, ("network namespaces and tc tbf work; " + ("netem works too (delay_ms > 0 is available)"
+                                                            if netem_ok else netem_reason))
+
+
+def netem_available() -> tuple[bool, str]:
+    """Whether ``delay_ms > 0`` works here (netem under tbf in a throwaway namespace), and why (not)."""
+    try:
+        with shaped_namespace(LinkShape(rate_mbit=100.0, delay_ms=1.0)):
+            pass
+    except (NetnsUnavailable, OSError, subprocess.SubprocessError) as exc:
+        return False, str(exc)
+    return True, "netem works"
+
+
+def remove_stale_namespaces(prefix: str = NAMESPACE_PREFIX) -> list[str]:
+    """Delete namespaces ``<prefix><pid>-<n>`` whose creator ``pid`` is no longer running.
+
+    Such namespaces are left by a run killed with SIGKILL (no teardown ran).
+    Namespaces of live creators and names of any other form are not touched.
+    A recycled pid makes a stale namespace look alive; it is then kept, the
+    safe error.  Returns the names deleted.
+    """
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)-(\d+)$")
+    removed = []
+    for name in _list_namespaces():
+        match = pattern.match(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        _delete_namespace(name)
+        if not _namespace_exists(name):
+            removed.append(name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -------------------------------------------------------------------------------- CLI
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m het_strategy.netshape",
+        description="Run a command inside a private network namespace whose loopback is rate-limited "
+                    "with tc (the rate is shared by all traffic on loopback, both directions).",
+        epilog="Exit code: the command's own (128+N if killed by signal N); 2 for bad options; "
+               "125 if the namespace could not be made.")
+    parser.add_argument("--rate-mbit", type=float, default=None,
+                        help="loopback rate in Mbit/s; omit for an unshaped namespace")
+    parser.add_argument("--delay-ms", type=float, default=0.0,
+                        help="delay added to every packet in ms (needs netem)")
+    parser.add_argument("--name", default=None, help="namespace name (default het-<pid>-<n>)")
+    parser.add_argument("--check", action="store_true", help="print whether namespaces work here and exit")
+    parser.add_argument("--remove-stale", action="store_true",
+                        help="delete het-<pid>-<n> namespaces whose creator is dead, and exit")
+    if "--" in argv:
+        cut = argv.index("--")
+        opts, command = argv[:cut], argv[cut + 1:]
+    else:
+        opts, command = argv, []
+    args = parser.parse_args(opts)
+    if not (args.check or args.remove_stale) and not command:
+        parser.error("give the command to run after `--`")
+    if args.rate_mbit is None and args.delay_ms:
+        parser.error("--delay-ms needs --rate-mbit")
+    return args, command
+
+
+def _run_forwarding_signals(ns: ShapedNamespace, command: list[str]) -> int:
+    """Run ``command`` inside ``ns``; SIGTERM/SIGINT sent to us are passed on, and we wait for it."""
+    proc = ns.popen(command)
+
+    def forward(signum: int, frame: Any) -> None:
+        # A Ctrl-C at the terminal reaches the whole foreground process group, the
+        # command included; passing it on again would deliver it twice.
+        if signum == signal.SIGINT and _terminal_foreground():
+            return
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        returncode = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _terminal_foreground() -> bool:
+    """Whether we run in the foreground process group of a terminal (so a Ctrl-C hits our child too)."""
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m het_strategy.netshape``; returns the exit code."""
+    args, command = _parse(sys.argv[1:] if argv is None else list(argv))
+    if args.check:
+        ok, reason = netns_available()
+        print(f"{'ok' if ok else 'unavailable'}: {reason}")
+        return 0 if ok else 1
+    if args.remove_stale:
+        for name in remove_stale_namespaces():
+            print(f"removed {name}")
+        return 0
+    try:
+        shape = None if args.rate_mbit is None else LinkShape(args.rate_mbit, args.delay_ms)
+        with shaped_namespace(shape, name=args.name) as ns:
+            print(f"netshape: running in namespace {ns.name}, loopback "
+                  f"{shape.describe() if shape is not None else 'unshaped'}", file=sys.stderr, flush=True)
+            return _run_forwarding_signals(ns, command)
+    except ConfigError as exc:
+        print(f"netshape: {exc}", file=sys.stderr)
+        return 2
+    except NetnsUnavailable as exc:
+        print(f"netshape: {exc}", file=sys.stderr)
+        return 125
+
+
+if __name__ == "__main__":
+    sys.exit(main())
