@@ -28,6 +28,13 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
     (["strategy=ddp", "straggler.enabled=true"], "straggler"),
     (["straggler.enabled=true", "straggler.threshold=0"], "threshold"),
     (["straggler.enabled=true", "straggler.min_share=1.5"], "min_share"),
+    (["compression=quantize4", "compression.bits=1"], "compression.bits"),
+    (["compression=adaptive", "compression.error_budget=0"], "compression.error_budget"),
+    (["compression=powersgd", "compression.rank=0"], "compression.rank"),
+    (["compression=none", "compression.method=gzip"], "compression.method"),
+    (["compression=quantize4", "+compression.bitz=4"], "compression.bitz"),
+    (["strategy=ddp", "compression=adaptive"], "compression.method"),
+    (["compression=zip"], "compression"),
 ])
 def test_bad_input_is_one_line_and_exit_2(overrides: list[str], needle: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,3 +84,23 @@ def test_het_train_end_to_end_tiny(tmp_path: Path) -> None:
     assert summary["samples_per_s"] > 0 and summary["predicted_speedup_vs_equal"] > 1.2
     assert list(tmp_path.glob("csv/version_*/metrics.csv"))
     assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_het_train_with_adaptive_compression_on_a_planned_slow_link(tmp_path: Path) -> None:
+    """`compression=adaptive` from the Hydra group: after its warm-up the controller, told the link is 10 Mbit/s,
+    compresses the large layers; the run still learns and the summary carries the per-layer decisions."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "het_strategy.cli.train_cli", "cluster=local_cpu2", "train.max_steps=6", *TINY,
+           "logger=none", "compression=adaptive", "compression.warmup_steps=2", "compression.link_mbit=10",
+           f"output.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compression choice at step 2" in proc.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["compression"]["method"] == "adaptive"
+    assert summary["compression_wire_ratio"] > 1.5
+    methods = {d["layer"]: d["method"] for d in summary["compression_decisions"]}
+    assert methods["module.blocks.0.mlp.0.weight"] != "none" and "module.ln_f.weight" not in methods
+    assert summary["final_val_loss"] < 5.3

@@ -53,6 +53,8 @@ class CompressionConfig:
     """adaptive: allowed total compression error, as a multiple of uniform ``q{bits}``'s error on the same gradients."""
     candidates: tuple[str, ...] = ("none", "q8", "q4", "q3", "q2")
     """adaptive: the method tokens each layer may get."""
+    link_mbit: float | None = None
+    """adaptive: plan for a link of this many Mbit/s instead of timing allreduces (None: measure at each solve)."""
     verbose: bool = True
     """Print the per-layer decisions (rank 0) whenever they change."""
 
@@ -84,6 +86,10 @@ class CompressionConfig:
                 or budget <= 0:
             raise field_error("compression.error_budget", budget, "be a number > 0",
                               "1.0 allows the error of uniform quantization at `bits`")
+        if self.link_mbit is not None:
+            link = self.link_mbit
+            if isinstance(link, bool) or not isinstance(link, (int, float)) or not math.isfinite(link) or link <= 0:
+                raise field_error("compression.link_mbit", link, "be a number > 0 (Mbit/s) or null to measure")
         if not self.candidates:
             raise field_error("compression.candidates", list(self.candidates), "name at least one method token")
         for i, token in enumerate(self.candidates):

@@ -13,7 +13,9 @@ their scales differ per rank).  ``quantized_mean`` is CGX's two-phase exchange:
 2. ``all_to_all_single``: rank j receives every rank's codes of chunk j
    (gloo supports the single-tensor all-to-all, not the list form);
 3. rank j dequantizes them, sums in fp32, divides by the world size and
-   re-quantizes its chunk of the mean;
+   re-quantizes its chunk of the mean (adding, with error feedback, what this
+   re-quantization left out last time: otherwise a rounding bias of the
+   second phase would add up step after step);
 4. ``all_gather`` of the re-quantized chunks; every rank dequantizes the same
    bytes, so every replica gets the same gradient.
 
@@ -48,6 +50,8 @@ class Exchanged:
     """This rank's contribution as the others received it (for error feedback)."""
     bytes_sent: int
     """Payload and metadata bytes this rank sent."""
+    chunk_residual: torch.Tensor | None = None
+    """quantized_mean: what re-quantizing this rank's chunk of the mean left out (its next error feedback)."""
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -93,8 +97,9 @@ def _unpack_rows(rows: torch.Tensor, spec: QuantizerSpec, chunk: int) -> torch.T
 
 
 def quantized_mean(flat: torch.Tensor, spec: QuantizerSpec, group: dist.ProcessGroup,
-                   generator: torch.Generator | None = None) -> Exchanged:
-    """The two-phase quantized mean (module docstring)."""
+                   generator: torch.Generator | None = None,
+                   chunk_residual: torch.Tensor | None = None) -> Exchanged:
+    """The two-phase quantized mean (module docstring); ``chunk_residual``: the last call's, for this chunk."""
     world = group.size()
     n = flat.numel()
     chunk = math.ceil(n / (world * spec.bucket_size)) * spec.bucket_size
@@ -106,13 +111,16 @@ def quantized_mean(flat: torch.Tensor, spec: QuantizerSpec, group: dist.ProcessG
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     chunk_mean = _unpack_rows(recv, spec, chunk).sum(dim=0) / world
+    if chunk_residual is not None and chunk_residual.numel() == chunk:
+        chunk_mean += chunk_residual
     second = quantize(chunk_mean, spec, generator)
+    left_out = chunk_mean - dequantize(second, spec)
     row = _pack_rows(second.codes, second.meta, spec, 1)
     gathered = torch.empty(world * row.shape[1], dtype=torch.uint8, device=flat.device)
     _all_gather(gathered, row.reshape(-1), group)
     mean = _unpack_rows(gathered.reshape(world, -1), spec, chunk).reshape(-1)[:n]
     row_bytes = packed_row_bytes(chunk, spec)
-    return Exchanged(mean, delivered, 2 * (world - 1) * row_bytes)
+    return Exchanged(mean, delivered, 2 * (world - 1) * row_bytes, left_out)
 
 
 def topk_mean(flats: list[torch.Tensor], ratio: float, group: dist.ProcessGroup) -> tuple[list[torch.Tensor],

@@ -66,14 +66,15 @@ class CompressionState:
         "_names",
         # progress: optimizer steps seen; the per-layer choice and when to re-solve it
         "step", "choices", "next_solve", "interval",
-        # error feedback: per-layer residual of what compression left out last time
-        "residuals",
+        # error feedback: per-layer residual of what compression left out last time, and per quantized group
+        # this rank's residual of re-quantizing its chunk of the mean (keyed by the group's layer names)
+        "residuals", "chunk_residuals",
         # torch's PowerSGD state for the layers that use it (its own error feedback and warm start)
         "powersgd",
         # measurements: per-layer statistics of the measuring step, the fitted link, the log
         "_stats", "link", "decisions", "bytes_sent", "bytes_fp32",
         # bookkeeping
-        "_eligible_seen", "_warned", "_generator",
+        "_eligible_seen", "_warned", "_generator", "_chunk_keys_used",
     )
 
     def __init__(self, module: torch.nn.Module, config: Any = "adaptive",
@@ -92,6 +93,7 @@ class CompressionState:
         self.next_solve = cfg.warmup_steps
         self.interval = cfg.resolve_every
         self.residuals: dict[str, torch.Tensor] = {}
+        self.chunk_residuals: dict[str, torch.Tensor] = {}
         self.powersgd: Any = None
         self._stats: dict[str, dict[str, Any]] = {}
         self.link: LinkModel | None = None
@@ -102,6 +104,7 @@ class CompressionState:
         self._warned = False
         self._generator = torch.Generator()
         self._generator.manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
+        self._chunk_keys_used: set[str] = set()
 
     # -- what each layer gets ---------------------------------------------------------------------
     def eligible(self, grad: torch.Tensor) -> bool:
@@ -134,6 +137,7 @@ class CompressionState:
         return {"version": STATE_VERSION, "config": self.config.to_dict(), "step": self.step,
                 "choices": dict(self.choices), "next_solve": self.next_solve, "interval": self.interval,
                 "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
+                "chunk_residuals": {k: v.detach().clone() for k, v in self.chunk_residuals.items()},
                 "powersgd": powersgd,
                 "link": None if self.link is None else [self.link.latency_s, self.link.bytes_per_s],
                 "decisions": list(self.decisions[-1000:]), "bytes_sent": self.bytes_sent,
@@ -152,6 +156,7 @@ class CompressionState:
         self.next_solve = int(state["next_solve"])
         self.interval = int(state["interval"])
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.chunk_residuals = {k: v.clone() for k, v in state.get("chunk_residuals", {}).items()}
         if state.get("powersgd") is not None:
             self._powersgd_state().__setstate__(dict(state["powersgd"]))
             self.powersgd.process_group = self.process_group
@@ -173,6 +178,8 @@ class CompressionState:
         self._warned = False
         self._generator = torch.Generator()
         self._generator.manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
+        self._chunk_keys_used = set()
+        self.residuals, self.chunk_residuals = {}, {}
         self.load_state_dict(state)
 
     def _powersgd_state(self) -> Any:
@@ -261,7 +268,9 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
     for i, token in enumerate(tokens):
         by_token.setdefault(token, []).append(i)
     for token in sorted(by_token, key=_ORDER.index):
-        members = by_token[token]
+        # by name, not bucket position: DDP's bucket rebuild after the first step reorders a bucket, and a
+        # resumed run starts before it; the group's layout (and its saved residuals) must not depend on that
+        members = sorted(by_token[token], key=names.__getitem__)
         if token == "powersgd":
             _powersgd_exchange(state, [names[i] for i in members], [grads[i] for i in members],
                                [inputs[i] for i in members])
@@ -280,7 +289,12 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
         elif token in _HALF:
             out = half_precision_mean(flat, _HALF[token], group)
         else:
-            out = quantized_mean(flat, quantizer_for(token, cfg), group, state._generator)
+            key = f"{token}:" + "|".join(names[i] for i in members)
+            out = quantized_mean(flat, quantizer_for(token, cfg), group, state._generator,
+                                 state.chunk_residuals.pop(key, None))
+            if cfg.error_feedback and out.chunk_residual is not None:
+                state.chunk_residuals[key] = out.chunk_residual
+                state._chunk_keys_used.add(key)
         state.bytes_sent += out.bytes_sent
         start = 0
         for i in members:
@@ -369,6 +383,10 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int) -> 
     if state.measuring() and state._stats:
         _solve(state, group, world)
     state._stats = {}
+    # a group whose layers changed (new choice, DDP's bucket rebuild) leaves its chunk residual behind: drop it
+    for key in set(state.chunk_residuals) - state._chunk_keys_used:
+        del state.chunk_residuals[key]
+    state._chunk_keys_used = set()
     state.step += 1
 
 
@@ -402,7 +420,7 @@ def _solve(state: CompressionState, group: dist.ProcessGroup, world: int) -> Non
     errors /= world  # the mean per-rank error: same scale as the budget
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's codec sets the pace
     largest = sum(math.prod(state._stats[n]["shape"]) for n in names)
-    state.link = _time_link(group, world, largest)
+    state.link = LinkModel(0.0, cfg.link_mbit * 1e6 / 8) if cfg.link_mbit else _time_link(group, world, largest)
     candidates = list(cfg.candidates)
     default = tokens.index(f"q{cfg.bits}")
     budget = cfg.error_budget * float(errors[:, default].sum())
