@@ -2,6 +2,7 @@
 # Creates .venv and installs het_strategy with everything it needs.
 #   bash scripts/setup.sh          # runtime (plan + train)
 #   bash scripts/setup.sh --test   # plus the test tools
+#   bash scripts/setup.sh --bench  # plus what the benchmarks need (scikit-learn's digits)
 # torch is installed first at the pinned CPU-capable release so that the
 # bounded range in pyproject.toml is already satisfied and nothing pulls a
 # multi-GB CUDA build.  On a GPU machine, install your CUDA torch first
@@ -10,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="pl,plot"
 [ "${1:-}" = "--test" ] && extras="pl,plot,test"
+[ "${1:-}" = "--bench" ] && extras="pl,plot,test,bench"
 python3 -m venv .venv
 torch_spec="${HET_TORCH_SPEC-torch==2.13.0}"
 [ -n "$torch_spec" ] && .venv/bin/python -m pip install -q "$torch_spec"

@@ -251,7 +251,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         result.set_result(bucket.buffer())
 
     if bucket.is_last():
-        _end_step(state, group, world)
+        _end_step(state, group, world, bucket.buffer().device)
     return result
 
 
@@ -339,6 +339,8 @@ def _measure(state: CompressionState, names: list[str], grads: list[torch.Tensor
         for token in tokens:
             start = time.perf_counter()
             got = _round_trip(token, x, grad.shape, state)
+            if got.is_cuda:  # kernels run asynchronously: time their completion, not their launch
+                torch.cuda.synchronize(got.device)
             seconds.append(time.perf_counter() - start)
             errors.append(float((got - x).square().sum()))
         state._stats[name] = {"shape": list(grad.shape), "tokens": tokens, "errors": errors, "seconds": seconds}
@@ -353,7 +355,7 @@ def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: Compressi
         return x.to(_HALF[token]).to(torch.float32)
     if token.startswith("q"):
         spec = quantizer_for(token, cfg)
-        padded = torch.zeros(math.ceil(x.numel() / spec.bucket_size) * spec.bucket_size)
+        padded = torch.zeros(math.ceil(x.numel() / spec.bucket_size) * spec.bucket_size, device=x.device)
         padded[:x.numel()] = x
         q = quantize(padded, spec, state._generator)
         q.codes = unpack_codes(pack_codes(q.codes, spec.bits), spec.bits)
@@ -367,13 +369,13 @@ def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: Compressi
     if token == "powersgd":  # one power iteration from a seeded random start, as PowerSGD's first step
         m = x.view(shape[0], -1)
         rank = min(m.shape[0], m.shape[1], cfg.rank)
-        q = torch.randn(m.shape[1], rank, generator=state._generator)
+        q = torch.randn(m.shape[1], rank, generator=state._generator).to(m.device)
         p = torch.linalg.qr(m @ q).Q
         return (p @ (m.T @ p).T).reshape(-1)
     raise ValueError(token)
 
 
-def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int) -> None:
+def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
     """After the last bucket: count the step; warn once if nothing is eligible; re-solve when due."""
     if not state._eligible_seen and not state._warned:
         state._warned = True
@@ -381,7 +383,7 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int) -> 
             warnings.warn("gradient compression: no parameter is eligible (every tensor is 1-D or has fewer "
                           f"than min_numel={state.config.min_numel} elements); gradients use plain allreduce")
     if state.measuring() and state._stats:
-        _solve(state, group, world)
+        _solve(state, group, world, device)
     state._stats = {}
     # a group whose layers changed (new choice, DDP's bucket rebuild) leaves its chunk residual behind: drop it
     for key in set(state.chunk_residuals) - state._chunk_keys_used:
@@ -390,41 +392,45 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int) -> 
     state.step += 1
 
 
-def _time_link(group: dist.ProcessGroup, world: int, largest: int) -> LinkModel:
+def _time_link(group: dist.ProcessGroup, world: int, largest: int, device: torch.device) -> LinkModel:
     """Time fp32 allreduces of two sizes (best of two each) and fit latency and bandwidth."""
     sizes = sorted({min(n, max(largest, _CALIBRATION_ELEMENTS[0])) for n in _CALIBRATION_ELEMENTS})
     if len(sizes) == 1:
         sizes = [max(1, sizes[0] // 16), sizes[0]]
     sent, seconds = [], []
     for n in sizes:
-        buf = torch.zeros(n)
+        buf = torch.zeros(n, device=device)
         best = float("inf")
         for _ in range(2):
             dist.barrier(group=group)
             start = time.perf_counter()
             dist.all_reduce(buf, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
         sent.append(2 * (world - 1) * 4 * n / world)
         seconds.append(best)
     return fit_link(sent, seconds)
 
 
-def _solve(state: CompressionState, group: dist.ProcessGroup, world: int) -> None:
+def _solve(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
     """Pool every rank's statistics, solve on rank 0, broadcast the choice (all ranks must agree)."""
     cfg = state.config
     names = sorted(state._stats)
     tokens = state._stats[names[0]]["tokens"]
-    errors = torch.tensor([state._stats[n]["errors"] for n in names], dtype=torch.float64)
-    seconds = torch.tensor([state._stats[n]["seconds"] for n in names], dtype=torch.float64)
+    # collectives need tensors where the backend lives (CUDA for NCCL); the solve itself runs on the CPU
+    errors = torch.tensor([state._stats[n]["errors"] for n in names], dtype=torch.float64, device=device)
+    seconds = torch.tensor([state._stats[n]["seconds"] for n in names], dtype=torch.float64, device=device)
     dist.all_reduce(errors, group=group)
-    errors /= world  # the mean per-rank error: same scale as the budget
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's codec sets the pace
+    errors, seconds = errors.cpu() / world, seconds.cpu()  # the mean per-rank error: same scale as the budget
     largest = sum(math.prod(state._stats[n]["shape"]) for n in names)
-    state.link = LinkModel(0.0, cfg.link_mbit * 1e6 / 8) if cfg.link_mbit else _time_link(group, world, largest)
+    state.link = LinkModel(0.0, cfg.link_mbit * 1e6 / 8) if cfg.link_mbit else \
+        _time_link(group, world, largest, device)
     candidates = list(cfg.candidates)
     default = tokens.index(f"q{cfg.bits}")
     budget = cfg.error_budget * float(errors[:, default].sum())
-    choice = torch.zeros(len(names), dtype=torch.int64)
+    choice = torch.zeros(len(names), dtype=torch.int64, device=device)
     if dist.get_rank(group) == 0:
         options = []
         for li, name in enumerate(names):
@@ -436,8 +442,9 @@ def _solve(state: CompressionState, group: dist.ProcessGroup, world: int) -> Non
                 row.append(LayerOption(token, state.link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
                                        float(errors[li, ti])))
             options.append(row)
-        choice = torch.tensor(solve_layer_methods(options, budget), dtype=torch.int64)
+        choice = torch.tensor(solve_layer_methods(options, budget), dtype=torch.int64, device=device)
     dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
+    choice = choice.cpu()
     new = {name: candidates[int(i)] for name, i in zip(names, choice)}
     changed = new != state.choices
     state.choices = new

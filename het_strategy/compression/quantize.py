@@ -75,7 +75,9 @@ def quantize(x: torch.Tensor, spec: QuantizerSpec, generator: torch.Generator | 
         top = 2 * half
         meta = step
     if spec.stochastic:
-        noise = torch.rand(scaled.shape, generator=generator, dtype=scaled.dtype, device=scaled.device)
+        # drawn where the generator lives (a CPU generator on a CUDA tensor too), then moved
+        noise = torch.rand(scaled.shape, generator=generator, dtype=scaled.dtype,
+                           device=generator.device if generator is not None else scaled.device).to(scaled.device)
         codes = torch.floor(scaled + noise)
     else:
         codes = torch.round(scaled)
