@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,3 +62,19 @@ def char_batches(seq_len: int, batch: int, rank: int, world: int, steps: int, se
         xs, ys = zip(*(data[int(i)] for i in idx))
         out.append((torch.stack(xs), torch.stack(ys)))
     return out
+
+
+def run_worker_in_namespace(script: str, shape: Any, worker_args: list[str], out: Path) -> dict:
+    """Run ``script --worker --out OUT <worker_args>`` inside a private network namespace (shaped by ``shape``,
+    a ``LinkShape``, or unshaped for None); return the JSON it wrote to OUT.  The namespace is always removed."""
+    from het_strategy.netshape import shaped_namespace
+
+    argv = [sys.executable, script, "--worker", "--out", str(out), *worker_args]
+    with shaped_namespace(shape) as ns:
+        done = ns.run(argv, stdout=sys.stdout, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise SystemExit(f"worker inside {ns.name} failed with exit code {done.returncode}")
+        link = "unshaped loopback" if shape is None else shape.describe()
+        print(f"  namespace {ns.name} ({link}): {ns.lo_tx_bytes() / 1e6:.1f} MB sent on loopback in all "
+              "(rendezvous and DDP's initial broadcast included)", flush=True)
+    return json.loads(out.read_text())

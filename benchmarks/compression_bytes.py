@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compression_common import char_batches, char_gpt, lm_loss, mlp, wrap  # noqa: E402
+from _compression_common import char_batches, char_gpt, lm_loss, mlp, run_worker_in_namespace, wrap  # noqa: E402
 
 _MODELS = {"gpt": "char GPT", "mlp": "MLP 64-512-512-512-10"}
 
@@ -182,17 +181,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run_in_namespace(args: argparse.Namespace, out: Path) -> dict:
-    from het_strategy.netshape import shaped_namespace
-
-    argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-            "--world", str(args.world), "--seed", str(args.seed)]
-    with shaped_namespace(None) as ns:
-        done = ns.run(argv, stdout=sys.stdout, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            raise SystemExit(f"worker inside {ns.name} failed with exit code {done.returncode}")
-        print(f"namespace {ns.name} (unshaped loopback): {ns.lo_tx_bytes() / 1e6:.1f} MB sent on loopback "
-              f"in all (rendezvous, DDP's initial broadcasts and the untimed steps included)", flush=True)
-    return json.loads(out.read_text())
+    return run_worker_in_namespace(__file__, None, ["--steps", str(args.steps), "--world", str(args.world),
+                                                    "--seed", str(args.seed)], out)
 
 
 def _report(name: str, result: dict, args: argparse.Namespace, count_wire: bool) -> dict[str, float]:

@@ -125,12 +125,12 @@ def main() -> None:
             losses = gpt_quality(args.gpt_steps, Path(tmp))
         base = losses["uncompressed"]
         gpt_gap = max(abs(losses[k] - base) / base for k in ("quantize4", "adaptive"))
-        print(f"  gpt val loss: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items())
+        print("  gpt val loss: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items())
               + f" -> largest relative gap {gpt_gap:.4f}", flush=True)
     print(f"MLP on sklearn digits, 4 ranks, {args.digits_epochs} epochs x {args.digits_seeds} seeds", flush=True)
     acc = digits_quality(args.digits_epochs, args.digits_seeds)
     digits_gap = max(abs(acc[k] - acc["uncompressed"]) for k in ("quantize4", "adaptive"))
-    print(f"  digits accuracy: " + ", ".join(f"{k} {v:.2f}%" for k, v in acc.items())
+    print("  digits accuracy: " + ", ".join(f"{k} {v:.2f}%" for k, v in acc.items())
           + f" -> largest gap {digits_gap:.2f} points", flush=True)
     print(f"RESULT gpt_rel_loss_gap={gpt_gap:.4f} digits_acc_gap={digits_gap:.3f}")
 

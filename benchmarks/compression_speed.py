@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compression_common import char_batches, char_gpt, lm_loss, wrap  # noqa: E402
+from _compression_common import char_batches, char_gpt, lm_loss, run_worker_in_namespace, wrap  # noqa: E402
 
 
 def _rank_main(rank: int, world: int, steps: int, seed: int) -> dict:
@@ -74,16 +73,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run_in_namespace(shape, args: argparse.Namespace, out: Path) -> dict:
-    from het_strategy.netshape import shaped_namespace
-
-    argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-            "--world", str(args.world), "--seed", str(args.seed)]
-    with shaped_namespace(shape) as ns:
-        done = ns.run(argv, stdout=sys.stdout, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            raise SystemExit(f"worker inside {ns.name} failed with exit code {done.returncode}")
-        print(f"  namespace {ns.name}: loopback sent {ns.lo_tx_bytes() / 1e6:.1f} MB", flush=True)
-    return json.loads(out.read_text())
+    return run_worker_in_namespace(__file__, shape, ["--steps", str(args.steps), "--world", str(args.world),
+                                                     "--seed", str(args.seed)], out)
 
 
 def _report(label: str, result: dict, skip: int) -> float:

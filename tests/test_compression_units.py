@@ -13,7 +13,6 @@ import pickle
 import random
 import threading
 
-import numpy as np
 import pytest
 import torch
 import yaml
