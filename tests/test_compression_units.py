@@ -199,8 +199,8 @@ def test_wire_bytes_formulas() -> None:
     assert wire_bytes("bf16", shape, world, config) == none // 2
     q4 = wire_bytes("q4", shape, world, config)
     assert none / q4 >= 7, none / q4
-    # two phases of (W-1) chunks of n/W elements: 4-bit codes plus min and step per 128 elements
-    assert q4 == 2 * (world - 1) * (n // world * 4 // 8 + n // world // 128 * 8)
+    # two phases of (W-1) chunks of n/W elements: 4-bit codes plus min and step per bucket_size elements
+    assert q4 == 2 * (world - 1) * (n // world * 4 // 8 + n // world // config.bucket_size * 8)
     assert wire_bytes("q8", shape, world, config) > q4 > wire_bytes("q2", shape, world, config)
     # PowerSGD: P (rows x r) and Q (cols x r), each allreduced in fp32
     assert wire_bytes("powersgd", shape, world, config) == int(1.5 * 4 * 4 * (256 + 256))
