@@ -19,8 +19,8 @@ import yaml
 
 from het_strategy.cluster import shipped_cluster_dir
 from het_strategy.compression.config import CompressionConfig, compression_config
-from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, solve_layer_methods, \
-    wire_bytes
+from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
+    solve_layer_methods, wire_bytes
 from het_strategy.compression.hook import CompressionState
 from het_strategy.compression.quantize import QuantizerSpec, dequantize, error_bound, pack_codes, \
     packed_row_bytes, quantize, unpack_codes
@@ -214,6 +214,16 @@ def test_wire_bytes_formulas() -> None:
         wire_bytes("gzip", shape, world, config)
 
 
+def test_predicted_exchange_counts_a_latency_per_collective() -> None:
+    """One allreduce per bucket; each compressed method group within a bucket adds two collectives."""
+    options = [[LayerOption("none", 1.0, 0.0), LayerOption("q4", 0.2, 1.0)] for _ in range(3)]
+    buckets = [0, 0, 1]
+    assert predicted_exchange_s(options, [0, 0, 0], buckets, 0.5) == pytest.approx(3.0 + 2 * 0.5)
+    # layers 0 and 1 share bucket 0's q4 group: one group, two extra collectives
+    assert predicted_exchange_s(options, [1, 1, 0], buckets, 0.5) == pytest.approx(1.4 + (2 + 2) * 0.5)
+    assert predicted_exchange_s(options, [1, 1, 1], buckets, 0.5) == pytest.approx(0.6 + (2 + 4) * 0.5)
+
+
 def test_fit_link_recovers_latency_and_bandwidth() -> None:
     latency, rate = 2.5e-4, 1.25e9
     sizes = [1e4, 3e5, 4e6, 2e7]
@@ -233,6 +243,7 @@ def test_fit_link_recovers_latency_and_bandwidth() -> None:
     ("error_budget", 0, "0"), ("error_budget", -1, "-1"), ("error_budget", float("nan"), "nan"),
     ("bucket_size", 12, "12"), ("topk_ratio", 0, "0"), ("topk_ratio", 1, "1"),
     ("candidates", ["q9"], "'q9'"), ("candidates", [], "[]"),
+    ("min_saving", 1, "1"), ("min_saving", -0.1, "-0.1"), ("link_mbit", 0, "0"),
 ])
 def test_bad_config_names_the_field_and_the_value(field: str, value: object, shown: str) -> None:
     with pytest.raises(ConfigError) as info:

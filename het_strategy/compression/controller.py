@@ -30,7 +30,7 @@ import numpy as np
 from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.quantize import packed_row_bytes
 
-__all__ = ["LayerOption", "LinkModel", "solve_layer_methods", "wire_bytes", "fit_link"]
+__all__ = ["LayerOption", "LinkModel", "solve_layer_methods", "wire_bytes", "fit_link", "predicted_exchange_s"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +141,19 @@ def solve_layer_methods(options: Sequence[Sequence[LayerOption]], budget: float,
         opt = options[layer][i]
         b -= math.ceil(opt.error / budget * resolution - 1e-9) if opt.error > 0 else 0
     return chosen[::-1]
+
+
+def predicted_exchange_s(options: Sequence[Sequence[LayerOption]], chosen: Sequence[int], buckets: Sequence[int],
+                         latency_s: float) -> float:
+    """Predicted seconds of one step's gradient exchange under a choice, latency included.
+
+    The per-layer times (bandwidth + codec) plus one link latency per
+    collective: a bucket's allreduce, and two more (all-to-all and allgather,
+    or PowerSGD's extra rounds) for each method group that compression makes
+    within a bucket.  This is what decides whether the dynamic program's choice
+    is worth making at all (``CompressionConfig.min_saving``).
+    """
+    layers = sum(options[layer][c].time_s for layer, c in enumerate(chosen))
+    groups = {(buckets[layer], options[layer][c].token) for layer, c in enumerate(chosen)
+              if options[layer][c].token != "none"}
+    return layers + latency_s * (len(set(buckets)) + 2 * len(groups))

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.compression.config import CompressionConfig, compression_config, quantizer_for
-from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, solve_layer_methods, \
-    wire_bytes
+from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
+    solve_layer_methods, wire_bytes
 from het_strategy.compression.exchange import allreduce_mean, half_precision_mean, quantized_mean, topk_mean
 from het_strategy.compression.quantize import dequantize, pack_codes, quantize, unpack_codes
 from het_strategy.errors import field_error
@@ -235,7 +235,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if any(state.eligible(g) for g in grads):
         state._eligible_seen = True
     if state.measuring():
-        _measure(state, names, grads, world)
+        _measure(state, names, grads, bucket.index())
     tokens = [state.token_for(n, g) for n, g in zip(names, grads)]
 
     if all(t == "none" for t in tokens) and not any(n in state.residuals for n in names):
@@ -325,7 +325,7 @@ def _powersgd_exchange(state: CompressionState, names: list[str], grads: list[to
 
 # -- the adaptive controller's measuring step -------------------------------------------------------
 
-def _measure(state: CompressionState, names: list[str], grads: list[torch.Tensor], world: int) -> None:
+def _measure(state: CompressionState, names: list[str], grads: list[torch.Tensor], bucket_index: int) -> None:
     """Record, per eligible layer and candidate, the error it would add and its codec time (this rank)."""
     cfg = state.config
     tokens = list(dict.fromkeys([*cfg.candidates, f"q{cfg.bits}"]))  # the default is always measured
@@ -343,7 +343,8 @@ def _measure(state: CompressionState, names: list[str], grads: list[torch.Tensor
                 torch.cuda.synchronize(got.device)
             seconds.append(time.perf_counter() - start)
             errors.append(float((got - x).square().sum()))
-        state._stats[name] = {"shape": list(grad.shape), "tokens": tokens, "errors": errors, "seconds": seconds}
+        state._stats[name] = {"shape": list(grad.shape), "tokens": tokens, "errors": errors, "seconds": seconds,
+                              "bucket": bucket_index}
 
 
 def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: CompressionState) -> torch.Tensor:
@@ -442,7 +443,15 @@ def _solve(state: CompressionState, group: dist.ProcessGroup, world: int, device
                 row.append(LayerOption(token, state.link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
                                        float(errors[li, ti])))
             options.append(row)
-        choice = torch.tensor(solve_layer_methods(options, budget), dtype=torch.int64, device=device)
+        chosen = solve_layer_methods(options, budget)
+        if "none" in candidates:  # is it worth it at all? latency per collective and a margin decide
+            plain = [candidates.index("none")] * len(names)
+            buckets = [state._stats[n]["bucket"] for n in names]
+            compressed_s = predicted_exchange_s(options, chosen, buckets, state.link.latency_s)
+            plain_s = predicted_exchange_s(options, plain, buckets, state.link.latency_s)
+            if compressed_s > (1 - cfg.min_saving) * plain_s:
+                chosen = plain
+        choice = torch.tensor(chosen, dtype=torch.int64, device=device)
     dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
     choice = choice.cpu()
     new = {name: candidates[int(i)] for name, i in zip(names, choice)}
