@@ -240,13 +240,18 @@ def _adaptive_run(rank: int, world: int, link: LinkModel | None) -> dict:
     for _ in range(8):
         model.zero_grad()
         model(torch.randn(16, 512, generator=gen)).square().mean().backward()
-    return {"choices": dict(state.choices), "decisions": state.decisions, "step": state.step}
+    return {"choices": dict(state.choices), "decisions": state.decisions, "step": state.step,
+            "next_solve": state.next_solve}
 
 
 def test_adaptive_switches_off_on_fast_loopback_and_compresses_on_a_slow_link() -> None:
     fast = run_local_ranks(_adaptive_run, 2, None)
     assert fast[0]["choices"] == fast[1]["choices"] == {"module.big.weight": "none", "module.out.weight": "none"}
     assert fast[0]["decisions"] and fast[0]["step"] == 8
+    # solved at step 2 (off); before the re-solve due at 5 one timing of the link showed no codec could pay:
+    # still off, no per-layer measuring, the next re-solve pushed back (interval 3 -> 6)
+    assert {d["step"] for d in fast[0]["decisions"]} == {2}
+    assert fast[0]["next_solve"] == fast[1]["next_solve"] == 11
     slow = run_local_ranks(_adaptive_run, 2, LinkModel(0.0, 1e6 / 8))
     assert slow[0]["choices"] == slow[1]["choices"]
     assert slow[0]["choices"]["module.big.weight"] != "none"

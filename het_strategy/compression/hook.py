@@ -47,7 +47,7 @@ STATE_VERSION = 1
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _ORDER = ("none", "fp16", "bf16", "q8", "q7", "q6", "q5", "q4", "q3", "q2", "topk", "powersgd")
 _CODEC_FACTOR = 2.0  # the hook encodes and decodes about twice what one round trip on the layer does
-_CALIBRATION_ELEMENTS = (16 * 1024, 1024 * 1024)
+_CALIBRATION_ELEMENTS = (16 * 1024, 256 * 1024)  # 64 KiB and 1 MiB of fp32: latency and bandwidth
 
 
 class CompressionState:
@@ -75,6 +75,8 @@ class CompressionState:
         "_stats", "link", "decisions", "bytes_sent", "bytes_fp32",
         # bookkeeping
         "_eligible_seen", "_warned", "_generator", "_chunk_keys_used",
+        # from the last full solve: (least codec seconds any compression needs, fp32 wire bytes, buckets, elements)
+        "_profile",
     )
 
     def __init__(self, module: torch.nn.Module, config: Any = "adaptive",
@@ -105,6 +107,7 @@ class CompressionState:
         self._generator = torch.Generator()
         self._generator.manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
         self._chunk_keys_used: set[str] = set()
+        self._profile: tuple[float, int, int, int] | None = None
 
     # -- what each layer gets ---------------------------------------------------------------------
     def eligible(self, grad: torch.Tensor) -> bool:
@@ -179,6 +182,7 @@ class CompressionState:
         self._generator = torch.Generator()
         self._generator.manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
         self._chunk_keys_used = set()
+        self._profile = None
         self.residuals, self.chunk_residuals = {}, {}
         self.load_state_dict(state)
 
@@ -385,12 +389,34 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, dev
                           f"than min_numel={state.config.min_numel} elements); gradients use plain allreduce")
     if state.measuring() and state._stats:
         _solve(state, group, world, device)
+    elif state.step + 1 == state.next_solve:
+        _maybe_keep_off(state, group, world, device)
     state._stats = {}
     # a group whose layers changed (new choice, DDP's bucket rebuild) leaves its chunk residual behind: drop it
     for key in set(state.chunk_residuals) - state._chunk_keys_used:
         del state.chunk_residuals[key]
     state._chunk_keys_used = set()
     state.step += 1
+
+
+def _maybe_keep_off(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
+    """Before a re-solve with compression off: if the link is still so fast that even the cheapest codec could
+    not pay, stay off and skip the per-layer measuring (the cost of being adaptive on a fast link is then one
+    timing of the link).  Rank 0 decides, all follow."""
+    cfg = state.config
+    if cfg.method != "adaptive" or cfg.link_mbit or state._profile is None \
+            or any(t != "none" for t in state.choices.values()):
+        return
+    codec_floor_s, fp32_bytes, buckets, elements = state._profile
+    link = _time_link(group, world, elements, device)
+    plain_s = link.transfer_s(fp32_bytes) + link.latency_s * buckets
+    best_s = codec_floor_s + link.latency_s * (buckets + 2)  # a compressed exchange costs at least this
+    keep = torch.tensor([int(best_s > (1 - cfg.min_saving) * plain_s)], device=device)
+    dist.broadcast(keep, src=dist.get_global_rank(group, 0), group=group)
+    if int(keep.item()):
+        state.link = link
+        state.interval = min(state.interval * 2, 8 * cfg.resolve_every)
+        state.next_solve = state.step + 1 + state.interval
 
 
 def _time_link(group: dist.ProcessGroup, world: int, largest: int, device: torch.device) -> LinkModel:
@@ -454,6 +480,12 @@ def _solve(state: CompressionState, group: dist.ProcessGroup, world: int, device
         choice = torch.tensor(chosen, dtype=torch.int64, device=device)
     dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
     choice = choice.cpu()
+    # what the cheapest codec alone would cost, for _maybe_keep_off; from pooled figures, so equal on all ranks
+    codecs = [ti for ti, t in enumerate(tokens) if t in candidates and t != "none"]
+    if codecs:
+        state._profile = (_CODEC_FACTOR * float(seconds[:, codecs].min(dim=1).values.sum()),
+                          sum(wire_bytes("none", state._stats[n]["shape"], world, cfg) for n in names),
+                          len({state._stats[n]["bucket"] for n in names}), largest)
     new = {name: candidates[int(i)] for name, i in zip(names, choice)}
     changed = new != state.choices
     state.choices = new
