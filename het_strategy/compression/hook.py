@@ -74,7 +74,7 @@ class CompressionState:
         # measurements: per-layer statistics of the measuring step, the fitted link, the log
         "_stats", "link", "decisions", "bytes_sent", "bytes_fp32",
         # bookkeeping
-        "_eligible_seen", "_warned", "_generator", "_chunk_keys_used",
+        "_eligible_seen", "_steps_here", "_generator", "_chunk_keys_used",
         # from the last full solve: (least codec seconds any compression needs, fp32 wire bytes, buckets, elements)
         "_profile",
     )
@@ -103,7 +103,7 @@ class CompressionState:
         self.bytes_sent = 0
         self.bytes_fp32 = 0
         self._eligible_seen = False
-        self._warned = False
+        self._steps_here = 0  # steps this process has exchanged (a resumed run starts at 0 with step > 0)
         self._generator = torch.Generator()
         self._generator.manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
         self._chunk_keys_used: set[str] = set()
@@ -128,6 +128,17 @@ class CompressionState:
 
     def measuring(self) -> bool:
         return self.config.method == "adaptive" and self.step >= self.next_solve
+
+    def uncompressed_step(self) -> bool:
+        """True when every layer of every bucket goes uncompressed this step and no residual is pending: the
+        hook then needs no per-layer work at all (looking up a bucket's gradients and parameters costs about a
+        millisecond a step on a small GPT)."""
+        if self.residuals or self.measuring():
+            return False
+        cfg = self.config
+        if cfg.method == "none" or self.step < cfg.warmup_steps:
+            return True
+        return cfg.method == "adaptive" and all(t == "none" for t in self.choices.values())
 
     def _name(self, param: torch.Tensor, bucket_index: int, position: int) -> str:
         return self._names.get(id(param), f"bucket{bucket_index}.{position}")
@@ -177,8 +188,8 @@ class CompressionState:
         self._names = {}
         self.powersgd = None
         self._stats = {}
-        self._eligible_seen = True
-        self._warned = False
+        self._eligible_seen = False
+        self._steps_here = 0
         self._generator = torch.Generator()
         self._generator.manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
         self._chunk_keys_used = set()
@@ -233,16 +244,19 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """DDP comm hook: compress each layer of the bucket as ``state`` says (module docstring)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = group.size()
-    grads = bucket.gradients()
-    names = [state._name(p, bucket.index(), i) for i, p in enumerate(bucket.parameters())]
     state.bytes_fp32 += int(2 * (world - 1) * 4 * bucket.buffer().numel() / world)
-    if any(state.eligible(g) for g in grads):
+    if state._steps_here == 0 and any(state.eligible(g) for g in bucket.gradients()):
         state._eligible_seen = True
-    if state.measuring():
-        _measure(state, names, grads, bucket.index())
-    tokens = [state.token_for(n, g) for n, g in zip(names, grads)]
-
-    if all(t == "none" for t in tokens) and not any(n in state.residuals for n in names):
+    tokens: list[str] = []
+    if not state.uncompressed_step():
+        grads = bucket.gradients()
+        names = [state._name(p, bucket.index(), i) for i, p in enumerate(bucket.parameters())]
+        if state.measuring():
+            _measure(state, names, grads, bucket.index())
+        tokens = [state.token_for(n, g) for n, g in zip(names, grads)]
+        if all(t == "none" for t in tokens) and not any(n in state.residuals for n in names):
+            tokens = []
+    if not tokens:
         # the common fast path: one asynchronous allreduce of the whole bucket, like DDP's default
         buffer = bucket.buffer()
         buffer.div_(world)
@@ -382,8 +396,7 @@ def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: Compressi
 
 def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
     """After the last bucket: count the step; warn once if nothing is eligible; re-solve when due."""
-    if not state._eligible_seen and not state._warned:
-        state._warned = True
+    if state._steps_here == 0 and not state._eligible_seen:
         if not dist.is_initialized() or dist.get_rank() == 0:
             warnings.warn("gradient compression: no parameter is eligible (every tensor is 1-D or has fewer "
                           f"than min_numel={state.config.min_numel} elements); gradients use plain allreduce")
@@ -397,6 +410,7 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, dev
         del state.chunk_residuals[key]
     state._chunk_keys_used = set()
     state.step += 1
+    state._steps_here += 1
 
 
 def _maybe_keep_off(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
