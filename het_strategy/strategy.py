@@ -264,7 +264,7 @@ class _HeteroLogic:
                 self.compression_state = CompressionState(self.model, self._compression_config)  # type: ignore[arg-type]
                 restored = (self._restored or {}).get("compression")
                 if restored is not None:
-                    self.compression_state.load_state_dict(restored)
+                    self._restore_compression(restored["ranks"])
             inner, state = compression_hook, self.compression_state
 
         def timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
@@ -593,7 +593,31 @@ class _HeteroLogic:
                 "global_batch_size": self.plan.global_batch_size if self.plan else None,
                 "plan": self.plan.to_dict() if self.plan else None,
                 "shares": self.current_shares() if self.plan else None,
-                "compression": self.compression_state.state_dict() if self.compression_state else None}
+                "compression": self._compression_checkpoint()}
+
+    def _compression_checkpoint(self) -> dict[str, Any] | None:
+        """Every rank's compression state (error feedback is per rank; the checkpoint is written by rank 0).
+        A collective: Lightning calls ``save_checkpoint`` on every rank."""
+        if self.compression_state is None:
+            return None
+        own = self.compression_state.state_dict()
+        if not dist.is_initialized() or self.world_size == 1:
+            return {"ranks": [own]}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, own)
+        return {"ranks": gathered}
+
+    def _restore_compression(self, ranks: list[dict[str, Any]]) -> None:
+        assert self.compression_state is not None
+        if len(ranks) == self.world_size:
+            self.compression_state.load_state_dict(ranks[self.global_rank])
+            return
+        # another world size: the choices and schedule still hold, the per-rank residuals do not
+        state = {**ranks[0], "residuals": {}, "chunk_residuals": {}, "powersgd": None, "generator": None}
+        self.compression_state.load_state_dict(state)
+        if self.global_rank == 0:
+            warnings.warn(f"the checkpoint's compression state is from {len(ranks)} ranks, this run has "
+                          f"{self.world_size}: its error-feedback residuals are dropped")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.plan is not None:

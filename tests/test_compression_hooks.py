@@ -228,9 +228,9 @@ class _WideNet(torch.nn.Module):
 
 def _adaptive_run(rank: int, world: int, link: LinkModel | None) -> dict:
     if link is not None:  # stand in for a slow network: every rank measures this link
-        import het_strategy.compression.hook as hook_module
+        import het_strategy.compression.adaptive as adaptive
 
-        hook_module._time_link = lambda *args: link
+        adaptive.time_link = lambda *args: link
     torch.manual_seed(0)
     model = DDP(_WideNet())
     state = CompressionState(model, {"method": "adaptive", "warmup_steps": 2, "resolve_every": 3,

@@ -39,6 +39,10 @@ class _Probe(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
         self.out_dir = out_dir
 
+    def on_train_start(self) -> None:
+        state = self.trainer.strategy.compression_state
+        self.restored = {k: float(v.norm()) for k, v in state.residuals.items()}
+
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y = batch
         return (self.net(x).squeeze(-1) - y).pow(2).mean()
@@ -48,7 +52,7 @@ class _Probe(pl.LightningModule):
         state = strategy.compression_state
         info = {"comm_hook": strategy.model._get_ddp_logging_data().get("comm_hook"),
                 "step": state.step, "bytes_sent": state.bytes_sent, "wire_ratio": state.wire_ratio,
-                "residuals": sorted(state.residuals)}
+                "residuals": sorted(state.residuals), "restored": self.restored}
         (Path(self.out_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(info))
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -86,9 +90,14 @@ def test_hetero_registers_compression_on_cpu_and_checkpoints_its_state(tmp_path:
         assert info["residuals"] == ["module.net.0.weight"]  # only the 2-D layer with >= 1024 elements
 
     path = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
-    saved = torch.load(path, weights_only=False)["het_strategy"]["compression"]
-    assert saved["step"] == 3 and set(saved["residuals"]) == {"module.net.0.weight"}
+    saved = torch.load(path, weights_only=False)["het_strategy"]["compression"]["ranks"]
+    assert len(saved) == 2  # error feedback is per rank: every rank's state, gathered into rank 0's file
+    assert all(r["step"] == 3 and set(r["residuals"]) == {"module.net.0.weight"} for r in saved)
+    norms = [float(r["residuals"]["module.net.0.weight"].norm()) for r in saved]
+    assert norms[0] != norms[1]
 
     _fit(tmp_path / "b", second, max_steps=5, ckpt_path=str(path))
-    info = json.loads((second / "rank0.json").read_text())
-    assert info["step"] == 5  # counting on from the checkpoint's 3, not from 0
+    for rank in range(2):
+        info = json.loads((second / f"rank{rank}.json").read_text())
+        assert info["step"] == 5  # counting on from the checkpoint's 3, not from 0
+        assert info["restored"]["module.net.0.weight"] == pytest.approx(norms[rank], rel=1e-6)  # its own

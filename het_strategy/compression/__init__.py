@@ -3,13 +3,15 @@
 - ``config.py``      what the user asks (``CompressionConfig``; method tokens)
 - ``quantize.py``    bucketed 2-8 bit quantization and bit packing
 - ``exchange.py``    the collective behind each method (flat fp32 in, world mean out)
-- ``controller.py``  the per-layer choice: L-GreCo's dynamic program, link model, wire bytes
+- ``controller.py``  the per-layer choice: L-GreCo's dynamic program, link model, wire bytes (pure)
+- ``adaptive.py``    the controller at run time: measure layers, time the link, solve, agree across ranks
 - ``hook.py``        ``CompressionState`` and ``compression_hook`` (register on any DDP model)
 """
 
 from het_strategy.compression.config import METHODS, CompressionConfig, compression_config
 from het_strategy.compression.controller import LayerOption, LinkModel, solve_layer_methods, wire_bytes
-from het_strategy.compression.hook import CompressionState, compression_hook, format_decisions
+from het_strategy.compression.adaptive import format_decisions
+from het_strategy.compression.hook import CompressionState, compression_hook
 
 __all__ = ["METHODS", "CompressionConfig", "compression_config", "CompressionState", "compression_hook",
            "format_decisions", "LayerOption", "LinkModel", "solve_layer_methods", "wire_bytes"]

@@ -39,7 +39,9 @@ import torch.distributed as dist
 from het_strategy.compression.quantize import Quantized, QuantizerSpec, dequantize, pack_codes, \
     packed_row_bytes, quantize, unpack_codes
 
-__all__ = ["Exchanged", "allreduce_mean", "half_precision_mean", "quantized_mean", "topk_mean"]
+__all__ = ["Exchanged", "HALF_DTYPES", "allreduce_mean", "half_precision_mean", "quantized_mean", "topk_mean"]
+
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -112,7 +114,7 @@ def quantized_mean(flat: torch.Tensor, spec: QuantizerSpec, group: dist.ProcessG
     dist.all_to_all_single(recv, send, group=group)
     chunk_mean = _unpack_rows(recv, spec, chunk).sum(dim=0) / world
     if chunk_residual is not None and chunk_residual.numel() == chunk:
-        chunk_mean += chunk_residual
+        chunk_mean += chunk_residual.to(chunk_mean.device)
     second = quantize(chunk_mean, spec, generator)
     left_out = chunk_mean - dequantize(second, spec)
     row = _pack_rows(second.codes, second.meta, spec, 1)

@@ -20,13 +20,9 @@ What one call does, for one gradient bucket:
    fixed order so every rank issues the same collectives), write the means into
    the bucket and keep the new residuals.
 4. On the last bucket of a step, count the step; on an ``adaptive`` measuring
-   step, gather the per-layer statistics, time the link, solve the dynamic
-   program (``controller.py``) on rank 0 and broadcast the choice, so every rank
-   compresses every layer the same way.
+   step, re-solve the per-layer choice (``adaptive.py``).
 """
 
-import math
-import time
 import warnings
 import zlib
 from typing import Any
@@ -35,19 +31,16 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.compression.config import CompressionConfig, compression_config, quantizer_for
-from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
-    solve_layer_methods, wire_bytes
-from het_strategy.compression.exchange import allreduce_mean, half_precision_mean, quantized_mean, topk_mean
-from het_strategy.compression.quantize import dequantize, pack_codes, quantize, unpack_codes
+from het_strategy.compression.adaptive import maybe_keep_off, measure_layers, solve
+from het_strategy.compression.controller import LinkModel, wire_bytes
+from het_strategy.compression.exchange import HALF_DTYPES, allreduce_mean, half_precision_mean, quantized_mean, \
+    topk_mean
 from het_strategy.errors import field_error
 
 __all__ = ["CompressionState", "compression_hook", "STATE_VERSION"]
 
 STATE_VERSION = 1
-_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _ORDER = ("none", "fp16", "bf16", "q8", "q7", "q6", "q5", "q4", "q3", "q2", "topk", "powersgd")
-_CODEC_FACTOR = 2.0  # the hook encodes and decodes about twice what one round trip on the layer does
-_CALIBRATION_ELEMENTS = (16 * 1024, 256 * 1024)  # 64 KiB and 1 MiB of fp32: latency and bandwidth
 
 
 class CompressionState:
@@ -145,13 +138,16 @@ class CompressionState:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state (tensors on the CPU).  Error feedback is per rank: save every rank's (the hetero
+        strategy gathers them into its Lightning checkpoint) and give each rank its own back."""
         powersgd = None
         if self.powersgd is not None:
             powersgd = self.powersgd.__getstate__()  # torch's own: drops the process group
         return {"version": STATE_VERSION, "config": self.config.to_dict(), "step": self.step,
                 "choices": dict(self.choices), "next_solve": self.next_solve, "interval": self.interval,
-                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
-                "chunk_residuals": {k: v.detach().clone() for k, v in self.chunk_residuals.items()},
+                "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
+                "chunk_residuals": {k: v.detach().cpu().clone() for k, v in self.chunk_residuals.items()},
+                "generator": self._generator.get_state(),
                 "powersgd": powersgd,
                 "link": None if self.link is None else [self.link.latency_s, self.link.bytes_per_s],
                 "decisions": list(self.decisions[-1000:]), "bytes_sent": self.bytes_sent,
@@ -171,6 +167,8 @@ class CompressionState:
         self.interval = int(state["interval"])
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self.chunk_residuals = {k: v.clone() for k, v in state.get("chunk_residuals", {}).items()}
+        if state.get("generator") is not None:
+            self._generator.set_state(state["generator"])
         if state.get("powersgd") is not None:
             self._powersgd_state().__setstate__(dict(state["powersgd"]))
             self.powersgd.process_group = self.process_group
@@ -252,7 +250,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         grads = bucket.gradients()
         names = [state._name(p, bucket.index(), i) for i, p in enumerate(bucket.parameters())]
         if state.measuring():
-            _measure(state, names, grads, bucket.index())
+            measure_layers(state, names, grads, bucket.index())
         tokens = [state.token_for(n, g) for n, g in zip(names, grads)]
         if all(t == "none" for t in tokens) and not any(n in state.residuals for n in names):
             tokens = []
@@ -281,7 +279,7 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
     for name, grad in zip(names, grads):
         flat = grad.reshape(-1).to(torch.float32)
         residual = state.residuals.pop(name, None)
-        inputs.append(flat + residual if residual is not None else flat)
+        inputs.append(flat + residual.to(flat.device) if residual is not None else flat)
     by_token: dict[str, list[int]] = {}
     for i, token in enumerate(tokens):
         by_token.setdefault(token, []).append(i)
@@ -304,8 +302,8 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
         flat = torch.cat([inputs[i] for i in members])
         if token == "none":
             out = allreduce_mean(flat, group)
-        elif token in _HALF:
-            out = half_precision_mean(flat, _HALF[token], group)
+        elif token in HALF_DTYPES:
+            out = half_precision_mean(flat, HALF_DTYPES[token], group)
         else:
             key = f"{token}:" + "|".join(names[i] for i in members)
             out = quantized_mean(flat, quantizer_for(token, cfg), group, state._generator,
@@ -341,59 +339,6 @@ def _powersgd_exchange(state: CompressionState, names: list[str], grads: list[to
         state.bytes_sent += wire_bytes("powersgd", list(grad.shape), world, state.config)
 
 
-# -- the adaptive controller's measuring step -------------------------------------------------------
-
-def _measure(state: CompressionState, names: list[str], grads: list[torch.Tensor], bucket_index: int) -> None:
-    """Record, per eligible layer and candidate, the error it would add and its codec time (this rank)."""
-    cfg = state.config
-    tokens = list(dict.fromkeys([*cfg.candidates, f"q{cfg.bits}"]))  # the default is always measured
-    for name, grad in zip(names, grads):
-        if not state.eligible(grad):
-            continue
-        x = grad.reshape(-1).to(torch.float32)
-        if name in state.residuals:
-            x = x + state.residuals[name]
-        errors, seconds = [], []
-        for token in tokens:
-            start = time.perf_counter()
-            got = _round_trip(token, x, grad.shape, state)
-            if got.is_cuda:  # kernels run asynchronously: time their completion, not their launch
-                torch.cuda.synchronize(got.device)
-            seconds.append(time.perf_counter() - start)
-            errors.append(float((got - x).square().sum()))
-        state._stats[name] = {"shape": list(grad.shape), "tokens": tokens, "errors": errors, "seconds": seconds,
-                              "bucket": bucket_index}
-
-
-def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: CompressionState) -> torch.Tensor:
-    """What one rank's gradient becomes through ``token``'s encoding (no communication)."""
-    cfg = state.config
-    if token == "none":
-        return x
-    if token in _HALF:
-        return x.to(_HALF[token]).to(torch.float32)
-    if token.startswith("q"):
-        spec = quantizer_for(token, cfg)
-        padded = torch.zeros(math.ceil(x.numel() / spec.bucket_size) * spec.bucket_size, device=x.device)
-        padded[:x.numel()] = x
-        q = quantize(padded, spec, state._generator)
-        q.codes = unpack_codes(pack_codes(q.codes, spec.bits), spec.bits)
-        return dequantize(q, spec)[:x.numel()]
-    if token == "topk":
-        k = max(1, math.ceil(cfg.topk_ratio * x.numel()))
-        top = x.abs().topk(k, sorted=False).indices
-        out = torch.zeros_like(x)
-        out[top] = x[top]
-        return out
-    if token == "powersgd":  # one power iteration from a seeded random start, as PowerSGD's first step
-        m = x.view(shape[0], -1)
-        rank = min(m.shape[0], m.shape[1], cfg.rank)
-        q = torch.randn(m.shape[1], rank, generator=state._generator).to(m.device)
-        p = torch.linalg.qr(m @ q).Q
-        return (p @ (m.T @ p).T).reshape(-1)
-    raise ValueError(token)
-
-
 def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
     """After the last bucket: count the step; warn once if nothing is eligible; re-solve when due."""
     if state._steps_here == 0 and not state._eligible_seen:
@@ -401,9 +346,9 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, dev
             warnings.warn("gradient compression: no parameter is eligible (every tensor is 1-D or has fewer "
                           f"than min_numel={state.config.min_numel} elements); gradients use plain allreduce")
     if state.measuring() and state._stats:
-        _solve(state, group, world, device)
+        solve(state, group, world, device)
     elif state.step + 1 == state.next_solve:
-        _maybe_keep_off(state, group, world, device)
+        maybe_keep_off(state, group, world, device)
     state._stats = {}
     # a group whose layers changed (new choice, DDP's bucket rebuild) leaves its chunk residual behind: drop it
     for key in set(state.chunk_residuals) - state._chunk_keys_used:
@@ -411,127 +356,3 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, dev
     state._chunk_keys_used = set()
     state.step += 1
     state._steps_here += 1
-
-
-def _maybe_keep_off(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
-    """Before a re-solve with compression off: if the link is still so fast that even the cheapest codec could
-    not pay, stay off and skip the per-layer measuring (the cost of being adaptive on a fast link is then one
-    timing of the link).  Rank 0 decides, all follow."""
-    cfg = state.config
-    if cfg.method != "adaptive" or cfg.link_mbit or state._profile is None \
-            or any(t != "none" for t in state.choices.values()):
-        return
-    codec_floor_s, fp32_bytes, buckets, elements = state._profile
-    link = _time_link(group, world, elements, device)
-    plain_s = link.transfer_s(fp32_bytes) + link.latency_s * buckets
-    best_s = codec_floor_s + link.latency_s * (buckets + 2)  # a compressed exchange costs at least this
-    keep = torch.tensor([int(best_s > (1 - cfg.min_saving) * plain_s)], device=device)
-    dist.broadcast(keep, src=dist.get_global_rank(group, 0), group=group)
-    if int(keep.item()):
-        state.link = link
-        state.interval = min(state.interval * 2, 8 * cfg.resolve_every)
-        state.next_solve = state.step + 1 + state.interval
-
-
-def _time_link(group: dist.ProcessGroup, world: int, largest: int, device: torch.device) -> LinkModel:
-    """Time fp32 allreduces of two sizes (best of two each) and fit latency and bandwidth."""
-    sizes = sorted({min(n, max(largest, _CALIBRATION_ELEMENTS[0])) for n in _CALIBRATION_ELEMENTS})
-    if len(sizes) == 1:
-        sizes = [max(1, sizes[0] // 16), sizes[0]]
-    sent, seconds = [], []
-    for n in sizes:
-        buf = torch.zeros(n, device=device)
-        best = float("inf")
-        for _ in range(2):
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        sent.append(2 * (world - 1) * 4 * n / world)
-        seconds.append(best)
-    return fit_link(sent, seconds)
-
-
-def _solve(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
-    """Pool every rank's statistics, solve on rank 0, broadcast the choice (all ranks must agree)."""
-    cfg = state.config
-    names = sorted(state._stats)
-    tokens = state._stats[names[0]]["tokens"]
-    # collectives need tensors where the backend lives (CUDA for NCCL); the solve itself runs on the CPU
-    errors = torch.tensor([state._stats[n]["errors"] for n in names], dtype=torch.float64, device=device)
-    seconds = torch.tensor([state._stats[n]["seconds"] for n in names], dtype=torch.float64, device=device)
-    dist.all_reduce(errors, group=group)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's codec sets the pace
-    errors, seconds = errors.cpu() / world, seconds.cpu()  # the mean per-rank error: same scale as the budget
-    largest = sum(math.prod(state._stats[n]["shape"]) for n in names)
-    state.link = LinkModel(0.0, cfg.link_mbit * 1e6 / 8) if cfg.link_mbit else \
-        _time_link(group, world, largest, device)
-    candidates = list(cfg.candidates)
-    default = tokens.index(f"q{cfg.bits}")
-    budget = cfg.error_budget * float(errors[:, default].sum())
-    choice = torch.zeros(len(names), dtype=torch.int64, device=device)
-    if dist.get_rank(group) == 0:
-        options = []
-        for li, name in enumerate(names):
-            shape = state._stats[name]["shape"]
-            row = []
-            for token in candidates:
-                ti = tokens.index(token)
-                codec = 0.0 if token == "none" else _CODEC_FACTOR * float(seconds[li, ti])
-                row.append(LayerOption(token, state.link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
-                                       float(errors[li, ti])))
-            options.append(row)
-        chosen = solve_layer_methods(options, budget)
-        if "none" in candidates:  # is it worth it at all? latency per collective and a margin decide
-            plain = [candidates.index("none")] * len(names)
-            buckets = [state._stats[n]["bucket"] for n in names]
-            compressed_s = predicted_exchange_s(options, chosen, buckets, state.link.latency_s)
-            plain_s = predicted_exchange_s(options, plain, buckets, state.link.latency_s)
-            if compressed_s > (1 - cfg.min_saving) * plain_s:
-                chosen = plain
-        choice = torch.tensor(chosen, dtype=torch.int64, device=device)
-    dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
-    choice = choice.cpu()
-    # what the cheapest codec alone would cost, for _maybe_keep_off; from pooled figures, so equal on all ranks
-    codecs = [ti for ti, t in enumerate(tokens) if t in candidates and t != "none"]
-    if codecs:
-        state._profile = (_CODEC_FACTOR * float(seconds[:, codecs].min(dim=1).values.sum()),
-                          sum(wire_bytes("none", state._stats[n]["shape"], world, cfg) for n in names),
-                          len({state._stats[n]["bucket"] for n in names}), largest)
-    new = {name: candidates[int(i)] for name, i in zip(names, choice)}
-    changed = new != state.choices
-    state.choices = new
-    state.interval = cfg.resolve_every if changed else min(state.interval * 2, 8 * cfg.resolve_every)
-    state.next_solve = state.step + state.interval
-    rows = []
-    for li, name in enumerate(names):
-        token = new[name]
-        shape = state._stats[name]["shape"]
-        numel = math.prod(shape)
-        sent = wire_bytes(token, shape, world, cfg)
-        rows.append({"step": state.step, "layer": name, "method": token,
-                     "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / numel, 3),
-                     "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
-                     "budget": budget})
-    state.decisions.extend(rows)
-    if changed and cfg.verbose and dist.get_rank() == 0:
-        print(format_decisions(rows, state.link, budget), flush=True)
-
-
-def format_decisions(rows: list[dict[str, Any]], link: LinkModel | None, budget: float) -> str:
-    """The per-layer decision table printed when the choice changes."""
-    lines = []
-    if rows:
-        head = f"[het_strategy] compression choice at step {rows[0]['step']}"
-        if link is not None:
-            head += (f" (link {link.bytes_per_s * 8 / 1e6:.0f} Mbit/s, latency {link.latency_s * 1e3:.2f} ms; "
-                     f"error budget {budget:.3g})")
-        lines.append(head)
-        total = sum(r["bytes_per_rank"] for r in rows)
-        for r in rows:
-            lines.append(f"  {r['layer']:<40} {r['method']:<9} {r['bits_per_element']:>6.2f} bits/elt "
-                         f"{r['bytes_per_rank']:>11,d} B/rank")
-        lines.append(f"  {'total':<40} {'':<9} {'':>15} {total:>11,d} B/rank")
-    return "\n".join(lines)
