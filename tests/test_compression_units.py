@@ -354,3 +354,18 @@ def test_small_and_one_dimensional_tensors_are_not_eligible() -> None:
     assert state.eligible(torch.zeros(32, 32))  # exactly min_numel
     assert state.token_for("weight", linear.weight) == "q4"
     assert state.token_for("bias", linear.bias) == "none"
+
+
+def test_compression_monitor_logs_the_saving_and_each_new_decision_once() -> None:
+    from het_strategy.callbacks.compression import CompressionMonitor
+
+    state = CompressionState(torch.nn.Linear(64, 64), "adaptive")
+    state.bytes_fp32, state.bytes_sent = 800, 100
+    state.decisions = [{"step": 10, "layer": "weight", "bits_per_element": 4.25}]
+    monitor = CompressionMonitor(every_n_steps=5)
+    assert monitor.metrics(state, 10) == {"compression/wire_ratio": 8.0, "compression/bits/weight": 4.25}
+    assert monitor.metrics(state, 11) == {}  # nothing due, nothing new
+    state.decisions.append({"step": 60, "layer": "weight", "bits_per_element": 32.0})
+    assert monitor.metrics(state, 61) == {"compression/bits/weight": 32.0, "compression/wire_ratio": 8.0}
+    with pytest.raises(ConfigError, match="every_n_steps"):
+        CompressionMonitor(every_n_steps=0)

@@ -93,7 +93,7 @@ def test_het_train_with_adaptive_compression_on_a_planned_slow_link(tmp_path: Pa
     compresses the large layers; the run still learns and the summary carries the per-layer decisions."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "het_strategy.cli.train_cli", "cluster=local_cpu2", "train.max_steps=6", *TINY,
-           "logger=none", "compression=adaptive", "compression.warmup_steps=2", "compression.link_mbit=10",
+           "logger=csv", "compression=adaptive", "compression.warmup_steps=2", "compression.link_mbit=10",
            f"output.dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,3 +104,6 @@ def test_het_train_with_adaptive_compression_on_a_planned_slow_link(tmp_path: Pa
     methods = {d["layer"]: d["method"] for d in summary["compression_decisions"]}
     assert methods["module.blocks.0.mlp.0.weight"] != "none" and "module.ln_f.weight" not in methods
     assert summary["final_val_loss"] < 5.3
+    (metrics,) = tmp_path.glob("csv/version_*/metrics.csv")
+    header = metrics.read_text().splitlines()[0]
+    assert "compression/wire_ratio" in header and "compression/bits/module.blocks.0.mlp.0.weight" in header

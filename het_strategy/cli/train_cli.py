@@ -215,6 +215,10 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
         straggler = StragglerMitigation(**job._straggler_args())
         callbacks.append(straggler)
+    if job.compression is not None and job.compression.method != "none":
+        from het_strategy.callbacks.compression import CompressionMonitor
+
+        callbacks.append(CompressionMonitor())
     every = job.checkpoint.get("every_n_steps")
     if every is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
