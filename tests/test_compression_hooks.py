@@ -226,7 +226,8 @@ class _WideNet(torch.nn.Module):
         return self.out(torch.relu(self.big(x)))
 
 
-def _adaptive_run(rank: int, world: int, link: LinkModel | None) -> dict:
+def _adaptive_run(rank: int, world: int, link: LinkModel | None, candidates: tuple = ("none", "q8", "q4", "q3"),
+                  batch: int = 16) -> dict:
     if link is not None:  # stand in for a slow network: every rank measures this link
         import het_strategy.compression.adaptive as adaptive
 
@@ -234,12 +235,12 @@ def _adaptive_run(rank: int, world: int, link: LinkModel | None) -> dict:
     torch.manual_seed(0)
     model = DDP(_WideNet())
     state = CompressionState(model, {"method": "adaptive", "warmup_steps": 2, "resolve_every": 3,
-                                     "verbose": False})
+                                     "verbose": False, "candidates": candidates})
     model.register_comm_hook(state, compression_hook)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(8):
         model.zero_grad()
-        model(torch.randn(16, 512, generator=gen)).square().mean().backward()
+        model(torch.randn(batch, 512, generator=gen)).square().mean().backward()
     return {"choices": dict(state.choices), "decisions": state.decisions, "step": state.step,
             "next_solve": state.next_solve}
 
@@ -297,3 +298,12 @@ def test_no_eligible_layer_plain_allreduce_with_one_warning() -> None:
             net(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + r))).sum().backward()
             ref = ref + net.fc.weight.grad / 2
         torch.testing.assert_close(results[0]["grads"][s], ref)
+
+
+def test_adaptive_routes_a_low_rank_layer_to_powersgd() -> None:
+    """Any method can be a per-layer candidate.  With 2 samples per rank the 512 x 512 layer's gradient has rank
+    <= 2: PowerSGD (rank 4) sends it nearly exactly in a fraction of q4's bytes, so the controller routes it
+    there (torch's hook on a sub-bucket of that layer) — on every rank — and the steps after run through it."""
+    runs = run_local_ranks(_adaptive_run, 2, LinkModel(0.0, 1e5 / 8), ("none", "q4", "powersgd", "topk"), 2)
+    assert runs[0]["choices"] == runs[1]["choices"]
+    assert runs[0]["choices"]["module.big.weight"] == "powersgd" and runs[0]["step"] == 8
