@@ -43,6 +43,7 @@ __all__ = ["measure_layers", "solve", "maybe_keep_off", "time_link", "format_dec
 
 _CODEC_FACTOR = 2.0  # the hook encodes and decodes about twice what one round trip on the layer does
 _CALIBRATION_ELEMENTS = (16 * 1024, 256 * 1024)  # 64 KiB and 1 MiB of fp32: latency and bandwidth
+_DECISIONS_KEPT = 10_000  # per-layer decision rows kept in memory (and the last 1000 in checkpoints)
 
 
 def measure_layers(state: CompressionState, names: list[str], grads: list[torch.Tensor], bucket_index: int) -> None:
@@ -198,7 +199,7 @@ def solve(state: CompressionState, group: dist.ProcessGroup, world: int, device:
                      "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / numel, 3),
                      "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
                      "budget": budget})
-    state.decisions.extend(rows)
+    state.decisions = [*state.decisions[-(_DECISIONS_KEPT - len(rows)):], *rows]  # bounded over long runs
     if changed and cfg.verbose and dist.get_rank() == 0:
         print(format_decisions(rows, state.link, budget), flush=True)
 

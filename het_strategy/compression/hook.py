@@ -65,6 +65,7 @@ class CompressionState:
         # torch's PowerSGD state for the layers that use it (its own error feedback and warm start)
         "powersgd",
         # measurements: per-layer statistics of the measuring step, the fitted link, the log
+        # (bytes_fp32: what an uncompressed allreduce of the same buckets would send)
         "_stats", "link", "decisions", "bytes_sent", "bytes_fp32",
         # bookkeeping
         "_eligible_seen", "_steps_here", "_generator", "_chunk_keys_used",
@@ -242,7 +243,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """DDP comm hook: compress each layer of the bucket as ``state`` says (module docstring)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = group.size()
-    state.bytes_fp32 += int(2 * (world - 1) * 4 * bucket.buffer().numel() / world)
+    uncompressed = 2 * (world - 1) * bucket.buffer().numel() * bucket.buffer().element_size() // world
+    state.bytes_fp32 += uncompressed
     if state._steps_here == 0 and any(state.eligible(g) for g in bucket.gradients()):
         state._eligible_seen = True
     tokens: list[str] = []
@@ -258,7 +260,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         # the common fast path: one asynchronous allreduce of the whole bucket, like DDP's default
         buffer = bucket.buffer()
         buffer.div_(world)
-        state.bytes_sent += int(2 * (world - 1) * 4 * buffer.numel() / world)
+        state.bytes_sent += uncompressed
         fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         result = fut.then(lambda f: f.value()[0])
     else:
@@ -300,8 +302,8 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
             state.bytes_sent += sent
             continue
         flat = torch.cat([inputs[i] for i in members])
-        if token == "none":
-            out = allreduce_mean(flat, group)
+        if token == "none":  # in the gradients' own dtype (a bf16 model's stay bf16 on the wire)
+            out = allreduce_mean(flat.to(grads[members[0]].dtype), group)
         elif token in HALF_DTYPES:
             out = half_precision_mean(flat, HALF_DTYPES[token], group)
         else:
@@ -345,8 +347,11 @@ def _end_step(state: CompressionState, group: dist.ProcessGroup, world: int, dev
         if not dist.is_initialized() or dist.get_rank() == 0:
             warnings.warn("gradient compression: no parameter is eligible (every tensor is 1-D or has fewer "
                           f"than min_numel={state.config.min_numel} elements); gradients use plain allreduce")
-    if state.measuring() and state._stats:
-        solve(state, group, world, device)
+    if state.measuring():
+        if state._stats:
+            solve(state, group, world, device)
+        else:  # nothing eligible was measured (the same on every rank): look again later
+            state.next_solve = state.step + 1 + state.interval
     elif state.step + 1 == state.next_solve:
         maybe_keep_off(state, group, world, device)
     state._stats = {}
