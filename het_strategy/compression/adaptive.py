@@ -199,7 +199,7 @@ def solve(state: CompressionState, group: dist.ProcessGroup, world: int, device:
                      "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / numel, 3),
                      "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
                      "budget": budget})
-    state.decisions = [*state.decisions[-(_DECISIONS_KEPT - len(rows)):], *rows]  # bounded over long runs
+    state.decisions = (state.decisions + rows)[-max(_DECISIONS_KEPT, len(rows)):]  # bounded over long runs
     if changed and cfg.verbose and dist.get_rank() == 0:
         print(format_decisions(rows, state.link, budget), flush=True)
 
