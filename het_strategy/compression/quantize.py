@@ -33,7 +33,7 @@ class QuantizerSpec:
     """Bits per element, 2-8."""
     scaling: str = "maxmin"
     """``maxmin`` (min and step per row) or ``maxnorm`` (one symmetric scale per row)."""
-    bucket_size: int = 128
+    bucket_size: int = 256
     """Elements sharing one scale; a multiple of 8 (the packing unit)."""
     stochastic: bool = False
     """Stochastic (unbiased) rounding instead of round-to-nearest."""
