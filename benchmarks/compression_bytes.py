@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compression_common import char_batches, char_gpt, lm_loss, mlp, run_worker_in_namespace, wrap  # noqa: E402
 
 from het_strategy.compression import CompressionConfig  # noqa: E402
+from het_strategy.netshape import loopback_tx_bytes  # noqa: E402
 
 _MODELS = {"gpt": "char GPT", "mlp": "MLP 64-512-512-512-10"}
 
@@ -87,26 +88,17 @@ def _batches(name: str, rank: int, world: int, steps: int, seed: int) -> list[tu
     return [(torch.randn(32, 64, generator=gen), torch.randint(10, (32,), generator=gen)) for _ in range(steps)]
 
 
-def _lo_tx_bytes() -> int:
-    """This process's network namespace's loopback TX bytes (``/proc/net/dev`` is per namespace)."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        iface, _, counters = line.partition(":")
-        if iface.strip() == "lo":
-            return int(counters.split()[8])
-    raise RuntimeError("no loopback interface in /proc/net/dev")
-
-
 def _window_start(count_wire: bool, rank: int) -> int:
     # barrier, read, barrier: no rank sends a counted byte before rank 0 has read the counter
     dist.barrier()
-    start = _lo_tx_bytes() if count_wire and rank == 0 else 0
+    start = loopback_tx_bytes() if count_wire and rank == 0 else 0
     dist.barrier()
     return start
 
 
 def _window_end(count_wire: bool, rank: int, start: int) -> int | None:
     dist.barrier()  # every collective of the window has completed on every rank
-    return _lo_tx_bytes() - start if count_wire and rank == 0 else None
+    return loopback_tx_bytes() - start if count_wire and rank == 0 else None
 
 
 def _rank_main(rank: int, world: int, model_name: str, steps: int, seed: int, count_wire: bool) -> dict:

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_local_ranks"]
+__all__ = ["run_local_ranks", "free_port"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,7 +46,7 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: f
                     threads: int = 1) -> list[Any]:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own forked gloo rank."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), out_dir, threads, args), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out_dir, threads, args), nprocs=world,
                                  join=False, start_method="fork")
         deadline = time.monotonic() + timeout_s
         try:

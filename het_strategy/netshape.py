@@ -65,6 +65,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from het_strategy.errors import ConfigError, field_error
@@ -77,6 +78,7 @@ __all__ = [
     "netem_available",
     "shaped_namespace",
     "remove_stale_namespaces",
+    "loopback_tx_bytes",
     "main",
 ]
 
@@ -315,6 +317,16 @@ def _netem_failure(proc: subprocess.CompletedProcess) -> str:
 
 
 # ----------------------------------------------------------------------- the namespace
+
+
+def loopback_tx_bytes() -> int:
+    """Bytes loopback has transmitted in *this process's* network namespace (``/proc/net/dev`` is per
+    namespace): what a worker running inside a ``ShapedNamespace`` reads around the traffic it counts."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        iface, _, counters = line.partition(":")
+        if iface.strip() == "lo":
+            return int(counters.split()[8])
+    raise NetnsUnavailable("no loopback interface in /proc/net/dev")
 
 
 class ShapedNamespace:

@@ -14,20 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from het_strategy import HeteroStrategy  # noqa: E402
 
-pytestmark = [pytest.mark.multiprocess,
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
               pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
 
 CLUSTER = {"name": "two_cpus", "inter_node_bandwidth_gbs": 10,
            "nodes": [{"name": "local", "devices": [{"name": f"r{i}", "type": "CPU"} for i in range(2)]}]}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
 
 
 class _Probe(pl.LightningModule):

@@ -21,9 +21,7 @@ import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from het_strategy.compression import CompressionState, compression_hook
 from het_strategy.local_ranks import run_local_ranks
-
-def tx_bytes():
-    return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
+from het_strategy.netshape import loopback_tx_bytes as tx_bytes
 
 def run(rank, world):
     out = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,20 +21,16 @@ torch = pytest.importorskip("torch")
 
 import _deepspeed_worker as worker  # noqa: E402  (tests/ is on sys.path under pytest)
 
+from het_strategy.local_ranks import free_port  # noqa: E402
+
 pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("_deepspeed_worker.py")
 TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_ranks(mode: str, out_dir: Path, zero_stage: int) -> list[dict]:
     """Start both ranks; kill both if either fails or the pair outlives TIMEOUT_S."""
-    port = _free_port()
+    port = free_port()
     repo = str(Path(__file__).resolve().parents[1])
     procs, logs = [], []
     for rank in range(2):

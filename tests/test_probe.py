@@ -19,6 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from het_strategy import probe  # noqa: E402
 from het_strategy.errors import ConfigError  # noqa: E402
+from het_strategy.local_ranks import free_port  # noqa: E402
 from het_strategy.probe import (  # noqa: E402
     AllreduceTiming,
     DeviceMeasurement,
@@ -157,12 +158,6 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _summary(result: ProbeResult) -> dict:
     return {"cluster": result.cluster.to_dict(), "devices": [d.to_dict() for d in result.devices],
             "links": result.links.to_dict(), "from_cache": result.from_cache}
@@ -199,7 +194,7 @@ def _probe_worker(rank: int, port: int, cache_dir: str, out_dir: str) -> None:
 def _run_two_ranks(tmp_path: Path) -> list[dict]:
     """Start both ranks; kill both when one fails (its peer would block in a collective) or after TIMEOUT_S."""
     ctx = mp.get_context("spawn")
-    port, cache, out = _free_port(), tmp_path / "cache", tmp_path / "out"
+    port, cache, out = free_port(), tmp_path / "cache", tmp_path / "out"
     out.mkdir()
     procs = [ctx.Process(target=_probe_worker, args=(r, port, str(cache), str(out))) for r in range(2)]
     for p in procs:

@@ -16,18 +16,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from het_strategy import HeteroStrategy  # noqa: E402
 from tests._strategy_worker import IndexedData, Recorder, make_net  # noqa: E402
 
-@pytest.fixture(autouse=True)
-def _fresh_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lightning keeps the first MASTER_PORT it picks in os.environ; a new one per test avoids binding a port
-    the previous test's processes may still hold."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
-
-
-pytestmark = [pytest.mark.multiprocess,
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
               pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
 
 def _local_cluster(name: str, devices: dict[str, dict], **extra) -> dict:  # type: ignore[no-untyped-def]
