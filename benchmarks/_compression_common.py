@@ -17,7 +17,7 @@ from het_strategy.compression import CompressionState, compression_hook
 
 def char_gpt(seq_len: int = 64) -> torch.nn.Module:
     """The main job's char GPT (4 blocks, hidden 128), as a plain module."""
-    from het_strategy.tiny_gpt import CharGPT
+    from het_strategy.demo.char_gpt import CharGPT
 
     return CharGPT(num_layers=4, hidden_size=128, num_heads=4, seq_len=seq_len)
 
@@ -51,7 +51,7 @@ def lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 def char_batches(seq_len: int, batch: int, rank: int, world: int, steps: int, seed: int,
                  split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's slices of ``steps`` global batches of ``batch x world`` sequences (same order every run)."""
-    from het_strategy.examples_data import CharDataset, stdlib_corpus
+    from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
 
     corpus = stdlib_corpus(max_bytes=2_000_000, val_fraction=0.1, seed=0)
     data = CharDataset(corpus.train if split == "train" else corpus.val, seq_len)
@@ -67,7 +67,7 @@ def char_batches(seq_len: int, batch: int, rank: int, world: int, steps: int, se
 def run_worker_in_namespace(script: str, shape: Any, worker_args: list[str], out: Path) -> dict:
     """Run ``script --worker --out OUT <worker_args>`` inside a private network namespace (shaped by ``shape``,
     a ``LinkShape``, or unshaped for None); return the JSON it wrote to OUT.  The namespace is always removed."""
-    from het_strategy.netshape import shaped_namespace
+    from het_strategy.emulation.netshape import shaped_namespace
 
     argv = [sys.executable, script, "--worker", "--out", str(out), *worker_args]
     with shaped_namespace(shape) as ns:

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compression_common import char_batches, char_gpt, lm_loss, mlp, run_worker_in_namespace, wrap  # noqa: E402
 
 from het_strategy.compression import CompressionConfig  # noqa: E402
-from het_strategy.netshape import loopback_tx_bytes  # noqa: E402
+from het_strategy.emulation.netshape import loopback_tx_bytes  # noqa: E402
 
 _MODELS = {"gpt": "char GPT", "mlp": "MLP 64-512-512-512-10"}
 
@@ -156,7 +156,7 @@ def _bound(fields: dict, eligible: float) -> float | None:
 
 
 def _run_models(args: argparse.Namespace, count_wire: bool) -> dict:
-    from het_strategy.local_ranks import run_local_ranks
+    from het_strategy.emulation.local_ranks import run_local_ranks
 
     out = {}
     for name in _MODELS:
@@ -237,7 +237,7 @@ def main() -> None:
         raise SystemExit(f"--world is {args.world}; it must be >= 2 (a single rank sends nothing)")
     if args.steps < 1:
         raise SystemExit(f"--steps is {args.steps}; it must be >= 1")
-    from het_strategy.netshape import netns_available
+    from het_strategy.emulation.netshape import netns_available
 
     ok, reason = (False, "--no-namespace given") if args.no_namespace else netns_available()
     print(f"{args.world} gloo ranks, {args.steps} counted steps per method; every method through "

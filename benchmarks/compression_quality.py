@@ -107,7 +107,7 @@ def _digits_rank(rank: int, world: int, setting: dict, epochs: int, seed: int) -
 
 
 def digits_quality(epochs: int, seeds: int) -> dict[str, float]:
-    from het_strategy.local_ranks import run_local_ranks
+    from het_strategy.emulation.local_ranks import run_local_ranks
 
     accuracy = {}
     for label, setting in SETTINGS.items():

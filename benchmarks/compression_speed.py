@@ -66,7 +66,7 @@ def _rank_main(rank: int, world: int, steps: int, seed: int) -> dict:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    from het_strategy.local_ranks import run_local_ranks
+    from het_strategy.emulation.local_ranks import run_local_ranks
 
     results = run_local_ranks(_rank_main, args.world, args.steps, args.seed, timeout_s=3000)
     Path(args.out).write_text(json.dumps(results[0]))
@@ -103,7 +103,7 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    from het_strategy.netshape import LinkShape, netns_available
+    from het_strategy.emulation.netshape import LinkShape, netns_available
 
     ok, reason = netns_available()
     if not ok:

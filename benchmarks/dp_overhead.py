@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 from _het_train import describe, run_het_train
 
-from het_strategy.cluster import load_cluster
+from het_strategy.core.cluster import load_cluster
 
 
 def _overhead(common: list[str], rounds: int, tmp: Path, label: str) -> float:

@@ -52,10 +52,10 @@ from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from het_strategy.cluster import ClusterSpec, cluster_from_dict  # noqa: E402
-from het_strategy.cost_model import CostModel, StageCost, TrainSettings, pipeline_time_s  # noqa: E402
-from het_strategy.plan import Pipeline, Plan, Stage  # noqa: E402
-from het_strategy.workload import TransformerConfig, WorkloadSpec, transformer_workload  # noqa: E402
+from het_strategy.core.cluster import ClusterSpec, cluster_from_dict  # noqa: E402
+from het_strategy.core.cost_model import CostModel, StageCost, TrainSettings, pipeline_time_s  # noqa: E402
+from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
+from het_strategy.core.workload import TransformerConfig, WorkloadSpec, transformer_workload  # noqa: E402
 
 __all__ = ["BruteResult", "Case", "brute_force_plan", "naive_brute_force", "random_case", "space_size",
            "plan_in_space", "main"]

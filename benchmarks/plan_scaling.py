@@ -15,10 +15,10 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # numpy on one core, as the issue asks
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from het_strategy.cluster import cluster_from_dict  # noqa: E402
-from het_strategy.cost_model import TrainSettings  # noqa: E402
+from het_strategy.core.cluster import cluster_from_dict  # noqa: E402
+from het_strategy.core.cost_model import TrainSettings  # noqa: E402
 from het_strategy.planning import plan  # noqa: E402
-from het_strategy.workload import TransformerConfig, transformer_workload  # noqa: E402
+from het_strategy.core.workload import TransformerConfig, transformer_workload  # noqa: E402
 
 TYPES = ("H100-SXM", "A100-80GB", "V100-32GB", "T4")
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 
-from het_strategy.cluster import load_cluster, shipped_cluster_dir
-from het_strategy.cost_model import CostModel, TrainSettings
-from het_strategy.errors import ConfigError
+from het_strategy.core.cluster import load_cluster, shipped_cluster_dir
+from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.errors import ConfigError
 from het_strategy.planning import equal_split_plan, plan
-from het_strategy.workload import load_workload
+from het_strategy.core.workload import load_workload
 
 
 def main() -> None:

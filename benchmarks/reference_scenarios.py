@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import time
 
-from het_strategy.cluster import ClusterSpec, load_cluster
-from het_strategy.cost_model import CostModel, TrainSettings
-from het_strategy.plan import Pipeline, Plan, Stage
+from het_strategy.core.cluster import ClusterSpec, load_cluster
+from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning import plan
-from het_strategy.reference_profiles import load_sailor_profile
-from het_strategy.workload import WorkloadSpec, load_workload
+from het_strategy.core.reference_profiles import load_sailor_profile
+from het_strategy.core.workload import WorkloadSpec, load_workload
 
 
 def _uniform_bounds(num_layers: int, stages: int) -> list[int]:

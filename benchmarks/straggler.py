@@ -30,9 +30,9 @@ from pathlib import Path
 import yaml
 from _het_train import describe, run_het_train
 
-from het_strategy.cluster import load_cluster
-from het_strategy.emulation import emulated_seconds_per_sample
-from het_strategy.workload import TransformerConfig, transformer_workload
+from het_strategy.core.cluster import load_cluster
+from het_strategy.emulation.speeds import emulated_seconds_per_sample
+from het_strategy.core.workload import TransformerConfig, transformer_workload
 
 
 def main() -> None:

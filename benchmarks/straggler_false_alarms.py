@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from _het_train import describe, run_het_train
 
-from het_strategy.cluster import load_cluster
+from het_strategy.core.cluster import load_cluster
 
 
 def main() -> None:

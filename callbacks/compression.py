@@ -17,7 +17,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from het_strategy.errors import require_int
+from het_strategy.core.errors import require_int
+from het_strategy.strategy.protocol import HeteroRuntime
 
 __all__ = ["CompressionMonitor"]
 
@@ -42,7 +43,7 @@ class CompressionMonitor(pl.Callback):
         return out
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        state = getattr(trainer.strategy, "compression_state", None)
+        state = trainer.strategy.compression_state if isinstance(trainer.strategy, HeteroRuntime) else None
         if state is None or not trainer.is_global_zero:
             return
         metrics = self.metrics(state, trainer.global_step)

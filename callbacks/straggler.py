@@ -16,10 +16,11 @@ values.  Sensitivity: lower ``threshold`` to catch smaller shifts, lower
 **Mitigation ladder** (``StragglerMitigation``), decided identically on every
 rank from the same gathered telemetry (no extra agreement step):
 
-a. re-split the global batch in proportion to the measured speeds
-   (exact integer min-max), from the first step no rank has produced yet, so
-   every rank switches at the same step and the strategy's sampler and weighted
-   gradients keep each update exact and each sample used once per epoch;
+a. re-plan from the measured speeds (``planning.rebalance``: the exact integer
+   min-max of the measured per-sample times, a whole new Plan) and hand the Plan
+   to the strategy (``apply_plan``) from the first step no rank has produced
+   yet, so every rank switches at the same step and the strategy's sampler and
+   weighted gradients keep each update exact and each sample used once per epoch;
 b. a rank slower than ``evict_ratio`` x the median keeps only ``min_share``
    of the batch (a fraction; 0 makes it run weight-0 fillers in step);
 c. a rank slower than ``stop_ratio`` x the median: save a checkpoint and stop
@@ -41,8 +42,9 @@ import lightning.pytorch as pl
 import torch
 
 from het_strategy.callbacks.telemetry import FIELDS, StepTelemetry
-from het_strategy.errors import field_error, require_int
-from het_strategy.planning.allocation import allocate_min_max
+from het_strategy.core.errors import field_error, require_int
+from het_strategy.planning.rebalance import rebalance
+from het_strategy.planning.run_plan import shares_in_rank_order
 
 __all__ = ["Shift", "ShiftDetector", "Decision", "StragglerMitigation"]
 
@@ -197,13 +199,14 @@ class StragglerMitigation(StepTelemetry):
             self._act(trainer, shifted, batch_idx)
 
     def _act(self, trainer: pl.Trainer, shifted: dict[int, Shift], batch_idx: int) -> None:
-        strategy = trainer.strategy
-        before = list(strategy.current_shares())  # type: ignore[attr-defined]
+        runtime = self.runtime
+        assert runtime is not None and runtime.plan is not None and runtime.cluster is not None
+        before = list(runtime.current_shares())
         total = sum(before)
         levels = [det.level for det in self.detectors]
         if any(t is None for t in levels):
             return  # a rank has never computed a sample yet: nothing to compare
-        t = [float(x) for x in levels]  # type: ignore[arg-type]
+        t = [float(x) for x in levels if x is not None]
         median_t = statistics.median(t)
         reasons = [f"rank{r} per-sample compute {s.old * 1e3:.2f} -> {s.new * 1e3:.2f} ms ({s.ratio - 1:+.0%} for "
                    f"{self.detectors[r].consecutive} consecutive steps)" for r, s in sorted(shifted.items())]
@@ -215,15 +218,18 @@ class StragglerMitigation(StepTelemetry):
         min_samples = int(self.min_share * total)
         evicted = [r for r in range(len(t)) if self.evict_ratio is not None and t[r] > self.evict_ratio * median_t]
         caps = [min_samples if r in evicted else None for r in range(len(t))]
-        after = allocate_min_max([_linear(x) for x in t], total, minimum=[min_samples] * len(t), cap=caps)
-        if after is None or after == before:
+        plan = rebalance(runtime.plan, runtime.cluster, t, minimum=[min_samples] * len(t), cap=caps)
+        if plan is None:
+            return
+        after = shares_in_rank_order(plan, runtime.cluster)
+        if after == before:
             return
         action = "minimum_share" if evicted else "rebalance"
         if evicted:
             reasons.append(f"rank(s) {evicted} slower than {self.evict_ratio}x the median per-sample time "
                            f"({median_t * 1e3:.2f} ms): minimum share {min_samples}")
-        first_step = strategy.next_safe_step()  # type: ignore[attr-defined]
-        strategy.set_shares(after, first_step)  # type: ignore[attr-defined]
+        first_step = runtime.next_safe_step()
+        runtime.apply_plan(plan, first_step)
         for r, (old, new) in enumerate(zip(before, after)):
             if old != new:
                 self.detectors[r].restart()
@@ -272,7 +278,3 @@ class StragglerMitigation(StepTelemetry):
                 det.load_state_dict(state)
         else:
             self._restored_detectors = detectors
-
-
-def _linear(seconds_per_sample: float) -> Any:
-    return lambda n: n * seconds_per_sample

@@ -26,7 +26,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from het_strategy.errors import field_error, require_int
+from het_strategy.core.errors import field_error, require_int
+from het_strategy.strategy.protocol import HeteroRuntime
 
 __all__ = ["StepTelemetry", "FIELDS"]
 
@@ -49,10 +50,14 @@ class StepTelemetry(pl.Callback):
         self._last_end: float | None = None
         self._start = 0.0
         self._after_backward = 0.0
+        self.runtime: HeteroRuntime | None = None
+        """The strategy, seen through what callbacks may use of it (set at setup)."""
 
     # -- recording ------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not hasattr(trainer.strategy, "records"):
+        if isinstance(trainer.strategy, HeteroRuntime):
+            self.runtime = trainer.strategy
+        elif stage == "fit":
             raise field_error("strategy", type(trainer.strategy).__name__,
                               "be `hetero` (it timestamps each rank's compute in its comm hook)")
 
@@ -66,7 +71,8 @@ class StepTelemetry(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         end = time.perf_counter()
-        record = trainer.strategy.records[-1]  # type: ignore[attr-defined]
+        assert self.runtime is not None
+        record = self.runtime.records[-1]
         data_s = self._start - self._last_end if self._last_end is not None else 0.0
         step_s = end - self._last_end if self._last_end is not None else end - self._start
         comm_s = max(self._after_backward - self._start - record.compute_s, 0.0)

@@ -27,9 +27,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from het_strategy.errors import field_error
-from het_strategy.plan import write_atomic
-from het_strategy.profiling import batch_length
+from het_strategy.core.errors import field_error
+from het_strategy.core.plan import write_atomic
+from het_strategy.profiling.batch_contents import batch_length
+from het_strategy.strategy.protocol import HeteroRuntime
 
 __all__ = ["ThroughputMonitor"]
 
@@ -61,7 +62,7 @@ class ThroughputMonitor(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._ends.append(time.perf_counter())
-        local = getattr(trainer.strategy, "current_local_samples", None)
+        local = trainer.strategy.current_local_samples if isinstance(trainer.strategy, HeteroRuntime) else None
         self._samples.append(int(local) if local is not None else batch_length(batch))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -85,12 +86,13 @@ class ThroughputMonitor(pl.Callback):
         stats: dict[str, Any] = {"rank": trainer.global_rank, "steps": len(steps),
                                  "step_s": statistics.fmean(steps) if steps else None,
                                  "samples_per_step": statistics.fmean(self._samples[w + 1:]) if steps else None}
-        records = list(getattr(trainer.strategy, "records", []))[w + 1:]
+        runtime = trainer.strategy if isinstance(trainer.strategy, HeteroRuntime) else None
+        records = list(runtime.records)[w + 1:] if runtime is not None else []
         if records:
             stats["compute_s"] = statistics.fmean(r.compute_s for r in records)
             stats["pad_s"] = statistics.fmean(r.pad_s for r in records)
             stats["compute_samples"] = statistics.fmean(r.samples for r in records)
-        cluster = getattr(trainer.strategy, "cluster", None)
+        cluster = runtime.cluster if runtime is not None else None
         if cluster is not None:
             device = cluster.devices[trainer.global_rank]
             stats["device"], stats["emulated_speed"] = device.name, device.emulated_speed

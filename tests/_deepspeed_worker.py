@@ -46,7 +46,7 @@ def batch(num: int = 4):
 
 def pipe_plan(zero_stage: int = 0):
     """1 pipeline of 2 stages, uneven boundaries [0, 4, 6]; 4 samples as 2 micro-batches of 2."""
-    from het_strategy.plan import Pipeline, Plan, Stage
+    from het_strategy.core.plan import Pipeline, Plan, Stage
 
     return Plan(cluster="local", cluster_devices=("cpu0", "cpu1"), model={"name": "mlp6", "num_layers": NUM_LAYERS},
                 global_batch_size=4, dtype="fp32", mode="manual", zero_stage=zero_stage,
@@ -56,7 +56,7 @@ def pipe_plan(zero_stage: int = 0):
 
 def dp_plan(zero_stage: int = 0):
     """Uneven pure data parallelism: rank 0 takes 3 samples (micro-batches 2 + 1), rank 1 takes 1."""
-    from het_strategy.plan import Pipeline, Plan, Stage
+    from het_strategy.core.plan import Pipeline, Plan, Stage
 
     return Plan(cluster="local", cluster_devices=("cpu0", "cpu1"), model={"name": "mlp6", "num_layers": NUM_LAYERS},
                 global_batch_size=4, dtype="fp32", mode="manual", zero_stage=zero_stage,
@@ -88,8 +88,8 @@ def main() -> None:
     import torch
     import deepspeed
 
-    from het_strategy.cost_model import TrainSettings
-    from het_strategy.deepspeed_config import deepspeed_config, hetero_pipeline_module, pipeline_parts, rank_batches
+    from het_strategy.core.cost_model import TrainSettings
+    from het_strategy.ds_runtime.config import deepspeed_config, hetero_pipeline_module, pipeline_parts, rank_batches
 
     _no_shm_op()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timedelta(seconds=60))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from het_strategy.local_ranks import free_port
+from het_strategy.emulation.local_ranks import free_port
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from het_strategy.compression import CompressionState, LinkModel, compression_hook
 from het_strategy.compression.exchange import quantized_mean
 from het_strategy.compression.quantize import QuantizerSpec, error_bound
-from het_strategy.local_ranks import run_local_ranks
+from het_strategy.emulation.local_ranks import run_local_ranks
 from tests._compression_worker import MixedNet
 
 pytestmark = pytest.mark.multiprocess

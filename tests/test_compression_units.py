@@ -17,14 +17,14 @@ import pytest
 import torch
 import yaml
 
-from het_strategy.cluster import shipped_cluster_dir
+from het_strategy.core.cluster import shipped_cluster_dir
 from het_strategy.compression.config import CompressionConfig, compression_config
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods, wire_bytes
 from het_strategy.compression.hook import CompressionState
 from het_strategy.compression.quantize import QuantizerSpec, dequantize, error_bound, pack_codes, \
     packed_row_bytes, quantize, unpack_codes
-from het_strategy.errors import ConfigError
+from het_strategy.core.errors import ConfigError
 
 _COMPRESSION_DIR = shipped_cluster_dir().parent / "compression"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from het_strategy.netshape import netns_available, shaped_namespace
+from het_strategy.emulation.netshape import netns_available, shaped_namespace
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from het_strategy.compression import CompressionState, compression_hook
-from het_strategy.local_ranks import run_local_ranks
-from het_strategy.netshape import loopback_tx_bytes as tx_bytes
+from het_strategy.emulation.local_ranks import run_local_ranks
+from het_strategy.emulation.netshape import loopback_tx_bytes as tx_bytes
 
 def run(rank, world):
     out = {}

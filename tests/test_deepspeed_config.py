@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from het_strategy.cluster import cluster_from_dict
-from het_strategy.cost_model import CostModel, TrainSettings
-from het_strategy.deepspeed_config import (
+from het_strategy.core.cluster import cluster_from_dict
+from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.ds_runtime.config import (
     deepspeed_config,
     expert_map,
     per_rank_configs,
@@ -21,9 +21,9 @@ from het_strategy.deepspeed_config import (
     rank_layout,
     write_deepspeed_files,
 )
-from het_strategy.errors import ConfigError
-from het_strategy.plan import Pipeline, Plan, Stage
-from het_strategy.workload import TransformerConfig, transformer_workload
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.workload import TransformerConfig, transformer_workload
 
 GiB = 2**30
 DS_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
@@ -94,13 +94,13 @@ def test_planning_core_runs_without_torch_or_deepspeed():
     planning core plans and writes a DeepSpeed config; with them installed, deepspeed is not imported."""
     blocked = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None; "
                "import het_strategy as h; assert h.HeteroStrategy is None; "
-               "from het_strategy.cluster import load_cluster; from het_strategy.workload import load_workload; "
-               "from het_strategy.cost_model import TrainSettings; from het_strategy.planning import plan; "
-               "from het_strategy.deepspeed_config import deepspeed_config; "
+               "from het_strategy.core.cluster import load_cluster; from het_strategy.core.workload import load_workload; "
+               "from het_strategy.core.cost_model import TrainSettings; from het_strategy.planning import plan; "
+               "from het_strategy.ds_runtime.config import deepspeed_config; "
                "p = plan(load_cluster('local_cpu2'), load_workload('tiny_gpt', 'fp32'), "
                "TrainSettings(global_batch_size=8, dtype='fp32'), mode='dp'); "
                "assert p.rank_shares()")
-    plain = ("import sys, het_strategy.deepspeed_config as m; m.deepspeed_config; "
+    plain = ("import sys, het_strategy.ds_runtime.config as m; m.deepspeed_config; "
              "assert 'deepspeed' not in sys.modules, sorted(k for k in sys.modules if k.startswith('deepspeed'))[:5]")
     import subprocess
 
@@ -296,7 +296,7 @@ def test_pipeline_plan_config_validates(monkeypatch, tmp_path):
 
 
 def test_hetero_pipeline_module_is_lazy_and_checks_parts():
-    import het_strategy.deepspeed_config as m
+    import het_strategy.ds_runtime.config as m
 
     with pytest.raises(ConfigError, match="num_stages"):
         m.hetero_pipeline_module([object()] * 6, [0, 4, 6], num_stages=3)

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import _deepspeed_worker as worker  # noqa: E402  (tests/ is on sys.path under pytest)
 
-from het_strategy.local_ranks import free_port  # noqa: E402
+from het_strategy.emulation.local_ranks import free_port  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("_deepspeed_worker.py")

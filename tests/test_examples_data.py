@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from het_strategy.errors import ConfigError
-from het_strategy.examples_data import CharDataset, stdlib_corpus, stdlib_source_files
-from het_strategy.profiling import profile_module
-from het_strategy.tiny_gpt import CharGPT
-from het_strategy.workload import TransformerConfig, load_workload, transformer_workload
+from het_strategy.core.errors import ConfigError
+from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus, stdlib_source_files
+from het_strategy.profiling.module_profile import profile_module
+from het_strategy.demo.char_gpt import CharGPT
+from het_strategy.core.workload import TransformerConfig, load_workload, transformer_workload
 
 SEPARATOR = b"\x1c\n"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

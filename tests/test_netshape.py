@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from het_strategy.errors import ConfigError
-from het_strategy.netshape import (
+from het_strategy.core.errors import ConfigError
+from het_strategy.emulation.netshape import (
     LinkShape,
     NetnsUnavailable,
     main,
@@ -207,7 +207,7 @@ def test_delay_needs_netem():
 
 
 # ------------------------------------------------------------------------------ CLI
-# main() is called in-process where it can be: `python -m het_strategy.netshape`
+# main() is called in-process where it can be: `python -m het_strategy.emulation.netshape`
 # first imports the package (torch + Lightning, ~4 s); one test runs it for real.
 
 
@@ -221,7 +221,7 @@ def test_cli_forwards_exit_code_and_leaves_no_namespace(capfd):
 @needs_netns
 @pytest.mark.slow
 def test_cli_sigterm_reaches_the_command_and_tears_down():
-    proc = subprocess.Popen([sys.executable, "-m", "het_strategy.netshape", "--rate-mbit", "100", "--",
+    proc = subprocess.Popen([sys.executable, "-m", "het_strategy.emulation.netshape", "--rate-mbit", "100", "--",
                              "sleep", "30"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 15

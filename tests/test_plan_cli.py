@@ -13,11 +13,11 @@ from hydra import compose, initialize_config_module
 
 from het_strategy.cli._common import cluster_from_cfg, train_settings_from_cfg, workload_from_cfg
 from het_strategy.cli.plan_cli import compose_plan_config, main, run_plan
-from het_strategy.cluster import load_cluster
-from het_strategy.cost_model import CostModel, TrainSettings
-from het_strategy.errors import ConfigError
-from het_strategy.plan import Pipeline, Plan, Stage
-from het_strategy.workload import load_workload
+from het_strategy.core.cluster import load_cluster
+from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.workload import load_workload
 
 try:
     from het_strategy.planning import plan as _plan_fn  # noqa: F401

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from het_strategy.cluster import cluster_from_dict
-from het_strategy.cost_model import CostModel, TrainSettings
-from het_strategy.errors import ConfigError
-from het_strategy.plan import Pipeline, Stage
+from het_strategy.core.cluster import cluster_from_dict
+from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.plan import Pipeline, Stage
 from het_strategy.planning import (PlanningError, allocate_min_max, place_experts, plan, plan_data_parallel,
                                    plan_pipeline_stages)
-from het_strategy.workload import LayerCost, TransformerConfig, WorkloadSpec, transformer_workload
+from het_strategy.core.workload import LayerCost, TransformerConfig, WorkloadSpec, transformer_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plan_optimality import brute_force_plan, naive_brute_force, random_case  # noqa: E402

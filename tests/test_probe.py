@@ -18,9 +18,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from het_strategy import probe  # noqa: E402
-from het_strategy.errors import ConfigError  # noqa: E402
-from het_strategy.local_ranks import free_port  # noqa: E402
-from het_strategy.probe import (  # noqa: E402
+from het_strategy.core.errors import ConfigError  # noqa: E402
+from het_strategy.emulation.local_ranks import free_port  # noqa: E402
+from het_strategy.profiling.probe import (  # noqa: E402
     AllreduceTiming,
     DeviceMeasurement,
     LinkMeasurement,

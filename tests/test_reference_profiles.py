@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from het_strategy.cluster import device_catalog
-from het_strategy.errors import ConfigError
-from het_strategy.reference_profiles import (
+from het_strategy.core.cluster import device_catalog
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.reference_profiles import (
     SAILOR_DATA_DIR,
     load_sailor_profile,
     load_sailor_training_config,
     sailor_bandwidth_gbs,
     sailor_peak_bandwidth_gbs,
 )
-from het_strategy.workload import load_workload
+from het_strategy.core.workload import load_workload
 
 _SHARED = Path("/work/shared/reference/sailor")
 

@@ -10,10 +10,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import reference_scenarios as scen  # noqa: E402
 
-from het_strategy.cluster import load_cluster  # noqa: E402
-from het_strategy.cost_model import CostModel, TrainSettings  # noqa: E402
-from het_strategy.reference_profiles import load_sailor_profile  # noqa: E402
-from het_strategy.workload import load_workload  # noqa: E402
+from het_strategy.core.cluster import load_cluster  # noqa: E402
+from het_strategy.core.cost_model import CostModel, TrainSettings  # noqa: E402
+from het_strategy.core.reference_profiles import load_sailor_profile  # noqa: E402
+from het_strategy.core.workload import load_workload  # noqa: E402
 
 
 def test_amp_plan_beats_amps_own_choices_under_the_same_model():

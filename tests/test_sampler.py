@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from het_strategy.errors import ConfigError
-from het_strategy.sampler import GlobalOrder, HeteroBatchSampler, split_by_shares
+from het_strategy.core.errors import ConfigError
+from het_strategy.strategy.sampler import GlobalOrder, HeteroBatchSampler, split_by_shares
 
 
 def _samplers(n: int, batch: int, shares: list[int], *, shuffle: bool = True, drop_last: bool = False,

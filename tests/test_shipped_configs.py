@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from het_strategy.cluster import load_cluster, shipped_cluster_dir
-from het_strategy.reference_profiles import sailor_peak_bandwidth_gbs
-from het_strategy.workload import load_workload
+from het_strategy.core.cluster import load_cluster, shipped_cluster_dir
+from het_strategy.core.reference_profiles import sailor_peak_bandwidth_gbs
+from het_strategy.core.workload import load_workload
 
 _CLUSTERS = sorted(p.stem for p in shipped_cluster_dir().glob("*.yaml"))
 _MODEL_DIR = shipped_cluster_dir().parent / "model"

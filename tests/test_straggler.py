@@ -9,9 +9,11 @@ import pytest
 pytest.importorskip("lightning")
 
 from het_strategy.callbacks.straggler import ShiftDetector, StragglerMitigation  # noqa: E402
-from het_strategy.cluster import load_cluster  # noqa: E402
-from het_strategy.emulation import emulated_factor  # noqa: E402
-from het_strategy.errors import ConfigError  # noqa: E402
+from het_strategy.core.cluster import load_cluster  # noqa: E402
+from het_strategy.emulation.speeds import emulated_factor  # noqa: E402
+from het_strategy.core.errors import ConfigError  # noqa: E402
+from het_strategy.core.plan import Plan  # noqa: E402
+from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, shares_in_rank_order  # noqa: E402
 
 
 def _run(values: list[float], **kwargs) -> list[tuple[int, float]]:  # type: ignore[no-untyped-def]
@@ -103,7 +105,7 @@ def test_min_share_above_one_over_world_is_refused_before_training() -> None:
 
     class _Trainer:
         world_size = 4
-        strategy = type("S", (), {"records": []})()
+        strategy = _FakeStrategy([8, 8, 8, 8])
 
     with pytest.raises(ConfigError, match="min_share"):
         cb.setup(_Trainer(), pl.LightningModule(), "fit")  # type: ignore[arg-type]
@@ -132,10 +134,17 @@ def test_scheduled_slowdown_and_noise_in_a_cluster_config() -> None:
 
 
 class _FakeStrategy:
+    """Stands in for the hetero strategy through what callbacks may use of it (``HeteroRuntime``)."""
+
     def __init__(self, shares: list[int]) -> None:
-        self.shares = shares
+        self.cluster = load_cluster("local_cpu4_equal")
+        workload = estimate_workload("fake", 1000, 1, "fp32")
+        self.plan = data_parallel_plan(self.cluster, workload, sum(shares), "fp32")
         self.records: list = []
+        self.current_local_samples = None
+        self.compression_state = None
         self.calls: list[tuple[list[int], int]] = []
+        self.shares = shares
 
     def current_shares(self) -> list[int]:
         return list(self.shares)
@@ -143,9 +152,10 @@ class _FakeStrategy:
     def next_safe_step(self) -> int:
         return 3
 
-    def set_shares(self, shares: list[int], first_step: int) -> None:
-        self.calls.append((shares, first_step))
-        self.shares = shares
+    def apply_plan(self, plan: Plan, first_step: int) -> None:
+        self.plan = plan
+        self.shares = shares_in_rank_order(plan, self.cluster)
+        self.calls.append((self.shares, first_step))
 
 
 class _FakeTrainer:

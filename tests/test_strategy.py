@@ -11,12 +11,12 @@ pytest.importorskip("lightning")
 import lightning.pytorch as lp  # noqa: E402
 
 import het_strategy  # noqa: E402
-from het_strategy.cluster import load_cluster  # noqa: E402
-from het_strategy.emulation import EmulatedCompute, emulated_seconds_per_sample  # noqa: E402
-from het_strategy.errors import ConfigError  # noqa: E402
-from het_strategy.plan import Pipeline, Plan, Stage  # noqa: E402
-from het_strategy.runtime_planning import data_parallel_plan, precision_dtype, shares_in_rank_order  # noqa: E402
-from het_strategy.workload import load_workload  # noqa: E402
+from het_strategy.core.cluster import load_cluster  # noqa: E402
+from het_strategy.emulation.speeds import EmulatedCompute, emulated_seconds_per_sample  # noqa: E402
+from het_strategy.core.errors import ConfigError  # noqa: E402
+from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
+from het_strategy.planning.run_plan import data_parallel_plan, precision_dtype, shares_in_rank_order  # noqa: E402
+from het_strategy.core.workload import load_workload  # noqa: E402
 
 
 def test_hetero_is_registered_in_lightning_and_builds_our_strategy() -> None:
@@ -36,11 +36,11 @@ def test_hetero_is_registered_in_pytorch_lightning_on_its_own_class_tree() -> No
 
 
 def test_importing_twice_is_harmless() -> None:
-    from het_strategy import strategy
+    from het_strategy.strategy import registry
 
-    importlib.reload(strategy)  # registers again: must not raise
-    strategy.register_strategies(lp, strategy.HeteroStrategy)
-    assert "hetero" in lp.strategies.StrategyRegistry
+    importlib.reload(het_strategy)  # registers again: must not raise
+    registry.register(lp, het_strategy.HeteroStrategy)
+    assert lp.strategies.StrategyRegistry["hetero"]["strategy"] is het_strategy.HeteroStrategy
 
 
 def test_hydra_target_instantiates_the_strategy() -> None:

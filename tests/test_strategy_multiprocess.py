@@ -163,7 +163,7 @@ def test_resume_mid_epoch_continues_identically(tmp_path: Path) -> None:
 def test_rank_with_no_share_never_hangs(tmp_path: Path) -> None:
     """A given plan that leaves a device idle: that rank runs weight-0 fillers in step with the other, and the
     update is the busy rank's alone (as a single process on its batches)."""
-    from het_strategy.plan import Pipeline, Plan, Stage
+    from het_strategy.core.plan import Pipeline, Plan, Stage
 
     plan = Plan(cluster="two_speeds", cluster_devices=("fast", "slow"), model={"num_layers": 1},
                 global_batch_size=8, pipelines=(Pipeline((Stage(("fast",), (0, 1)),), 8, 8),), dtype="fp32",

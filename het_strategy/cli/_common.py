@@ -29,12 +29,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from het_strategy.errors import ConfigError, field_error
+from het_strategy.core.errors import ConfigError, field_error
 
 if TYPE_CHECKING:
-    from het_strategy.cluster import ClusterSpec
-    from het_strategy.cost_model import TrainSettings
-    from het_strategy.workload import WorkloadSpec
+    from het_strategy.core.cluster import ClusterSpec
+    from het_strategy.core.cost_model import TrainSettings
+    from het_strategy.core.workload import WorkloadSpec
 
 __all__ = [
     "CONFIG_MODULE",
@@ -204,15 +204,15 @@ def cfg_to_dict(node: Any, where: str) -> dict[str, Any]:
 
 def cluster_from_cfg(cfg: DictConfig) -> "ClusterSpec":
     """The ClusterSpec of ``cfg.cluster``."""
-    from het_strategy.cluster import cluster_from_dict
+    from het_strategy.core.cluster import cluster_from_dict
 
     return cluster_from_dict(_named_group(cfg, "cluster"))
 
 
 def train_settings_from_cfg(cfg: DictConfig) -> "TrainSettings":
     """The TrainSettings of ``cfg.train`` (unknown keys and non-boolean switches are errors)."""
-    from het_strategy.cost_model import TrainSettings
-    from het_strategy.errors import check_keys
+    from het_strategy.core.cost_model import TrainSettings
+    from het_strategy.core.errors import check_keys
 
     raw = cfg_to_dict(cfg.get("train"), "train")
     fields = {f.name for f in dataclasses.fields(TrainSettings)}
@@ -229,7 +229,7 @@ def train_settings_from_cfg(cfg: DictConfig) -> "TrainSettings":
 
 def workload_from_cfg(cfg: DictConfig, dtype: str) -> "WorkloadSpec":
     """The WorkloadSpec of ``cfg.model``, its activation figures in ``dtype``."""
-    from het_strategy.workload import load_workload
+    from het_strategy.core.workload import load_workload
 
     return load_workload(_named_group(cfg, "model"), dtype=dtype)
 

@@ -42,13 +42,13 @@ from het_strategy.cli._common import (
     train_settings_from_cfg,
     workload_from_cfg,
 )
-from het_strategy.errors import ConfigError, check_keys, field_error
+from het_strategy.core.errors import ConfigError, check_keys, field_error
 
 if TYPE_CHECKING:
-    from het_strategy.cluster import ClusterSpec
-    from het_strategy.cost_model import PlanScore, TrainSettings
-    from het_strategy.plan import Plan
-    from het_strategy.workload import MeasuredProfile, WorkloadSpec
+    from het_strategy.core.cluster import ClusterSpec
+    from het_strategy.core.cost_model import PlanScore, TrainSettings
+    from het_strategy.core.plan import Plan
+    from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
 
@@ -90,8 +90,8 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     Paths in ``cfg.output`` and ``cfg.score`` are relative to the current directory.
     Raises ``ConfigError`` for every bad input.
     """
-    from het_strategy.cost_model import CostModel
-    from het_strategy.report import plan_table
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.report.table import plan_table
 
     output = _output_settings(cfg)
     planner = cfg_to_dict(cfg.get("planner") or {}, "planner")
@@ -146,7 +146,7 @@ def _load_profile(name: Any, workload: "WorkloadSpec") -> "MeasuredProfile | Non
         return None
     if name not in _PROFILES:
         raise field_error("planner.profile", name, "be null or `sailor` (Sailor's measured per-layer times)")
-    from het_strategy.reference_profiles import load_sailor_profile, sailor_models
+    from het_strategy.core.reference_profiles import load_sailor_profile, sailor_models
 
     profiled = {_normalized(m): m for m in sailor_models()}
     sailor_name = profiled.get(_normalized(workload.name))
@@ -164,7 +164,7 @@ def _normalized(model_name: str) -> str:
 def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSpec",
                         settings: "TrainSettings") -> "tuple[Plan, TrainSettings]":
     """Load a plan file, check it matches cluster and model; its batch, dtype and ZeRO stage take over."""
-    from het_strategy.plan import Plan
+    from het_strategy.core.plan import Plan
 
     if not Path(path).expanduser().is_file():
         raise field_error("score", path, "be the path of an existing plan JSON file")
@@ -185,11 +185,11 @@ def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", set
     if output["plan"] is not None:
         written.append(plan.save(out_dir / output["plan"]))
     if output["ds_config"]:
-        from het_strategy.deepspeed_config import write_deepspeed_files
+        from het_strategy.ds_runtime.config import write_deepspeed_files
 
         written.extend(write_deepspeed_files(plan, settings, score, out_dir))
     if output["plot"]:
-        from het_strategy.report import plot_plan
+        from het_strategy.report.table import plot_plan
 
         stem = Path(output["plan"]).stem if output["plan"] else "plan"
         written.append(plot_plan(plan, cluster, out_dir / f"{stem}.png"))

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg, compose_config, run_cli, shipped_options
-from het_strategy.errors import check_keys, field_error, require_int
+from het_strategy.core.errors import check_keys, field_error, require_int
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
 
@@ -82,8 +82,8 @@ class TrainJob:
     """A checked ``het-train`` config: everything needed to build the run, no process group yet."""
 
     def __init__(self, cfg: DictConfig, auto_cluster: bool = False) -> None:
-        from het_strategy.runtime_planning import precision_dtype
-        from het_strategy.workload import transformer_config, transformer_workload
+        from het_strategy.planning.run_plan import precision_dtype
+        from het_strategy.core.workload import transformer_config, transformer_workload
 
         top = set(cfg.keys())
         check_keys({k: None for k in top}, _TOP_KEYS, "config")
@@ -176,10 +176,11 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
     import het_strategy  # noqa: F401  (registers the strategy)
     from het_strategy.callbacks.throughput import ThroughputMonitor
-    from het_strategy.examples_data import CharDataset, stdlib_corpus
-    from het_strategy.strategy import EmulatedDeviceCallback, HeteroStrategy
-    from het_strategy.emulation import cluster_is_emulated
-    from het_strategy.tiny_gpt import CharGPT
+    from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
+    from het_strategy import HeteroStrategy
+    from het_strategy.callbacks.emulation import EmulatedDeviceCallback
+    from het_strategy.emulation.speeds import cluster_is_emulated
+    from het_strategy.demo.char_gpt import CharGPT
 
     started = time.perf_counter()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.devices))
@@ -257,7 +258,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     if summary_path is not None:
         import json
 
-        from het_strategy.plan import write_atomic
+        from het_strategy.core.plan import write_atomic
 
         write_atomic(summary_path, json.dumps(summary, indent=2, default=str))
     return summary
@@ -301,7 +302,7 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
     plan, cluster = getattr(strategy, "plan", None), getattr(strategy, "cluster", None)
     if plan is None or cluster is None:
         return {}
-    from het_strategy.cost_model import CostModel, TrainSettings
+    from het_strategy.core.cost_model import CostModel, TrainSettings
     from het_strategy.planning.dp_split import equal_split_plan
 
     cm = CostModel(cluster, strategy.workload, TrainSettings(global_batch_size=job.global_batch_size,

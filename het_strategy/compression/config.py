@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 from het_strategy.compression.quantize import SCALINGS, QuantizerSpec
-from het_strategy.errors import check_keys, field_error, require_int
+from het_strategy.core.errors import check_keys, field_error, require_int
 
 __all__ = ["CompressionConfig", "METHODS", "compression_config", "method_token_valid", "quantizer_for"]
 

@@ -35,7 +35,7 @@ from het_strategy.compression.adaptive import maybe_keep_off, measure_layers, so
 from het_strategy.compression.controller import LinkModel, wire_bytes
 from het_strategy.compression.exchange import HALF_DTYPES, allreduce_mean, half_precision_mean, quantized_mean, \
     topk_mean
-from het_strategy.errors import field_error
+from het_strategy.core.errors import field_error
 
 __all__ = ["CompressionState", "compression_hook", "STATE_VERSION"]
 

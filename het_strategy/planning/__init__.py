@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import math
 
-from het_strategy.cluster import ClusterSpec
-from het_strategy.cost_model import GiB, CostModel, PlanScore, TrainSettings
-from het_strategy.errors import ConfigError, field_error
-from het_strategy.plan import Plan
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.cost_model import GiB, CostModel, PlanScore, TrainSettings
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.plan import Plan
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.dp_split import equal_split_plan, plan_data_parallel
 from het_strategy.planning.experts import place_experts
 from het_strategy.planning.hybrid import plan_hybrid
 from het_strategy.planning.pipeline import plan_pipeline_stages
 from het_strategy.planning.structure import StructureResult, assemble_plan
-from het_strategy.workload import MeasuredProfile, WorkloadSpec
+from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = ["MODES", "PlanningError", "plan", "score_plan", "plan_pipeline", "plan_data_parallel",
            "plan_hybrid", "plan_pipeline_stages", "allocate_min_max", "equal_split_plan", "place_experts"]

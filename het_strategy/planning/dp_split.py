@@ -11,9 +11,9 @@ rank every step.
 
 from __future__ import annotations
 
-from het_strategy.cost_model import CostModel
-from het_strategy.errors import field_error
-from het_strategy.plan import Pipeline, Plan, Stage
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.errors import field_error
+from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.structure import StructureResult, assemble_plan, plan_from_pipelines
 
 __all__ = ["plan_data_parallel", "equal_split_plan"]

@@ -12,8 +12,8 @@ Expert ids are then given out in contiguous ranges, holder by holder.
 
 from __future__ import annotations
 
-from het_strategy.cost_model import CostModel
-from het_strategy.plan import Plan
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.plan import Plan
 from het_strategy.planning.allocation import allocate_min_max
 
 __all__ = ["place_experts"]

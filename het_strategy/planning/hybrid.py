@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from het_strategy.cost_model import CostModel
+from het_strategy.core.cost_model import CostModel
 from het_strategy.planning.structure import Slots, StructureResult, assemble_plan
 
 __all__ = ["plan_hybrid", "device_classes", "DeviceClass"]

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from het_strategy.cost_model import CostModel
+from het_strategy.core.cost_model import CostModel
 
 __all__ = ["Partition", "PartitionFront", "partition_front", "plan_pipeline_stages"]
 

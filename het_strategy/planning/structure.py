@@ -32,8 +32,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
-from het_strategy.cost_model import CostModel, StageCost, pipeline_time_s
-from het_strategy.plan import Pipeline, Plan, Stage
+from het_strategy.core.cost_model import CostModel, StageCost, pipeline_time_s
+from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.pipeline import Partition, partition_front
 

@@ -29,9 +29,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from het_strategy.cluster import lookup_device_type
-from het_strategy.errors import ConfigError, field_error
-from het_strategy.workload import MeasuredProfile, WorkloadSpec
+from het_strategy.core.cluster import lookup_device_type
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = [
     "SAILOR_DATA_DIR",

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from het_strategy.errors import ConfigError, field_error, require_int
+from het_strategy.core.errors import ConfigError, field_error, require_int
 
 if TYPE_CHECKING:
-    from het_strategy.cluster import ClusterSpec
-    from het_strategy.workload import WorkloadSpec
+    from het_strategy.core.cluster import ClusterSpec
+    from het_strategy.core.workload import WorkloadSpec
 
 __all__ = ["SCHEMA_VERSION", "Stage", "Pipeline", "Plan"]
 

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from het_strategy.errors import field_error, require_number
-from het_strategy.examples_data import BYTE_VOCAB_SIZE
-from het_strategy.workload import TransformerConfig
+from het_strategy.core.errors import field_error, require_number
+from het_strategy.demo.stdlib_text import BYTE_VOCAB_SIZE
+from het_strategy.core.workload import TransformerConfig
 
 __all__ = ["CharGPT", "WORKLOAD_NAME"]
 
@@ -87,7 +87,7 @@ class CharGPT(pl.LightningModule):
 
     ``forward(x)`` maps ``(batch, T)`` byte ids (``T <= seq_len``) to
     ``(batch, T, vocab_size)`` logits; the training and validation steps take
-    ``(x, y)`` batches as ``het_strategy.examples_data.CharDataset`` yields and
+    ``(x, y)`` batches as ``het_strategy.demo.stdlib_text.CharDataset`` yields and
     minimise next-byte cross-entropy with AdamW.
     """
 

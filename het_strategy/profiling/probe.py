@@ -54,10 +54,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from het_strategy.cluster import DTYPES, ClusterSpec, cluster_from_dict
-from het_strategy.errors import field_error, require_int, require_number
-from het_strategy.plan import write_atomic
-from het_strategy.profiling import catalog_device_name
+from het_strategy.core.cluster import DTYPES, ClusterSpec, cluster_from_dict
+from het_strategy.core.errors import field_error, require_int, require_number
+from het_strategy.core.plan import write_atomic
+from het_strategy.profiling.module_profile import catalog_device_name
 
 __all__ = [
     "DEFAULT_LINK_SIZES",

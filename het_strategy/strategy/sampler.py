@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from het_strategy.errors import ConfigError, field_error
+from het_strategy.core.errors import ConfigError, field_error
 
 __all__ = ["GlobalOrder", "HeteroBatchSampler", "split_by_shares", "order_fingerprint"]
 

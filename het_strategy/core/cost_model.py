@@ -36,10 +36,10 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from het_strategy.cluster import ClusterSpec, DeviceSpec
-from het_strategy.errors import field_error, require_int, require_number
-from het_strategy.plan import Pipeline, Plan, Stage
-from het_strategy.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
+from het_strategy.core.cluster import ClusterSpec, DeviceSpec
+from het_strategy.core.errors import field_error, require_int, require_number
+from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
 
 __all__ = ["TrainSettings", "StageCost", "PlanScore", "CostModel"]
 

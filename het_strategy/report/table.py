@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from het_strategy.cluster import ClusterSpec
-    from het_strategy.cost_model import PlanScore
-    from het_strategy.plan import Plan
+    from het_strategy.core.cluster import ClusterSpec
+    from het_strategy.core.cost_model import PlanScore
+    from het_strategy.core.plan import Plan
 
 __all__ = ["plan_table", "plot_plan", "compress_devices", "PipelineGroup", "group_pipelines"]
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from het_strategy.cluster import ClusterSpec
-from het_strategy.cost_model import TrainSettings
-from het_strategy.errors import ConfigError, field_error
-from het_strategy.plan import Plan
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.cost_model import TrainSettings
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.plan import Plan
 from het_strategy.planning import plan as search_plan
-from het_strategy.workload import LayerCost, MeasuredProfile, WorkloadSpec
+from het_strategy.core.workload import LayerCost, MeasuredProfile, WorkloadSpec
 
 __all__ = ["precision_dtype", "estimate_workload", "data_parallel_plan",
            "shares_in_rank_order"]

@@ -42,10 +42,10 @@ of iproute2; ``netns_available`` tells, cheaply, whether this machine has them.
 
 Command line::
 
-    python -m het_strategy.netshape --rate-mbit 100 [--delay-ms 0] -- CMD ARGS...
-    python -m het_strategy.netshape -- CMD ARGS...          # unshaped namespace
-    python -m het_strategy.netshape --check
-    python -m het_strategy.netshape --remove-stale
+    python -m het_strategy.emulation.netshape --rate-mbit 100 [--delay-ms 0] -- CMD ARGS...
+    python -m het_strategy.emulation.netshape -- CMD ARGS...          # unshaped namespace
+    python -m het_strategy.emulation.netshape --check
+    python -m het_strategy.emulation.netshape --remove-stale
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from het_strategy.errors import ConfigError, field_error
+from het_strategy.core.errors import ConfigError, field_error
 
 __all__ = [
     "LinkShape",
@@ -457,7 +457,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="python -m het_strategy.netshape",
+        prog="python -m het_strategy.emulation.netshape",
         description="Run a command inside a private network namespace whose loopback is rate-limited "
                     "with tc (the rate is shared by all traffic on loopback, both directions).",
         epilog="Exit code: the command's own (128+N if killed by signal N); 2 for bad options; "
@@ -513,7 +513,7 @@ def _terminal_foreground() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m het_strategy.netshape``; returns the exit code."""
+    """Entry point of ``python -m het_strategy.emulation.netshape``; returns the exit code."""
     args, command = _parse(sys.argv[1:] if argv is None else list(argv))
     if args.check:
         ok, reason = netns_available()

@@ -23,10 +23,10 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from het_strategy.cluster import ClusterSpec
-from het_strategy.cost_model import CostModel, TrainSettings
-from het_strategy.errors import field_error
-from het_strategy.workload import WorkloadSpec
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.errors import field_error
+from het_strategy.core.workload import WorkloadSpec
 
 __all__ = ["EmulatedCompute", "emulated_seconds_per_sample", "emulated_factor", "cluster_is_emulated",
            "emulation_summary"]

@@ -4,7 +4,7 @@ Two sources fill the same ``WorkloadSpec``:
 
 * ``transformer_workload`` — an analytic decoder-only transformer (optionally
   MoE), giving per-layer forward FLOPs, parameter and activation bytes;
-* ``het_strategy.profiling.profile_module`` — a real ``nn.Module`` and a sample
+* ``het_strategy.profiling.module_profile.profile_module`` — a real ``nn.Module`` and a sample
   batch, FLOPs counted by ``torch.utils.flop_counter``.
 
 ``MeasuredProfile`` carries per-layer times measured on real devices (Sailor's
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from het_strategy.errors import ConfigError, check_keys, field_error, require_int, require_number
+from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int, require_number
 
 __all__ = [
     "LayerCost",

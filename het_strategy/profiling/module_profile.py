@@ -54,10 +54,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from het_strategy.errors import ConfigError, field_error, require_int
-from het_strategy.workload import DTYPE_BYTES, LayerCost, MeasuredProfile, WorkloadSpec
+from het_strategy.core.errors import ConfigError, field_error, require_int
+from het_strategy.core.workload import DTYPE_BYTES, LayerCost, MeasuredProfile, WorkloadSpec
+from het_strategy.profiling.batch_contents import first_tensor, tensors_in
 
-__all__ = ["ProfileResult", "profile_module", "catalog_device_name", "first_tensor", "batch_length"]
+__all__ = ["ProfileResult", "profile_module", "catalog_device_name"]
 
 _TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -242,7 +243,7 @@ def catalog_device_name(raw_name: str, memory_gb: float | None = None) -> str:
     size in the raw name, else ``memory_gb``, picks between entries of one
     model.  An unknown device keeps its raw name.
     """
-    from het_strategy.cluster import device_catalog, lookup_device_type
+    from het_strategy.core.cluster import device_catalog, lookup_device_type
 
     try:
         return lookup_device_type(raw_name).name
@@ -369,7 +370,7 @@ class _FirstUse(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if self.watched:
-            for t in _tensors((args, kwargs)):
+            for t in tensors_in((args, kwargs)):
                 if id(t) in self.watched:
                     self.watched.discard(id(t))
                     self.first_use[id(t)] = self.timeline.current
@@ -489,7 +490,7 @@ def _time_passes(module: nn.Module, batch: Any, block_list: list[tuple[str, nn.M
             timeline.switch(idx + 1)
             if idx == 0 and 0 not in hooked:
                 hooked.add(0)
-                for t in _tensors((args, kwargs)):
+                for t in tensors_in((args, kwargs)):
                     if t.requires_grad:
                         t.register_hook(backward_event(0))
         return hook
@@ -500,7 +501,7 @@ def _time_passes(module: nn.Module, batch: Any, block_list: list[tuple[str, nn.M
                 return
             if idx + 1 not in hooked:
                 hooked.add(idx + 1)
-                for t in _tensors(output):
+                for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(backward_event(idx + 1))
             timeline.switch(idx + 1 if idx < n - 1 else n + 1)
@@ -596,36 +597,11 @@ def _check_module_dtype(params: list[nn.Parameter], dtype: str) -> None:
                           f"pass dtype={actual!r}, or cast the module first, e.g. module.to(torch.bfloat16)")
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in nested tuples, lists and dicts, in order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def first_tensor(obj: Any) -> torch.Tensor | None:
-    """The first tensor in nested tuples, lists and dicts (a batch's main tensor), or None."""
-    return next(_tensors(obj), None)
-
-
-def batch_length(batch: Any) -> int:
-    """Samples in a batch: its first tensor's dim 0 (1 for a scalar, 0 without a tensor)."""
-    first = first_tensor(batch)
-    if first is None:
-        return 0
-    return int(first.shape[0]) if first.dim() else 1
-
-
 def _nbytes(obj: Any) -> int:
     """Bytes of the distinct tensors in ``obj``."""
     seen: set[int] = set()
     total = 0
-    for t in _tensors(obj):
+    for t in tensors_in(obj):
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()

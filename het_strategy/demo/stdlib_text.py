@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from het_strategy.errors import field_error, require_int
+from het_strategy.core.errors import field_error, require_int
 
 __all__ = ["BYTE_VOCAB_SIZE", "TextCorpus", "stdlib_source_files", "stdlib_corpus", "CharDataset"]
 

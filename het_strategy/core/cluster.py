@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from het_strategy.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
+from het_strategy.core.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
 
 __all__ = [
     "DTYPES",

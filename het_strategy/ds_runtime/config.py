@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from het_strategy.errors import ConfigError, field_error
-from het_strategy.plan import Plan, write_atomic
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.plan import Plan, write_atomic
 
 if TYPE_CHECKING:
-    from het_strategy.cost_model import CostModel, PlanScore, TrainSettings
+    from het_strategy.core.cost_model import CostModel, PlanScore, TrainSettings
 
 __all__ = [
     "RankAssignment",

@@ -1,0 +1,91 @@
+"""Emulated devices under a strategy other than ``hetero`` (plain ``ddp``, for comparison).
+
+``EmulatedDeviceCallback(cluster, workload)``: rank r plays the cluster's r-th
+device; a batch's samples are its first tensor's length.  As under ``hetero``,
+a batch is padded to its emulated time when the last gradient bucket is ready,
+through the same comm-hook wrapper (``emulation/padding.py``) around DDP's
+allreduce; where the model already has a hook, it pads before backward
+instead, estimating the backward still to come.  ``EmulatedDeviceCallbackPL``
+is the same on ``pytorch_lightning``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import lightning.pytorch as pl
+
+from het_strategy.core.cluster import load_cluster
+from het_strategy.core.errors import field_error
+from het_strategy.core.workload import load_workload
+from het_strategy.emulation.padding import BatchPadding, padded_comm_hook
+from het_strategy.emulation.speeds import EmulatedCompute, emulated_seconds_per_sample, emulation_summary
+from het_strategy.profiling.batch_contents import batch_length
+from het_strategy.strategy.protocol import HeteroRuntime
+
+__all__ = ["EmulatedDeviceCallback", "EmulatedDeviceCallbackPL"]
+
+
+class _EmulatedDeviceLogic:
+    """The callback's hooks, mixed into each Lightning package's ``Callback``."""
+
+    def __init__(self, cluster: Any, workload: Any, dtype: str = "fp32") -> None:
+        self._cluster = load_cluster(cluster)
+        self._workload_source, self._dtype = workload, dtype
+        self._padding: BatchPadding | None = None
+        self._in_hook = False
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if isinstance(trainer.strategy, HeteroRuntime):
+            raise field_error("callbacks", type(self).__name__, "not be used with the hetero strategy",
+                              "it emulates the cluster's devices by itself")
+        if self._cluster.num_devices != trainer.world_size:
+            raise field_error("cluster", self._cluster.name, f"describe {trainer.world_size} devices (the world "
+                              f"size); it has {self._cluster.num_devices}")
+        workload = load_workload(self._workload_source, self._dtype)
+        device = self._cluster.devices[trainer.global_rank].name
+        compute = EmulatedCompute(emulated_seconds_per_sample(self._cluster, device, workload, self._dtype))
+        self._padding = BatchPadding(compute, self._cluster, device)
+        if trainer.global_rank == 0:
+            print(emulation_summary(self._cluster, workload, self._dtype), flush=True)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel) or self._padding is None:
+            return
+        try:
+            model.register_comm_hook(state=None, hook=padded_comm_hook(allreduce_hook, self._padding.finish))
+            self._in_hook = True
+        except RuntimeError:  # the model has a hook already: pad before backward
+            self._in_hook = False
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        assert self._padding is not None
+        self._padding.begin(batch_length(batch), trainer.global_step)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if trainer.training and not self._in_hook and self._padding is not None:
+            self._padding.finish_before_backward()
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.training and self._padding is not None:
+            self._padding.finish()  # a backward without sync (gradient accumulation) ran no hook
+
+
+class EmulatedDeviceCallback(_EmulatedDeviceLogic, pl.Callback):
+    __doc__ = __doc__
+
+
+def __getattr__(name: str) -> Any:
+    """``EmulatedDeviceCallbackPL``, built on ``pytorch_lightning.Callback`` when first asked for."""
+    if name != "EmulatedDeviceCallbackPL":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    ptl = importlib.import_module("pytorch_lightning")
+    cls = type("EmulatedDeviceCallbackPL", (_EmulatedDeviceLogic, ptl.Callback),
+               {"__doc__": __doc__, "__module__": __name__, "__qualname__": "EmulatedDeviceCallbackPL"})
+    globals()[name] = cls
+    return cls

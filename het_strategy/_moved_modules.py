@@ -1,0 +1,64 @@
+"""The module paths of 0.1.0, kept for one release: importing one warns and gives the module's new home.
+
+``het_strategy.cluster`` is now ``het_strategy.core.cluster``, and so on
+(``MOVED``).  A meta-path finder answers only for these names; the module
+object is the new one, so classes keep one identity (``isinstance``, pickling)
+whichever path imported them.  ``het_strategy.strategy`` kept its name (now a
+package) and ``het_strategy.strategy.EmulatedDeviceCallback`` warns the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
+from typing import Any
+
+__all__ = ["MOVED", "install"]
+
+MOVED = {
+    "het_strategy.errors": "het_strategy.core.errors",
+    "het_strategy.cluster": "het_strategy.core.cluster",
+    "het_strategy.workload": "het_strategy.core.workload",
+    "het_strategy.cost_model": "het_strategy.core.cost_model",
+    "het_strategy.plan": "het_strategy.core.plan",
+    "het_strategy.reference_profiles": "het_strategy.core.reference_profiles",
+    "het_strategy.runtime_planning": "het_strategy.planning.run_plan",
+    "het_strategy.probe": "het_strategy.profiling.probe",
+    "het_strategy.sampler": "het_strategy.strategy.sampler",
+    "het_strategy.netshape": "het_strategy.emulation.netshape",
+    "het_strategy.local_ranks": "het_strategy.emulation.local_ranks",
+    "het_strategy.report": "het_strategy.report.table",
+    "het_strategy.tiny_gpt": "het_strategy.demo.char_gpt",
+    "het_strategy.examples_data": "het_strategy.demo.stdlib_text",
+    "het_strategy.deepspeed_config": "het_strategy.ds_runtime.config",
+}
+"""Old module path -> new one.  ``het_strategy.profiling`` and ``het_strategy.emulation`` became packages of
+the same name: their old contents are ``profiling.module_profile`` and ``emulation.speeds``, re-exported there."""
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = MOVED[spec.name]
+        warnings.warn(f"{spec.name} moved to {new}; the old path goes away in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the new module is already imported."""
+
+
+_finder = _MovedModuleFinder()
+
+
+def install() -> None:
+    if _finder not in sys.meta_path:
+        sys.meta_path.append(_finder)

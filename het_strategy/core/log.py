@@ -1,0 +1,21 @@
+"""The ``het_strategy`` logger, rank-aware: debug lines carry the rank; warnings and notes come from rank 0 only."""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["logger", "rank_debug", "rank_zero_warning"]
+
+logger = logging.getLogger("het_strategy")
+
+
+def rank_debug(rank: int, message: str, *args: object) -> None:
+    """One lifecycle line, e.g. ``rank_debug(rank, "setup: cluster %s", name)``."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("[rank %d] " + message, rank, *args)
+
+
+def rank_zero_warning(rank: int, message: str, *args: object) -> None:
+    """Something the user should know, said once (by rank 0)."""
+    if rank == 0:
+        logger.warning(message, *args)

@@ -1,0 +1,2 @@
+"""The main job's model and data: a character-level GPT (``char_gpt.py``) on the standard library's source
+(``stdlib_text.py``)."""

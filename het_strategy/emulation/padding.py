@@ -1,0 +1,76 @@
+"""Padding a batch to its emulated device's time, once, from one comm-hook wrapper.
+
+Both runtimes that emulate devices — the ``hetero`` strategy and
+``callbacks.emulation.EmulatedDeviceCallback`` under plain ``ddp`` — register
+``padded_comm_hook`` around their real hook.  When DDP hands it the step's last
+gradient bucket, the forward and backward are over: the rank sleeps for what
+of its emulated time the real work did not take (``BatchPadding.finish``), then
+the last collective starts, as it would on the slower device.  A backward that
+DDP does not sync (gradient accumulation) runs no hook; the runtime then calls
+``finish`` after backward itself.  ``finish`` pads at most once per batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.emulation.speeds import EmulatedCompute, emulated_factor
+
+__all__ = ["BatchPadding", "padded_comm_hook"]
+
+
+class BatchPadding:
+    """One rank's emulated compute of each batch: ``begin`` at its start, ``finish`` pads it (once)."""
+
+    def __init__(self, compute: EmulatedCompute, cluster: ClusterSpec, device: str) -> None:
+        self.compute, self.cluster, self.device = compute, cluster, device
+        self.samples = 0
+        self.step = 0
+        self.padded = False
+        self.pad_s = 0.0
+        """Seconds slept for the current batch."""
+        self.target_s = 0.0
+        """The current batch's emulated compute seconds (known once padded)."""
+
+    def begin(self, samples: int, step: int) -> None:
+        """A batch of ``samples`` starts at optimizer step ``step`` (slowdown schedules count steps)."""
+        self.samples, self.step = samples, step
+        self.padded, self.pad_s, self.target_s = False, 0.0, 0.0
+        self.compute.begin()
+
+    def finish(self, computed_s: float | None = None) -> None:
+        """Sleep for what of the emulated time ``computed_s`` (default: the wall time since ``begin``) did not take.
+
+        The emulated device is busy from the batch's start for its whole time:
+        real compute and any wait inside it (a ``sync_dist`` log waiting for
+        another rank) fall within that window, as they would on the device.
+        """
+        if self.padded:
+            return
+        factor = emulated_factor(self.cluster, self.device, self.step)
+        self.target_s = self.compute.target_s(self.samples, factor)
+        self.pad_s = self.compute.pad(self.samples, factor,
+                                      self.compute.elapsed_s() if computed_s is None else computed_s)
+        self.padded = True
+
+    def finish_before_backward(self) -> None:
+        """Where no hook can be registered: pad before backward, estimating the backward still to come."""
+        self.finish(self.compute.estimate_with_backward())
+
+
+def padded_comm_hook(inner: Callable[[Any, Any], Any], on_last_bucket: Callable[[], None],
+                     on_bucket: Callable[[], None] | None = None) -> Callable[[Any, Any], Any]:
+    """``inner`` (a DDP comm hook), preceded by ``on_last_bucket()`` on the step's last bucket and
+    ``on_bucket()`` on every bucket (after the padding: a timestamp of when this rank's gradients are ready)."""
+
+    def padded_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
+        if bucket.is_last():
+            on_last_bucket()
+        if on_bucket is not None:
+            on_bucket()
+        return inner(state, bucket)
+
+    padded_hook.__qualname__ = f"padded_hook({getattr(inner, '__qualname__', type(inner).__name__)})"
+    return padded_hook

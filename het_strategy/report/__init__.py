@@ -1,0 +1,1 @@
+"""What users read: the plan table (``table.py``) and its picture (``picture.py``, matplotlib)."""

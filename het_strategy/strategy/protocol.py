@@ -1,0 +1,54 @@
+"""What callbacks may read and call on the ``hetero`` strategy: ``HeteroRuntime``.
+
+The straggler, telemetry and emulation callbacks talk to the strategy through
+this Protocol only (``isinstance(trainer.strategy, HeteroRuntime)``), never
+through its internals; a test can stand in for the strategy with any object
+that has these members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from het_strategy.compression.state import CompressionState
+    from het_strategy.core.cluster import ClusterSpec
+    from het_strategy.core.plan import Plan
+    from het_strategy.strategy.step_timing import StepRecord
+
+__all__ = ["HeteroRuntime"]
+
+
+@runtime_checkable
+class HeteroRuntime(Protocol):
+    """A runtime that runs a data-parallel Plan and can switch to another one at a step boundary."""
+
+    @property
+    def cluster(self) -> ClusterSpec | None:
+        """The cluster; rank r plays ``cluster.devices[r]``."""
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan being run (after ``apply_plan``, the applied one)."""
+
+    @property
+    def current_local_samples(self) -> int | None:
+        """Samples this rank really uses in the current batch (0 for a weight-0 filler), if known."""
+
+    @property
+    def compression_state(self) -> CompressionState | None:
+        """The gradient compression state, when the strategy compresses."""
+
+    @property
+    def records(self) -> Sequence[StepRecord]:
+        """This rank's timing of each training batch."""
+
+    def current_shares(self) -> list[int]:
+        """Samples per rank of a full global batch, in rank order."""
+
+    def next_safe_step(self) -> int:
+        """The first step of the epoch no rank has produced yet (a collective)."""
+
+    def apply_plan(self, plan: Plan, first_step: int) -> None:
+        """Run ``plan`` from step ``first_step`` of this epoch on (every rank, same arguments)."""
