@@ -31,13 +31,13 @@ MOVED = {
     "het_strategy.sampler": "het_strategy.strategy.sampler",
     "het_strategy.netshape": "het_strategy.emulation.netshape",
     "het_strategy.local_ranks": "het_strategy.emulation.local_ranks",
-    "het_strategy.report": "het_strategy.report.table",
     "het_strategy.tiny_gpt": "het_strategy.demo.char_gpt",
     "het_strategy.examples_data": "het_strategy.demo.stdlib_text",
     "het_strategy.deepspeed_config": "het_strategy.ds_runtime.config",
 }
-"""Old module path -> new one.  ``het_strategy.profiling`` and ``het_strategy.emulation`` became packages of
-the same name: their old contents are ``profiling.module_profile`` and ``emulation.speeds``, re-exported there."""
+"""Old module path -> new one.  ``het_strategy.profiling``, ``het_strategy.emulation`` and ``het_strategy.report``
+became packages of the same name: their old names resolve there (``profiling.module_profile``,
+``emulation.speeds``, ``report.table``) with the same warning."""
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

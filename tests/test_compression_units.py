@@ -21,7 +21,7 @@ from het_strategy.core.cluster import shipped_cluster_dir
 from het_strategy.compression.config import CompressionConfig, compression_config
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods, wire_bytes
-from het_strategy.compression.hook import CompressionState
+from het_strategy.compression.state import CompressionState
 from het_strategy.compression.quantize import QuantizerSpec, dequantize, error_bound, pack_codes, \
     packed_row_bytes, quantize, unpack_codes
 from het_strategy.core.errors import ConfigError
@@ -283,7 +283,7 @@ def test_every_shipped_compression_config_loads() -> None:
     assert loaded["topk"].topk_ratio == 0.01
 
 
-# -- hook.py (no process group) ----------------------------------------------------------------------
+# -- state.py (no process group) ---------------------------------------------------------------------
 
 def _busy_state() -> CompressionState:
     """A state that has been somewhere: steps counted, a choice, residuals, a fitted link, a log."""
@@ -329,6 +329,73 @@ def test_state_pickles_without_its_process_group() -> None:
     clone = pickle.loads(pickle.dumps(state))
     assert clone.process_group is None
     _assert_same_state(state, clone)
+
+
+def test_only_an_adaptive_state_has_a_controller_and_every_method_saves_the_same_keys() -> None:
+    adaptive = CompressionState(torch.nn.Linear(64, 64), {"method": "adaptive", "warmup_steps": 7})
+    assert adaptive.controller is not None and adaptive.controller.config is adaptive.config
+    assert (adaptive.next_solve, adaptive.interval, adaptive.link) == (7, 50, None)
+    adaptive.next_solve = 9  # the state's shorthand writes the controller's field
+    assert adaptive.controller.next_solve == 9
+    uniform = CompressionState(torch.nn.Linear(64, 64), {"method": "quantize", "warmup_steps": 7})
+    assert uniform.controller is None and uniform.next_solve is None and uniform.link is None
+    with pytest.raises(AttributeError, match="adaptive controller"):
+        uniform.interval = 3
+    saved = uniform.state_dict()
+    assert saved.keys() == adaptive.state_dict().keys()
+    assert (saved["next_solve"], saved["interval"], saved["link"]) == (7, 50, None)  # a fresh controller's
+
+
+class _NetHolder(torch.nn.Module):
+    """Parameter names of the 0.1.0 fixture's model: ``net.0.weight`` ..."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+
+
+def test_a_0_1_0_checkpoints_compression_states_load_and_save_back_unchanged() -> None:
+    from pathlib import Path
+
+    ckpt = torch.load(Path(__file__).parent / "data" / "checkpoint_v0.1.0.ckpt", weights_only=False)
+    ranks = ckpt["het_strategy"]["compression"]["ranks"]
+    for saved in ranks:
+        state = CompressionState(_NetHolder(), {"method": "quantize", "bits": 8, "min_numel": 8, "warmup_steps": 1})
+        state.load_state_dict(saved)
+        again = state.state_dict()
+        assert again.keys() == saved.keys()
+        for key in ("step", "choices", "next_solve", "interval", "link", "decisions", "bytes_sent", "bytes_fp32"):
+            assert again[key] == saved[key], key
+        for key in ("residuals", "chunk_residuals"):
+            assert again[key].keys() == saved[key].keys()
+            assert all(torch.equal(again[key][n], saved[key][n]) for n in saved[key])
+        assert torch.equal(again["generator"], saved["generator"])
+
+
+def test_compression_modules_import_one_way() -> None:
+    """config/quantize/exchange/controller <- adaptive <- state <- hook: no module imports one that imports it
+    back (TYPE_CHECKING and function-level imports included)."""
+    import ast
+    from pathlib import Path
+
+    import het_strategy.compression as package
+
+    root = Path(package.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            deps |= {m.split(".")[2] for m in modules if m.startswith("het_strategy.compression.")}
+        graph[path.stem] = deps - {path.stem}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(d == goal or (d not in seen and reaches(d, goal, seen | {d})) for d in graph.get(start, ()))
+
+    assert not [m for m in graph if reaches(m, m, {m})]
+    assert graph["adaptive"] <= {"config", "quantize", "exchange", "controller"}
+    assert "hook" not in graph["state"] and "state" not in graph["adaptive"]
 
 
 def test_load_state_dict_rejects_another_version() -> None:

@@ -42,7 +42,11 @@ def _trainer(tmp: Path, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
 
 
 def _rows(out: Path) -> list[list[dict]]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    return _rows_of(out, 3)
+
+
+def _rows_of(out: Path, ranks: int) -> list[list[dict]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def _reference(data: IndexedData, steps: list[list[list[int]]], accumulate: int, lr: float = 0.1
@@ -283,9 +287,15 @@ def test_scheduled_slowdown_triggers_an_exact_rebalance_that_survives_resume(tmp
     for p, q in zip(model.net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12)
 
+    # the strategy runs the Plan the shares came from: the straggler callback's re-plan, priced from measurements
+    final_plan = json.loads((runs["full"] / "strategy0.json").read_text())["plan"]
+    assert [final_plan["rank_shares"][d] for d in ("r0", "r1", "r2")] == counted[-1]
+    assert final_plan["predicted"]["source"] == "measured"
+
     path = tmp_path / "ckpt" / "epoch=3-step=16.ckpt"
     saved = torch.load(path, weights_only=False)
     assert saved["het_strategy"]["shares"] == counted[switch]
+    assert [saved["het_strategy"]["plan"]["rank_shares"][d] for d in ("r0", "r1", "r2")] == counted[switch]
     (cb_state,) = [v for k, v in saved["callbacks"].items() if "StragglerMitigation" in k]
     assert cb_state["decisions"] and len(cb_state["detectors"]) == 3
 
@@ -295,3 +305,37 @@ def test_scheduled_slowdown_triggers_an_exact_rebalance_that_survives_resume(tmp
     assert [[resumed[r][i]["counted"] for r in range(3)] for i in range(4)] == counted[16:]
     assert [row["synced_loss"] for row in resumed[0]] == pytest.approx(
         [row["synced_loss"] for row in rows[0][16:]], abs=1e-12)
+    # ... and the resumed run holds the checkpoint's (rebalanced) plan
+    assert json.loads((runs["resumed"] / "strategy0.json").read_text())["plan"] == saved["het_strategy"]["plan"]
+
+
+def test_a_checkpoint_written_by_0_1_0_resumes(tmp_path: Path) -> None:
+    """tests/data/checkpoint_v0.1.0.ckpt was written before the package was reorganised (by
+    tests/data/make_checkpoint_v0.1.0.py: 2 emulated ranks, q8 compression, straggler callback, 3 steps): it
+    resumes with the same plan, each rank's compression state and the callback's state."""
+    from het_strategy.callbacks.straggler import StragglerMitigation
+
+    legacy = Path(__file__).parent / "data" / "checkpoint_v0.1.0.ckpt"
+    saved = torch.load(legacy, weights_only=False)
+    cluster = {"name": "two_emulated", "inter_node_bandwidth_gbs": 10, "nodes": [{"name": "local", "devices": [
+        {"name": "fast", "type": "CPU", "tflops": {"fp32": 2.0}, "emulated_speed": 1.0},
+        {"name": "slow", "type": "CPU", "tflops": {"fp32": 2.0}, "emulated_speed": 0.5}]}]}
+    out = tmp_path / "rows"
+    out.mkdir()
+    torch.set_num_threads(1)
+    strategy = HeteroStrategy(cluster=cluster, global_batch_size=12, start_method="fork", verbose=False,
+                              compression={"method": "quantize", "bits": 8, "min_numel": 8, "warmup_steps": 1},
+                              timeout=__import__("datetime").timedelta(seconds=120))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0, max_steps=5, default_root_dir=str(tmp_path),
+                         callbacks=[StragglerMitigation(verbose=False, log=False)])
+    trainer.fit(Recorder(str(out)), DataLoader(IndexedData(30), batch_size=6, shuffle=True), ckpt_path=str(legacy))
+    rows = _rows_of(out, 2)
+    assert [len(r) for r in rows] == [2, 2]  # steps 3 and 4 of 5
+    assert [rows[r][0]["counted"] for r in range(2)] == saved["het_strategy"]["shares"] == [8, 4]
+    assert json.loads((out / "strategy0.json").read_text())["plan"] == saved["het_strategy"]["plan"]
+    # 30 samples in global batches of 12: the 3 saved steps were epoch 0; steps 3-4 are epoch 1's first two
+    assert [row["epoch"] for row in rows[0]] == [1, 1]
+    used = [i for r in range(2) for row in rows[r] for i in row["indices"][: row["counted"]]]
+    assert len(used) == len(set(used)) == 24

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.shipped import shipped_names
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
@@ -41,7 +42,6 @@ __all__ = [
     "FILE_GROUPS",
     "EXIT_CONFIG_ERROR",
     "compose_config",
-    "shipped_options",
     "cfg_to_dict",
     "cluster_from_cfg",
     "workload_from_cfg",
@@ -54,14 +54,6 @@ FILE_GROUPS = ("cluster", "model")
 EXIT_CONFIG_ERROR = 2
 _YAML_SUFFIXES = (".yaml", ".yml")
 _STAGED_PREFIX = "file_"
-
-
-def shipped_options(group: str) -> list[str]:
-    """Names of the shipped options of a config group (``configs/<group>/*.yaml``)."""
-    import het_strategy.configs as configs_pkg
-
-    folder = Path(configs_pkg.__file__).parent / group
-    return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
 def compose_config(config_name: str, overrides: Sequence[str] = (),
@@ -116,7 +108,7 @@ def _stage_group_files(overrides: list[str], staging: Path, file_groups: Sequenc
             path = Path(value).expanduser()
             if not path.is_file():
                 raise field_error(group, value, f"be a shipped {group} name or an existing .yaml file",
-                                  f"shipped: {', '.join(shipped_options(group))}")
+                                  f"shipped: {', '.join(shipped_names(group))}")
             raw = _read_yaml(path, group)
             option = _STAGED_PREFIX + re.sub(r"[^A-Za-z0-9_]", "_", path.stem)
             target = staging / group / f"{option}.yaml"
@@ -175,7 +167,7 @@ def _hydra_error(exc: Exception, overrides: Sequence[str], file_groups: Sequence
             group, option = match.groups()
             how = " or a path to a .yaml file" if group in file_groups else ""
             return field_error(group, option, f"be a shipped {group} name{how}",
-                               f"shipped: {', '.join(shipped_options(group))}")
+                               f"shipped: {', '.join(shipped_names(group))}")
         return ConfigError(str(exc).splitlines()[0], field="config")
     if isinstance(exc, OverrideParseException):
         bad = [o for o in overrides if "=" not in o]

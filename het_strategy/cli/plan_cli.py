@@ -38,11 +38,11 @@ from het_strategy.cli._common import (
     cluster_from_cfg,
     cfg_to_dict,
     run_cli,
-    shipped_options,
     train_settings_from_cfg,
     workload_from_cfg,
 )
 from het_strategy.core.errors import ConfigError, check_keys, field_error
+from het_strategy.core.shipped import shipped_names
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
@@ -189,7 +189,7 @@ def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", set
 
         written.extend(write_deepspeed_files(plan, settings, score, out_dir))
     if output["plot"]:
-        from het_strategy.report.table import plot_plan
+        from het_strategy.report.picture import plot_plan
 
         stem = Path(output["plan"]).stem if output["plan"] else "plan"
         written.append(plot_plan(plan, cluster, out_dir / f"{stem}.png"))
@@ -197,8 +197,8 @@ def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", set
 
 
 def _usage() -> str:
-    return _USAGE.format(clusters=", ".join(shipped_options("cluster")) or "-",
-                         models=", ".join(shipped_options("model")) or "-")
+    return _USAGE.format(clusters=", ".join(shipped_names("cluster")) or "-",
+                         models=", ".join(shipped_names("model")) or "-")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,7 @@ Steps of one run:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -31,8 +32,9 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg, compose_config, run_cli, shipped_options
+from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg, compose_config, run_cli
 from het_strategy.core.errors import check_keys, field_error, require_int
+from het_strategy.core.shipped import shipped_names
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
 
@@ -95,6 +97,9 @@ class TrainJob:
         self.logger = str(cfg.logger)
         if self.logger not in _LOGGERS:
             raise field_error("logger", cfg.logger, f"be one of {', '.join(_LOGGERS)}")
+        if self.logger == "wandb" and importlib.util.find_spec("wandb") is None:
+            raise field_error("logger", "wandb", "name an installed logger (wandb is an optional dependency)",
+                              "pip install 'het_strategy[wandb]', or logger=csv")
         self.accelerator = str(cfg.accelerator)
         if self.accelerator not in ("cpu", "cuda"):
             raise field_error("accelerator", cfg.accelerator, "be cpu or cuda")
@@ -258,7 +263,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     if summary_path is not None:
         import json
 
-        from het_strategy.core.plan import write_atomic
+        from het_strategy.core.atomic_file import write_atomic
 
         write_atomic(summary_path, json.dumps(summary, indent=2, default=str))
     return summary
@@ -328,7 +333,7 @@ def _print_report(summary: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
-        print(_USAGE.format(clusters=", ".join(shipped_options("cluster") + ["auto"])))
+        print(_USAGE.format(clusters=", ".join(shipped_names("cluster") + ["auto"])))
         return 0
     show_cfg = "--cfg" in args
     args = [a for a in args if a != "--cfg"]

@@ -4,14 +4,21 @@
 - ``quantize.py``    bucketed 2-8 bit quantization and bit packing
 - ``exchange.py``    the collective behind each method (flat fp32 in, world mean out)
 - ``controller.py``  the per-layer choice: L-GreCo's dynamic program, link model, wire bytes (pure)
-- ``adaptive.py``    the controller at run time: measure layers, time the link, solve, agree across ranks
-- ``hook.py``        ``CompressionState`` and ``compression_hook`` (register on any DDP model)
+- ``adaptive.py``    ``AdaptiveController``, the controller at run time: measure layers, time the link, solve,
+  agree across ranks (its schedule and measurements are its public fields)
+- ``state.py``       ``CompressionState``: what the hook remembers between steps, owns the controller,
+  checkpoints (``state_dict``)
+- ``hook.py``        ``compression_hook`` (register on any DDP model with a ``CompressionState``)
+
+Imports point one way: config, quantize, exchange, controller <- adaptive <- state <- hook.
 """
 
 from het_strategy.compression.config import METHODS, CompressionConfig, compression_config
 from het_strategy.compression.controller import LayerOption, LinkModel, solve_layer_methods, wire_bytes
-from het_strategy.compression.adaptive import format_decisions
-from het_strategy.compression.hook import CompressionState, compression_hook
+from het_strategy.compression.adaptive import AdaptiveController, format_decisions
+from het_strategy.compression.state import CompressionState
+from het_strategy.compression.hook import compression_hook
 
 __all__ = ["METHODS", "CompressionConfig", "compression_config", "CompressionState", "compression_hook",
-           "format_decisions", "LayerOption", "LinkModel", "solve_layer_methods", "wire_bytes"]
+           "AdaptiveController", "format_decisions", "LayerOption", "LinkModel", "solve_layer_methods",
+           "wire_bytes"]

@@ -1,7 +1,9 @@
-"""The adaptive controller's runtime side: measure layers, time the link, solve, agree.
+"""The adaptive controller at run time: ``AdaptiveController`` measures layers, times the link, solves, agrees.
 
-On a measuring step (``CompressionState.measuring()``) the hook calls
-``measure_layers`` for each bucket, then ``solve`` after the last one:
+An ``adaptive`` ``CompressionState`` owns one (``state.controller``).  On a
+measuring step (``controller.measuring(step)``) the state hands it each
+bucket's eligible layers (``measure``), then, after the last bucket, calls
+``end_step``, which solves:
 
 1. every rank records, per eligible layer and candidate method, the squared
    error the method would add to its gradient (error feedback included) and
@@ -12,65 +14,225 @@ On a measuring step (``CompressionState.measuring()``) the hook calls
 3. rank 0 solves the dynamic program (``controller.py``), keeps its choice only
    if the predicted exchange falls by ``min_saving``, and broadcasts it: every
    rank must run the same collectives for every bucket;
-4. the choice is logged (per layer: method, bits per element, bytes per rank);
-   the next re-solve comes ``resolve_every`` steps later, twice as late (up to
-   8x) each time the choice holds.
+4. the choice and its log rows (per layer: method, bits per element, bytes per
+   rank) go back to the state, which keeps them; the next re-solve comes
+   ``resolve_every`` steps later, twice as late (up to 8x) each time the choice
+   holds.
 
 While compression is off, ``maybe_keep_off`` runs before a re-solve is due: one
 timing of the link decides whether even the cheapest codec could pay, and if
 not the per-layer measuring is skipped.
+
+The controller decides and the state records: what the controller needs from
+the state (the step, the current choice, error-feedback residuals, the rank's
+random generator) comes in as arguments, and it never reaches into the state.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.config import quantizer_for
+from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods, wire_bytes
 from het_strategy.compression.exchange import HALF_DTYPES
 from het_strategy.compression.quantize import dequantize, pack_codes, quantize, unpack_codes
 
-if TYPE_CHECKING:
-    from het_strategy.compression.hook import CompressionState
-
-__all__ = ["measure_layers", "solve", "maybe_keep_off", "time_link", "format_decisions"]
+__all__ = ["AdaptiveController", "Solution", "time_link", "format_decisions"]
 
 _CODEC_FACTOR = 2.0  # the hook encodes and decodes about twice what one round trip on the layer does
 _CALIBRATION_ELEMENTS = (16 * 1024, 256 * 1024)  # 64 KiB and 1 MiB of fp32: latency and bandwidth
-_DECISIONS_KEPT = 10_000  # per-layer decision rows kept in memory (and the last 1000 in checkpoints)
 
 
-def measure_layers(state: CompressionState, names: list[str], grads: list[torch.Tensor], bucket_index: int) -> None:
-    """Record, per eligible layer and candidate, the error it would add and its codec time (this rank)."""
-    cfg = state.config
-    tokens = list(dict.fromkeys([*cfg.candidates, f"q{cfg.bits}"]))  # the default is always measured
-    for name, grad in zip(names, grads):
-        if not state.eligible(grad):
-            continue
-        x = grad.reshape(-1).to(torch.float32)
-        if name in state.residuals:
-            x = x + state.residuals[name].to(x.device)
-        errors, seconds = [], []
-        for token in tokens:
-            start = time.perf_counter()
-            got = _round_trip(token, x, grad.shape, state)
-            if got.is_cuda:  # kernels run asynchronously: time their completion, not their launch
-                torch.cuda.synchronize(got.device)
-            seconds.append(time.perf_counter() - start)
-            errors.append(float((got - x).square().sum()))
-        state._stats[name] = {"shape": list(grad.shape), "tokens": tokens, "errors": errors, "seconds": seconds,
-                              "bucket": bucket_index}
+class Solution(NamedTuple):
+    """What a solve decided: the per-layer choice (name -> method token) and its log rows."""
+
+    choices: dict[str, str]
+    rows: list[dict[str, Any]]
 
 
-def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: CompressionState) -> torch.Tensor:
+class AdaptiveController:
+    """The per-layer choice's schedule and measurements (the ``adaptive`` method).
+
+    Args:
+        config: the state's ``CompressionConfig`` (candidates, budget, link, schedule).
+
+    Distributed invariant: ``next_solve`` and ``interval`` decide on which step the hook measures and runs the
+    solve's collectives, so they must be equal on every rank.  They only ever change from figures every rank
+    shares (the step count, the pooled statistics, rank 0's broadcast), and they are checkpointed per rank and
+    restored together.  ``link`` and ``stats`` may differ between ranks: only rank 0's link feeds the
+    solve, and every rank's statistics are pooled before it.
+    """
+
+    __slots__ = (
+        # what was asked (shared with the state; frozen)
+        "config",
+        # the schedule (equal on every rank; saved): the step of the next measuring step and re-solve, and the
+        # gap between re-solves (``resolve_every``, doubled up to 8x each time the choice holds)
+        "next_solve", "interval",
+        # the link fitted at the last solve or keep-off timing (saved; rank 0's is the one that decides)
+        "link",
+        # this rank's measurements of the current measuring step (not saved; emptied after every step):
+        # layer name -> {"shape", "tokens", "errors", "seconds", "bucket"}
+        "stats",
+        # from the last full solve, pooled so equal on every rank (not saved): (least codec seconds any
+        # compression needs, fp32 wire bytes, buckets, elements); ``None`` until a solve has run
+        "profile",
+    )
+
+    def __init__(self, config: CompressionConfig) -> None:
+        self.config = config
+        self.next_solve: int = config.warmup_steps
+        self.interval: int = config.resolve_every
+        self.link: LinkModel | None = None
+        self.stats: dict[str, dict[str, Any]] = {}
+        self.profile: tuple[float, int, int, int] | None = None
+
+    def measuring(self, step: int) -> bool:
+        """Whether ``step`` is a measuring step (the same answer on every rank: see the class docstring)."""
+        return step >= self.next_solve
+
+    # -- checkpoints: flat keys of the state's dict (``CompressionState.state_dict``) -------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_solve": self.next_solve, "interval": self.interval,
+                "link": None if self.link is None else [self.link.latency_s, self.link.bytes_per_s]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.next_solve = int(state["next_solve"])
+        self.interval = int(state["interval"])
+        self.link = None if state.get("link") is None else LinkModel(*state["link"])
+
+    # -- one measuring step -----------------------------------------------------------------------------------
+    def measure(self, names: list[str], grads: list[torch.Tensor], bucket_index: int,
+                residuals: Mapping[str, torch.Tensor], generator: torch.Generator) -> None:
+        """Record, per layer (the caller passes eligible ones only) and candidate, the error it would add and its
+        codec time on this rank.  ``residuals``: the state's error feedback, added first as the hook will;
+        ``generator``: this rank's, for stochastic rounding and PowerSGD's random start."""
+        cfg = self.config
+        tokens = list(dict.fromkeys([*cfg.candidates, f"q{cfg.bits}"]))  # the default is always measured
+        for name, grad in zip(names, grads):
+            x = grad.reshape(-1).to(torch.float32)
+            if name in residuals:
+                x = x + residuals[name].to(x.device)
+            errors, seconds = [], []
+            for token in tokens:
+                start = time.perf_counter()
+                got = _round_trip(token, x, grad.shape, cfg, generator)
+                if got.is_cuda:  # kernels run asynchronously: time their completion, not their launch
+                    torch.cuda.synchronize(got.device)
+                seconds.append(time.perf_counter() - start)
+                errors.append(float((got - x).square().sum()))
+            self.stats[name] = {"shape": list(grad.shape), "tokens": tokens, "errors": errors, "seconds": seconds,
+                                "bucket": bucket_index}
+
+    def end_step(self, step: int, choices: Mapping[str, str], group: dist.ProcessGroup, world: int,
+                 device: torch.device) -> Solution | None:
+        """After the last bucket of ``step``: solve on a measuring step, or time the link before a re-solve is
+        due with compression off.  Returns the new choice when one was solved (the state keeps it)."""
+        solution = None
+        if self.measuring(step):
+            if self.stats:
+                solution = self.solve(step, choices, group, world, device)
+            else:  # nothing eligible was measured (the same on every rank): look again later
+                self.next_solve = step + 1 + self.interval
+        elif step + 1 == self.next_solve:
+            self.maybe_keep_off(step, choices, group, world, device)
+        self.stats = {}
+        return solution
+
+    def maybe_keep_off(self, step: int, choices: Mapping[str, str], group: dist.ProcessGroup, world: int,
+                       device: torch.device) -> None:
+        """Before a re-solve with compression off: if the link is still so fast that even the cheapest codec
+        could not pay, stay off and skip the per-layer measuring (the cost of being adaptive on a fast link is
+        then one timing of the link).  Rank 0 decides, all follow: the schedule must stay equal on every rank."""
+        cfg = self.config
+        if cfg.link_mbit or self.profile is None or any(t != "none" for t in choices.values()):
+            return
+        codec_floor_s, fp32_bytes, buckets, elements = self.profile
+        link = time_link(group, world, elements, device)
+        plain_s = link.transfer_s(fp32_bytes) + link.latency_s * buckets
+        best_s = codec_floor_s + link.latency_s * (buckets + 2)  # a compressed exchange costs at least this
+        keep = torch.tensor([int(best_s > (1 - cfg.min_saving) * plain_s)], device=device)
+        dist.broadcast(keep, src=dist.get_global_rank(group, 0), group=group)
+        if int(keep.item()):
+            self.link = link
+            self.interval = min(self.interval * 2, 8 * cfg.resolve_every)
+            self.next_solve = step + 1 + self.interval
+
+    def solve(self, step: int, choices: Mapping[str, str], group: dist.ProcessGroup, world: int,
+              device: torch.device) -> Solution:
+        """Pool every rank's statistics, solve on rank 0, broadcast the choice (all ranks must agree: they run
+        the collectives the choice implies for every bucket).  ``choices``: the current one, to tell a change."""
+        cfg, stats = self.config, self.stats
+        names = sorted(stats)
+        tokens = stats[names[0]]["tokens"]
+        # collectives need tensors where the backend lives (CUDA for NCCL); the solve itself runs on the CPU
+        errors = torch.tensor([stats[n]["errors"] for n in names], dtype=torch.float64, device=device)
+        seconds = torch.tensor([stats[n]["seconds"] for n in names], dtype=torch.float64, device=device)
+        dist.all_reduce(errors, group=group)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's codec sets the pace
+        errors, seconds = errors.cpu() / world, seconds.cpu()  # the mean per-rank error: same scale as the budget
+        largest = sum(math.prod(stats[n]["shape"]) for n in names)
+        link = LinkModel(0.0, cfg.link_mbit * 1e6 / 8) if cfg.link_mbit else time_link(group, world, largest, device)
+        self.link = link
+        candidates = list(cfg.candidates)
+        budget = cfg.error_budget * float(errors[:, tokens.index(f"q{cfg.bits}")].sum())
+        choice = torch.zeros(len(names), dtype=torch.int64, device=device)
+        if dist.get_rank(group) == 0:
+            options = []
+            for li, name in enumerate(names):
+                shape = stats[name]["shape"]
+                row = []
+                for token in candidates:
+                    ti = tokens.index(token)
+                    codec = 0.0 if token == "none" else _CODEC_FACTOR * float(seconds[li, ti])
+                    row.append(LayerOption(token, link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
+                                           float(errors[li, ti])))
+                options.append(row)
+            chosen = solve_layer_methods(options, budget)
+            if "none" in candidates:  # is it worth it at all? latency per collective and a margin decide
+                plain = [candidates.index("none")] * len(names)
+                buckets = [stats[n]["bucket"] for n in names]
+                compressed_s = predicted_exchange_s(options, chosen, buckets, link.latency_s)
+                plain_s = predicted_exchange_s(options, plain, buckets, link.latency_s)
+                if compressed_s > (1 - cfg.min_saving) * plain_s:
+                    chosen = plain
+            choice = torch.tensor(chosen, dtype=torch.int64, device=device)
+        dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
+        choice = choice.cpu()
+        # what the cheapest codec alone would cost, for maybe_keep_off; from pooled figures, so equal on all ranks
+        codecs = [ti for ti, t in enumerate(tokens) if t in candidates and t != "none"]
+        if codecs:
+            self.profile = (_CODEC_FACTOR * float(seconds[:, codecs].min(dim=1).values.sum()),
+                            sum(wire_bytes("none", stats[n]["shape"], world, cfg) for n in names),
+                            len({stats[n]["bucket"] for n in names}), largest)
+        new = {name: candidates[int(i)] for name, i in zip(names, choice)}
+        changed = new != dict(choices)
+        # the schedule only follows the broadcast choice and the step: equal on every rank
+        self.interval = cfg.resolve_every if changed else min(self.interval * 2, 8 * cfg.resolve_every)
+        self.next_solve = step + self.interval
+        rows = []
+        for li, name in enumerate(names):
+            token = new[name]
+            shape = stats[name]["shape"]
+            sent = wire_bytes(token, shape, world, cfg)
+            rows.append({"step": step, "layer": name, "method": token,
+                         "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / math.prod(shape), 3),
+                         "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
+                         "budget": budget})
+        if changed and cfg.verbose and dist.get_rank() == 0:
+            print(format_decisions(rows, link, budget), flush=True)
+        return Solution(new, rows)
+
+
+def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, cfg: CompressionConfig,
+                generator: torch.Generator) -> torch.Tensor:
     """What one rank's gradient becomes through ``token``'s encoding (no communication)."""
-    cfg = state.config
     if token == "none":
         return x
     if token in HALF_DTYPES:
@@ -79,7 +241,7 @@ def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: Compressi
         spec = quantizer_for(token, cfg)
         padded = torch.zeros(math.ceil(x.numel() / spec.bucket_size) * spec.bucket_size, device=x.device)
         padded[:x.numel()] = x
-        q = quantize(padded, spec, state._generator)
+        q = quantize(padded, spec, generator)
         q.codes = unpack_codes(pack_codes(q.codes, spec.bits), spec.bits)
         return dequantize(q, spec)[:x.numel()]
     if token == "topk":
@@ -91,34 +253,15 @@ def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, state: Compressi
     if token == "powersgd":  # one power iteration from a seeded random start, as PowerSGD's first step
         m = x.view(shape[0], -1)
         rank = min(m.shape[0], m.shape[1], cfg.rank)
-        q = torch.randn(m.shape[1], rank, generator=state._generator).to(m.device)
+        q = torch.randn(m.shape[1], rank, generator=generator).to(m.device)
         p = torch.linalg.qr(m @ q).Q
         return (p @ (m.T @ p).T).reshape(-1)
     raise ValueError(token)
 
 
-def maybe_keep_off(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
-    """Before a re-solve with compression off: if the link is still so fast that even the cheapest codec could
-    not pay, stay off and skip the per-layer measuring (the cost of being adaptive on a fast link is then one
-    timing of the link).  Rank 0 decides, all follow."""
-    cfg = state.config
-    if cfg.method != "adaptive" or cfg.link_mbit or state._profile is None \
-            or any(t != "none" for t in state.choices.values()):
-        return
-    codec_floor_s, fp32_bytes, buckets, elements = state._profile
-    link = time_link(group, world, elements, device)
-    plain_s = link.transfer_s(fp32_bytes) + link.latency_s * buckets
-    best_s = codec_floor_s + link.latency_s * (buckets + 2)  # a compressed exchange costs at least this
-    keep = torch.tensor([int(best_s > (1 - cfg.min_saving) * plain_s)], device=device)
-    dist.broadcast(keep, src=dist.get_global_rank(group, 0), group=group)
-    if int(keep.item()):
-        state.link = link
-        state.interval = min(state.interval * 2, 8 * cfg.resolve_every)
-        state.next_solve = state.step + 1 + state.interval
-
-
 def time_link(group: dist.ProcessGroup, world: int, largest: int, device: torch.device) -> LinkModel:
-    """Time fp32 allreduces of two sizes (best of two each) and fit latency and bandwidth."""
+    """Time fp32 allreduces of two sizes (best of two each) and fit latency and bandwidth.  Collective: every
+    rank of ``group`` calls it at the same point (a barrier precedes each timed allreduce)."""
     sizes = sorted({min(n, max(largest, _CALIBRATION_ELEMENTS[0])) for n in _CALIBRATION_ELEMENTS})
     if len(sizes) == 1:
         sizes = [max(1, sizes[0] // 16), sizes[0]]
@@ -136,72 +279,6 @@ def time_link(group: dist.ProcessGroup, world: int, largest: int, device: torch.
         sent.append(2 * (world - 1) * 4 * n / world)
         seconds.append(best)
     return fit_link(sent, seconds)
-
-
-def solve(state: CompressionState, group: dist.ProcessGroup, world: int, device: torch.device) -> None:
-    """Pool every rank's statistics, solve on rank 0, broadcast the choice (all ranks must agree)."""
-    cfg = state.config
-    names = sorted(state._stats)
-    tokens = state._stats[names[0]]["tokens"]
-    # collectives need tensors where the backend lives (CUDA for NCCL); the solve itself runs on the CPU
-    errors = torch.tensor([state._stats[n]["errors"] for n in names], dtype=torch.float64, device=device)
-    seconds = torch.tensor([state._stats[n]["seconds"] for n in names], dtype=torch.float64, device=device)
-    dist.all_reduce(errors, group=group)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's codec sets the pace
-    errors, seconds = errors.cpu() / world, seconds.cpu()  # the mean per-rank error: same scale as the budget
-    largest = sum(math.prod(state._stats[n]["shape"]) for n in names)
-    state.link = LinkModel(0.0, cfg.link_mbit * 1e6 / 8) if cfg.link_mbit else \
-        time_link(group, world, largest, device)
-    candidates = list(cfg.candidates)
-    default = tokens.index(f"q{cfg.bits}")
-    budget = cfg.error_budget * float(errors[:, default].sum())
-    choice = torch.zeros(len(names), dtype=torch.int64, device=device)
-    if dist.get_rank(group) == 0:
-        options = []
-        for li, name in enumerate(names):
-            shape = state._stats[name]["shape"]
-            row = []
-            for token in candidates:
-                ti = tokens.index(token)
-                codec = 0.0 if token == "none" else _CODEC_FACTOR * float(seconds[li, ti])
-                row.append(LayerOption(token, state.link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
-                                       float(errors[li, ti])))
-            options.append(row)
-        chosen = solve_layer_methods(options, budget)
-        if "none" in candidates:  # is it worth it at all? latency per collective and a margin decide
-            plain = [candidates.index("none")] * len(names)
-            buckets = [state._stats[n]["bucket"] for n in names]
-            compressed_s = predicted_exchange_s(options, chosen, buckets, state.link.latency_s)
-            plain_s = predicted_exchange_s(options, plain, buckets, state.link.latency_s)
-            if compressed_s > (1 - cfg.min_saving) * plain_s:
-                chosen = plain
-        choice = torch.tensor(chosen, dtype=torch.int64, device=device)
-    dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
-    choice = choice.cpu()
-    # what the cheapest codec alone would cost, for maybe_keep_off; from pooled figures, so equal on all ranks
-    codecs = [ti for ti, t in enumerate(tokens) if t in candidates and t != "none"]
-    if codecs:
-        state._profile = (_CODEC_FACTOR * float(seconds[:, codecs].min(dim=1).values.sum()),
-                          sum(wire_bytes("none", state._stats[n]["shape"], world, cfg) for n in names),
-                          len({state._stats[n]["bucket"] for n in names}), largest)
-    new = {name: candidates[int(i)] for name, i in zip(names, choice)}
-    changed = new != state.choices
-    state.choices = new
-    state.interval = cfg.resolve_every if changed else min(state.interval * 2, 8 * cfg.resolve_every)
-    state.next_solve = state.step + state.interval
-    rows = []
-    for li, name in enumerate(names):
-        token = new[name]
-        shape = state._stats[name]["shape"]
-        numel = math.prod(shape)
-        sent = wire_bytes(token, shape, world, cfg)
-        rows.append({"step": state.step, "layer": name, "method": token,
-                     "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / numel, 3),
-                     "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
-                     "budget": budget})
-    state.decisions = (state.decisions + rows)[-max(_DECISIONS_KEPT, len(rows)):]  # bounded over long runs
-    if changed and cfg.verbose and dist.get_rank() == 0:
-        print(format_decisions(rows, state.link, budget), flush=True)
 
 
 def format_decisions(rows: list[dict[str, Any]], link: LinkModel | None, budget: float) -> str:

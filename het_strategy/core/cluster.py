@@ -1,6 +1,7 @@
-"""Clusters: device types from the shipped catalog, devices grouped into nodes, links.
+"""Clusters: devices grouped into nodes, the links between them, and the YAML form that describes them.
 
-A cluster YAML (schema in README.md) is loaded into ``ClusterSpec``; every
+A device's datasheet figures come from the catalog (``catalog.py``, whose
+names are re-exported here).  A cluster YAML (schema in README.md) is loaded into ``ClusterSpec``; every
 field is checked on construction and a bad one raises ``ConfigError`` naming
 the field, the value and the rule.  Nothing here imports torch.
 """
@@ -10,82 +11,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
+from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
 from het_strategy.core.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
+from het_strategy.core.shipped import shipped_config_dir, shipped_names, shipped_path
 
 __all__ = [
+    # the catalog's names (catalog.py), importable from here as before
     "DTYPES",
     "DeviceType",
+    "device_catalog",
+    "lookup_device_type",
+    # clusters
     "DeviceSpec",
     "NodeSpec",
     "LinkSpec",
     "Slowdown",
     "ClusterSpec",
-    "device_catalog",
-    "lookup_device_type",
     "load_cluster",
     "cluster_from_dict",
 ]
-
-DTYPES = ("fp32", "fp16", "bf16")
-_CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
-
-
-@dataclass(frozen=True)
-class DeviceType:
-    """One catalog entry: datasheet figures of an accelerator model."""
-
-    name: str
-    """Canonical name, e.g. ``A100-40GB``."""
-    vendor: str
-    """``nvidia``, ``amd`` or ``cpu``."""
-    tflops: Mapping[str, float]
-    """Peak dense TFLOPS per training dtype; a missing dtype is unsupported."""
-    memory_gb: float
-    """Device memory in GiB."""
-    memory_bandwidth_gbs: float
-    """Device memory bandwidth in GB/s."""
-    efficiency: float
-    """Fraction of peak a transformer layer reaches in training."""
-    intra_node_bandwidth_gbs: float
-    """Typical device-to-device bandwidth inside one node, GB/s."""
-    aliases: tuple[str, ...] = ()
-    """Other names accepted in cluster files (Sailor's ``A100-40``, ...)."""
-
-
-@functools.lru_cache(maxsize=1)
-def device_catalog() -> dict[str, DeviceType]:
-    """The shipped catalog, keyed by canonical name."""
-    raw = yaml.safe_load(_CATALOG_PATH.read_text())
-    return {
-        name: DeviceType(
-            name=name,
-            vendor=e["vendor"],
-            tflops=dict(e["tflops"]),
-            memory_gb=float(e["memory_gb"]),
-            memory_bandwidth_gbs=float(e["memory_bandwidth_gbs"]),
-            efficiency=float(e["efficiency"]),
-            intra_node_bandwidth_gbs=float(e["intra_node_bandwidth_gbs"]),
-            aliases=tuple(e.get("aliases", ())),
-        )
-        for name, e in raw.items()
-    }
-
-
-def lookup_device_type(name: str, field_name: str = "type") -> DeviceType:
-    """Find a catalog entry by canonical name or alias (case-insensitive)."""
-    wanted = str(name).strip().lower()
-    for dt in device_catalog().values():
-        if wanted == dt.name.lower() or wanted in (a.lower() for a in dt.aliases):
-            return dt
-    known = ", ".join(device_catalog())
-    raise field_error(field_name, name, f"be a device type in the catalog ({known})",
-                      "or give explicit figures: tflops, memory_gb, memory_bandwidth_gbs")
 
 
 @dataclass(frozen=True)
@@ -348,9 +298,7 @@ _LINK_KEYS = {"nodes", "bandwidth_gbs"}
 
 def shipped_cluster_dir() -> Path:
     """Folder of the cluster configs shipped in the wheel (``het_strategy/configs/cluster``)."""
-    import het_strategy.configs as configs_pkg
-
-    return Path(configs_pkg.__file__).parent / "cluster"
+    return shipped_config_dir("cluster")
 
 
 def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> ClusterSpec:
@@ -361,13 +309,10 @@ def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> Cluste
         return cluster_from_dict(source)
     path = Path(source)
     if not path.suffix:
-        candidate = shipped_cluster_dir() / f"{source}.yaml"
-        if candidate.exists():
-            path = candidate
+        path = shipped_path("cluster", source) or path
     if not path.exists():
-        shipped = sorted(p.stem for p in shipped_cluster_dir().glob("*.yaml"))
         raise field_error("cluster", str(source), "be a shipped cluster name or a YAML file path",
-                          f"shipped: {', '.join(shipped)}")
+                          f"shipped: {', '.join(shipped_names('cluster'))}")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

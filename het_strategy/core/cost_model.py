@@ -37,61 +37,13 @@ from typing import Any, Iterable
 import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec
-from het_strategy.core.errors import field_error, require_int, require_number
 from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.train_settings import TrainSettings, ZeroShards
 from het_strategy.core.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
 
-__all__ = ["TrainSettings", "StageCost", "PlanScore", "CostModel"]
+__all__ = ["TrainSettings", "ZeroShards", "StageCost", "PlanScore", "CostModel"]
 
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """How the model is trained: batch, precision, memory-saving options, search bounds."""
-
-    global_batch_size: int
-    """Samples per optimizer step."""
-    dtype: str = "bf16"
-    """Training dtype: bf16, fp16 (mixed precision) or fp32."""
-    zero_stage: int = 0
-    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
-    activation_checkpointing: bool = False
-    """Recompute activations in backward (keeps only layer inputs)."""
-    max_tp: int = 1
-    """Largest tensor-parallel degree the planner may use (the DDP runtime runs tp=1 only)."""
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    """Micro-batch sizes the planner tries."""
-    memory_reserve_gb: float = 1.0
-    """GiB per device kept for the framework, CUDA context and fragmentation."""
-    max_stages: int = 16
-    """Most pipeline stages the planner considers."""
-
-    def __post_init__(self) -> None:
-        require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
-        if self.dtype not in DTYPE_BYTES:
-            raise field_error("train.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise field_error("train.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
-        if self.max_tp not in (1, 2, 4, 8):
-            raise field_error("train.max_tp", self.max_tp, "be 1, 2, 4 or 8")
-        sizes = tuple(self.micro_batch_sizes)
-        if not sizes:
-            raise field_error("train.micro_batch_sizes", list(sizes), "list at least one size")
-        for m in sizes:
-            require_int(m, "train.micro_batch_sizes[]", minimum=1)
-        object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(sizes))))
-        require_number(self.memory_reserve_gb, "train.memory_reserve_gb", allow_zero=True)
-        require_int(self.max_stages, "train.max_stages", minimum=1)
-
-    @property
-    def param_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def optimizer_bytes_per_param(self) -> int:
-        """Adam: m and v in fp32, plus an fp32 master copy under mixed precision."""
-        return 8 if self.dtype == "fp32" else 12
 
 
 @dataclass(frozen=True)
@@ -234,8 +186,7 @@ class CostModel:
 
     def stage_update_s(self, device: DeviceSpec, tp: int, start: int, stop: int, dp: int) -> float:
         _, upd = self._layer_compute_prefix(device, tp, 1)
-        shard = dp if self.settings.zero_stage >= 1 else 1
-        return (upd[stop] - upd[start]) / shard
+        return (upd[stop] - upd[start]) / self.settings.zero_shards(dp).optimizer
 
     def send_s(self, micro_batch: int, last_layer: int, src: str, dst: str) -> float:
         """Activation forward + gradient backward across a stage boundary."""
@@ -257,31 +208,19 @@ class CostModel:
                            experts_held: dict[int, int] | None = None) -> float:
         """Peak bytes per device of a stage: weights, grads, optimizer state, activations, reserve."""
         s = self.settings
-        params = self.stage_param_count(start, stop, experts_held) / tp
-        weights = params * s.param_bytes
-        grads = params * s.param_bytes
-        optim = params * s.optimizer_bytes_per_param
-        if s.zero_stage >= 1:
-            optim /= dp
-        if s.zero_stage >= 2:
-            grads /= dp
-        if s.zero_stage >= 3:
-            weights /= dp
+        state = self.stage_param_count(start, stop, experts_held) / tp * s.state_bytes_per_param(dp)
         if s.activation_checkpointing:
             acts = (self._ckpt_act[stop] - self._ckpt_act[start]) * micro_batch * in_flight
             acts += max(self._max_act[start:stop]) * micro_batch
         else:
             acts = (self._act[stop] - self._act[start]) * micro_batch * in_flight
-        return weights + grads + optim + acts / tp + s.memory_reserve_gb * GiB
+        return state + acts / tp + s.memory_reserve_gb * GiB
 
     def memory_matrix(self, tp: int, micro_batch: int, in_flight: int, dp: int) -> np.ndarray:
         """``stage_memory_bytes`` for every range [i, j) at once (experts all held), as an (L+1)^2 array."""
         s = self.settings
         P = np.asarray(self._total_params)
         params = (P[None, :] - P[:, None]) / tp
-        per_param = (s.param_bytes / (dp if s.zero_stage >= 3 else 1)
-                     + s.param_bytes / (dp if s.zero_stage >= 2 else 1)
-                     + s.optimizer_bytes_per_param / (dp if s.zero_stage >= 1 else 1))
         if s.activation_checkpointing:
             C = np.asarray(self._ckpt_act)
             acts = (C[None, :] - C[:, None]) * micro_batch * in_flight
@@ -293,7 +232,7 @@ class CostModel:
         else:
             A = np.asarray(self._act)
             acts = (A[None, :] - A[:, None]) * micro_batch * in_flight
-        return params * per_param + acts / tp + s.memory_reserve_gb * GiB
+        return params * s.state_bytes_per_param(dp) + acts / tp + s.memory_reserve_gb * GiB
 
     def post_matrix(self, device: DeviceSpec, tp: int, dp: int, bandwidth: float) -> np.ndarray:
         """Gradient sync + optimizer update of every range [i, j) on ``device``, as an (L+1)^2 array."""
@@ -302,12 +241,9 @@ class CostModel:
         if dp <= 1 or not math.isfinite(bandwidth):
             sync = np.zeros_like(grad_bytes)
         else:
-            factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
-            steps = 2 * (dp - 1)
-            sync = np.where(grad_bytes > 0, factor * (steps / dp * grad_bytes / bandwidth + steps * self._latency_s),
-                            0.0)
+            sync = np.where(grad_bytes > 0, self._ring_allreduce_s(grad_bytes, dp, bandwidth), 0.0)
         _, upd = self._layer_compute_prefix(device, tp, 1)
-        U = np.asarray(upd) / (dp if self.settings.zero_stage >= 1 else 1)
+        U = np.asarray(upd) / self.settings.zero_shards(dp).optimizer
         return sync + (U[None, :] - U[:, None])
 
     def memory_capacity_bytes(self, device: DeviceSpec) -> float:
@@ -317,6 +253,11 @@ class CostModel:
         """Ring allreduce of ``num_bytes`` among ``group_size`` members over ``bandwidth`` bytes/s."""
         if group_size <= 1 or num_bytes <= 0 or not math.isfinite(bandwidth):
             return 0.0
+        return self._ring_allreduce_s(num_bytes, group_size, bandwidth)
+
+    def _ring_allreduce_s(self, num_bytes: Any, group_size: int, bandwidth: float) -> Any:
+        """The ring formula, for a number of bytes or an array of them: 2(n-1) steps of bytes/n each, plus
+        ZeRO-3's parameter all-gathers (1.5x)."""
         factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
         steps = 2 * (group_size - 1)
         return factor * (steps / group_size * num_bytes / bandwidth + steps * self._latency_s)
@@ -473,13 +414,6 @@ def pipeline_time_s(costs: list[StageCost], costs_last: list[StageCost], num_mic
     bottleneck = max(max(c.compute_s, c.send_s) for c in costs)
     bottleneck_last = max(max(c.compute_s, c.send_s) for c in costs_last)
     return fill + (num_micro_batches - 2) * bottleneck + bottleneck_last
-
-
-def _stage_holding(pipe: Pipeline, layer: int) -> Stage:
-    for st in pipe.stages:
-        if st.layers[0] <= layer < st.layers[1]:
-            return st
-    raise AssertionError(f"layer {layer} is in no stage")  # Plan validation makes this unreachable
 
 
 def _cycle(devices: tuple[str, ...], n: int) -> list[str]:

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from het_strategy.core.atomic_file import write_atomic  # also importable from here, as in 0.1.0
 from het_strategy.core.errors import ConfigError, field_error, require_int
 
 if TYPE_CHECKING:
@@ -268,19 +267,3 @@ class Plan:
             raise ConfigError(f"plan file {path} is not valid JSON: {exc}", field="plan", value=str(path)) from None
         return cls.from_dict(raw)
 
-
-def write_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plan file is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import yaml
 
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int, require_number
+from het_strategy.core.shipped import shipped_names, shipped_path
 
 __all__ = [
     "LayerCost",
@@ -197,17 +198,10 @@ def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: 
     if not isinstance(source, Mapping):
         path = Path(source)
         if not path.suffix:
-            import het_strategy.configs as configs_pkg
-
-            candidate = Path(configs_pkg.__file__).parent / "model" / f"{source}.yaml"
-            if candidate.exists():
-                path = candidate
+            path = shipped_path("model", source) or path
         if not path.exists():
-            import het_strategy.configs as configs_pkg
-
-            shipped = sorted(p.stem for p in (Path(configs_pkg.__file__).parent / "model").glob("*.yaml"))
             raise field_error("model", str(source), "be a shipped model name or a YAML file path",
-                              f"shipped: {', '.join(shipped)}")
+                              f"shipped: {', '.join(shipped_names('model'))}")
         raw = yaml.safe_load(path.read_text()) or {}
         raw = {"name": path.stem, **raw}
         source = raw

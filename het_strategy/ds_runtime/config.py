@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.core.plan import Plan, write_atomic
+from het_strategy.core.plan import Plan
 
 if TYPE_CHECKING:
     from het_strategy.core.cost_model import CostModel, PlanScore, TrainSettings
@@ -229,7 +230,7 @@ def _offload_choice(plan: Plan, score: "PlanScore | None", offload: bool | None,
 def _state_bytes(plan: Plan, device: str, cost_model: "CostModel") -> tuple[float, float]:
     """(optimizer-state bytes, weight bytes) the cost model charges ``device`` (ZeRO sharding applied)."""
     s = cost_model.settings
-    dp = plan.num_pipelines
+    shards = s.zero_shards(plan.num_pipelines)
     held: dict[int, int] = {}
     for layer, mapping in plan.experts.items():
         if device in mapping:
@@ -238,9 +239,7 @@ def _state_bytes(plan: Plan, device: str, cost_model: "CostModel") -> tuple[floa
         for stage in pipe.stages:
             if device in stage.devices:
                 params = cost_model.stage_param_count(*stage.layers, held or None) / stage.tp
-                optim = params * s.optimizer_bytes_per_param / (dp if s.zero_stage >= 1 else 1)
-                weights = params * s.param_bytes / (dp if s.zero_stage >= 3 else 1)
-                return optim, weights
+                return params * s.optimizer_bytes_per_param / shards.optimizer, params * s.param_bytes / shards.weights
     return 0.0, 0.0
 
 

@@ -21,4 +21,5 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'het_strategy.emulation' has no attribute {name!r}")
     warnings.warn(f"het_strategy.emulation.{name} moved to het_strategy.emulation.speeds.{name}; the old path goes "
                   "away in the next release", DeprecationWarning, stacklevel=2)
-    return getattr(module, name)
+    value = globals()[name] = getattr(module, name)  # warn once: later lookups find it here
+    return value

@@ -43,8 +43,7 @@ def place_experts(cm: CostModel, plan: Plan) -> dict[int, dict[str, list[int]]]:
             n_flight = min(len(pipe.stages) - pipe.stages.index(stage), pipe.num_micro_batches)
             used = cm.stage_memory_bytes(stage.layers[0], stage.layers[1], stage.tp, pipe.micro_batch_size,
                                          n_flight, dp, experts_held={layer: 0})
-            per_expert = moe.params_per_expert / stage.tp * (2 * cm.settings.param_bytes
-                                                             + cm.settings.optimizer_bytes_per_param)
+            per_expert = moe.params_per_expert / stage.tp * cm.settings.state_bytes_per_param(dp)
             caps.append(max(1, int((cm.memory_capacity_bytes(dev) - used) // per_expert)))
         counts = allocate_min_max(costs, moe.num_experts, minimum=[1] * len(holders), cap=caps)
         if counts is None:

@@ -19,4 +19,5 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'het_strategy.profiling' has no attribute {name!r}")
     warnings.warn(f"het_strategy.profiling.{name} moved to het_strategy.profiling.{old}.{name}; the old path goes "
                   "away in the next release", DeprecationWarning, stacklevel=2)
-    return getattr(module, name)
+    value = globals()[name] = getattr(module, name)  # warn once: later lookups find it here
+    return value

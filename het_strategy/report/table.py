@@ -1,33 +1,29 @@
-"""Human-readable forms of a Plan: a fixed-width table and a PNG picture.
+"""The plan table: a Plan and its cost-model figures as fixed-width text, and the formatter behind it.
 
 ``plan_table`` prints one row per stage of each pipeline; pipelines that are
 identical (same device types, stage layout and batch) are folded into one row
 with a count, so the table of a 512-device plan stays a screen long.
-``plot_plan`` draws a Gantt-like picture: one row per device (or per group of
-identical pipelines beyond 64 devices), a bar over the layer range each holds,
-coloured by device type and labelled with its batch share.  matplotlib is
-imported inside ``plot_plan`` only.
+``format_table`` lays out any header and rows in aligned columns (the probe's
+table uses it too); ``group_pipelines`` and ``compress_devices`` are shared
+with the picture (``picture.py``, whose ``plot_plan`` is importable from here).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
     from het_strategy.core.cost_model import PlanScore
     from het_strategy.core.plan import Plan
 
-__all__ = ["plan_table", "plot_plan", "compress_devices", "PipelineGroup", "group_pipelines"]
+__all__ = ["plan_table", "plot_plan", "format_table", "compress_devices", "compress_indices", "PipelineGroup",
+           "group_pipelines"]
 
 GiB = 2**30
-_MAX_DEVICE_ROWS = 64
 _DEVICES_WIDTH = 30
 _MAX_SHARE_RUNS = 16
 
@@ -61,7 +57,7 @@ def group_pipelines(plan: "Plan", cluster: "ClusterSpec") -> list[PipelineGroup]
 _INDEXED = re.compile(r"^(?P<node>.+)/(?P<idx>\d+)$")
 
 
-def _int_runs(values: Sequence[int]) -> str:
+def compress_indices(values: Sequence[int]) -> str:
     """``[0,1,2,3,7,9,10]`` -> ``0-3,7,9-10``."""
     out: list[str] = []
     vals = sorted(set(values))
@@ -86,7 +82,7 @@ def _name_runs(names: Sequence[str]) -> list[str]:
             by_node.setdefault(m["node"], []).append(int(m["idx"]))
         else:
             loose.append(n)
-    pieces = [f"{node}/{_int_runs(ix)}" for node, ix in by_node.items()]
+    pieces = [f"{node}/{compress_indices(ix)}" for node, ix in by_node.items()]
     return pieces + loose
 
 
@@ -114,7 +110,7 @@ def _fmt_ms(seconds: float) -> str:
 def _stage_rows(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", group: PipelineGroup) -> list[list[str]]:
     rows = []
     first = plan.pipelines[group.indices[0]]
-    pipe_label = str(group.indices[0]) if group.count == 1 else f"{_int_runs(group.indices)} x{group.count}"
+    pipe_label = str(group.indices[0]) if group.count == 1 else f"{compress_indices(group.indices)} x{group.count}"
     for s, stage in enumerate(first.stages):
         members = [plan.pipelines[i].stages[s] for i in group.indices]
         devices = [d for st in members for d in st.devices]
@@ -142,10 +138,15 @@ def _stage_rows(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", group:
     return rows
 
 
-def _format_table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Collection[int] = ()) -> list[str]:
+    """Lines of an aligned table: the header, a rule of dashes, one line per row; two spaces between columns.
+
+    Columns whose index is in ``right`` are right-aligned (numbers), the others
+    left-aligned; trailing blanks are dropped.
+    """
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
 
-    def fmt(r: list[str]) -> str:
+    def fmt(r: Sequence[str]) -> str:
         return "  ".join(r[c].rjust(widths[c]) if c in right else r[c].ljust(widths[c])
                          for c in range(len(header))).rstrip()
 
@@ -191,7 +192,7 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
     rows: list[list[str]] = []
     for group in group_pipelines(plan, cluster):
         rows.extend(_stage_rows(plan, score, cluster, group))
-    lines = header_lines + _format_table(header, rows, right={1, 4, 7, 8, 9, 10})
+    lines = header_lines + format_table(header, rows, right={1, 4, 7, 8, 9, 10})
     slowest = max(score.pipeline_times_s)
     lines += [
         "",
@@ -223,103 +224,10 @@ def _fmt_params(n: object) -> str:
     return str(int(n))
 
 
-# -- the picture -------------------------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    """``plot_plan`` lives in ``picture.py`` (which imports this module); it is still importable from here."""
+    if name == "plot_plan":
+        from het_strategy.report.picture import plot_plan
 
-def plot_plan(plan: "Plan", cluster: "ClusterSpec", path: str | Path) -> Path:
-    """Save a Gantt-like PNG of ``plan``: rows of devices (or pipeline groups), bars over layer ranges.
-
-    Rows are devices in rank order when the cluster has at most 64 of them;
-    otherwise one row per group of identical pipelines.  Bars are coloured by
-    device type and labelled with the batch share; idle devices get an empty row.
-    The file is written atomically.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    num_layers = int(plan.model.get("num_layers") or max(p.stages[-1].layers[1] for p in plan.pipelines))
-    types = list(cluster.device_types)
-    palette = plt.get_cmap("tab10")
-    color = {t: palette(i % 10) for i, t in enumerate(types)}
-
-    # rows: (label, [(start, stop, device type, text)])
-    rows: list[tuple[str, list[tuple[int, int, str, str]]]] = []
-    if cluster.num_devices <= _MAX_DEVICE_ROWS:
-        where: dict[str, tuple[int, int]] = {}
-        for p, pipe in enumerate(plan.pipelines):
-            for s, st in enumerate(pipe.stages):
-                for d in st.devices:
-                    where[d] = (p, s)
-        for dev in cluster.devices:
-            if dev.name not in where:
-                rows.append((f"{dev.name} ({dev.type})", []))
-                continue
-            p, s = where[dev.name]
-            pipe, st = plan.pipelines[p], plan.pipelines[p].stages[s]
-            text = f"p{p} s{s}" + (f" tp{st.tp}" if st.tp > 1 else "") + \
-                f" | {pipe.micro_batch_size}x{pipe.num_micro_batches} = {pipe.samples} samples"
-            rows.append((f"{dev.name} ({dev.type})", [(st.layers[0], st.layers[1], dev.type, text)]))
-        ylabel = "device"
-    else:
-        for group in group_pipelines(plan, cluster):
-            pipe = plan.pipelines[group.indices[0]]
-            label = (f"pipe {group.indices[0]}" if group.count == 1
-                     else f"pipes {_int_runs(group.indices)} (x{group.count})")
-            bars = []
-            for s, st in enumerate(pipe.stages):
-                dtype = cluster.device(st.devices[0]).type
-                share = f" | {pipe.samples} samples" + (" each" if group.count > 1 else "")
-                text = f"s{s} " + (f"{st.tp}x " if st.tp > 1 else "") + dtype + (share if s == 0 else "")
-                bars.append((st.layers[0], st.layers[1], dtype, text))
-            rows.append((label, bars))
-        used = set(plan.used_devices)
-        idle = [d for d in cluster.devices if d.name not in used]
-        if idle:
-            rows.append((f"idle: {compress_devices([d.name for d in idle], cluster)}", []))
-        ylabel = "group of identical pipelines"
-
-    height = max(2.5, 0.32 * len(rows) + 1.6)
-    fig, ax = plt.subplots(figsize=(11, height), dpi=110)
-    try:
-        for y, (label, bars) in enumerate(rows):
-            for start, stop, dtype, text in bars:
-                ax.barh(y, stop - start, left=start, height=0.8, color=color.get(dtype, "grey"),
-                        edgecolor="black", linewidth=0.5)
-                ax.text((start + stop) / 2, y, text, ha="center", va="center", fontsize=7, clip_on=True)
-            if not bars:
-                ax.text(num_layers / 2, y, "idle", ha="center", va="center", fontsize=7, color="grey")
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([r[0] for r in rows], fontsize=7)
-        ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top, every row (idle ones too) in view
-        ax.set_xlim(0, num_layers)
-        ax.set_xlabel(f"layer (0 = embedding, {num_layers - 1} = head)")
-        ax.set_ylabel(ylabel)
-        title = f"{plan.cluster} / {plan.model.get('name', '?')}: global batch {plan.global_batch_size}, mode {plan.mode}"
-        pred = plan.predicted or {}
-        if "step_time_s" in pred:
-            title += f"\npredicted {pred['step_time_s'] * 1e3:.1f} ms/step, {pred.get('samples_per_s', 0):.1f} samples/s"
-        ax.set_title(title, fontsize=9)
-        ax.legend(handles=[Patch(color=color[t], label=t) for t in types], fontsize=7, loc="upper left",
-                  bbox_to_anchor=(1.01, 1.0), frameon=False)
-        fig.tight_layout()
-        return _save_atomic(fig, Path(path))
-    finally:
-        plt.close(fig)
-
-
-def _save_atomic(fig: object, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")  # type: ignore[attr-defined]
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is for sharing
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        return plot_plan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,5 +29,6 @@ def __getattr__(name: str) -> object:
     if name in ("EmulatedDeviceCallback", "EmulatedDeviceCallbackPL"):
         warnings.warn(f"het_strategy.strategy.{name} moved to het_strategy.callbacks.emulation.{name}; the old "
                       "path goes away in the next release", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module("het_strategy.callbacks.emulation"), name)
+        value = globals()[name] = getattr(importlib.import_module("het_strategy.callbacks.emulation"), name)
+        return value  # warned once: later lookups find it in the module
     raise AttributeError(f"module 'het_strategy.strategy' has no attribute {name!r}")

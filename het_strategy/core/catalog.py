@@ -1,0 +1,110 @@
+"""The device catalog: datasheet figures of accelerator models, from the shipped ``catalog.yaml``.
+
+A cluster file names a device by its type (``A100-40GB``, or an alias such as
+Sailor's ``A100-40``); ``lookup_device_type`` finds the entry, and
+``catalog_device_name`` maps the name a runtime reports
+(``torch.cuda.get_device_name()``) to an entry.  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import yaml
+
+from het_strategy.core.errors import ConfigError, field_error
+
+__all__ = ["DTYPES", "DeviceType", "device_catalog", "lookup_device_type", "catalog_device_name"]
+
+DTYPES = ("fp32", "fp16", "bf16")
+"""The training dtypes a catalog entry (and a device) gives TFLOPS for."""
+_CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
+_SIZE_OR_FORM_FACTOR = re.compile(r"\d+GB|SXM\d*|PCIE")
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """One catalog entry: datasheet figures of an accelerator model."""
+
+    name: str
+    """Canonical name, e.g. ``A100-40GB``."""
+    vendor: str
+    """``nvidia``, ``amd`` or ``cpu``."""
+    tflops: Mapping[str, float]
+    """Peak dense TFLOPS per training dtype; a missing dtype is unsupported."""
+    memory_gb: float
+    """Device memory in GiB."""
+    memory_bandwidth_gbs: float
+    """Device memory bandwidth in GB/s."""
+    efficiency: float
+    """Fraction of peak a transformer layer reaches in training."""
+    intra_node_bandwidth_gbs: float
+    """Typical device-to-device bandwidth inside one node, GB/s."""
+    aliases: tuple[str, ...] = ()
+    """Other names accepted in cluster files (Sailor's ``A100-40``, ...)."""
+
+
+@functools.lru_cache(maxsize=1)
+def device_catalog() -> dict[str, DeviceType]:
+    """The shipped catalog, keyed by canonical name."""
+    raw = yaml.safe_load(_CATALOG_PATH.read_text())
+    return {
+        name: DeviceType(
+            name=name,
+            vendor=e["vendor"],
+            tflops=dict(e["tflops"]),
+            memory_gb=float(e["memory_gb"]),
+            memory_bandwidth_gbs=float(e["memory_bandwidth_gbs"]),
+            efficiency=float(e["efficiency"]),
+            intra_node_bandwidth_gbs=float(e["intra_node_bandwidth_gbs"]),
+            aliases=tuple(e.get("aliases", ())),
+        )
+        for name, e in raw.items()
+    }
+
+
+def lookup_device_type(name: str, field_name: str = "type") -> DeviceType:
+    """Find a catalog entry by canonical name or alias (case-insensitive)."""
+    wanted = str(name).strip().lower()
+    for dt in device_catalog().values():
+        if wanted == dt.name.lower() or wanted in (a.lower() for a in dt.aliases):
+            return dt
+    known = ", ".join(device_catalog())
+    raise field_error(field_name, name, f"be a device type in the catalog ({known})",
+                      "or give explicit figures: tflops, memory_gb, memory_bandwidth_gbs")
+
+
+def catalog_device_name(raw_name: str, memory_gb: float | None = None) -> str:
+    """The catalog name of a device reported as ``raw_name`` (e.g. ``torch.cuda.get_device_name()``).
+
+    ``"NVIDIA A100-SXM4-80GB"`` -> ``A100-80GB``, ``"NVIDIA H100 80GB HBM3"`` -> ``H100-SXM``,
+    ``"NVIDIA GeForce RTX 4090"`` -> ``RTX-4090``.  Every word of the catalog name
+    (memory size and form factor aside) must appear in ``raw_name``; a memory
+    size in the raw name, else ``memory_gb``, picks between entries of one
+    model.  An unknown device keeps its raw name.
+    """
+    try:
+        return lookup_device_type(raw_name).name
+    except ConfigError:
+        pass
+    words = set(_words(raw_name))
+    raw_mem = next((int(w[:-2]) for w in words if re.fullmatch(r"\d+GB", w)), None)
+    wanted_mem = raw_mem if raw_mem is not None else memory_gb
+    candidates = []
+    for entry in device_catalog().values():
+        entry_words = [w for w in _words(entry.name) if not _SIZE_OR_FORM_FACTOR.fullmatch(w)]
+        if entry_words and all(w in words for w in entry_words):
+            candidates.append(entry)
+    if not candidates:
+        return raw_name
+    if wanted_mem is None or len(candidates) == 1:
+        return candidates[0].name
+    return min(candidates, key=lambda e: abs(e.memory_gb - wanted_mem)).name
+
+
+def _words(text: str) -> list[str]:
+    return re.split(r"[\s\-_/()]+", text.upper().strip())

@@ -1,0 +1,88 @@
+"""How the model is trained: batch, precision, ZeRO stage and the planner's search bounds.
+
+``TrainSettings`` is the ``train`` group of the configs.  It also owns the one
+rule of ZeRO sharding (``zero_shards``): which training state is split over
+the data-parallel replicas at each stage, and so what one replica holds
+(``state_bytes_per_param``).  The cost model, the expert placement and the
+DeepSpeed config all ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from het_strategy.core.errors import field_error, require_int, require_number
+from het_strategy.core.workload import DTYPE_BYTES
+
+__all__ = ["ZeroShards", "TrainSettings"]
+
+
+class ZeroShards(NamedTuple):
+    """Over how many data-parallel replicas each kind of training state is split (1: every replica holds all)."""
+
+    weights: int
+    """ZeRO-3 shards the weights."""
+    gradients: int
+    """ZeRO-2 and -3 shard the gradients."""
+    optimizer: int
+    """ZeRO-1, -2 and -3 shard the optimizer state (and so the optimizer update's work)."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How the model is trained: batch, precision, memory-saving options, search bounds."""
+
+    global_batch_size: int
+    """Samples per optimizer step."""
+    dtype: str = "bf16"
+    """Training dtype: bf16, fp16 (mixed precision) or fp32."""
+    zero_stage: int = 0
+    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward (keeps only layer inputs)."""
+    max_tp: int = 1
+    """Largest tensor-parallel degree the planner may use (the DDP runtime runs tp=1 only)."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro-batch sizes the planner tries."""
+    memory_reserve_gb: float = 1.0
+    """GiB per device kept for the framework, CUDA context and fragmentation."""
+    max_stages: int = 16
+    """Most pipeline stages the planner considers."""
+
+    def __post_init__(self) -> None:
+        require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
+        if self.dtype not in DTYPE_BYTES:
+            raise field_error("train.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise field_error("train.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
+        if self.max_tp not in (1, 2, 4, 8):
+            raise field_error("train.max_tp", self.max_tp, "be 1, 2, 4 or 8")
+        sizes = tuple(self.micro_batch_sizes)
+        if not sizes:
+            raise field_error("train.micro_batch_sizes", list(sizes), "list at least one size")
+        for m in sizes:
+            require_int(m, "train.micro_batch_sizes[]", minimum=1)
+        object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(sizes))))
+        require_number(self.memory_reserve_gb, "train.memory_reserve_gb", allow_zero=True)
+        require_int(self.max_stages, "train.max_stages", minimum=1)
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """Adam: m and v in fp32, plus an fp32 master copy under mixed precision."""
+        return 8 if self.dtype == "fp32" else 12
+
+    def zero_shards(self, dp: int) -> ZeroShards:
+        """How ``zero_stage`` splits weights, gradients and optimizer state over ``dp`` data-parallel replicas."""
+        z = self.zero_stage
+        return ZeroShards(weights=dp if z >= 3 else 1, gradients=dp if z >= 2 else 1, optimizer=dp if z >= 1 else 1)
+
+    def state_bytes_per_param(self, dp: int) -> float:
+        """Bytes of weights + gradients + optimizer state one of ``dp`` replicas holds per parameter."""
+        shards = self.zero_shards(dp)
+        return (self.param_bytes / shards.weights + self.param_bytes / shards.gradients
+                + self.optimizer_bytes_per_param / shards.optimizer)
