@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-from het_strategy.core.cluster import load_cluster, shipped_cluster_dir
+from het_strategy.core.cluster import load_cluster
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
+from het_strategy.core.shipped import shipped_config_dir
 from het_strategy.planning import equal_split_plan, plan
 from het_strategy.core.workload import load_workload
 
@@ -27,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'cluster':<26} {'devices':>7} {'equal_step_s':>12} {'planned_step_s':>14} {'ratio':>6}  shares (first 8)")
     best = 0.0
-    for path in sorted(shipped_cluster_dir().glob("*.yaml")):
+    for path in sorted(shipped_config_dir("cluster").glob("*.yaml")):
         cluster = load_cluster(path)
         model = args.local_model if path.stem.startswith("local_") else args.model
         settings = TrainSettings(global_batch_size=max(args.batch, cluster.num_devices), dtype=args.dtype)

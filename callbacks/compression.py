@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from het_strategy.core.errors import require_int
 from het_strategy.strategy.protocol import HeteroRuntime
@@ -42,6 +43,7 @@ class CompressionMonitor(pl.Callback):
             out["compression/wire_ratio"] = float(state.wire_ratio)
         return out
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         state = trainer.strategy.compression_state if isinstance(trainer.strategy, HeteroRuntime) else None
         if state is None or not trainer.is_global_zero:

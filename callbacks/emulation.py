@@ -15,6 +15,7 @@ import importlib
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import field_error
@@ -36,6 +37,7 @@ class _EmulatedDeviceLogic:
         self._padding: BatchPadding | None = None
         self._in_hook = False
 
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if isinstance(trainer.strategy, HeteroRuntime):
             raise field_error("callbacks", type(self).__name__, "not be used with the hetero strategy",
@@ -50,6 +52,7 @@ class _EmulatedDeviceLogic:
         if trainer.global_rank == 0:
             print(emulation_summary(self._cluster, workload, self._dtype), flush=True)
 
+    @override
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
@@ -63,14 +66,17 @@ class _EmulatedDeviceLogic:
         except RuntimeError:  # the model has a hook already: pad before backward
             self._in_hook = False
 
+    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         assert self._padding is not None
         self._padding.begin(batch_length(batch), trainer.global_step)
 
+    @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if trainer.training and not self._in_hook and self._padding is not None:
             self._padding.finish_before_backward()
 
+    @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         if trainer.training and self._padding is not None:
             self._padding.finish()  # a backward without sync (gradient accumulation) ran no hook

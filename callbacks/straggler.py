@@ -40,6 +40,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from het_strategy.callbacks.telemetry import FIELDS, StepTelemetry
 from het_strategy.core.errors import field_error, require_int
@@ -110,9 +111,11 @@ class ShiftDetector:
         self.history.clear()
         self._min_baseline = self.consecutive
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history), "min_baseline": self._min_baseline, "last_level": self._last_level}
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.window)
         self._min_baseline = int(state["min_baseline"])
@@ -170,6 +173,7 @@ class StragglerMitigation(StepTelemetry):
         self.decisions: list[Decision] = []
         self._restored_detectors: list[dict[str, Any]] | None = None
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         world = trainer.world_size
@@ -265,10 +269,12 @@ class StragglerMitigation(StepTelemetry):
                                     enumerate(decision.shares_after)}, step=decision.step)
 
     # -- checkpoints ----------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {"detectors": [d.state_dict() for d in self.detectors],
                                        "decisions": [asdict(d) for d in self.decisions]}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.decisions = [Decision(**d) for d in state_dict.get("decisions", [])]

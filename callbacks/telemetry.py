@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from het_strategy.core.errors import field_error, require_int
 from het_strategy.strategy.protocol import HeteroRuntime
@@ -54,6 +55,7 @@ class StepTelemetry(pl.Callback):
         """The strategy, seen through what callbacks may use of it (set at setup)."""
 
     # -- recording ------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, HeteroRuntime):
             self.runtime = trainer.strategy
@@ -61,13 +63,16 @@ class StepTelemetry(pl.Callback):
             raise field_error("strategy", type(trainer.strategy).__name__,
                               "be `hetero` (it timestamps each rank's compute in its comm hook)")
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._start = time.perf_counter()
 
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._after_backward = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         end = time.perf_counter()
@@ -107,9 +112,11 @@ class StepTelemetry(pl.Callback):
         """Called on every rank with the same gathered window; subclasses act on it."""
 
     # -- checkpoints ----------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"steps_seen": self.steps_seen, "rows": [list(r) for r in self._rows]}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_seen = int(state_dict["steps_seen"])
         self._rows = [list(r) for r in state_dict["rows"]]

@@ -26,9 +26,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from typing_extensions import override
 
 from het_strategy.core.errors import field_error
-from het_strategy.core.plan import write_atomic
+from het_strategy.core.atomic_file import write_atomic
 from het_strategy.profiling.batch_contents import batch_length
 from het_strategy.strategy.protocol import HeteroRuntime
 
@@ -55,16 +56,19 @@ class ThroughputMonitor(pl.Callback):
         self._samples: list[int] = []
         self._start = 0.0
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ends, self._samples = [], []
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._ends.append(time.perf_counter())
         local = trainer.strategy.current_local_samples if isinstance(trainer.strategy, HeteroRuntime) else None
         self._samples.append(int(local) if local is not None else batch_length(batch))
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mine = self._rank_stats(trainer)
         gathered: list[Any] = [mine]

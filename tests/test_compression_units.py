@@ -17,7 +17,6 @@ import pytest
 import torch
 import yaml
 
-from het_strategy.core.cluster import shipped_cluster_dir
 from het_strategy.compression.config import CompressionConfig, compression_config
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods, wire_bytes
@@ -25,8 +24,9 @@ from het_strategy.compression.state import CompressionState
 from het_strategy.compression.quantize import QuantizerSpec, dequantize, error_bound, pack_codes, \
     packed_row_bytes, quantize, unpack_codes
 from het_strategy.core.errors import ConfigError
+from het_strategy.core.shipped import shipped_config_dir
 
-_COMPRESSION_DIR = shipped_cluster_dir().parent / "compression"
+_COMPRESSION_DIR = shipped_config_dir("compression")
 
 
 def _gradient_with_outliers(bucket: int, rows: int, seed: int) -> torch.Tensor:

@@ -122,6 +122,28 @@ def test_no_import_loop() -> None:
             walk(name)
 
 
+LAYERS = ("cli", "callbacks", "strategy", "ds_runtime", "compression", "emulation", "profiling", "report", "demo",
+          "planning", "core")
+"""The folders in the README's "How it works" order: each imports only folders after it (or itself)."""
+
+
+def test_imports_point_down_the_layers() -> None:
+    wrong = []
+    for path in _module_files():
+        name = _module_name(path)
+        parts = name.split(".")
+        if len(parts) < 3 and not path.name == "__init__.py" or parts == ["het_strategy"]:
+            continue  # het_strategy/__init__.py and _moved_modules.py sit above every folder
+        layer = parts[1]
+        for target in _top_level_imports(path):
+            target_parts = target.split(".")
+            if len(target_parts) < 2 or target_parts[1] not in LAYERS:
+                continue
+            if LAYERS.index(target_parts[1]) < LAYERS.index(layer):
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, wrong
+
+
 def test_modules_are_small_and_the_strategy_glue_smaller() -> None:
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _module_files()}
     assert not {p: n for p, n in sizes.items() if n >= 500}, "modules of 500 lines or more"

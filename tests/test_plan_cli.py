@@ -199,6 +199,6 @@ def test_console_script_bad_cluster_exits_2_without_traceback(tmp_path: Path):
 
 
 def _shipped_cluster_file(name: str) -> Path:
-    import het_strategy.configs as configs_pkg
+    from het_strategy.core.shipped import shipped_path
 
-    return Path(configs_pkg.__file__).parent / "cluster" / f"{name}.yaml"
+    return shipped_path("cluster", name)

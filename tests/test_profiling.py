@@ -9,11 +9,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from het_strategy.core.catalog import catalog_device_name
 from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.profiling.module_profile import catalog_device_name, profile_module
+from het_strategy.profiling.module_profile import profile_module
 
 V, T, D, HEADS, B = 64, 16, 32, 4, 4
 

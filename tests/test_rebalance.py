@@ -55,3 +55,12 @@ def test_bounds_that_cannot_hold_the_batch_give_none_and_bad_times_an_error() ->
         rebalance(_plan(8), CLUSTER, [0.01, 0.0, 0.01, 0.01])
     with pytest.raises(ConfigError, match="seconds_per_sample"):
         rebalance(_plan(8), CLUSTER, [0.01] * 3)
+
+
+def test_with_shares_builds_the_plan_of_given_shares_and_refuses_wrong_ones() -> None:
+    from het_strategy.planning.rebalance import with_shares
+
+    new = with_shares(_plan(16), CLUSTER, [7, 5, 4, 0])
+    assert shares_in_rank_order(new, CLUSTER) == [7, 5, 4, 0] and new.predicted == {}
+    with pytest.raises(ConfigError, match="shares"):
+        with_shares(_plan(16), CLUSTER, [7, 5, 4, 1])

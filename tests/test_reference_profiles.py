@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from het_strategy.core.cluster import device_catalog
+from het_strategy.core.catalog import device_catalog
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.reference_profiles import (
     SAILOR_DATA_DIR,

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import yaml
 
 from het_strategy.core.cluster import load_cluster, shipped_cluster_dir
 from het_strategy.core.reference_profiles import sailor_peak_bandwidth_gbs
+from het_strategy.core.shipped import shipped_config_dir, shipped_names, shipped_path
 from het_strategy.core.workload import load_workload
 
-_CLUSTERS = sorted(p.stem for p in shipped_cluster_dir().glob("*.yaml"))
-_MODEL_DIR = shipped_cluster_dir().parent / "model"
-_MODELS = sorted(p.stem for p in _MODEL_DIR.glob("*.yaml"))
+_CLUSTERS = shipped_names("cluster")
+_MODELS = shipped_names("model")
 
 
 def _types(name: str) -> Counter:
@@ -32,7 +31,7 @@ def test_the_expected_files_ship():
 def test_cluster_loads_and_is_described(name):
     cluster = load_cluster(name)
     assert cluster.name == name and cluster.num_devices > 0
-    raw = yaml.safe_load((shipped_cluster_dir() / f"{name}.yaml").read_text())
+    raw = yaml.safe_load(shipped_path("cluster", name).read_text())
     assert len(raw.get("description", "")) > 40  # says where its figures come from
 
 
@@ -40,7 +39,7 @@ def test_cluster_loads_and_is_described(name):
 def test_model_loads_and_is_described(name):
     w = load_workload(name)
     assert w.num_layers >= 3 and w.total_params > 0
-    assert len(yaml.safe_load((_MODEL_DIR / f"{name}.yaml").read_text()).get("description", "")) > 40
+    assert len(yaml.safe_load(shipped_path("model", name).read_text()).get("description", "")) > 40
 
 
 def test_device_counts():
@@ -106,5 +105,7 @@ def test_opt350_params_against_references():
 
 def test_package_dir_maps_configs():
     # het_strategy.configs is the top-level configs/ folder (pyproject package-dir)
-    assert shipped_cluster_dir().parent.name == "configs"
-    assert Path(shipped_cluster_dir()).is_dir()
+    assert shipped_config_dir("cluster").parent.name == "configs"
+    assert shipped_config_dir("cluster").is_dir()
+    assert shipped_cluster_dir() == shipped_config_dir("cluster")  # 0.1.0's name still works
+    assert shipped_path("cluster", "no_such_cluster") is None

@@ -34,7 +34,7 @@ from het_strategy.core.shipped import shipped_names
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
-    from het_strategy.core.cost_model import TrainSettings
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.workload import WorkloadSpec
 
 __all__ = [
@@ -203,7 +203,7 @@ def cluster_from_cfg(cfg: DictConfig) -> "ClusterSpec":
 
 def train_settings_from_cfg(cfg: DictConfig) -> "TrainSettings":
     """The TrainSettings of ``cfg.train`` (unknown keys and non-boolean switches are errors)."""
-    from het_strategy.core.cost_model import TrainSettings
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.errors import check_keys
 
     raw = cfg_to_dict(cfg.get("train"), "train")

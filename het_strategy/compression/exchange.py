@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from het_strategy.compression.quantize import Quantized, QuantizerSpec, dequantize, pack_codes, \
     packed_row_bytes, quantize, unpack_codes
+from het_strategy.profiling.torch_device import TORCH_DTYPES
 
 __all__ = ["Exchanged", "HALF_DTYPES", "allreduce_mean", "half_precision_mean", "quantized_mean", "topk_mean"]
 
-HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+HALF_DTYPES = {name: TORCH_DTYPES[name] for name in ("fp16", "bf16")}
 
 
 @dataclass

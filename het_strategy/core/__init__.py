@@ -8,6 +8,7 @@
 - ``workload.py``            ``WorkloadSpec``: per-layer FLOPs, parameters, activations; measured profiles
 - ``reference_profiles.py``  Sailor's published profiles as workloads
 - ``plan.py``                ``Plan``: pipelines, stages, shares, experts (JSON schema)
+- ``train_settings.py``      ``TrainSettings``: batch, dtype, ZeRO stage (and what ZeRO shards), search bounds
 - ``cost_model.py``          ``CostModel``: a plan's step time and memory
 
 Pure Python + numpy + PyYAML: no torch, no Lightning, no DeepSpeed.

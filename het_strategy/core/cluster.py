@@ -19,7 +19,7 @@ import yaml
 
 from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
 from het_strategy.core.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
-from het_strategy.core.shipped import shipped_config_dir, shipped_names, shipped_path
+from het_strategy.core.shipped import config_file, shipped_config_dir
 
 __all__ = [
     # the catalog's names (catalog.py), importable from here as before
@@ -307,12 +307,7 @@ def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> Cluste
         return source
     if isinstance(source, Mapping):
         return cluster_from_dict(source)
-    path = Path(source)
-    if not path.suffix:
-        path = shipped_path("cluster", source) or path
-    if not path.exists():
-        raise field_error("cluster", str(source), "be a shipped cluster name or a YAML file path",
-                          f"shipped: {', '.join(shipped_names('cluster'))}")
+    path = config_file("cluster", source)
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

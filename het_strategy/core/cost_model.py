@@ -38,10 +38,10 @@ import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.core.train_settings import TrainSettings, ZeroShards
+from het_strategy.core.train_settings import TrainSettings  # also importable from here, as in 0.1.0
 from het_strategy.core.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
 
-__all__ = ["TrainSettings", "ZeroShards", "StageCost", "PlanScore", "CostModel"]
+__all__ = ["TrainSettings", "StageCost", "PlanScore", "CostModel"]
 
 GiB = 2**30
 

@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from het_strategy.core.cluster import lookup_device_type
+from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 

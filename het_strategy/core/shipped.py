@@ -3,14 +3,17 @@
 A group is a folder of that package (``cluster``, ``model``, ``compression``);
 an option of the group is one of its YAML files, named by the file's stem.
 The cluster and model loaders and the command-line tools find shipped configs
-here, so there is one answer to "which clusters ship".
+here, so there is one answer to "which clusters ship" and one rule for what
+``cluster=<name or path>`` means (``config_file``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["shipped_config_dir", "shipped_names", "shipped_path"]
+from het_strategy.core.errors import field_error
+
+__all__ = ["shipped_config_dir", "shipped_names", "shipped_path", "config_file"]
 
 
 def shipped_config_dir(group: str) -> Path:
@@ -29,3 +32,15 @@ def shipped_path(group: str, name: str | Path) -> Path | None:
     """The file of the shipped option ``name`` of ``group``, or None when none ships under that name."""
     candidate = shipped_config_dir(group) / f"{name}.yaml"
     return candidate if candidate.is_file() else None
+
+
+def config_file(group: str, source: str | Path) -> Path:
+    """The YAML file that ``source`` names for ``group``: a bare name (no suffix) that ships is the shipped
+    file, anything else a path; ``ConfigError`` listing the shipped names when that file does not exist."""
+    path = Path(source)
+    if not path.suffix:
+        path = shipped_path(group, source) or path
+    if not path.exists():
+        raise field_error(group, str(source), f"be a shipped {group} name or a YAML file path",
+                          f"shipped: {', '.join(shipped_names(group))}")
+    return path

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import yaml
 
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int, require_number
-from het_strategy.core.shipped import shipped_names, shipped_path
+from het_strategy.core.shipped import config_file
 
 __all__ = [
     "LayerCost",
@@ -196,12 +196,7 @@ def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: 
     if isinstance(source, WorkloadSpec):
         return source
     if not isinstance(source, Mapping):
-        path = Path(source)
-        if not path.suffix:
-            path = shipped_path("model", source) or path
-        if not path.exists():
-            raise field_error("model", str(source), "be a shipped model name or a YAML file path",
-                              f"shipped: {', '.join(shipped_names('model'))}")
+        path = config_file("model", source)
         raw = yaml.safe_load(path.read_text()) or {}
         raw = {"name": path.stem, **raw}
         source = raw

@@ -51,24 +51,32 @@ Command line::
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.emulation.netns import (
+    NAMESPACE_PREFIX,
+    NetnsUnavailable,
+    create_namespace,
+    delete_namespace,
+    failure_reason,
+    iproute_tool,
+    list_namespaces,
+    namespace_exists,
+    run_iproute,
+)
 
 __all__ = [
     "LinkShape",
@@ -84,8 +92,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-#: Prefix of every namespace this module names itself: ``het-<creator pid>-<n>``.
-NAMESPACE_PREFIX = "het-"
 #: Loopback's MTU (64 KiB); with GSO a single "packet" on lo can be this large,
 #: and tbf drops any packet bigger than its bucket, so the bucket holds several.
 _LO_MTU_BYTES = 65536
@@ -94,17 +100,6 @@ _TBF_LATENCY_MS = 100
 #: Packets netem may hold while delaying them (its default of 1000 would drop
 #: packets once rate x delay exceeds ~1000 small packets).
 _NETEM_LIMIT_PACKETS = 100_000
-#: Seconds a leftover process gets after SIGTERM before SIGKILL, at teardown.
-_TERMINATE_GRACE_S = 2.0
-#: Seconds any single ip/tc call may take.
-_TOOL_TIMEOUT_S = 30.0
-
-_counter = itertools.count()
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class NetnsUnavailable(RuntimeError):
-    """A network namespace or its qdisc could not be made here; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -147,90 +142,7 @@ class LinkShape:
         return text
 
 
-# --------------------------------------------------------------------------- tools
-
-
-def _tool(name: str) -> str:
-    """Absolute path of an iproute2 tool; /usr/sbin is often missing from a non-root PATH."""
-    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
-    if found is None:
-        raise NetnsUnavailable(f"`{name}` (iproute2) is not installed or not on PATH; "
-                               f"install iproute2 to use network namespaces")
-    return found
-
-
-def _call(argv: Sequence[str]) -> subprocess.CompletedProcess:
-    """Run an ip/tc command, capturing its output; never raises for a non-zero exit."""
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=_TOOL_TIMEOUT_S,
-                          stdin=subprocess.DEVNULL)
-
-
-def _why(proc: subprocess.CompletedProcess) -> str:
-    """The failure text of a tool call, with a hint when we are not root."""
-    text = (proc.stderr or proc.stdout or "").strip() or f"exit code {proc.returncode}"
-    if os.geteuid() != 0:
-        text += f" (this process is not root: euid {os.geteuid()}; namespaces need CAP_SYS_ADMIN)"
-    return text
-
-
-def _list_namespaces() -> list[str]:
-    """Names of all named network namespaces (``ip netns list``)."""
-    proc = _call([_tool("ip"), "-j", "netns", "list"])
-    if proc.returncode != 0:
-        raise NetnsUnavailable(f"`ip netns list` failed: {_why(proc)}")
-    text = proc.stdout.strip()
-    if not text:          # iproute2 prints nothing, not [], when /run/netns is empty
-        return []
-    return [entry["name"] for entry in json.loads(text)]
-
-
-def _namespace_exists(name: str) -> bool:
-    return name in _list_namespaces()
-
-
-def _pids_inside(name: str) -> list[int]:
-    """Live processes in namespace ``name`` (``ip netns pids``; zombies are not listed)."""
-    proc = _call([_tool("ip"), "netns", "pids", name])
-    if proc.returncode != 0:
-        return []
-    return [int(tok) for tok in proc.stdout.split() if tok.isdigit()]
-
-
-def _end_processes_inside(name: str) -> None:
-    """SIGTERM, then after a grace period SIGKILL, every process still in ``name``.
-
-    A namespace with a process in it outlives ``ip netns del`` (anonymously, and
-    still shaped), so a worker left behind would keep running on the slow link.
-    """
-    pids = [p for p in _pids_inside(name) if p != os.getpid()]
-    if not pids:
-        return
-    _log.warning("netshape: ending %d process(es) still in namespace %s: %s", len(pids), name, pids)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + (_TERMINATE_GRACE_S if sig == signal.SIGTERM else 1.0)
-        while time.monotonic() < deadline:
-            pids = [p for p in _pids_inside(name) if p != os.getpid()]
-            if not pids:
-                return
-            time.sleep(0.05)
-
-
-def _delete_namespace(name: str) -> None:
-    """End what runs in ``name`` and delete it; logs (never raises) if the kernel refuses."""
-    try:
-        _end_processes_inside(name)
-        proc = _call([_tool("ip"), "netns", "del", name])
-        if proc.returncode != 0 and _namespace_exists(name):
-            _log.error("netshape: could not delete namespace %s: %s; remove it with `ip netns del %s`",
-                       name, _why(proc), name)
-    except (OSError, subprocess.SubprocessError, NetnsUnavailable) as exc:
-        _log.error("netshape: could not delete namespace %s: %s; remove it with `ip netns del %s`",
-                   name, exc, name)
+# ------------------------------------------------------------------- shaping, teardown
 
 
 @contextmanager
@@ -257,36 +169,12 @@ def _sigint_deferred() -> Iterator[None]:
             previous(signal.SIGINT, None)
 
 
-def _create_namespace(name: str | None) -> str:
-    """``ip netns add`` a fresh namespace; returns its name.  Ours never reuses an existing one."""
-    ip = _tool("ip")
-    if name is not None:
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise field_error("name", name, "be 1-64 characters of letters, digits, '_', '.', '-', "
-                                            "starting with a letter or digit")
-        if _namespace_exists(name):
-            raise NetnsUnavailable(f"network namespace {name!r} already exists; choose another name "
-                                   f"or remove it with `ip netns del {name}`")
-        candidates: Iterator[str] = iter([name])
-    else:
-        candidates = (f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_counter)}" for _ in range(100))
-    last = ""
-    for candidate in candidates:
-        proc = _call([ip, "netns", "add", candidate])
-        if proc.returncode == 0:
-            return candidate
-        last = _why(proc)
-        if "exists" not in last:     # a name clash is retried with the next counter; anything else is fatal
-            break
-    raise NetnsUnavailable(f"could not create a network namespace (`ip netns add`): {last}")
-
-
 def _shape_loopback(name: str, shape: LinkShape | None) -> None:
     """Bring ``lo`` up in ``name`` and attach the qdisc(s) of ``shape``; raises NetnsUnavailable."""
-    ip, tc = _tool("ip"), _tool("tc")
-    proc = _call([ip, "-n", name, "link", "set", "lo", "up"])
+    ip, tc = iproute_tool("ip"), iproute_tool("tc")
+    proc = run_iproute([ip, "-n", name, "link", "set", "lo", "up"])
     if proc.returncode != 0:
-        raise NetnsUnavailable(f"could not bring loopback up in namespace {name}: {_why(proc)}")
+        raise NetnsUnavailable(f"could not bring loopback up in namespace {name}: {failure_reason(proc)}")
     if shape is None:
         return
     in_ns = [ip, "netns", "exec", name, tc]
@@ -296,20 +184,20 @@ def _shape_loopback(name: str, shape: LinkShape | None) -> None:
         # netem at the root delays every packet, then hands it to the tbf below (netem's
         # one class, 1:1), which paces it: the layout of the netem documentation's
         # "rate control" example.
-        proc = _call([*in_ns, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem",
+        proc = run_iproute([*in_ns, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem",
                       "delay", f"{shape.delay_ms:g}ms", "limit", str(_NETEM_LIMIT_PACKETS)])
         if proc.returncode != 0:
             raise NetnsUnavailable(_netem_failure(proc))
-        proc = _call([*in_ns, "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", *tbf])
+        proc = run_iproute([*in_ns, "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", *tbf])
     else:
-        proc = _call([*in_ns, "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf])
+        proc = run_iproute([*in_ns, "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf])
     if proc.returncode != 0:
         raise NetnsUnavailable(f"could not attach tbf to loopback in namespace {name} "
-                               f"({shape.describe()}): {_why(proc)}")
+                               f"({shape.describe()}): {failure_reason(proc)}")
 
 
 def _netem_failure(proc: subprocess.CompletedProcess) -> str:
-    why = _why(proc)
+    why = failure_reason(proc)
     if "unknown" in why.lower() or "not supported" in why.lower():
         return (f"netem is missing from this kernel (sch_netem; tc says: {why}); only rate shaping "
                 f"is available here -- use delay_ms=0")
@@ -345,7 +233,7 @@ class ShapedNamespace:
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` prefixed so that it runs inside the namespace."""
-        return [_tool("ip"), "netns", "exec", self.name, *argv]
+        return [iproute_tool("ip"), "netns", "exec", self.name, *argv]
 
     def run(self, argv: Sequence[str], **subprocess_kwargs: Any) -> subprocess.CompletedProcess:
         """``subprocess.run`` of ``argv`` inside the namespace (same keywords)."""
@@ -357,16 +245,16 @@ class ShapedNamespace:
 
     def lo_tx_bytes(self) -> int:
         """Bytes loopback has transmitted in this namespace (every packet, both directions, headers included)."""
-        proc = _call([_tool("ip"), "-n", self.name, "-s", "-j", "link", "show", "lo"])
+        proc = run_iproute([iproute_tool("ip"), "-n", self.name, "-s", "-j", "link", "show", "lo"])
         if proc.returncode != 0:
-            raise NetnsUnavailable(f"could not read loopback counters in namespace {self.name}: {_why(proc)}")
+            raise NetnsUnavailable(f"could not read loopback counters in namespace {self.name}: {failure_reason(proc)}")
         return int(json.loads(proc.stdout)[0]["stats64"]["tx"]["bytes"])
 
     def qdisc_stats(self) -> str:
         """``tc -s qdisc show dev lo`` inside the namespace: sent, dropped, overlimits, backlog."""
-        proc = _call([_tool("ip"), "netns", "exec", self.name, _tool("tc"), "-s", "qdisc", "show", "dev", "lo"])
+        proc = run_iproute(self.command([iproute_tool("tc"), "-s", "qdisc", "show", "dev", "lo"]))
         if proc.returncode != 0:
-            raise NetnsUnavailable(f"could not read qdisc stats in namespace {self.name}: {_why(proc)}")
+            raise NetnsUnavailable(f"could not read qdisc stats in namespace {self.name}: {failure_reason(proc)}")
         return proc.stdout
 
 
@@ -382,7 +270,7 @@ def shaped_namespace(shape: LinkShape | None, name: str | None = None) -> Iterat
     """
     if shape is not None and not isinstance(shape, LinkShape):
         raise field_error("shape", shape, "be a LinkShape or None")
-    created = _create_namespace(name)
+    created = create_namespace(name)
     try:
         _shape_loopback(created, shape)
         _log.info("netshape: namespace %s, loopback %s", created,
@@ -390,7 +278,7 @@ def shaped_namespace(shape: LinkShape | None, name: str | None = None) -> Iterat
         yield ShapedNamespace(created, shape)
     finally:
         with _sigint_deferred():
-            _delete_namespace(created)
+            delete_namespace(created)
 
 
 # ------------------------------------------------------------------------------ probes
@@ -432,12 +320,12 @@ def remove_stale_namespaces(prefix: str = NAMESPACE_PREFIX) -> list[str]:
     """
     pattern = re.compile(rf"^{re.escape(prefix)}(\d+)-(\d+)$")
     removed = []
-    for name in _list_namespaces():
+    for name in list_namespaces():
         match = pattern.match(name)
         if match is None or _pid_alive(int(match.group(1))):
             continue
-        _delete_namespace(name)
-        if not _namespace_exists(name):
+        delete_namespace(name)
+        if not namespace_exists(name):
             removed.append(name)
     return removed
 

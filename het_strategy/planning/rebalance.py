@@ -8,7 +8,7 @@ cost model's datasheet figures are then stale for the ranks that slowed down
    per-sample time already holds the device's real speed and any slowdown);
 2. the shares are the exact integer min-max of those costs
    (``allocation.allocate_min_max``), within each rank's ``minimum``/``cap``;
-3. the new Plan keeps the old one's cluster, model, batch, dtype and ZeRO
+3. the new Plan (``with_shares``) keeps the old one's cluster, model, batch, dtype and ZeRO
    stage and each rank's micro-batch size (clipped to its new share); a rank
    given 0 samples has no pipeline (idle: a DDP runtime keeps it in step with
    weight-0 filler samples);
@@ -22,14 +22,14 @@ runs, reports and checkpoints exactly what was planned.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
 
-__all__ = ["rebalance"]
+__all__ = ["rebalance", "with_shares"]
 
 
 def rebalance(plan: Plan, cluster: ClusterSpec, seconds_per_sample: Sequence[float],
@@ -56,27 +56,39 @@ def rebalance(plan: Plan, cluster: ClusterSpec, seconds_per_sample: Sequence[flo
     shares = allocate_min_max([_linear(t) for t in times], plan.global_batch_size, minimum=minimum, cap=cap)
     if shares is None:
         return None
+    compute = [n * t for n, t in zip(shares, times)]
+    sync_and_update = float(plan.predicted.get("sync_time_s", 0.0)) + float(plan.predicted.get("update_time_s", 0.0))
+    step = max(compute) + sync_and_update
+    predicted = {**plan.predicted, "source": "measured", "step_time_s": step,
+                 "samples_per_s": plan.global_batch_size / step if step > 0 else 0.0,
+                 "pipeline_times_s": [c for c, n in zip(compute, shares) if n > 0],
+                 "measured_seconds_per_sample": dict(zip(names, times))}
+    return with_shares(plan, cluster, shares, predicted)
+
+
+def with_shares(plan: Plan, cluster: ClusterSpec, shares: Sequence[int],
+                predicted: dict[str, Any] | None = None) -> Plan:
+    """``plan`` (pure data parallel) with rank r taking ``shares[r]`` samples of every global batch.
+
+    Each rank keeps its micro-batch size, clipped to its share (a rank new to the
+    plan takes the plan's smallest); a share of 0 leaves the device idle.
+    ``predicted`` replaces the old figures (default: none, they no longer hold).
+    """
+    names = [d.name for d in cluster.devices]
+    if len(shares) != len(names) or sum(shares) != plan.global_batch_size or min(shares) < 0:
+        raise field_error("shares", list(shares), f"give {len(names)} counts >= 0 (one per rank) summing to the "
+                          f"plan's global batch {plan.global_batch_size}")
     old = {p.stages[0].devices[0]: p for p in plan.pipelines}
     smallest_mbs = min(p.micro_batch_size for p in plan.pipelines)
     num_layers = plan.pipelines[0].stages[0].layers[1]
     pipelines = []
     for name, n in zip(names, shares):
-        if n == 0:
-            continue
-        mbs = old[name].micro_batch_size if name in old else smallest_mbs
-        pipelines.append(Pipeline((Stage((name,), (0, num_layers)),), min(mbs, n), n))
-    compute = [n * t for n, t in zip(shares, times)]
-    sync = float(plan.predicted.get("sync_time_s", 0.0))
-    update = float(plan.predicted.get("update_time_s", 0.0))
-    step = max(compute) + sync + update
-    predicted = {**plan.predicted, "source": "measured", "step_time_s": step,
-                 "samples_per_s": plan.global_batch_size / step if step > 0 else 0.0,
-                 "pipeline_times_s": [c for c, n in zip(compute, shares) if n > 0],
-                 "measured_seconds_per_sample": dict(zip(names, times))}
+        if n > 0:
+            mbs = old[name].micro_batch_size if name in old else smallest_mbs
+            pipelines.append(Pipeline((Stage((name,), (0, num_layers)),), min(mbs, n), int(n)))
     return Plan(cluster=plan.cluster, cluster_devices=plan.cluster_devices, model=dict(plan.model),
                 global_batch_size=plan.global_batch_size, pipelines=tuple(pipelines), zero_stage=plan.zero_stage,
-                dtype=plan.dtype, mode="dp", experts=dict(plan.experts), predicted=predicted)
-
+                dtype=plan.dtype, mode="dp", experts=dict(plan.experts), predicted=predicted or {})
 
 class _linear:
     """n -> n x seconds (a class, so equal rates share one group in ``allocate_min_max``)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.cost_model import TrainSettings
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.planning import plan as search_plan

@@ -1,23 +1,23 @@
 """Measuring the real thing (torch): devices and links (``probe.py``), a module's blocks (``module_profile.py``).
 
+- ``probe.py``           the collective probe of ``cluster="auto"``: measure, cache, build a ``ClusterSpec``
+- ``measurements.py``    what the probe measured (device, allreduce, point-to-point), with a JSON form
+- ``device_probe.py``    one device: matmul TFLOPS, memory, copy bandwidth
+- ``link_probe.py``      the process group's links: allreduce and ring send/recv times
+- ``probe_cache.py``     the probe's cache files
+- ``module_profile.py``  ``profile_module``: a workload and measured times from a real ``nn.Module``
+- ``segments.py``        the model cut into segments, and the timeline of a pass through them
+- ``block_counts.py``    the counting pass: FLOPs, saved bytes, output bytes per segment
+- ``block_times.py``     the timed passes: forward, backward and update seconds per segment
+- ``batch_contents.py``  the tensors of a batch, its main tensor, its sample count
+- ``torch_device.py``    torch's dtypes by the cost model's names; a device's synchronisation
+
 What they measure becomes core objects (``ClusterSpec``, ``MeasuredProfile``) that the planner reads.
 """
 
-
-import importlib
-import warnings
+from het_strategy._moved_modules import moved_name
 
 
 def __getattr__(name: str) -> object:
-    """0.1.0's ``het_strategy.profiling`` module is now ``profiling.module_profile``: its names still resolve here
-    for one release, with a DeprecationWarning."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    old = {"first_tensor": "batch_contents", "batch_length": "batch_contents"}.get(name, "module_profile")
-    module = importlib.import_module(f"het_strategy.profiling.{old}")
-    if not hasattr(module, name):
-        raise AttributeError(f"module 'het_strategy.profiling' has no attribute {name!r}")
-    warnings.warn(f"het_strategy.profiling.{name} moved to het_strategy.profiling.{old}.{name}; the old path goes "
-                  "away in the next release", DeprecationWarning, stacklevel=2)
-    value = globals()[name] = getattr(module, name)  # warn once: later lookups find it here
-    return value
+    """0.1.0's module of this name is now ``profiling.module_profile``: its names resolve here for one release (warned)."""
+    return moved_name(__name__, name, ("batch_contents", "module_profile"))

@@ -16,6 +16,7 @@ and ``lightning_module`` from the Lightning strategy it is mixed into):
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -194,6 +195,15 @@ class PlannedRun(_DDPStrategy):
                                      self.dtype, plan)
         self.train_sampler.set_shares(shares_in_rank_order(checked, self.cluster), first_step)
         self.plan = checked
+
+    def set_shares(self, shares: list[int], first_step: int) -> None:
+        """Deprecated (0.1.0): ``apply_plan(planning.rebalance.with_shares(plan, cluster, shares), first_step)``."""
+        from het_strategy.planning.rebalance import with_shares
+
+        warnings.warn("HeteroStrategy.set_shares is deprecated: hand a whole Plan to apply_plan (e.g. from "
+                      "het_strategy.planning.rebalance)", DeprecationWarning, stacklevel=2)
+        assert self.plan is not None and self.cluster is not None
+        self.apply_plan(with_shares(self.plan, self.cluster, shares), first_step)
 
     # -- workload ---------------------------------------------------------------------------------
     def resolve_workload(self, dataloader: DataLoader) -> WorkloadSpec:

@@ -1,0 +1,77 @@
+"""The probe's cache: one JSON file per (host, device, dtype) and one per set of hosts, backend and sizes.
+
+A re-run on the same hosts loads the figures instead of measuring them.  The
+cache does not notice hardware or driver changes: ``probe_cluster(refresh=True)``
+measures anew and overwrites the files.  A file of another ``CACHE_FORMAT``
+is stale; a corrupt one is measured anew with a warning, never fatal.  Files
+are written atomically, so ranks reading while another writes see the old or
+the new file, never half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import socket
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from het_strategy.core.atomic_file import write_atomic
+from het_strategy.profiling.measurements import DeviceMeasurement, LinkMeasurement
+
+__all__ = ["CACHE_FORMAT", "default_cache_dir", "device_cache_path", "links_cache_path", "read_cache", "write_cache"]
+
+CACHE_FORMAT = 1
+"""Bumped when a cache file's content changes meaning; older files are measured anew."""
+
+
+def default_cache_dir() -> Path:
+    """``$HET_STRATEGY_CACHE`` if set, else ``~/.cache/het_strategy/probe``."""
+    env = os.environ.get("HET_STRATEGY_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "het_strategy" / "probe"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_") or "x"
+
+
+def device_cache_path(cache_dir: Path, device: torch.device, dtype: str, local_index: int, num_local: int) -> Path:
+    """Per host, device and dtype; a CPU file also names the rank's share (i of n) of the host."""
+    host = _slug(socket.gethostname())
+    if device.type == "cuda":
+        slug = f"{_slug(torch.cuda.get_device_name(device))}-cuda{device.index}"
+    else:
+        slug = f"{_slug(platform.processor() or 'cpu')}-cpu{local_index}of{num_local}"
+    return cache_dir / f"device-{host}-{slug}-{dtype}.json"
+
+
+def links_cache_path(cache_dir: Path, hosts: Sequence[str], backend: str, sizes: Sequence[int]) -> Path:
+    """Keyed by the host of every rank (in rank order: the ring's pairs depend on it), backend and sizes."""
+    key = json.dumps({"hosts": list(hosts), "backend": backend, "sizes": sorted(set(sizes))})
+    return cache_dir / f"links-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def read_cache(path: Path, parse: Callable[[Mapping[str, Any]], Any]) -> Any:
+    """The parsed cache file, or None when it is missing, stale or corrupt (corrupt: with a warning)."""
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("format") != CACHE_FORMAT:
+            return None
+        return parse(raw["measurement"])
+    except Exception as exc:  # any unreadable file is re-measured, never fatal
+        warnings.warn(f"probe cache file {path} is unreadable ({type(exc).__name__}: {exc}); measuring again",
+                      stacklevel=3)
+        return None
+
+
+def write_cache(path: Path, measurement: DeviceMeasurement | LinkMeasurement) -> None:
+    """Write ``measurement`` to ``path`` (atomically), tagged with ``CACHE_FORMAT``."""
+    write_atomic(path, json.dumps({"format": CACHE_FORMAT, "measurement": measurement.to_dict()}, indent=1))
