@@ -64,20 +64,22 @@ def install() -> None:
         sys.meta_path.append(_finder)
 
 
-def moved_name(package: str, name: str, homes: tuple[str, ...]) -> object:
+def moved_name(package: str, name: str, homes: tuple[str, ...], old_package: str | None = None) -> object:
     """A package's ``__getattr__`` for the names its 0.1.0 module of the same name held.
 
-    Looks ``name`` up in the package's submodules ``homes`` (in order), warns once
-    (the value is then cached on the package, so later lookups do not come here)
-    and returns it; other names raise ``AttributeError`` as usual.
+    Looks ``name`` up in ``package``'s submodules ``homes`` (in order), warns once
+    (the value is then cached on the old package, ``old_package`` or ``package``,
+    so later lookups do not come here) and returns it; other names raise
+    ``AttributeError`` as usual.
     """
+    old = old_package or package
     if not name.startswith("__"):
         for home in homes:
             module = importlib.import_module(f"{package}.{home}")
             if hasattr(module, name):
-                warnings.warn(f"{package}.{name} moved to {package}.{home}.{name}; the old path goes away in the "
+                warnings.warn(f"{old}.{name} moved to {package}.{home}.{name}; the old path goes away in the "
                               "next release", DeprecationWarning, stacklevel=3)
                 value = getattr(module, name)
-                setattr(sys.modules[package], name, value)
+                setattr(sys.modules[old], name, value)
                 return value
-    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    raise AttributeError(f"module {old!r} has no attribute {name!r}")

@@ -21,6 +21,8 @@ from types import ModuleType
 from typing import Any
 
 __all__ = ["NAMESPACES", "strategy_class", "register", "register_when_imported"]
+# 0.1.0 names, reached through ``het_strategy.strategy`` with a DeprecationWarning: ``build_strategy_class``,
+# ``register_strategies`` (below)
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 _SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
@@ -114,3 +116,13 @@ def register_when_imported() -> None:
             _finder.pending.add(namespace)
     if _finder.pending and _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
+
+
+def build_strategy_class(pl: ModuleType) -> type:
+    """0.1.0's name: ``strategy_class(pl.__name__)``."""
+    return strategy_class(pl.__name__)
+
+
+def register_strategies(pl: ModuleType, cls: type) -> None:
+    """0.1.0's name: ``register(pl, cls)``."""
+    register(pl, cls)

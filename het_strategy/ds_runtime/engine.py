@@ -1,0 +1,295 @@
+"""Run one rank of a Plan on unpatched DeepSpeed, with the update of one process on the whole batch.
+
+``PlanRunner`` is built in every process of the job (one per device the plan
+uses).  ``train_step(x, y)`` takes the whole global batch, identical on every
+rank, and makes the optimizer step that a single process would make on the
+mean loss over all ``B`` samples.  The distributed invariants, in order:
+
+1. Ranks.  The world size is the plan's device count and ranks follow
+   ``rank_layout`` (``PipeDataParallelTopology``: ``rank = stage * dp +
+   pipeline``), the numbering ``PipelineModule`` assumes; every pipeline has
+   the same stage count, the same boundaries (``pipeline_parts``) and tp = 1,
+   since stage ``s`` of every replica allreduces the same parameters.
+   DeepSpeed broadcasts each stage's parameters from data-parallel rank 0 at
+   ``initialize``, so replicas start equal.
+2. Data.  Pipeline ``p`` takes the contiguous slice ``[sum(samples[:p]),
+   +samples[p])`` and cuts it into ``rank_batches(plan)[rank]
+   .micro_batch_sizes``.  Its first stage (inputs) and last stage (labels)
+   read the same micro-batches from their own iterators; middle stages read
+   nothing.
+3. Weights.  DeepSpeed divides each micro-batch loss by the rank's own
+   ``gas_r`` and averages gradients over the ``dp`` replicas with equal
+   weight.  Micro-batch ``k`` (``m_k`` samples, mean loss ``L_k``) therefore
+   travels with ``w_k = dp * gas_r * m_k / B`` (``RankBatch.micro_loss_weights``)
+   inside its labels, ``(y_k, w_k)``, and the loss is ``loss_fn(out, y_k) *
+   w_k``: the averaged gradient is ``(1/dp) sum_r (1/gas_r) sum_k w_k dL_k =
+   (1/B) sum_i dl_i``, the global-batch mean.  A per-micro-batch weight (not
+   one per rank) keeps a short last micro-batch exact.
+4. Collectives.  At ZeRO 0/1 DeepSpeed reduces gradients once per step, at the
+   accumulation boundary, so replicas with different ``gas_r`` still meet in
+   the same collectives in the same order; ZeRO 2/3 reduce on every
+   micro-step, so unequal micro-batch counts are refused there.
+5. Shapes.  The pipeline engine caches the first activation shape it sends and
+   receives; a short last micro-batch would then be received into a buffer of
+   the wrong size.  The module is built with ``dynamic_shape=True`` (shape
+   metadata is sent with every micro-batch: one small message per transfer).
+6. Loss.  The last stage's ``train_batch`` value is ``(1/dp) sum_r (1/gas_r)
+   sum_k w_k L_k = (1/B) sum_r sum_k m_k L_k``, the global-batch mean.
+   DeepSpeed broadcasts it to the other stages as fp32; ``train_step``
+   re-broadcasts the last stage's value in float64 so every rank returns the
+   same, unrounded number.  Pure DP: ``sum_k m_k L_k`` is summed over ranks
+   and divided by ``B``.
+7. Clipping.  DeepSpeed 0.19's fp32 ZeRO-0 pipeline engine clips by stage 0's
+   gradient norm only, so that combination is refused for clipping > 0;
+   ZeRO 1 clips by the global norm.
+
+Import cost: torch at module level, deepspeed only inside functions.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from het_strategy.core.errors import field_error
+from het_strategy.core.plan import Plan
+from het_strategy.core.train_settings import TrainSettings
+from het_strategy.ds_runtime.config import deepspeed_config, pipeline_parts, rank_batches, rank_layout
+
+__all__ = ["init_deepspeed_distributed", "check_runnable", "PlanRunner"]
+
+def _no_shm_op() -> None:
+    """Mark DeepSpeed's CPU shared-memory allreduce op unusable so it is not JIT-built (1-2 min); gloo does it."""
+    import deepspeed.ops
+
+    compat = deepspeed.ops.__dict__.get("__compatible_ops__")
+    if compat is None:
+        compat = {}
+        deepspeed.ops.__compatible_ops__ = compat
+    compat["deepspeed_shm_comm"] = False
+
+
+def init_deepspeed_distributed(timeout_s: float = 300.0) -> None:
+    """``deepspeed.init_distributed`` from RANK/WORLD_SIZE/MASTER_* (gloo on CPU, the accelerator's on GPU).
+
+    Idempotent: a second call (or one after ``torch.distributed`` was set up
+    elsewhere) only wraps the existing process group.
+    """
+    import deepspeed
+    import deepspeed.comm as ds_dist
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    on_cpu = accel.device_name() == "cpu"
+    if on_cpu:
+        _no_shm_op()
+    if ds_dist.is_initialized():
+        return
+    backend = "gloo" if on_cpu else accel.communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=timedelta(seconds=float(timeout_s)))
+
+
+def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clipping: float = 0.0) -> list[int]:
+    """Refuse (``ConfigError``) plans DeepSpeed cannot run exactly; returns the shared boundaries."""
+    counts = [len(p.stages) for p in plan.pipelines]
+    if len(set(counts)) > 1:
+        raise field_error("plan.pipelines[].stages", counts,
+                          "have the same length in every pipeline (DeepSpeed's topology is one grid of "
+                          "stages x data-parallel replicas)", "re-plan with mode pipeline or dp")
+    for p, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            if stage.tp != 1:
+                raise field_error(f"plan.pipelines[{p}].stages[{s}].devices", list(stage.devices),
+                                  "hold one device (tp = 1; this runtime has no tensor parallelism)",
+                                  "re-plan with max_tp=1")
+    parts = pipeline_parts(plan)
+    micro = [p.num_micro_batches for p in plan.pipelines]
+    if plan.zero_stage >= 2 and len(set(micro)) > 1:
+        raise field_error("plan.pipelines[].num_micro_batches", micro,
+                          f"be equal on every pipeline under ZeRO stage {plan.zero_stage} (ZeRO 2/3 reduce on "
+                          "every micro-step, so replicas must run the same number)", "use zero_stage 0 or 1")
+    if counts[0] > 1 and plan.zero_stage >= 2:
+        raise field_error("plan.zero_stage", plan.zero_stage, "be 0 or 1 for a pipeline plan "
+                          "(DeepSpeed: ZeRO 2/3 are incompatible with pipeline parallelism)")
+    if counts[0] > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0:
+        raise field_error("gradient_clipping", gradient_clipping,
+                          "be 0 for an fp32 ZeRO-0 pipeline plan (DeepSpeed 0.19 clips it by stage 0's "
+                          "gradient norm only, not the global norm)", "use zero_stage 1 to clip")
+    devices = len(plan.used_devices)
+    if world_size is not None and world_size != devices:
+        raise field_error("WORLD_SIZE", world_size, f"equal the plan's device count ({devices})",
+                          "start one process per device the plan uses")
+    return parts
+
+
+class _MicroWeightedLoss:
+    """``loss_fn(outputs, y) * w`` with labels ``(y, w)``: the micro-batch's own weight rides with its labels."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.__name__ = f"weighted_{getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
+
+    def __call__(self, outputs: Any, labels: tuple[Any, torch.Tensor]) -> torch.Tensor:
+        y, w = labels
+        return self.loss_fn(outputs, y) * w
+
+
+def _rows(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, (tuple, list)):
+        return tuple(t[start:stop] for t in batch)
+    return batch[start:stop]
+
+
+def _num_rows(batch: Any) -> int:
+    return int((batch[0] if isinstance(batch, (tuple, list)) else batch).shape[0])
+
+
+def _to(batch: Any, device: Any) -> Any:
+    if isinstance(batch, (tuple, list)):
+        return tuple(t.to(device) for t in batch)
+    return batch.to(device)
+
+
+class PlanRunner:
+    """This rank's share of a Plan as a DeepSpeed engine (see the module docstring for the invariants).
+
+    ``layers``: the whole model as an ordered list of ``nn.Module`` or
+    ``deepspeed.pipe.LayerSpec`` (identical on every rank); ``loss_fn(outputs,
+    labels)`` a mean over the micro-batch; ``optimizer_factory(params)`` builds
+    the optimizer over this rank's parameters.  ``settings`` defaults to the
+    plan's own batch, dtype and ZeRO stage.  ``ds_config_overrides`` are merged
+    into the emitted ds_config last (top-level keys).
+    """
+
+    def __init__(self, plan: Plan, layers: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
+                 optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+                 settings: TrainSettings | None = None, *, gradient_clipping: float = 0.0,
+                 activation_checkpoint_interval: int = 0, ds_config_overrides: dict[str, Any] | None = None,
+                 timeout_s: float = 300.0) -> None:
+        import deepspeed
+        import deepspeed.comm as ds_dist
+
+        if settings is None:
+            settings = TrainSettings(global_batch_size=plan.global_batch_size, dtype=plan.dtype,
+                                     zero_stage=plan.zero_stage)
+        init_deepspeed_distributed(timeout_s)
+        self.rank = ds_dist.get_rank()
+        self.world_size = ds_dist.get_world_size()
+        self.parts = check_runnable(plan, self.world_size, gradient_clipping=gradient_clipping)
+        self.plan = plan
+        self.assignment = rank_layout(plan)[self.rank]
+        self.batch = rank_batches(plan)[self.rank]
+        self.num_stages = len(self.parts) - 1
+        self.loss_fn = loss_fn
+        p = self.assignment.pipeline
+        self.sample_start = sum(q.samples for q in plan.pipelines[:p])
+
+        cfg = deepspeed_config(plan, settings, rank=self.rank, gradient_clipping=gradient_clipping)
+        if plan.zero_stage > 0:
+            cfg["zero_allow_untested_optimizer"] = True  # the caller's optimizer is a choice, not a mistake
+        cfg.update(ds_config_overrides or {})
+        self.ds_config = cfg
+
+        if self.num_stages > 1:
+            from het_strategy.ds_runtime.config import hetero_pipeline_module
+
+            module = hetero_pipeline_module(list(layers), self.parts, loss_fn=_MicroWeightedLoss(loss_fn),
+                                            activation_checkpoint_interval=activation_checkpoint_interval,
+                                            dynamic_shape=True)
+        else:
+            from deepspeed.pipe import LayerSpec
+
+            module = torch.nn.Sequential(*[l.build() if isinstance(l, LayerSpec) else l for l in layers])
+        self.module = module
+        self.optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.optimizer, config=cfg)
+
+    # -- helpers ------------------------------------------------------------------------------
+    @property
+    def is_pipeline(self) -> bool:
+        return self.num_stages > 1
+
+    def _micro_batches(self, inputs: Any, labels: torch.Tensor, where: str) -> list[tuple[Any, Any, int, float]]:
+        """This rank's ``(x_k, y_k, m_k, w_k)``, cut from the global batch (invariant 2)."""
+        B = self.plan.global_batch_size
+        for name, b in (("inputs", inputs), ("labels", labels)):
+            if _num_rows(b) != B:
+                raise field_error(f"{where}.{name}.shape[0]", _num_rows(b),
+                                  f"equal the plan's global_batch_size ({B}): every rank gets the whole batch")
+        out, k = [], self.sample_start
+        for m, w in zip(self.batch.micro_batch_sizes, self.batch.micro_loss_weights):
+            out.append((_rows(inputs, k, k + m), labels[k:k + m], m, w))
+            k += m
+        return out
+
+    def _weight(self, w: float, like: torch.Tensor) -> torch.Tensor:
+        dtype = like.dtype if like.is_floating_point() else torch.float32
+        return torch.tensor(w, dtype=dtype)
+
+    def _pipe_data(self, micro: list[tuple[Any, Any, int, float]]) -> list[tuple[Any, Any]]:
+        return [(x, (y, self._weight(w, y))) for x, y, _, w in micro]
+
+    def _from_last_stage(self, value: torch.Tensor | None) -> float:
+        """The last stage's scalar on every stage of this pipeline, in float64 (invariant 6)."""
+        import deepspeed.comm as ds_dist
+
+        eng = self.engine
+        t = torch.zeros(1, dtype=torch.float64, device=eng.device)
+        if eng.is_last_stage():
+            t.fill_(float(value))
+        ds_dist.broadcast(t, src=eng.grid.stage_to_global(self.num_stages - 1),
+                          group=eng.grid.get_pipe_parallel_group())
+        return float(t.item())
+
+    def _dp_mean(self, local_sum: torch.Tensor) -> float:
+        """``sum over ranks of sum_k m_k L_k`` / B (pure DP: every rank is one replica)."""
+        import deepspeed.comm as ds_dist
+
+        t = local_sum.detach().to(torch.float64).reshape(1).to(self.engine.device)
+        ds_dist.all_reduce(t)
+        return float(t.item()) / self.plan.global_batch_size
+
+    # -- steps --------------------------------------------------------------------------------
+    def train_step(self, inputs: Any, labels: torch.Tensor) -> float:
+        """One optimizer step on the global batch; returns the global-batch mean loss (same on every rank)."""
+        micro = self._micro_batches(inputs, labels, "train_step")
+        eng = self.engine
+        if self.is_pipeline:
+            eng.train_batch(data_iter=iter(self._pipe_data(micro)))
+            return self._from_last_stage(eng.agg_train_loss if eng.is_last_stage() else None)
+        eng.train()
+        total = torch.zeros((), dtype=torch.float64)
+        for x, y, m, w in micro:
+            out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
+            loss = self.loss_fn(out, y.to(eng.device))
+            eng.backward(loss * w)  # DeepSpeed divides by gas_r; the allreduce averages over replicas
+            eng.step()              # steps the optimizer at the rank's own accumulation boundary only
+            total += m * loss.detach().double().cpu()
+        return self._dp_mean(total)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, labels: torch.Tensor) -> float:
+        """The global-batch mean loss without a step (``eval_batch`` for pipelines)."""
+        micro = self._micro_batches(inputs, labels, "eval_step")
+        eng = self.engine
+        if self.is_pipeline:
+            # eval_batch averages over its num_micro_batches (here gas_r) and over replicas: the same
+            # algebra as invariant 6.  bcast_loss=False: we broadcast in float64 ourselves.
+            out = eng.eval_batch(iter(self._pipe_data(micro)), num_micro_batches=len(micro), bcast_loss=False)
+            return self._from_last_stage(out if eng.is_last_stage() else None)
+        eng.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        try:
+            for x, y, m, _ in micro:
+                out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
+                total += m * self.loss_fn(out, y.to(eng.device)).double().cpu()
+        finally:
+            eng.train()
+        return self._dp_mean(total)
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by their name in the full model (a stage holds its layers' names)."""
+        return {n: q.detach() for n, q in self.engine.module.named_parameters()}

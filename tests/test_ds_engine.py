@@ -1,0 +1,171 @@
+"""``PlanRunner``: uneven heterogeneous pipelines on DeepSpeed make exactly one process's global-batch step.
+
+The multiprocess cases start the ranks of ``_ds_engine_worker.py`` (gloo, CPU)
+and compare every rank's parameters and losses with a single-process torch
+reference: same layers, same SGD-with-momentum, the mean MSE over all 8
+samples per step.  The refusal cases need no processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+torch = pytest.importorskip("torch")
+
+import _ds_engine_worker as worker  # noqa: E402  (tests/ is on sys.path under pytest)
+
+from het_strategy.core.errors import ConfigError  # noqa: E402
+from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
+from het_strategy.ds_runtime.engine import check_runnable  # noqa: E402
+from het_strategy.emulation.local_ranks import free_port  # noqa: E402
+
+WORKER = Path(__file__).with_name("_ds_engine_worker.py")
+TIMEOUT_S = 90
+TOL = dict(rel=1e-6, abs=1e-6)  # float32: DeepSpeed sums the micro-batch gradients in another order
+
+
+def _run_ranks(world: int, args: list[str], out_dir: Path) -> list[dict]:
+    """Start ``world`` ranks; kill all if one fails or they outlive TIMEOUT_S."""
+    port = free_port()
+    repo = str(Path(__file__).resolve().parents[1])
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+        logs.append(out_dir / f"log{rank}.txt")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), args[0], str(out_dir), *args[1:]],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        # a rank that fails leaves its peers blocked in a collective: stop waiting at the first failure
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+    codes = [p.returncode for p in procs]
+    if codes != [0] * world:
+        pytest.fail(f"workers exited {codes} (negative: killed after {TIMEOUT_S} s or on a peer's failure):\n"
+                    + "\n----\n".join(path.read_text()[-3000:] for path in logs))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _reference(clip: float = 0.0) -> tuple[list[float], float, dict[str, list[float]]]:
+    """One process, whole batch: (loss per step, loss after the last step, parameters)."""
+    model = torch.nn.Sequential(*worker.build_layers())
+    opt = worker.optimizer(model.parameters())
+    x, y = worker.batch()
+    losses = []
+    for _ in range(worker.STEPS):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        final = float(torch.nn.functional.mse_loss(model(x), y))
+    return losses, final, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
+
+
+def _assert_matches_reference(ranks: list[dict], clip: float = 0.0) -> None:
+    ref_losses, ref_final, ref_params = _reference(clip)
+    assert ref_losses[-1] < ref_losses[0]
+    covered: set[str] = set()
+    for r in ranks:
+        assert r["losses"] == pytest.approx(ref_losses, **TOL), f"rank {r['rank']}"
+        assert r["eval_loss"] == pytest.approx(ref_final, **TOL), f"rank {r['rank']}"
+        assert r["global_steps"] == worker.STEPS
+        for name, values in r["params"].items():
+            assert values == pytest.approx(ref_params[name], **TOL), f"rank {r['rank']}: {name}"
+        covered |= set(r["params"])
+    assert covered == set(ref_params)
+    # every rank of a step reports the same number (the last stage's, re-broadcast in float64)
+    assert len({tuple(r["losses"]) for r in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero_stage, clip", [(0, 0.0), (1, 0.05)])
+def test_uneven_pipelines_match_one_process_on_the_global_batch(tmp_path, zero_stage, clip):
+    # 2 pipelines x 2 stages at [0, 4, 6]: pipeline 0 takes 5 samples as 2+2+1 (gas 3), pipeline 1 takes
+    # 3 as 2+1 (gas 2); both end on a short micro-batch.  ZeRO 1 also clips (by the global norm).
+    ranks = _run_ranks(4, ["pipe", str(zero_stage), str(clip)], tmp_path)
+    assert [r["micro_batch_sizes"] for r in ranks] == [[2, 2, 1], [2, 1], [2, 2, 1], [2, 1]]
+    assert [r["gas"] for r in ranks] == [3, 2, 3, 2]
+    # rank = stage * dp + pipeline: ranks 0, 1 hold layers [0, 4), ranks 2, 3 hold [4, 6)
+    held = [sorted({n.split(".")[0] for n in r["params"]}) for r in ranks]
+    assert held == [["0", "1", "2", "3"]] * 2 + [["4", "5"]] * 2
+    if clip:
+        model = torch.nn.Sequential(*worker.build_layers())
+        x, y = worker.batch()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")) > clip  # clipping is active
+    _assert_matches_reference(ranks, clip)
+
+
+@pytest.mark.multiprocess
+def test_uneven_pure_data_parallel_matches_one_process(tmp_path):
+    # rank 0: 5 samples as 2+2+1 (gas 3); rank 1: 3 samples as one micro-batch (gas 1)
+    ranks = _run_ranks(2, ["dp", "0"], tmp_path)
+    assert [r["gas"] for r in ranks] == [3, 1]
+    _assert_matches_reference(ranks)
+
+
+def _plan(pipelines, zero_stage=0, devices=8):
+    return Plan(cluster="local", cluster_devices=tuple(f"d{i}" for i in range(devices)),
+                model={"name": "mlp6", "num_layers": 6}, global_batch_size=sum(p.samples for p in pipelines),
+                dtype="fp32", mode="manual", zero_stage=zero_stage, pipelines=tuple(pipelines))
+
+
+def _pipe(devs, bounds, micro=2, samples=4):
+    stages = tuple(Stage(tuple(d) if isinstance(d, tuple) else (d,), (a, b)) for d, a, b in
+                   zip(devs, bounds, bounds[1:]))
+    return Pipeline(stages, micro_batch_size=micro, samples=samples)
+
+
+@pytest.mark.parametrize("plan, field, world", [
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), "plan.pipelines[].stages", None),
+    (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])]), "plan.pipelines[0].stages[0].devices", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])]), "plan.pipelines[1].stages[].layers",
+     None),
+    (_plan([_pipe(["d0"], [0, 6], micro=2, samples=4), _pipe(["d1"], [0, 6], micro=1, samples=4)], zero_stage=2),
+     "plan.pipelines[].num_micro_batches", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])]), "WORLD_SIZE", 2),
+])
+def test_plans_deepspeed_cannot_run_are_refused_naming_the_field(plan, field, world):
+    with pytest.raises(ConfigError) as err:
+        check_runnable(plan, world)
+    assert err.value.field == field
+    assert f"`{field}`" in str(err.value) and "must" in str(err.value)
+
+
+def test_zero0_pipeline_clipping_is_refused():
+    plan = _plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])])
+    with pytest.raises(ConfigError, match="stage 0's gradient norm") as err:
+        check_runnable(plan, 4, gradient_clipping=1.0)
+    assert err.value.field == "gradient_clipping"
+    assert check_runnable(plan, 4) == [0, 3, 6]
+    assert check_runnable(_plan(plan.pipelines, zero_stage=1), 4, gradient_clipping=1.0) == [0, 3, 6]
+
+
+def test_importing_the_engine_does_not_import_deepspeed():
+    code = "import sys, het_strategy.ds_runtime.engine; print('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert out.stdout.strip() == "False"
