@@ -7,11 +7,7 @@ data, clipping and SGD steps.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,8 +16,8 @@ pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
 import _deepspeed_worker as worker  # noqa: E402  (tests/ is on sys.path under pytest)
+from _ds_launch import run_ds_ranks  # noqa: E402
 
-from het_strategy.emulation.local_ranks import free_port  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("_deepspeed_worker.py")
@@ -29,36 +25,7 @@ TIMEOUT_S = 60
 
 
 def _run_two_ranks(mode: str, out_dir: Path, zero_stage: int) -> list[dict]:
-    """Start both ranks; kill both if either fails or the pair outlives TIMEOUT_S."""
-    port = free_port()
-    repo = str(Path(__file__).resolve().parents[1])
-    procs, logs = [], []
-    for rank in range(2):
-        env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-        logs.append(out_dir / f"log{rank}.txt")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(out_dir), str(zero_stage)],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        # a rank that fails leaves its peer blocked in a collective: stop waiting at the first failure
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
-    codes = [p.returncode for p in procs]
-    if codes != [0, 0]:
-        pytest.fail(f"workers exited {codes} (negative: killed after {TIMEOUT_S} s or on a peer's failure):\n"
-                    + "\n----\n".join(path.read_text()[-3000:] for path in logs))
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ds_ranks(WORKER, 2, [mode, str(zero_stage)], out_dir, TIMEOUT_S)
 
 
 def _reference(split: list[list[tuple[int, int]]]) -> tuple[list[float], dict[str, list[float]]]:

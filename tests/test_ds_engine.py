@@ -8,7 +8,6 @@ samples per step.  The refusal cases need no processes.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,11 +20,11 @@ pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
 import _ds_engine_worker as worker  # noqa: E402  (tests/ is on sys.path under pytest)
+from _ds_launch import run_ds_ranks  # noqa: E402
 
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
 from het_strategy.ds_runtime.engine import check_runnable  # noqa: E402
-from het_strategy.emulation.local_ranks import free_port  # noqa: E402
 
 WORKER = Path(__file__).with_name("_ds_engine_worker.py")
 TIMEOUT_S = 90
@@ -33,36 +32,7 @@ TOL = dict(rel=1e-6, abs=1e-6)  # float32: DeepSpeed sums the micro-batch gradie
 
 
 def _run_ranks(world: int, args: list[str], out_dir: Path) -> list[dict]:
-    """Start ``world`` ranks; kill all if one fails or they outlive TIMEOUT_S."""
-    port = free_port()
-    repo = str(Path(__file__).resolve().parents[1])
-    procs, logs = [], []
-    for rank in range(world):
-        env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-        logs.append(out_dir / f"log{rank}.txt")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), args[0], str(out_dir), *args[1:]],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        # a rank that fails leaves its peers blocked in a collective: stop waiting at the first failure
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
-    codes = [p.returncode for p in procs]
-    if codes != [0] * world:
-        pytest.fail(f"workers exited {codes} (negative: killed after {TIMEOUT_S} s or on a peer's failure):\n"
-                    + "\n----\n".join(path.read_text()[-3000:] for path in logs))
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_ds_ranks(WORKER, world, args, out_dir, TIMEOUT_S)
 
 
 def _reference(clip: float = 0.0) -> tuple[list[float], float, dict[str, list[float]]]:
