@@ -1,6 +1,6 @@
 """het_strategy: heterogeneity-aware planning and training for Lightning and DeepSpeed.
 
-``import het_strategy`` registers the ``hetero`` strategy in the
+``import het_strategy`` registers the ``hetero`` and ``hetero_deepspeed`` strategies in the
 StrategyRegistry of ``lightning.pytorch`` and of ``pytorch_lightning`` (each
 where installed) — Lightning has no entry point for strategies, so the import
 is what makes ``Trainer(strategy="hetero")`` work — without importing either:
@@ -35,7 +35,7 @@ _registry = _importlib.import_module("het_strategy.strategy.registry")
 
 __version__ = "0.1.0"
 
-__all__ = ["HeteroStrategy", "HeteroStrategyPL", "__version__"]
+__all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL", "__version__"]
 
 _moved_modules.install()
 _registry.register_when_imported()
@@ -44,11 +44,14 @@ _registry.register_when_imported()
 def __getattr__(name: str) -> object:
     """``HeteroStrategy`` / ``HeteroStrategyPL``: built (and registered) on first access; None where torch or that
     Lightning package is not installed (the planning core works without them)."""
-    namespaces = {"HeteroStrategy": "lightning.pytorch", "HeteroStrategyPL": "pytorch_lightning"}
+    namespaces = {"HeteroStrategy": "lightning.pytorch", "HeteroStrategyPL": "pytorch_lightning",
+                  "HeteroDeepSpeedStrategy": "lightning.pytorch", "HeteroDeepSpeedStrategyPL": "pytorch_lightning"}
     if name not in namespaces:
         raise AttributeError(f"module 'het_strategy' has no attribute {name!r}")
     if not (_installed("torch") and _installed(namespaces[name].split(".")[0])):
         return None
+    if name.startswith("HeteroDeepSpeed"):
+        return _registry.deepspeed_strategy_class(namespaces[name])
     return _registry.strategy_class(namespaces[name])
 
 

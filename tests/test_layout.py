@@ -59,6 +59,7 @@ def test_hetero_is_registered_whichever_is_imported_first(order: str, namespace:
         f"cls = h.HeteroStrategy if {namespace!r} == 'lightning.pytorch' else h.HeteroStrategyPL",
         "assert type(t.strategy) is cls, type(t.strategy)",
         "assert 'hetero_spawn' in pl.strategies.StrategyRegistry",
+        "assert 'hetero_deepspeed' in pl.strategies.StrategyRegistry",
     ])
     out = _run(code)
     assert out.returncode == 0, out.stderr[-3000:]

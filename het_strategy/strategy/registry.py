@@ -20,7 +20,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-__all__ = ["NAMESPACES", "strategy_class", "register", "register_when_imported"]
+__all__ = ["NAMESPACES", "strategy_class", "deepspeed_strategy_class", "register", "register_when_imported"]
 # 0.1.0 names, reached through ``het_strategy.strategy`` with a DeprecationWarning: ``build_strategy_class``,
 # ``register_strategies`` (below)
 
@@ -45,7 +45,30 @@ def strategy_class(namespace: str) -> type:
                        {"__doc__": HeteroLogic.__doc__, "__module__": "het_strategy.strategy", "__qualname__": name})
             _classes[namespace] = cls
             register(pl, cls)
+            deepspeed_strategy_class(namespace)
         return _classes[namespace]
+
+
+def deepspeed_strategy_class(namespace: str) -> type:
+    """``HeteroDeepSpeedStrategy`` (or ``...PL``) on ``namespace``'s DDPStrategy; ``hetero_deepspeed`` registered."""
+    if namespace not in _SUFFIX:
+        raise ValueError(f"namespace {namespace!r} is not one of {NAMESPACES}")
+    key = "deepspeed:" + namespace
+    with _lock:
+        if key not in _classes:
+            from het_strategy.ds_runtime.strategy import HeteroDeepSpeedLogic
+
+            pl = importlib.import_module(namespace)
+            name = f"HeteroDeepSpeedStrategy{_SUFFIX[namespace]}"
+            cls = type(name, (HeteroDeepSpeedLogic, pl.strategies.DDPStrategy),
+                       {"__doc__": HeteroDeepSpeedLogic.__doc__, "__module__": "het_strategy.ds_runtime.strategy",
+                        "__qualname__": name})
+            _classes[key] = cls
+            registry = pl.strategies.StrategyRegistry
+            if "hetero_deepspeed" not in registry:
+                registry.register("hetero_deepspeed", cls, description="A given heterogeneous plan (uneven "
+                                  "pipelines) run on DeepSpeed (het_strategy)")
+        return _classes[key]
 
 
 def register(pl: ModuleType, cls: type) -> None:

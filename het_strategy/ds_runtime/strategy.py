@@ -1,0 +1,312 @@
+"""``hetero_deepspeed``: a given heterogeneous Plan run by ``PlanRunner`` (DeepSpeed) inside Lightning's fit loop.
+
+``HeteroDeepSpeedLogic`` is mixed into each Lightning package's own
+``DDPStrategy`` by ``het_strategy.strategy.registry`` (``HeteroDeepSpeedStrategy``
+on ``lightning.pytorch``, ``HeteroDeepSpeedStrategyPL`` on ``pytorch_lightning``;
+``Trainer(strategy="hetero_deepspeed")`` after ``import het_strategy``).  Lightning's
+DDP strategy launches the processes and sets up the process group (gloo on CPU);
+DeepSpeed wraps that group; ``PlanRunner`` (``engine.py``) then runs this rank's
+part of the plan.  Lightning's own ``DeepSpeedStrategy`` is not used: it refuses
+CPU and it cannot run uneven pipelines.
+
+User contract (the LightningModule):
+
+- ``pipeline_layers()`` -> the whole model as an ordered list of ``nn.Module``
+  that the module owns (e.g. held in an ``nn.ModuleList``), identical on every
+  rank.  The plan's stage boundaries index this list.
+- ``pipeline_loss(outputs, labels)`` -> the mean loss over one micro-batch.
+- ``configure_optimizers()`` returns exactly one optimizer, built over
+  ``self.parameters()`` as usual (LR schedulers may come with it).  The strategy
+  then keeps in its param groups only the parameters of this rank's stage (the
+  same ``Parameter`` objects: DeepSpeed's pipeline module holds the user's
+  layers), dropping groups left empty, and hands that optimizer to DeepSpeed.
+- ``training_step`` must exist (Lightning requires it) but is NOT called: the
+  strategy runs forward, backward and the optimizer step of the whole global
+  batch itself (``PlanRunner.train_step``).
+- Every training batch is ``(inputs, labels)`` holding the WHOLE global batch
+  (DataLoader ``batch_size`` = the plan's ``global_batch_size``, checked);
+  every rank gets the same batch and ``PlanRunner`` cuts out this rank's
+  micro-batches.  Lightning's injected DistributedSampler is made a
+  one-replica sampler: the whole dataset on every rank, in one order; as
+  always under Lightning's DDP the training set is then shuffled (seed
+  ``PL_GLOBAL_SEED`` / ``seed_everything``, else 0, and the epoch).  With
+  ``Trainer(use_distributed_sampler=False)`` the loader is used as given
+  (it must then yield the same batches on every rank).
+
+Per training batch the strategy logs ``train_loss`` (the global-batch mean loss,
+identical on every rank, so no ``sync_dist``) and keeps it unrounded in
+``last_loss``; ``trainer.global_step`` advances by one.  Validation during fit
+(val loaders with the same ``batch_size``; the sanity check included) runs
+``PlanRunner.eval_step`` per batch and logs ``val_loss`` (epoch mean).  As
+with ``training_step``, the module must define ``validation_step`` (Lightning
+runs no validation loop otherwise), but it is not called.  ``runner`` is the
+``PlanRunner`` (``runner.named_parameters()``: this rank's parameters by their
+name in the full layer list).
+
+Checkpoints: ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) make
+``path`` a DeepSpeed checkpoint directory, written by every rank (each stage's
+layers, the optimizer state, partitioned under ZeRO 1), with Lightning's other
+entries (loops, callbacks, ...) and the plan (``PLAN_KEY``) as client state;
+``strategy.runner.engine.load_checkpoint(path, tag=CHECKPOINT_TAG)`` reads it
+back into a runner of the same plan.
+
+Supported in this version: ``trainer.fit`` with a given Plan (``plan=``, a
+``Plan`` or a JSON path; no planning inside the strategy yet), pipelines of
+equal stage count and tp = 1 (``check_runnable``), ZeRO stage 0 or 1, fp32
+(``precision="32-true"``; DeepSpeed's CPU allreduce is fp32-only), automatic
+optimization, DeepSpeed gradient clipping (``gradient_clipping=``; refused for
+an fp32 ZeRO-0 pipeline, see ``engine.py``).
+
+Not supported yet (refused with ``ConfigError``, or not run): ``trainer.validate``,
+``test`` and ``predict``, a short last batch (use ``drop_last=True`` or a
+dataset size divisible by the global batch), resuming (``fit(ckpt_path=...)``
+is refused), ``trainer.gradient_clip_val``,
+``accumulate_grad_batches`` > 1, manual optimization, mixed precision, emulated
+device speeds, live re-planning.  The non-local layers stay (untrained) in the
+LightningModule of each rank: its ``state_dict`` is not the trained model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from typing_extensions import override
+
+from het_strategy.core.cluster import ClusterSpec, load_cluster
+from het_strategy.core.errors import field_error
+from het_strategy.core.plan import Plan
+from het_strategy.ds_runtime.engine import PlanRunner, check_runnable, init_deepspeed_distributed
+
+__all__ = ["HeteroDeepSpeedLogic", "CHECKPOINT_TAG", "PLAN_KEY"]
+
+CHECKPOINT_TAG = "checkpoint"
+"""The DeepSpeed tag ``save_checkpoint`` writes under (``<dir>/checkpoint/``)."""
+PLAN_KEY = "hetero_deepspeed_plan"
+"""The client-state key of the plan a checkpoint was trained with (``Plan.to_dict()``)."""
+
+if TYPE_CHECKING:  # at run time the registry mixes this into each Lightning package's own DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy
+else:
+    _DDPStrategy = object
+
+_CLASSES = {"HeteroDeepSpeedStrategy": "lightning.pytorch", "HeteroDeepSpeedStrategyPL": "pytorch_lightning"}
+
+
+def __getattr__(name: str) -> object:
+    """``HeteroDeepSpeedStrategy`` / ``...PL`` built on first access (the classes' ``__module__`` is this one)."""
+    if name in _CLASSES:
+        from het_strategy.strategy.registry import deepspeed_strategy_class
+
+        return deepspeed_strategy_class(_CLASSES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _load_plan(plan: Any) -> Plan:
+    if plan is None:
+        raise field_error("plan", None, "be a Plan or a plan JSON path (hetero_deepspeed does not plan at setup "
+                          "yet)", "e.g. het-plan ... and pass plan=<plan.json>")
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise field_error("plan", type(plan).__name__, "be a Plan or a plan JSON path")
+
+
+class HeteroDeepSpeedLogic(_DDPStrategy):
+    """A given heterogeneous Plan trained by DeepSpeed (``PlanRunner``) in Lightning's fit loop.
+
+    Args:
+        cluster: a shipped cluster name, a YAML path, a mapping or a ``ClusterSpec``
+            holding every device the plan names.
+        plan: the ``Plan`` (or its JSON path) to run; required in this version.
+        zero_stage: ``None`` keeps the plan's; 0 or 1 overrides it.
+        gradient_clipping: DeepSpeed's ``gradient_clipping`` (0 = off).
+        **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``, ...).
+
+    See the module docstring for what the LightningModule provides and what is supported.
+    """
+
+    strategy_name = "hetero_deepspeed"
+
+    def __init__(self, cluster: str | Path | ClusterSpec | dict | None = None, plan: str | Path | Plan | None = None,
+                 zero_stage: int | None = None, gradient_clipping: float = 0.0, **ddp_kwargs: Any) -> None:
+        if cluster is None:
+            raise field_error("cluster", None, "be a shipped cluster name, a YAML path, a mapping or a ClusterSpec")
+        spec = load_cluster(cluster)
+        loaded = _load_plan(plan)
+        if zero_stage is not None:
+            if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
+                raise field_error("zero_stage", zero_stage, "be 0, 1 or None (the plan's)")
+            loaded = dataclasses.replace(loaded, zero_stage=zero_stage)
+        if loaded.zero_stage not in (0, 1):
+            raise field_error("plan.zero_stage", loaded.zero_stage, "be 0 or 1 in this version",
+                              "pass zero_stage=0 or 1")
+        if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
+                or not gradient_clipping >= 0 or gradient_clipping == float("inf"):
+            raise field_error("gradient_clipping", gradient_clipping, "be a finite number >= 0 (0 = off)")
+        if loaded.dtype != "fp32":
+            raise field_error("plan.dtype", loaded.dtype, "be fp32 in this version (DeepSpeed's CPU allreduce "
+                              "is fp32-only; mixed precision is not wired up yet)")
+        names = {d.name for d in spec.devices}
+        missing = [d for d in loaded.used_devices if d not in names]
+        if missing:
+            raise field_error("plan.cluster_devices", missing, f"name devices of cluster `{spec.name}`",
+                              "pass the cluster the plan was made for")
+        check_runnable(loaded, None, gradient_clipping=float(gradient_clipping))
+        super().__init__(**ddp_kwargs)
+        self.cluster: ClusterSpec = spec
+        self.plan: Plan = loaded
+        self.gradient_clipping = float(gradient_clipping)
+        self.runner: PlanRunner | None = None
+        self.last_loss: float | None = None
+
+    # -- setup ------------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # Lightning's process group (gloo on CPU); DeepSpeed wraps it
+        init_deepspeed_distributed()
+        check_runnable(self.plan, self.world_size, gradient_clipping=self.gradient_clipping)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        fn = getattr(trainer.state.fn, "value", trainer.state.fn)
+        if fn != "fit":
+            raise field_error("trainer function", fn, "be fit (hetero_deepspeed has no validate/test/predict yet)")
+        precision = self.precision_plugin.precision
+        if precision != "32-true":
+            raise field_error("precision", precision, "be 32-true (fp32) in this version")
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise field_error("automatic_optimization", False, "be true (the strategy makes the step)")
+        if trainer.gradient_clip_val:
+            raise field_error("Trainer.gradient_clip_val", trainer.gradient_clip_val, "be unset",
+                              "pass HeteroDeepSpeedStrategy(gradient_clipping=...)")
+        if trainer.accumulate_grad_batches != 1:
+            raise field_error("Trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
+                              "be 1 (the plan's micro-batches are the accumulation)")
+        for hook in ("pipeline_layers", "pipeline_loss"):
+            if not callable(getattr(module, hook, None)):
+                raise field_error(f"LightningModule.{hook}", None, "be defined (see het_strategy.ds_runtime.strategy)")
+        super().setup(trainer)
+
+    @override
+    def configure_ddp(self) -> None:
+        """Replaces DDPStrategy's: no DDP wrapper; DeepSpeed reduces the gradients (the runner is built with the
+        optimizer, in ``setup_optimizers``)."""
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise field_error("configure_optimizers", f"{len(self.optimizers)} optimizers", "return exactly one")
+        module = self.lightning_module
+        layers = list(module.pipeline_layers())
+        optimizer = self.optimizers[0]
+        self.runner = PlanRunner(self.plan, layers, module.pipeline_loss, lambda params: _keep_only(optimizer, params),
+                                 gradient_clipping=self.gradient_clipping)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Replaces DDPStrategy's: every rank iterates the whole dataset in one order (PlanRunner slices)."""
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        batch_size = getattr(dataloader, "batch_size", None)
+        if batch_size is not None and batch_size != self.plan.global_batch_size:
+            raise field_error("DataLoader.batch_size", batch_size,
+                              f"equal the plan's global_batch_size ({self.plan.global_batch_size}): every rank "
+                              "loads the whole global batch")
+        return dataloader
+
+    # -- steps ------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Replaces Strategy.training_step: PlanRunner runs forward, backward and step of the global batch."""
+        assert self.runner is not None
+        inputs, labels = _pair(args[0] if args else kwargs["batch"], "training batch")
+        self.last_loss = self.runner.train_step(inputs, labels)
+        loss = torch.tensor(self.last_loss)
+        self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True,
+                                  batch_size=self.plan.global_batch_size)
+        return loss
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Replaces Strategy.backward: the backward already ran inside ``training_step``."""
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Replaces DDPStrategy.optimizer_step: the closure runs ``training_step``, which makes the DeepSpeed step."""
+        return closure()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Replaces Strategy.validation_step: ``PlanRunner.eval_step`` on the global batch (the module is partial)."""
+        assert self.runner is not None
+        inputs, labels = _pair(args[0] if args else kwargs["batch"], "validation batch")
+        loss = torch.tensor(self.runner.eval_step(inputs, labels))
+        # the same value on every rank: no sync_dist needed
+        self.lightning_module.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True,
+                                  batch_size=self.plan.global_batch_size, sync_dist=False)
+        return loss
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Replaces Strategy's: the module's state is partial here; DeepSpeed saves each stage's layers."""
+        return {}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Replaces Strategy's: DeepSpeed saves the optimizer state (partitioned under ZeRO 1)."""
+        return {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Replaces DDPStrategy's (rank 0 writes one file): every rank saves its share, through DeepSpeed, into
+        the directory ``filepath`` (tag ``CHECKPOINT_TAG``); Lightning's own entries ride as client state."""
+        if storage_options is not None:
+            raise field_error("storage_options", type(storage_options).__name__,
+                              "be None (DeepSpeed writes the checkpoint directory itself)")
+        assert self.runner is not None
+        client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        client[PLAN_KEY] = self.plan.to_dict()
+        self.runner.engine.save_checkpoint(str(filepath), tag=CHECKPOINT_TAG, client_state=client)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Replaces Strategy's: resuming (``fit(ckpt_path=...)``) is not supported yet."""
+        raise field_error("ckpt_path", str(checkpoint_path), "be None (hetero_deepspeed cannot resume yet)",
+                          f"load weights with strategy.runner.engine.load_checkpoint(path, tag={CHECKPOINT_TAG!r})")
+
+
+def _pair(batch: Any, where: str) -> tuple[Any, Any]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise field_error(where, type(batch).__name__, "be (inputs, labels)")
+    return batch[0], batch[1]
+
+
+def _keep_only(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    """``optimizer`` with only ``params`` (this rank's) left in its param groups, in place (schedulers keep it)."""
+    local = list(params)
+    ids = {id(p) for p in local}
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not ids <= held:
+        raise field_error("configure_optimizers", "an optimizer without some of this rank's parameters",
+                          "build the optimizer over self.parameters(), which must own pipeline_layers()")
+    if optimizer.state:
+        raise field_error("configure_optimizers", "an optimizer with state", "return a fresh optimizer")
+    groups = []
+    for g in optimizer.param_groups:
+        g["params"] = [p for p in g["params"] if id(p) in ids]
+        if g["params"]:
+            groups.append(g)
+    optimizer.param_groups = groups
+    return optimizer

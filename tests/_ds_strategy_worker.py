@@ -1,0 +1,125 @@
+"""Rank 0 of the Trainer test: ``python _ds_strategy_worker.py OUT_DIR ZERO_STAGE [pipe|badbatch]`` runs fit.
+
+Lightning's subprocess launcher starts ranks 1..3 by re-running this command
+line.  DS_ACCELERATOR=cpu and MASTER_ADDR/MASTER_PORT come from the
+environment.  Model, plan and optimizer are ``_ds_engine_worker``'s; the
+dataset is ``SAMPLES`` samples, 3 global batches of 8, which Lightning shuffles
+(the same order on every rank: the strategy's one-replica DistributedSampler);
+``base.batch()`` is the validation set.  Every rank writes
+``OUT_DIR/rank{r}.json``.  ``badbatch``: one rank, a one-device plan and a
+DataLoader batch_size of 4, not 8; writes the ConfigError's field.  After fit
+``pipe`` saves ``OUT_DIR/last.ckpt`` and loads it back into the runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import _ds_engine_worker as base
+
+SAMPLES = base.STEPS * base.BATCH
+
+
+def dataset():
+    """``SAMPLES`` distinct (x, y) pairs."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(SAMPLES, base.WIDTH, generator=g, dtype=torch.float32)
+    return TensorDataset(x, torch.randn(SAMPLES, base.WIDTH, generator=g, dtype=torch.float32) * 0.5)
+
+
+def one_device_plan():
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    return Plan(cluster="local", cluster_devices=("cpu0",), model={"name": "mlp6", "num_layers": base.NUM_LAYERS},
+                global_batch_size=base.BATCH, dtype="fp32", mode="manual", zero_stage=0,
+                pipelines=(Pipeline((Stage(("cpu0",), (0, base.NUM_LAYERS)),), micro_batch_size=3,
+                                    samples=base.BATCH),))
+
+
+def main() -> None:
+    out_dir, zero_stage = sys.argv[1], int(sys.argv[2])
+    mode = sys.argv[3] if len(sys.argv) > 3 else "pipe"
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from het_strategy.ds_runtime.strategy import HeteroDeepSpeedStrategy
+
+    class PipeModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(base.build_layers())
+
+        def pipeline_layers(self):
+            return list(self.layers)
+
+        def pipeline_loss(self, outputs, labels):
+            return torch.nn.functional.mse_loss(outputs, labels)
+
+        def training_step(self, batch, batch_idx):  # required by Lightning; the strategy makes the step
+            raise AssertionError("not called under hetero_deepspeed")
+
+        def validation_step(self, batch, batch_idx):  # enables Lightning's validation loop; not called either
+            raise AssertionError("not called under hetero_deepspeed")
+
+        def configure_optimizers(self):
+            return base.optimizer(self.parameters())
+
+    class Losses(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(trainer.strategy.last_loss)
+
+    cluster = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU"}
+                                                                        for i in range(4)]}]}
+    from het_strategy.core.errors import ConfigError
+
+    one = mode == "badbatch"
+    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=one_device_plan() if one else base.pipe_plan(),
+                                       zero_stage=zero_stage)
+    data = DataLoader(dataset(), batch_size=4 if one else base.BATCH)
+    val = DataLoader(TensorDataset(*base.batch()), batch_size=base.BATCH)
+    losses = Losses()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1 if one else 4, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=1, callbacks=[losses])
+    if one:
+        try:
+            trainer.fit(PipeModel(), data, val)
+        except ConfigError as exc:
+            with open(os.path.join(out_dir, "rank0.json"), "w") as fh:
+                json.dump({"field": exc.field, "message": str(exc)}, fh)
+        return
+    trainer.fit(PipeModel(), data, val)
+    runner = strategy.runner
+    result = {"rank": trainer.global_rank, "global_step": trainer.global_step, "losses": losses.losses,
+              "logged": float(trainer.callback_metrics["train_loss"]),
+              "val_loss": float(trainer.callback_metrics["val_loss"]),
+              "params": {n: p.flatten().tolist() for n, p in runner.named_parameters().items()}}
+    # a checkpoint round trip: save (every rank), spoil this rank's weights, load them back through DeepSpeed
+    from het_strategy.ds_runtime.strategy import CHECKPOINT_TAG, PLAN_KEY
+
+    path = os.path.join(out_dir, "last.ckpt")
+    trainer.save_checkpoint(path)
+    with torch.no_grad():
+        for q in runner.engine.module.parameters():
+            q.zero_()
+    _, client = runner.engine.load_checkpoint(path, tag=CHECKPOINT_TAG)
+    result["restored"] = {n: q.flatten().tolist() for n, q in runner.named_parameters().items()}
+    result["ckpt"] = {"global_step": client["global_step"], "plan": client[PLAN_KEY] == strategy.plan.to_dict(),
+                      "loops": "loops" in client, "is_dir": os.path.isdir(path)}
+    final = os.path.join(out_dir, f"rank{trainer.global_rank}.json")
+    with open(final + ".tmp", "w") as fh:
+        json.dump(result, fh)
+    os.replace(final + ".tmp", final)  # the test polls for these files: never show a half-written one
+
+
+if __name__ == "__main__":
+    main()

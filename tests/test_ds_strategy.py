@@ -1,0 +1,172 @@
+"""``HeteroDeepSpeedStrategy``: a real ``Trainer.fit`` on an uneven 2 x 2 pipeline plan matches one process.
+
+The multiprocess case starts rank 0 of ``_ds_strategy_worker.py`` (Lightning
+launches ranks 1..3 by re-running it) and compares every rank's parameters and
+per-step losses with a single-process reference: the same layers, SGD with
+momentum, the mean MSE over all 8 samples of each global batch, the batches in
+the order of Lightning's (shuffling) training sampler with one replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("lightning")
+torch = pytest.importorskip("torch")
+
+import _ds_engine_worker as base  # noqa: E402  (tests/ is on sys.path under pytest)
+import _ds_strategy_worker as worker  # noqa: E402
+
+from het_strategy.core.errors import ConfigError  # noqa: E402
+from het_strategy.emulation.local_ranks import free_port  # noqa: E402
+
+WORKER = Path(__file__).with_name("_ds_strategy_worker.py")
+TIMEOUT_S = 120
+TOL = dict(rel=1e-6, abs=1e-6)
+CLUSTER = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU"}
+                                                                    for i in range(4)]}]}
+
+
+def _fit(out_dir: Path, zero_stage: int, mode: str = "pipe", world: int = 4) -> list[dict]:
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK",
+                                                                 "PL_GLOBAL_SEED")}
+    env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    log = out_dir / "log.txt"
+    with open(log, "w") as fh:
+        # own session: Lightning's ranks 1..3 are its children; a hang or failure kills the whole group
+        proc = subprocess.Popen([sys.executable, str(WORKER), str(out_dir), str(zero_stage), mode], env=env, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while time.monotonic() < deadline and len(list(out_dir.glob("rank*.json"))) < world and proc.returncode == 0:
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+    files = sorted(out_dir.glob("rank*.json"))
+    if proc.returncode != 0 or len(files) != world:
+        pytest.fail(f"trainer.fit exited {proc.returncode} with {len(files)} rank files:\n{log.read_text()[-5000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _reference() -> tuple[list[float], float, dict[str, list[float]]]:
+    """One process: (loss per step, validation loss after, parameters), batches in DistributedSampler(
+    num_replicas=1) order, epoch 0."""
+    from torch.utils.data import DistributedSampler
+
+    data = worker.dataset()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    assert order != sorted(order)  # shuffled: the test would not see a wrong order otherwise
+    model = torch.nn.Sequential(*base.build_layers())
+    opt = base.optimizer(model.parameters())
+    losses = []
+    for step in range(base.STEPS):
+        x, y = data[order[step * base.BATCH:(step + 1) * base.BATCH]]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        val = float(torch.nn.functional.mse_loss(model(base.batch()[0]), base.batch()[1]))
+    return losses, val, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stage):
+    ranks = _fit(tmp_path, zero_stage)
+    ref_losses, ref_val, ref_params = _reference()
+    covered: set[str] = set()
+    for r in ranks:
+        assert r["global_step"] == base.STEPS
+        assert r["losses"] == pytest.approx(ref_losses, **TOL), f"rank {r['rank']}"
+        assert r["logged"] == pytest.approx(ref_losses[-1], rel=1e-6)
+        assert r["val_loss"] == pytest.approx(ref_val, rel=1e-6)  # validation after the last step
+        for name, values in r["params"].items():
+            assert values == pytest.approx(ref_params[name], **TOL), f"rank {r['rank']}: {name}"
+        covered |= set(r["params"])
+        assert r["restored"] == r["params"], f"rank {r['rank']}: checkpoint round trip"
+        assert r["ckpt"] == {"global_step": base.STEPS, "plan": True, "loops": True, "is_dir": True}
+    assert covered == set(ref_params)
+    # rank = stage * dp + pipeline: ranks 0, 1 hold layers [0, 4), ranks 2, 3 hold [4, 6)
+    held = [sorted({n.split(".")[0] for n in r["params"]}) for r in ranks]
+    assert held == [["0", "1", "2", "3"]] * 2 + [["4", "5"]] * 2
+
+
+@pytest.mark.multiprocess
+def test_a_loader_batch_other_than_the_global_batch_is_refused(tmp_path):
+    (result,) = _fit(tmp_path, 0, "badbatch", world=1)
+    assert result["field"] == "DataLoader.batch_size", result
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(cluster=CLUSTER), "plan"),
+    (dict(cluster=CLUSTER, plan=42), "plan"),
+    (dict(plan="PLAN"), "cluster"),
+    (dict(cluster=CLUSTER, plan="PLAN", zero_stage=2), "zero_stage"),
+    (dict(cluster=CLUSTER, plan="PLAN", gradient_clipping=-1.0), "gradient_clipping"),
+    (dict(cluster=CLUSTER, plan="PLAN", gradient_clipping=1.0), "gradient_clipping"),  # fp32 ZeRO-0 pipeline
+    (dict(cluster={"name": "two", "nodes": [{"name": "n", "devices": [{"name": "a", "type": "CPU"}]}]},
+          plan="PLAN"), "plan.cluster_devices"),
+])
+def test_bad_construction_is_refused_naming_the_field(kwargs, field):
+    from het_strategy.ds_runtime.strategy import HeteroDeepSpeedStrategy
+
+    kwargs = {k: (base.pipe_plan() if v == "PLAN" else v) for k, v in kwargs.items()}
+    with pytest.raises(ConfigError) as err:
+        HeteroDeepSpeedStrategy(**kwargs)
+    assert err.value.field == field
+    assert f"`{field}`" in str(err.value)
+
+
+def test_construction():
+    import lightning.pytorch as pl
+
+    from het_strategy.ds_runtime.strategy import HeteroDeepSpeedStrategy
+
+    s = HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=base.pipe_plan(), zero_stage=1, gradient_clipping=0.5)
+    assert isinstance(s, pl.strategies.DDPStrategy)
+    assert s.plan.zero_stage == 1 and s.strategy_name == "hetero_deepspeed"
+    assert s.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_hetero_deepspeed_is_registered_on_each_lightning_package(namespace):
+    pytest.importorskip(namespace)
+    code = "\n".join([
+        "import pickle",
+        "import het_strategy",
+        f"import {namespace} as pl",
+        "import het_strategy.ds_runtime.strategy as m",
+        "from het_strategy.core.errors import ConfigError",
+        f"cls = m.HeteroDeepSpeedStrategy{'' if namespace == 'lightning.pytorch' else 'PL'}",
+        "assert pl.strategies.StrategyRegistry['hetero_deepspeed']['strategy'] is cls",
+        "assert issubclass(cls, pl.strategies.DDPStrategy) and pickle.loads(pickle.dumps(cls)) is cls",
+        "try:",
+        "    pl.Trainer(strategy='hetero_deepspeed', accelerator='cpu', devices=1, logger=False)",
+        "    raise SystemExit('no ConfigError')",
+        "except ConfigError as exc:",
+        "    assert exc.field == 'cluster', exc",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert out.returncode == 0, out.stderr[-3000:]
