@@ -1,10 +1,21 @@
-"""Writes tests/data/checkpoint_v0.1.0.ckpt with het_strategy 0.1.0 (before the reorganisation)."""
-import datetime, sys
+"""How tests/data/checkpoint_v0.1.0.ckpt was written: het_strategy 0.1.0 (commit 71f60ba, before the reorganisation).
+
+Run from a checkout of that commit (with ``het_strategy/callbacks`` and ``het_strategy/configs`` linked to its
+top-level ``callbacks/`` and ``configs/``), with this repository's venv::
+
+    OLD=/path/to/checkout PYTHONPATH=$OLD python tests/data/make_checkpoint_v0.1.0.py OUT_DIR
+
+and copy ``OUT_DIR/epoch=0-step=3.ckpt``: 2 emulated ranks, q8 compression (state included), the straggler
+callback, 3 steps of global batch 12.  Kept for the record; the tests only load its output.
+"""
+import datetime
+import os
+import sys
 import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
-sys.path.insert(0, "/tmp/old")
+sys.path.insert(0, os.environ["OLD"])  # the 0.1.0 checkout (its tests/_strategy_worker.py)
 from tests._strategy_worker import IndexedData, Recorder
 import het_strategy
 from het_strategy.callbacks.straggler import StragglerMitigation
