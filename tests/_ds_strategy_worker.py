@@ -8,7 +8,9 @@ dataset is ``SAMPLES`` samples, 3 global batches of 8, which Lightning shuffles
 ``base.batch()`` is the validation set.  Every rank writes
 ``OUT_DIR/rank{r}.json``.  ``badbatch``: one rank, a one-device plan and a
 DataLoader batch_size of 4, not 8; writes the ConfigError's field.  After fit
-``pipe`` saves ``OUT_DIR/last.ckpt`` and loads it back into the runner.
+``pipe`` saves ``OUT_DIR/last.ckpt`` and loads it back into the runner; then a new
+Trainer + model resumes from it (``fit(ckpt_path=...)``, ``max_epochs=2``) and
+a third, of the other ZeRO stage (another plan), must be refused.
 """
 
 from __future__ import annotations
@@ -115,6 +117,26 @@ def main() -> None:
     result["restored"] = {n: q.flatten().tolist() for n, q in runner.named_parameters().items()}
     result["ckpt"] = {"global_step": client["global_step"], "plan": client[PLAN_KEY] == strategy.plan.to_dict(),
                       "loops": "loops" in client, "is_dir": os.path.isdir(path)}
+
+    # resume at the epoch boundary: a NEW Trainer, strategy and model continue from the checkpoint for epoch 2
+    resumed_losses = Losses()
+    strategy2 = HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=zero_stage)
+    trainer2 = pl.Trainer(strategy=strategy2, accelerator="cpu", devices=4, max_epochs=2, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[resumed_losses])
+    trainer2.fit(PipeModel(), data, ckpt_path=path)
+    result["resumed"] = {"global_step": trainer2.global_step, "epoch": trainer2.current_epoch,
+                         "losses": resumed_losses.losses,
+                         "params": {n: q.flatten().tolist() for n, q in strategy2.runner.named_parameters().items()}}
+    # a checkpoint of another plan (the other ZeRO stage) is refused
+    strategy3 = HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=1 - zero_stage)
+    trainer3 = pl.Trainer(strategy=strategy3, accelerator="cpu", devices=4, max_epochs=2, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer3.fit(PipeModel(), data, ckpt_path=path)
+        result["refused"] = None
+    except ConfigError as exc:
+        result["refused"] = {"field": exc.field, "message": str(exc)}
     final = os.path.join(out_dir, f"rank{trainer.global_rank}.json")
     with open(final + ".tmp", "w") as fh:
         json.dump(result, fh)

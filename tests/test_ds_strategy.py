@@ -4,7 +4,10 @@ The multiprocess case starts rank 0 of ``_ds_strategy_worker.py`` (Lightning
 launches ranks 1..3 by re-running it) and compares every rank's parameters and
 per-step losses with a single-process reference: the same layers, SGD with
 momentum, the mean MSE over all 8 samples of each global batch, the batches in
-the order of Lightning's (shuffling) training sampler with one replica.
+the order of Lightning's (shuffling) training sampler with one replica.  The
+same run then resumes from its epoch-boundary checkpoint with a new Trainer and
+model (``fit(ckpt_path=...)``, epoch 2) and compares with 6 reference steps,
+and checks that a checkpoint of another plan is refused.
 """
 
 from __future__ import annotations
@@ -65,26 +68,30 @@ def _fit(out_dir: Path, zero_stage: int, mode: str = "pipe", world: int = 4) -> 
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _reference() -> tuple[list[float], float, dict[str, list[float]]]:
+def _reference(epochs: int = 1) -> tuple[list[float], float, dict[str, list[float]]]:
     """One process: (loss per step, validation loss after, parameters), batches in DistributedSampler(
-    num_replicas=1) order, epoch 0."""
+    num_replicas=1) order of each epoch (reshuffled per epoch, as Lightning's fit loop does)."""
     from torch.utils.data import DistributedSampler
 
     data = worker.dataset()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(0)
-    order = list(sampler)
-    assert order != sorted(order)  # shuffled: the test would not see a wrong order otherwise
     model = torch.nn.Sequential(*base.build_layers())
     opt = base.optimizer(model.parameters())
     losses = []
-    for step in range(base.STEPS):
-        x, y = data[order[step * base.BATCH:(step + 1) * base.BATCH]]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    orders = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        assert order != sorted(order)  # shuffled: the test would not see a wrong order otherwise
+        orders.append(order)
+        for step in range(base.STEPS):
+            x, y = data[order[step * base.BATCH:(step + 1) * base.BATCH]]
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    assert len({tuple(o) for o in orders}) == epochs  # each epoch its own order
     with torch.no_grad():
         val = float(torch.nn.functional.mse_loss(model(base.batch()[0]), base.batch()[1]))
     return losses, val, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
@@ -107,6 +114,18 @@ def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stag
         assert r["restored"] == r["params"], f"rank {r['rank']}: checkpoint round trip"
         assert r["ckpt"] == {"global_step": base.STEPS, "plan": True, "loops": True, "is_dir": True}
     assert covered == set(ref_params)
+    # fit(ckpt_path=...) by a new Trainer and model: epoch 2 continues as one process would over 6 steps
+    ref6_losses, _, ref6_params = _reference(epochs=2)
+    for r in ranks:
+        res = r["resumed"]
+        assert res["global_step"] == 2 * base.STEPS, f"rank {r['rank']}"
+        assert res["losses"] == pytest.approx(ref6_losses[base.STEPS:], **TOL), f"rank {r['rank']}"
+        assert set(res["params"]) == set(r["params"])
+        for name, values in res["params"].items():
+            assert values == pytest.approx(ref6_params[name], **TOL), f"rank {r['rank']}: resumed {name}"
+        # a checkpoint of another plan (the other ZeRO stage) is refused, naming the field
+        assert r["refused"] is not None and r["refused"]["field"] == "ckpt_path", r["refused"]
+        assert "zero_stage" in r["refused"]["message"]
     # rank = stage * dp + pipeline: ranks 0, 1 hold layers [0, 4), ranks 2, 3 hold [4, 6)
     held = [sorted({n.split(".")[0] for n in r["params"]}) for r in ranks]
     assert held == [["0", "1", "2", "3"]] * 2 + [["4", "5"]] * 2

@@ -50,6 +50,27 @@ entries (loops, callbacks, ...) and the plan (``PLAN_KEY``) as client state;
 ``strategy.runner.engine.load_checkpoint(path, tag=CHECKPOINT_TAG)`` reads it
 back into a runner of the same plan.
 
+Resuming: ``trainer.fit(model, loader, ckpt_path=path)`` (a directory written
+by ``save_checkpoint`` / ``ModelCheckpoint``; a new Trainer and module are
+fine) continues exactly.  As in Lightning's ``DeepSpeedStrategy`` the
+checkpoint is read after ``setup`` (``restore_checkpoint_after_setup``: the
+engine is built in ``setup_optimizers``): every rank's DeepSpeed engine loads
+its stage's layers and optimizer state (``load_checkpoint(path,
+tag=CHECKPOINT_TAG)``), and the client state gives Lightning its loops,
+callbacks, LR schedulers and precision state; Lightning's own model and
+optimizer loading is skipped.  A checkpoint whose saved plan (``PLAN_KEY``)
+is not the strategy's plan (``zero_stage`` override included) is refused
+(``ConfigError`` on ``ckpt_path``, naming the plan fields that differ) before
+anything is loaded.  Resume at an epoch boundary only (a checkpoint saved
+after an epoch ended, e.g. ``trainer.save_checkpoint`` after fit or
+``ModelCheckpoint(every_n_epochs=1)``): with Lightning's usual non-stateful
+DataLoaders a mid-epoch checkpoint does not restore the position inside the
+epoch, so the batches after it would not be the ones an uninterrupted run
+sees.  Not supported: loading a checkpoint into another plan or world size
+(re-sharding), a Lightning single-file checkpoint, ``ckpt_path`` for
+``validate`` / ``test`` / ``predict``, and restoring the LightningModule's
+own full ``state_dict`` (the non-local layers stay untrained, as above).
+
 Supported in this version: ``trainer.fit`` with a given Plan (``plan=``, a
 ``Plan`` or a JSON path; no planning inside the strategy yet), pipelines of
 equal stage count and tp = 1 (``check_runnable``), ZeRO stage 0 or 1, fp32
@@ -59,8 +80,8 @@ an fp32 ZeRO-0 pipeline, see ``engine.py``).
 
 Not supported yet (refused with ``ConfigError``, or not run): ``trainer.validate``,
 ``test`` and ``predict``, a short last batch (use ``drop_last=True`` or a
-dataset size divisible by the global batch), resuming (``fit(ckpt_path=...)``
-is refused), ``trainer.gradient_clip_val``,
+dataset size divisible by the global batch), mid-epoch resuming (see above),
+``trainer.gradient_clip_val``,
 ``accumulate_grad_batches`` > 1, manual optimization, mixed precision, emulated
 device speeds, live re-planning.  The non-local layers stay (untrained) in the
 LightningModule of each rank: its ``state_dict`` is not the trained model.
@@ -280,11 +301,57 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         client[PLAN_KEY] = self.plan.to_dict()
         self.runner.engine.save_checkpoint(str(filepath), tag=CHECKPOINT_TAG, client_state=client)
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Lightning loads ``fit(ckpt_path=...)`` after ``setup``: the DeepSpeed engine that reads it is built in
+        ``setup_optimizers`` (as Lightning's own DeepSpeedStrategy does)."""
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """DeepSpeed restores the optimizer state in ``load_checkpoint`` (LR schedulers are still Lightning's)."""
+        return False
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Replaces Strategy's: resuming (``fit(ckpt_path=...)``) is not supported yet."""
-        raise field_error("ckpt_path", str(checkpoint_path), "be None (hetero_deepspeed cannot resume yet)",
-                          f"load weights with strategy.runner.engine.load_checkpoint(path, tag={CHECKPOINT_TAG!r})")
+        """Replaces Strategy's: DeepSpeed restores this rank's stage (layers and optimizer state) from the directory
+        ``checkpoint_path`` that ``save_checkpoint`` wrote; returns the client state (Lightning's loops, callbacks,
+        schedulers, ...).  A checkpoint of another plan is refused before anything is loaded."""
+        path = Path(checkpoint_path)
+        if self.runner is None:
+            raise field_error("ckpt_path", str(checkpoint_path), "be given to trainer.fit (hetero_deepspeed "
+                              "resumes only into the DeepSpeed engine that fit builds)")
+        meta = path / CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
+        if not meta.is_file():
+            raise field_error("ckpt_path", str(checkpoint_path), "be a checkpoint directory written by "
+                              f"hetero_deepspeed's save_checkpoint (no {CHECKPOINT_TAG}/{meta.name} in it)")
+        saved = torch.load(meta, map_location="cpu", weights_only=False).get(PLAN_KEY)
+        mine = self.plan.to_dict()
+        if saved != mine:
+            diff = sorted(k for k in set(mine) | set(saved or {}) if (saved or {}).get(k) != mine.get(k))
+            raise field_error("ckpt_path", str(checkpoint_path), "hold a checkpoint of this strategy's plan (its "
+                              f"saved plan `{PLAN_KEY}` differs in: {', '.join(diff) or 'everything'})",
+                              "resume with the plan (and zero_stage) the checkpoint was trained with")
+        module = self.lightning_module
+        _, client = self.runner.engine.load_checkpoint(
+            str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+            load_module_strict=getattr(module, "strict_loading", True))
+        if client is None:
+            raise field_error("ckpt_path", str(checkpoint_path), "be a DeepSpeed checkpoint DeepSpeed can load "
+                              f"(tag {CHECKPOINT_TAG!r})")
+        client = dict(client)
+        client.pop(PLAN_KEY, None)
+        return client
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Replaces Strategy's: nothing to do, DeepSpeed loaded the stage's layers in ``load_checkpoint``."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Replaces Strategy's: nothing to do, DeepSpeed loaded the optimizer state in ``load_checkpoint``."""
 
 
 def _pair(batch: Any, where: str) -> tuple[Any, Any]:
