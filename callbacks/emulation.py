@@ -21,7 +21,7 @@ from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import field_error
 from het_strategy.core.workload import load_workload
 from het_strategy.emulation.padding import BatchPadding, padded_comm_hook
-from het_strategy.emulation.speeds import EmulatedCompute, emulated_seconds_per_sample, emulation_summary
+from het_strategy.emulation.speeds import emulation_summary
 from het_strategy.profiling.batch_contents import batch_length
 from het_strategy.strategy.protocol import HeteroRuntime
 
@@ -47,8 +47,7 @@ class _EmulatedDeviceLogic:
                               f"size); it has {self._cluster.num_devices}")
         workload = load_workload(self._workload_source, self._dtype)
         device = self._cluster.devices[trainer.global_rank].name
-        compute = EmulatedCompute(emulated_seconds_per_sample(self._cluster, device, workload, self._dtype))
-        self._padding = BatchPadding(compute, self._cluster, device)
+        self._padding = BatchPadding.for_device(self._cluster, device, workload, self._dtype)
         if trainer.global_rank == 0:
             print(emulation_summary(self._cluster, workload, self._dtype), flush=True)
 

@@ -42,17 +42,14 @@ _registry.register_when_imported()
 
 
 def __getattr__(name: str) -> object:
-    """``HeteroStrategy`` / ``HeteroStrategyPL``: built (and registered) on first access; None where torch or that
-    Lightning package is not installed (the planning core works without them)."""
-    namespaces = {"HeteroStrategy": "lightning.pytorch", "HeteroStrategyPL": "pytorch_lightning",
-                  "HeteroDeepSpeedStrategy": "lightning.pytorch", "HeteroDeepSpeedStrategyPL": "pytorch_lightning"}
-    if name not in namespaces:
+    """``HeteroStrategy``, ``HeteroDeepSpeedStrategy`` (and their ``...PL``): built (and registered) on first
+    access; None where torch or that Lightning package is not installed (the planning core works without them)."""
+    if name not in _registry.CLASS_NAMES:
         raise AttributeError(f"module 'het_strategy' has no attribute {name!r}")
-    if not (_installed("torch") and _installed(namespaces[name].split(".")[0])):
+    namespace = _registry.CLASS_NAMES[name][1]
+    if not (_installed("torch") and _installed(namespace.split(".")[0])):
         return None
-    if name.startswith("HeteroDeepSpeed"):
-        return _registry.deepspeed_strategy_class(namespaces[name])
-    return _registry.strategy_class(namespaces[name])
+    return _registry.class_named(name)
 
 
 def _installed(package: str) -> bool:

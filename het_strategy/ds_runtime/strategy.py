@@ -113,15 +113,13 @@ if TYPE_CHECKING:  # at run time the registry mixes this into each Lightning pac
 else:
     _DDPStrategy = object
 
-_CLASSES = {"HeteroDeepSpeedStrategy": "lightning.pytorch", "HeteroDeepSpeedStrategyPL": "pytorch_lightning"}
-
-
 def __getattr__(name: str) -> object:
     """``HeteroDeepSpeedStrategy`` / ``...PL`` built on first access (the classes' ``__module__`` is this one)."""
-    if name in _CLASSES:
-        from het_strategy.strategy.registry import deepspeed_strategy_class
+    if name.startswith("HeteroDeepSpeedStrategy"):
+        from het_strategy.strategy.registry import CLASS_NAMES, class_named
 
-        return deepspeed_strategy_class(_CLASSES[name])
+        if name in CLASS_NAMES:
+            return class_named(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -16,7 +16,8 @@ import time
 from typing import Any, Callable
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.emulation.speeds import EmulatedCompute, emulated_factor
+from het_strategy.core.workload import WorkloadSpec
+from het_strategy.emulation.speeds import EmulatedCompute, emulated_factor, emulated_seconds_per_sample
 
 __all__ = ["BatchPadding", "padded_comm_hook"]
 
@@ -33,6 +34,11 @@ class BatchPadding:
         """Seconds slept for the current batch."""
         self.target_s = 0.0
         """The current batch's emulated compute seconds (known once padded)."""
+
+    @classmethod
+    def for_device(cls, cluster: ClusterSpec, device: str, workload: WorkloadSpec, dtype: str) -> BatchPadding:
+        """The padding of ``device``: its emulated seconds per sample for ``workload`` in ``dtype``."""
+        return cls(EmulatedCompute(emulated_seconds_per_sample(cluster, device, workload, dtype)), cluster, device)
 
     def begin(self, samples: int, step: int) -> None:
         """A batch of ``samples`` starts at optimizer step ``step`` (slowdown schedules count steps)."""

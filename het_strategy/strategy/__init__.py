@@ -24,16 +24,11 @@ from het_strategy._moved_modules import moved_name
 
 __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL"]
 
-_CLASSES = {"HeteroStrategy": "lightning.pytorch", "HeteroStrategyPL": "pytorch_lightning"}
-_DEEPSPEED_CLASSES = {"HeteroDeepSpeedStrategy": "lightning.pytorch", "HeteroDeepSpeedStrategyPL": "pytorch_lightning"}
-
 
 def __getattr__(name: str) -> object:
-    if name in _CLASSES:
-        return importlib.import_module("het_strategy.strategy.registry").strategy_class(_CLASSES[name])
-    if name in _DEEPSPEED_CLASSES:
-        registry = importlib.import_module("het_strategy.strategy.registry")
-        return registry.deepspeed_strategy_class(_DEEPSPEED_CLASSES[name])
+    registry = importlib.import_module("het_strategy.strategy.registry")
+    if name in registry.CLASS_NAMES:
+        return registry.class_named(name)
     if name in ("EmulatedDeviceCallback", "EmulatedDeviceCallbackPL"):
         return moved_name("het_strategy.callbacks", name, ("emulation",), old_package=__name__)
     return moved_name(__name__, name, ("step_timing", "loaders", "registry"))

@@ -29,8 +29,7 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
 from het_strategy.emulation.padding import BatchPadding
-from het_strategy.emulation.speeds import EmulatedCompute, cluster_is_emulated, emulated_seconds_per_sample, \
-    emulation_summary
+from het_strategy.emulation.speeds import cluster_is_emulated, emulation_summary
 from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, precision_dtype, \
     shares_in_rank_order
 from het_strategy.profiling.batch_contents import first_tensor
@@ -115,9 +114,8 @@ class PlannedRun(_DDPStrategy):
         self.plan = (restored_plan(self._restored, self.cluster, global_batch, rank)
                      or self.broadcast_plan(global_batch, self.workload))
         if cluster_is_emulated(self.cluster):
-            device = self.cluster.devices[rank].name
-            compute = EmulatedCompute(emulated_seconds_per_sample(self.cluster, device, self.workload, self.dtype))
-            self.padding = BatchPadding(compute, self.cluster, device)
+            self.padding = BatchPadding.for_device(self.cluster, self.cluster.devices[rank].name, self.workload,
+                                                   self.dtype)
         if rank == 0 and self._verbose:
             self._print_plan()
 

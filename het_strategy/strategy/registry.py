@@ -20,65 +20,79 @@ import threading
 from types import ModuleType
 from typing import Any
 
-__all__ = ["NAMESPACES", "strategy_class", "deepspeed_strategy_class", "register", "register_when_imported"]
+__all__ = ["NAMESPACES", "CLASS_NAMES", "strategy_class", "deepspeed_strategy_class", "class_named", "register",
+           "register_when_imported"]
 # 0.1.0 names, reached through ``het_strategy.strategy`` with a DeprecationWarning: ``build_strategy_class``,
 # ``register_strategies`` (below)
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 _SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
-_classes: dict[str, type] = {}
+_classes: dict[tuple[str, str], type] = {}
 _lock = threading.RLock()
 
 
-def strategy_class(namespace: str) -> type:
-    """``HeteroStrategy`` (or ``HeteroStrategyPL``) on ``namespace``'s DDPStrategy; registered on first build."""
+# kind -> (module and name of the logic class, name of the built class, module it is reached from (pickling),
+# the registry entries: name -> (description, init kwargs))
+_KINDS: dict[str, tuple[str, str, str, str, dict[str, tuple[str, dict[str, Any]]]]] = {
+    "hetero": ("het_strategy.strategy.hetero", "HeteroLogic", "HeteroStrategy", "het_strategy.strategy", {
+        "hetero": ("Uneven data parallelism planned for a heterogeneous cluster (het_strategy)", {}),
+        "hetero_spawn": ("hetero with start_method='spawn'", {"start_method": "spawn"})}),
+    "hetero_deepspeed": ("het_strategy.ds_runtime.strategy", "HeteroDeepSpeedLogic", "HeteroDeepSpeedStrategy",
+                         "het_strategy.ds_runtime.strategy", {
+        "hetero_deepspeed": ("A given heterogeneous plan (uneven pipelines) run on DeepSpeed (het_strategy)", {})}),
+}
+CLASS_NAMES = {f"{built}{suffix}": (kind, namespace) for kind, (_, _, built, _, _) in _KINDS.items()
+               for namespace, suffix in _SUFFIX.items()}
+"""Public class name (``HeteroStrategy``, ``HeteroDeepSpeedStrategyPL``, ...) -> (kind, Lightning namespace)."""
+
+
+def _build(kind: str, namespace: str) -> type:
+    """The ``kind`` strategy on ``namespace``'s own DDPStrategy, built once and registered there."""
     if namespace not in _SUFFIX:
         raise ValueError(f"namespace {namespace!r} is not one of {NAMESPACES}")
     with _lock:
-        if namespace not in _classes:
-            from het_strategy.strategy.hetero import HeteroLogic
-
+        if (kind, namespace) not in _classes:
+            module_name, logic_name, built, home, _ = _KINDS[kind]
+            logic = getattr(importlib.import_module(module_name), logic_name)
             pl = importlib.import_module(namespace)
-            name = f"HeteroStrategy{_SUFFIX[namespace]}"
-            # __module__ + __qualname__ name the lazy attribute of het_strategy.strategy, so pickling (spawn) finds it
-            cls = type(name, (HeteroLogic, pl.strategies.DDPStrategy),
-                       {"__doc__": HeteroLogic.__doc__, "__module__": "het_strategy.strategy", "__qualname__": name})
-            _classes[namespace] = cls
-            register(pl, cls)
-            deepspeed_strategy_class(namespace)
-        return _classes[namespace]
+            name = f"{built}{_SUFFIX[namespace]}"
+            # __module__ + __qualname__ name the lazy attribute of ``home``, so pickling (spawn) finds the class
+            cls = type(name, (logic, pl.strategies.DDPStrategy),
+                       {"__doc__": logic.__doc__, "__module__": home, "__qualname__": name})
+            _classes[(kind, namespace)] = cls
+            _register_kind(pl, kind, cls)
+        return _classes[(kind, namespace)]
+
+
+def _register_kind(pl: ModuleType, kind: str, cls: type) -> None:
+    registry = pl.strategies.StrategyRegistry
+    for name, (description, init_kwargs) in _KINDS[kind][4].items():
+        if name not in registry:  # a second call (another import, a reload) does nothing
+            registry.register(name, cls, description=description, **init_kwargs)
+
+
+def strategy_class(namespace: str) -> type:
+    """``HeteroStrategy`` (or ``HeteroStrategyPL``) on ``namespace``'s DDPStrategy; registers ``hetero`` and
+    ``hetero_spawn`` on first build, and ``hetero_deepspeed`` beside them."""
+    cls = _build("hetero", namespace)
+    _build("hetero_deepspeed", namespace)
+    return cls
 
 
 def deepspeed_strategy_class(namespace: str) -> type:
     """``HeteroDeepSpeedStrategy`` (or ``...PL``) on ``namespace``'s DDPStrategy; ``hetero_deepspeed`` registered."""
-    if namespace not in _SUFFIX:
-        raise ValueError(f"namespace {namespace!r} is not one of {NAMESPACES}")
-    key = "deepspeed:" + namespace
-    with _lock:
-        if key not in _classes:
-            from het_strategy.ds_runtime.strategy import HeteroDeepSpeedLogic
+    return _build("hetero_deepspeed", namespace)
 
-            pl = importlib.import_module(namespace)
-            name = f"HeteroDeepSpeedStrategy{_SUFFIX[namespace]}"
-            cls = type(name, (HeteroDeepSpeedLogic, pl.strategies.DDPStrategy),
-                       {"__doc__": HeteroDeepSpeedLogic.__doc__, "__module__": "het_strategy.ds_runtime.strategy",
-                        "__qualname__": name})
-            _classes[key] = cls
-            registry = pl.strategies.StrategyRegistry
-            if "hetero_deepspeed" not in registry:
-                registry.register("hetero_deepspeed", cls, description="A given heterogeneous plan (uneven "
-                                  "pipelines) run on DeepSpeed (het_strategy)")
-        return _classes[key]
+
+def class_named(name: str) -> type:
+    """The class behind a public name of ``CLASS_NAMES`` (what the packages' lazy ``__getattr__`` return)."""
+    kind, namespace = CLASS_NAMES[name]
+    return strategy_class(namespace) if kind == "hetero" else deepspeed_strategy_class(namespace)
 
 
 def register(pl: ModuleType, cls: type) -> None:
     """Register ``hetero`` and ``hetero_spawn`` in ``pl``'s StrategyRegistry (a second call does nothing)."""
-    registry = pl.strategies.StrategyRegistry
-    if "hetero" not in registry:
-        registry.register("hetero", cls, description="Uneven data parallelism planned for a heterogeneous cluster "
-                                                     "(het_strategy)")
-    if "hetero_spawn" not in registry:
-        registry.register("hetero_spawn", cls, description="hetero with start_method='spawn'", start_method="spawn")
+    _register_kind(pl, "hetero", cls)
 
 
 def _imported(namespace: str) -> bool:
