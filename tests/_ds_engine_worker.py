@@ -1,4 +1,4 @@
-"""One rank of the PlanRunner test: ``python _ds_engine_worker.py {pipe|dp} OUT_DIR [ZERO_STAGE [CLIP]]``.
+"""One rank of the PlanRunner test: ``python _ds_engine_worker.py {pipe|dp|asym} OUT_DIR [ZERO_STAGE [CLIP]]``.
 
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and DS_ACCELERATOR=cpu
 come from the environment.  Trains ``STEPS`` steps through
@@ -22,12 +22,25 @@ MOMENTUM = 0.9
 BATCH = 8
 
 
-def batch():
+def dtype_of(mode: str):
+    """The asymmetric runtime reduces in the model's dtype, so it is checked in float64; DeepSpeed's CPU
+    allreduce (the aligned grid's) has no float64."""
+    import torch
+
+    return torch.float64 if mode == "asym" else torch.float32
+
+
+def layers(mode: str):
+    return [layer.to(dtype_of(mode)) for layer in build_layers()]
+
+
+def batch(mode: str = "pipe"):
     import torch
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float32)
-    return x, torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float32) * 0.5
+    y = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float32) * 0.5
+    return x.to(dtype_of(mode)), y.to(dtype_of(mode))
 
 
 def optimizer(params):
@@ -51,6 +64,21 @@ def pipe_plan(zero_stage: int = 0):
                 pipelines=(pipe(("cpu0", "cpu2"), 2, 5), pipe(("cpu1", "cpu3"), 2, 3)))
 
 
+def asym_plan(zero_stage: int = 0):
+    """3 replicas of different shapes on 4 ranks (plan order): rank 0 holds all 6 layers (3 samples as 2+1);
+    ranks 1 -> 2 are a pipeline split at [0, 2, 6] (4 samples as 2+2); rank 3 holds all 6 (1 sample).
+    Layers 0-1 are reduced over ranks (0, 1, 3), layers 2-5 over (0, 2, 3)."""
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    return Plan(cluster="local", cluster_devices=("cpu0", "cpu1", "cpu2", "cpu3"),
+                model={"name": "mlp6", "num_layers": NUM_LAYERS}, global_batch_size=BATCH, dtype="fp32",
+                mode="manual", zero_stage=zero_stage,
+                pipelines=(Pipeline((Stage(("cpu0",), (0, NUM_LAYERS)),), micro_batch_size=2, samples=3),
+                           Pipeline((Stage(("cpu1",), (0, 2)), Stage(("cpu2",), (2, NUM_LAYERS))),
+                                    micro_batch_size=2, samples=4),
+                           Pipeline((Stage(("cpu3",), (0, NUM_LAYERS)),), micro_batch_size=1, samples=1)))
+
+
 def dp_plan(zero_stage: int = 0):
     """Pure DP on 2 ranks: rank 0 takes 5 samples as 2+2+1, rank 1 takes 3 as one micro-batch."""
     from het_strategy.core.plan import Pipeline, Plan, Stage
@@ -69,10 +97,10 @@ def main() -> None:
 
     from het_strategy.ds_runtime.engine import PlanRunner
 
-    plan = pipe_plan(zero_stage) if mode == "pipe" else dp_plan(zero_stage)
-    runner = PlanRunner(plan, build_layers(), torch.nn.functional.mse_loss, optimizer, gradient_clipping=clip,
+    plan = {"pipe": pipe_plan, "dp": dp_plan, "asym": asym_plan}[mode](zero_stage)
+    runner = PlanRunner(plan, layers(mode), torch.nn.functional.mse_loss, optimizer, gradient_clipping=clip,
                         timeout_s=60)
-    x, y = batch()
+    x, y = batch(mode)
     result: dict = {"rank": runner.rank, "losses": [runner.train_step(x, y) for _ in range(STEPS)]}
     result["eval_loss"] = runner.eval_step(x, y)
     result["micro_batch_sizes"] = list(runner.batch.micro_batch_sizes)

@@ -29,17 +29,18 @@ from het_strategy.ds_runtime.engine import check_runnable  # noqa: E402
 WORKER = Path(__file__).with_name("_ds_engine_worker.py")
 TIMEOUT_S = 90
 TOL = dict(rel=1e-6, abs=1e-6)  # float32: DeepSpeed sums the micro-batch gradients in another order
+TOL64 = dict(rel=1e-12, abs=1e-12)  # float64 (asymmetric plans): only the summation order differs
 
 
 def _run_ranks(world: int, args: list[str], out_dir: Path) -> list[dict]:
     return run_ds_ranks(WORKER, world, args, out_dir, TIMEOUT_S)
 
 
-def _reference(clip: float = 0.0) -> tuple[list[float], float, dict[str, list[float]]]:
+def _reference(clip: float = 0.0, mode: str = "pipe") -> tuple[list[float], float, dict[str, list[float]]]:
     """One process, whole batch: (loss per step, loss after the last step, parameters)."""
-    model = torch.nn.Sequential(*worker.build_layers())
+    model = torch.nn.Sequential(*worker.layers(mode))
     opt = worker.optimizer(model.parameters())
-    x, y = worker.batch()
+    x, y = worker.batch(mode)
     losses = []
     for _ in range(worker.STEPS):
         opt.zero_grad()
@@ -54,16 +55,17 @@ def _reference(clip: float = 0.0) -> tuple[list[float], float, dict[str, list[fl
     return losses, final, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
 
 
-def _assert_matches_reference(ranks: list[dict], clip: float = 0.0) -> None:
-    ref_losses, ref_final, ref_params = _reference(clip)
+def _assert_matches_reference(ranks: list[dict], clip: float = 0.0, mode: str = "pipe") -> None:
+    ref_losses, ref_final, ref_params = _reference(clip, mode)
+    tol = TOL64 if worker.dtype_of(mode) == torch.float64 else TOL
     assert ref_losses[-1] < ref_losses[0]
     covered: set[str] = set()
     for r in ranks:
-        assert r["losses"] == pytest.approx(ref_losses, **TOL), f"rank {r['rank']}"
-        assert r["eval_loss"] == pytest.approx(ref_final, **TOL), f"rank {r['rank']}"
+        assert r["losses"] == pytest.approx(ref_losses, **tol), f"rank {r['rank']}"
+        assert r["eval_loss"] == pytest.approx(ref_final, **tol), f"rank {r['rank']}"
         assert r["global_steps"] == worker.STEPS
         for name, values in r["params"].items():
-            assert values == pytest.approx(ref_params[name], **TOL), f"rank {r['rank']}: {name}"
+            assert values == pytest.approx(ref_params[name], **tol), f"rank {r['rank']}: {name}"
         covered |= set(r["params"])
     assert covered == set(ref_params)
     # every rank of a step reports the same number (the last stage's, re-broadcast in float64)
@@ -90,6 +92,23 @@ def test_uneven_pipelines_match_one_process_on_the_global_batch(tmp_path, zero_s
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_asymmetric_replicas_match_one_process_in_float64(tmp_path, clip):
+    # Three replicas of different shapes (1 stage, 2 stages at [0, 2, 6], 1 stage) on 4 ranks, 3 + 4 + 1
+    # samples as 2+1 / 2+2 / 1: uneven counts, a short last micro-batch, overlapping holder sets.
+    ranks = _run_ranks(4, ["asym", "0", str(clip)], tmp_path)
+    assert [r["micro_batch_sizes"] for r in ranks] == [[2, 1], [2, 2], [2, 2], [1]]
+    held = [sorted(int(n.split(".")[0]) for n in r["params"] if n.endswith("weight")) for r in ranks]
+    assert held == [list(range(6)), [0, 1], [2, 3, 4, 5], list(range(6))]
+    if clip:
+        model = torch.nn.Sequential(*worker.layers("asym"))
+        x, y = worker.batch("asym")
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")) > clip  # clipping is active
+    _assert_matches_reference(ranks, clip, "asym")
+
+
+@pytest.mark.multiprocess
 def test_uneven_pure_data_parallel_matches_one_process(tmp_path):
     # rank 0: 5 samples as 2+2+1 (gas 3); rank 1: 3 samples as one micro-batch (gas 1)
     ranks = _run_ranks(2, ["dp", "0"], tmp_path)
@@ -97,10 +116,10 @@ def test_uneven_pure_data_parallel_matches_one_process(tmp_path):
     _assert_matches_reference(ranks)
 
 
-def _plan(pipelines, zero_stage=0, devices=8):
+def _plan(pipelines, zero_stage=0, devices=8, dtype="fp32"):
     return Plan(cluster="local", cluster_devices=tuple(f"d{i}" for i in range(devices)),
                 model={"name": "mlp6", "num_layers": 6}, global_batch_size=sum(p.samples for p in pipelines),
-                dtype="fp32", mode="manual", zero_stage=zero_stage, pipelines=tuple(pipelines))
+                dtype=dtype, mode="manual", zero_stage=zero_stage, pipelines=tuple(pipelines))
 
 
 def _pipe(devs, bounds, micro=2, samples=4):
@@ -110,10 +129,12 @@ def _pipe(devs, bounds, micro=2, samples=4):
 
 
 @pytest.mark.parametrize("plan, field, world", [
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), "plan.pipelines[].stages", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), "plan.zero_stage", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16"), "plan.dtype", None),
     (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])]), "plan.pipelines[0].stages[0].devices", None),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])]), "plan.pipelines[1].stages[].layers",
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])], zero_stage=1), "plan.zero_stage",
      None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), "WORLD_SIZE", 4),
     (_plan([_pipe(["d0"], [0, 6], micro=2, samples=4), _pipe(["d1"], [0, 6], micro=1, samples=4)], zero_stage=2),
      "plan.pipelines[].num_micro_batches", None),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])]), "WORLD_SIZE", 2),
@@ -130,8 +151,19 @@ def test_zero0_pipeline_clipping_is_refused():
     with pytest.raises(ConfigError, match="stage 0's gradient norm") as err:
         check_runnable(plan, 4, gradient_clipping=1.0)
     assert err.value.field == "gradient_clipping"
-    assert check_runnable(plan, 4) == [0, 3, 6]
-    assert check_runnable(_plan(plan.pipelines, zero_stage=1), 4, gradient_clipping=1.0) == [0, 3, 6]
+    assert check_runnable(plan, 4).parts == ((0, 3, 6),) * 2
+    assert check_runnable(_plan(plan.pipelines, zero_stage=1), 4, gradient_clipping=1.0).is_aligned
+
+
+def test_asymmetric_plans_are_runnable_at_zero_0_with_clipping():
+    # replicas of different lengths and boundaries: each its own grid, the runtime clips by the global norm
+    plan = _plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6]), _pipe(["d3", "d4"], [0, 4, 6])])
+    layout = check_runnable(plan, 5, gradient_clipping=1.0)
+    assert not layout.is_aligned
+    assert layout.stage_ranks == ((0, 1), (2,), (3, 4))
+    assert layout.holders(0) == (0, 2, 3) and layout.holders(3) == (1, 2, 3) and layout.holders(5) == (1, 2, 4)
+    assert layout.holder_sets == ((0, 2, 3), (1, 2, 3), (1, 2, 4))
+    assert layout.layers_by_holders(2) == [((0, 2, 3), [0, 1, 2]), ((1, 2, 3), [3]), ((1, 2, 4), [4, 5])]
 
 
 def test_importing_the_engine_does_not_import_deepspeed():

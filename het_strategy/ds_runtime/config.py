@@ -262,21 +262,32 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     force it on or off.  DeepSpeed offloads only through ZeRO, so offload on a
     ZeRO-0 plan emits stage 1 (which only lowers memory).
 
-    Refused: plans DeepSpeed's engine cannot run (unequal stage counts, tp > 1)
-    and pipeline plans at ZeRO-2/3 (the pipeline engine asserts against them).
+    Asymmetric plans (replicas with different boundaries) run each replica as
+    its own one-replica grid (``ds_runtime.replica_engine``): their
+    ``train_batch_size`` is ``micro * gas`` and ``gradient_clipping`` is 0 (the
+    runtime clips by the global norm after its own reduction).
+
+    Refused: tp > 1 (no tensor parallelism), asymmetric plans at ZeRO >= 1 or
+    with offload, and pipeline plans at ZeRO-2/3 (the pipeline engine asserts
+    against them).
     """
     _check_settings(plan, settings)
-    if not _deepspeed_runnable(plan):
+    tps = [[s.tp for s in p.stages] for p in plan.pipelines]
+    if any(t != 1 for row in tps for t in row):
         raise ConfigError(
-            f"DeepSpeed's engine cannot run this plan: pipelines have {[len(p.stages) for p in plan.pipelines]} "
-            f"stages and tp degrees {[[s.tp for s in p.stages] for p in plan.pipelines]}; it needs the same number "
-            "of stages in every pipeline and tp = 1 (re-plan with max_tp=1 and mode dp or pipeline)",
-            field="plan.pipelines")
+            f"this runtime cannot run the plan: stages have tp degrees {tps}; it has no tensor parallelism, "
+            "so every stage holds one device (re-plan with max_tp=1)", field="plan.pipelines[].stages[].devices")
+    aligned = _deepspeed_runnable(plan)
+    if not aligned and plan.zero_stage != 0:
+        raise field_error("plan.zero_stage", plan.zero_stage,
+                          "be 0 for an asymmetric plan (replicas with different stage boundaries hold different "
+                          "parameter sets, so no data-parallel group exists for ZeRO to shard the optimizer over)",
+                          "use zero_stage 0, or re-plan with mode pipeline (shared boundaries)")
     if len(plan.pipelines[0].stages) > 1 and plan.zero_stage >= 2:
         raise field_error("plan.zero_stage", plan.zero_stage,
                           "be 0 or 1 for a pipeline plan (DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with "
                           "pipeline parallelism)")
-    if (len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
+    if (aligned and len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
             and rank in (None, 0)):
         # Measured with DeepSpeed 0.19: this path clips by the norm of stage 0's gradients only
         # (clip_grad_norm_ counts non-tensor-parallel parameters on model-parallel rank 0 alone, and a
@@ -290,8 +301,12 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     rb = batches[r]
     micro = max(rb.micro_batch_sizes)
     gas = rb.gradient_accumulation_steps
-    dp = plan.num_pipelines
+    # An asymmetric plan runs each replica as its own one-replica DeepSpeed grid (ds_runtime.replica_engine)
+    dp = plan.num_pipelines if aligned else 1
     off_optim, off_params = _offload_choice(plan, score, offload, cost_model)
+    if off_optim and not aligned:
+        raise field_error("offload", offload, "be off for an asymmetric plan (DeepSpeed offloads only through "
+                          "ZeRO, which an asymmetric plan cannot use)", "re-plan within the devices' memory")
     zero: dict[str, Any] = {"stage": plan.zero_stage}
     if off_optim:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -304,7 +319,8 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         "train_batch_size": micro * gas * dp,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": float(gradient_clipping),
+        # asymmetric: the runtime clips by the global norm itself, after its own gradient reduction
+        "gradient_clipping": float(gradient_clipping) if aligned else 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": plan.dtype == "bf16"},
         "fp16": {"enabled": plan.dtype == "fp16"},

@@ -56,7 +56,8 @@ import torch
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.train_settings import TrainSettings
-from het_strategy.ds_runtime.config import deepspeed_config, pipeline_parts, rank_batches, rank_layout
+from het_strategy.ds_runtime.config import deepspeed_config, rank_batches, rank_layout
+from het_strategy.ds_runtime.replicas import ReplicaLayout, replica_layout
 
 __all__ = ["init_deepspeed_distributed", "check_runnable", "PlanRunner"]
 
@@ -92,29 +93,39 @@ def init_deepspeed_distributed(timeout_s: float = 300.0) -> None:
                                timeout=timedelta(seconds=float(timeout_s)))
 
 
-def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clipping: float = 0.0) -> list[int]:
-    """Refuse (``ConfigError``) plans DeepSpeed cannot run exactly; returns the shared boundaries."""
-    counts = [len(p.stages) for p in plan.pipelines]
-    if len(set(counts)) > 1:
-        raise field_error("plan.pipelines[].stages", counts,
-                          "have the same length in every pipeline (DeepSpeed's topology is one grid of "
-                          "stages x data-parallel replicas)", "re-plan with mode pipeline or dp")
+def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clipping: float = 0.0) -> ReplicaLayout:
+    """Refuse (``ConfigError``) plans this runtime cannot run exactly; returns the plan's replica layout.
+
+    Aligned plans (every replica the same boundaries) run on DeepSpeed's own
+    grid; asymmetric ones on ``replica_engine`` (ZeRO 0 only).
+    """
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             if stage.tp != 1:
                 raise field_error(f"plan.pipelines[{p}].stages[{s}].devices", list(stage.devices),
                                   "hold one device (tp = 1; this runtime has no tensor parallelism)",
                                   "re-plan with max_tp=1")
-    parts = pipeline_parts(plan)
+    layout = replica_layout(plan)
+    counts = [len(p.stages) for p in plan.pipelines]
     micro = [p.num_micro_batches for p in plan.pipelines]
+    if not layout.is_aligned:
+        if plan.zero_stage != 0:
+            raise field_error("plan.zero_stage", plan.zero_stage,
+                              "be 0 for an asymmetric plan (its replicas have different boundaries "
+                              f"{[list(q) for q in layout.parts]}, so no two ranks hold the same parameters for "
+                              "ZeRO to shard the optimizer over)", "use zero_stage 0 or re-plan with mode pipeline")
+        if plan.dtype not in ("fp32",):
+            raise field_error("plan.dtype", plan.dtype, "be fp32 for an asymmetric plan (its gradient reduction "
+                              "runs outside DeepSpeed's mixed-precision optimizers)", "use dtype fp32")
     if plan.zero_stage >= 2 and len(set(micro)) > 1:
         raise field_error("plan.pipelines[].num_micro_batches", micro,
                           f"be equal on every pipeline under ZeRO stage {plan.zero_stage} (ZeRO 2/3 reduce on "
                           "every micro-step, so replicas must run the same number)", "use zero_stage 0 or 1")
-    if counts[0] > 1 and plan.zero_stage >= 2:
+    if max(counts) > 1 and plan.zero_stage >= 2:
         raise field_error("plan.zero_stage", plan.zero_stage, "be 0 or 1 for a pipeline plan "
                           "(DeepSpeed: ZeRO 2/3 are incompatible with pipeline parallelism)")
-    if counts[0] > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0:
+    if (layout.is_aligned and counts[0] > 1 and plan.zero_stage == 0 and plan.dtype == "fp32"
+            and gradient_clipping > 0):
         raise field_error("gradient_clipping", gradient_clipping,
                           "be 0 for an fp32 ZeRO-0 pipeline plan (DeepSpeed 0.19 clips it by stage 0's "
                           "gradient norm only, not the global norm)", "use zero_stage 1 to clip")
@@ -122,7 +133,7 @@ def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clippi
     if world_size is not None and world_size != devices:
         raise field_error("WORLD_SIZE", world_size, f"equal the plan's device count ({devices})",
                           "start one process per device the plan uses")
-    return parts
+    return layout
 
 
 class _MicroWeightedLoss:
@@ -178,25 +189,37 @@ class PlanRunner:
         init_deepspeed_distributed(timeout_s)
         self.rank = ds_dist.get_rank()
         self.world_size = ds_dist.get_world_size()
-        self.parts = check_runnable(plan, self.world_size, gradient_clipping=gradient_clipping)
+        self.layout = check_runnable(plan, self.world_size, gradient_clipping=gradient_clipping)
         self.plan = plan
         self.assignment = rank_layout(plan)[self.rank]
         self.batch = rank_batches(plan)[self.rank]
-        self.num_stages = len(self.parts) - 1
         self.loss_fn = loss_fn
         p = self.assignment.pipeline
+        self.num_stages = len(plan.pipelines[p].stages)
         self.sample_start = sum(q.samples for q in plan.pipelines[:p])
+        self.reducer = None
+        """The holder-set gradient reduction of an asymmetric plan (``None`` on DeepSpeed's own grid)."""
 
         cfg = deepspeed_config(plan, settings, rank=self.rank, gradient_clipping=gradient_clipping)
         if plan.zero_stage > 0:
             cfg["zero_allow_untested_optimizer"] = True  # the caller's optimizer is a choice, not a mistake
         cfg.update(ds_config_overrides or {})
         self.ds_config = cfg
+        weighted = _MicroWeightedLoss(loss_fn)
 
+        if not self.layout.is_aligned:
+            from het_strategy.ds_runtime.replica_engine import build_replica_engine
+
+            self.engine, self.module, self.reducer = build_replica_engine(
+                self.layout, self.rank, layers, weighted, optimizer_factory, cfg,
+                gradient_clipping=gradient_clipping, activation_checkpoint_interval=activation_checkpoint_interval)
+            self.optimizer = self.engine.optimizer
+            return
+        parts = list(self.layout.parts[0])
         if self.num_stages > 1:
             from het_strategy.ds_runtime.config import hetero_pipeline_module
 
-            module = hetero_pipeline_module(list(layers), self.parts, loss_fn=_MicroWeightedLoss(loss_fn),
+            module = hetero_pipeline_module(list(layers), parts, loss_fn=weighted,
                                             activation_checkpoint_interval=activation_checkpoint_interval,
                                             dynamic_shape=True)
         else:
@@ -210,7 +233,8 @@ class PlanRunner:
     # -- helpers ------------------------------------------------------------------------------
     @property
     def is_pipeline(self) -> bool:
-        return self.num_stages > 1
+        """Run through a pipeline engine (every replica of an asymmetric plan is one, even a one-stage one)."""
+        return self.num_stages > 1 or self.reducer is not None
 
     def _micro_batches(self, inputs: Any, labels: torch.Tensor, where: str) -> list[tuple[Any, Any, int, float]]:
         """This rank's ``(x_k, y_k, m_k, w_k)``, cut from the global batch (invariant 2)."""
@@ -233,13 +257,23 @@ class PlanRunner:
         return [(x, (y, self._weight(w, y))) for x, y, _, w in micro]
 
     def _from_last_stage(self, value: torch.Tensor | None) -> float:
-        """The last stage's scalar on every stage of this pipeline, in float64 (invariant 6)."""
+        """The global-batch value on every rank, in float64 (invariant 6).
+
+        Aligned plans: DeepSpeed already averaged the last stage's value over
+        replicas; it is broadcast along the pipeline.  Asymmetric plans: each
+        replica's last stage holds its own ``(1/gas_r) sum_k w_k L_k``; the mean
+        over replicas is a sum over the world of ``value / replicas``.
+        """
         import deepspeed.comm as ds_dist
 
         eng = self.engine
         t = torch.zeros(1, dtype=torch.float64, device=eng.device)
         if eng.is_last_stage():
             t.fill_(float(value))
+        if self.reducer is not None:
+            t.div_(self.layout.num_replicas)
+            ds_dist.all_reduce(t)
+            return float(t.item())
         ds_dist.broadcast(t, src=eng.grid.stage_to_global(self.num_stages - 1),
                           group=eng.grid.get_pipe_parallel_group())
         return float(t.item())
