@@ -84,8 +84,8 @@ def main() -> None:
     from het_strategy.core.errors import ConfigError
 
     one = mode == "badbatch"
-    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=one_device_plan() if one else base.pipe_plan(),
-                                       zero_stage=zero_stage)
+    plan = one_device_plan() if one else base.asym_plan() if mode == "asym" else base.pipe_plan()
+    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
     data = DataLoader(dataset(), batch_size=4 if one else base.BATCH)
     val = DataLoader(TensorDataset(*base.batch()), batch_size=base.BATCH)
     losses = Losses()
@@ -113,14 +113,14 @@ def main() -> None:
     with torch.no_grad():
         for q in runner.engine.module.parameters():
             q.zero_()
-    _, client = runner.engine.load_checkpoint(path, tag=CHECKPOINT_TAG)
+    _, client = runner.load_checkpoint(path, CHECKPOINT_TAG)
     result["restored"] = {n: q.flatten().tolist() for n, q in runner.named_parameters().items()}
     result["ckpt"] = {"global_step": client["global_step"], "plan": client[PLAN_KEY] == strategy.plan.to_dict(),
                       "loops": "loops" in client, "is_dir": os.path.isdir(path)}
 
     # resume at the epoch boundary: a NEW Trainer, strategy and model continue from the checkpoint for epoch 2
     resumed_losses = Losses()
-    strategy2 = HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=zero_stage)
+    strategy2 = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
     trainer2 = pl.Trainer(strategy=strategy2, accelerator="cpu", devices=4, max_epochs=2, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           callbacks=[resumed_losses])
@@ -128,8 +128,9 @@ def main() -> None:
     result["resumed"] = {"global_step": trainer2.global_step, "epoch": trainer2.current_epoch,
                          "losses": resumed_losses.losses,
                          "params": {n: q.flatten().tolist() for n, q in strategy2.runner.named_parameters().items()}}
-    # a checkpoint of another plan (the other ZeRO stage) is refused
-    strategy3 = HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=1 - zero_stage)
+    # a checkpoint of another plan (the other ZeRO stage; for the asymmetric plan, the aligned one) is refused
+    strategy3 = (HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=0) if mode == "asym" else
+                 HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=1 - zero_stage))
     trainer3 = pl.Trainer(strategy=strategy3, accelerator="cpu", devices=4, max_epochs=2, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     try:

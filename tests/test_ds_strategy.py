@@ -98,9 +98,10 @@ def _reference(epochs: int = 1) -> tuple[list[float], float, dict[str, list[floa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stage):
-    ranks = _fit(tmp_path, zero_stage)
+@pytest.mark.parametrize("zero_stage, mode", [(0, "pipe"), (1, "pipe"), (0, "asym")])
+def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stage, mode):
+    # pipe: 2 aligned pipelines x 2 stages; asym: 3 replicas of different shapes (see _ds_engine_worker)
+    ranks = _fit(tmp_path, zero_stage, mode)
     ref_losses, ref_val, ref_params = _reference()
     covered: set[str] = set()
     for r in ranks:
@@ -125,10 +126,12 @@ def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stag
             assert values == pytest.approx(ref6_params[name], **TOL), f"rank {r['rank']}: resumed {name}"
         # a checkpoint of another plan (the other ZeRO stage) is refused, naming the field
         assert r["refused"] is not None and r["refused"]["field"] == "ckpt_path", r["refused"]
-        assert "zero_stage" in r["refused"]["message"]
-    # rank = stage * dp + pipeline: ranks 0, 1 hold layers [0, 4), ranks 2, 3 hold [4, 6)
-    held = [sorted({n.split(".")[0] for n in r["params"]}) for r in ranks]
-    assert held == [["0", "1", "2", "3"]] * 2 + [["4", "5"]] * 2
+        assert ("pipelines" if mode == "asym" else "zero_stage") in r["refused"]["message"]
+    held = [sorted({int(n.split(".")[0]) for n in r["params"]}) for r in ranks]
+    if mode == "asym":  # plan order: rank 0 all, ranks 1 -> 2 split at 2, rank 3 all
+        assert held == [list(range(6)), [0, 1], [2, 3, 4, 5], list(range(6))]
+    else:  # rank = stage * dp + pipeline: ranks 0, 1 hold layers [0, 4), ranks 2, 3 hold [4, 6)
+        assert held == [[0, 1, 2, 3]] * 2 + [[4, 5]] * 2
 
 
 @pytest.mark.multiprocess

@@ -105,8 +105,9 @@ def rank_layout(plan: Plan) -> list[RankAssignment]:
     are adjacent (DeepSpeed keeps the gradient allreduce on the fast links).
     Pure data parallelism is the case of one stage: one rank per pipeline in
     plan order.  Other plans (uneven stage counts or tp > 1) are numbered in
-    plan order (pipeline, stage, tp rank); DeepSpeed's engine cannot run them,
-    but the layout still names every device.
+    plan order (pipeline, stage, tp rank): ``replica_engine`` runs each
+    replica of uneven stage counts as its own grid; tp > 1 is named here but
+    not run.
     """
     out: list[RankAssignment] = []
     if _deepspeed_runnable(plan):

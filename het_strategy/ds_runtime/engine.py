@@ -49,6 +49,7 @@ Import cost: torch at module level, deepspeed only inside functions.
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -323,6 +324,28 @@ class PlanRunner:
         finally:
             eng.train()
         return self._dp_mean(total)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_dir(self, path: str | Path, replica: int | None = None) -> Path:
+        """Where a replica's DeepSpeed checkpoint lives under ``path`` (this rank's replica by default).
+
+        Aligned plans: ``path`` itself (DeepSpeed names the files by stage and
+        data-parallel rank).  Asymmetric plans: ``path/replica{p}``: every
+        replica is its own one-replica grid, so two replicas would otherwise
+        write the same file names (stage ``s``'s model and optimizer states)
+        for different layers.
+        """
+        if self.reducer is None:
+            return Path(path)
+        return Path(path) / f"replica{self.assignment.pipeline if replica is None else replica}"
+
+    def save_checkpoint(self, path: str | Path, tag: str, client_state: dict[str, Any]) -> None:
+        """Every rank writes its share (layers, optimizer state) through DeepSpeed; collective over the world."""
+        self.engine.save_checkpoint(str(self.checkpoint_dir(path)), tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, path: str | Path, tag: str, **kwargs: Any) -> tuple[Any, Any]:
+        """``engine.load_checkpoint`` from this rank's ``checkpoint_dir``: ``(load_path, client_state)``."""
+        return self.engine.load_checkpoint(str(self.checkpoint_dir(path)), tag=tag, **kwargs)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by their name in the full model (a stage holds its layers' names)."""

@@ -73,10 +73,13 @@ own full ``state_dict`` (the non-local layers stay untrained, as above).
 
 Supported in this version: ``trainer.fit`` with a given Plan (``plan=``, a
 ``Plan`` or a JSON path; no planning inside the strategy yet), pipelines of
-equal stage count and tp = 1 (``check_runnable``), ZeRO stage 0 or 1, fp32
+any shape with tp = 1 (``check_runnable``): aligned replicas on DeepSpeed's
+own grid at ZeRO stage 0 or 1, asymmetric replicas (different lengths and
+boundaries, ``replica_engine.py``) at ZeRO 0, fp32
 (``precision="32-true"``; DeepSpeed's CPU allreduce is fp32-only), automatic
-optimization, DeepSpeed gradient clipping (``gradient_clipping=``; refused for
-an fp32 ZeRO-0 pipeline, see ``engine.py``).
+optimization, gradient clipping by the global norm (``gradient_clipping=``;
+DeepSpeed's for aligned plans, refused for an aligned fp32 ZeRO-0 pipeline,
+see ``engine.py``; the runtime's own for asymmetric ones).
 
 Not supported yet (refused with ``ConfigError``, or not run): ``trainer.validate``,
 ``test`` and ``predict``, a short last batch (use ``drop_last=True`` or a
@@ -297,7 +300,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         assert self.runner is not None
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         client[PLAN_KEY] = self.plan.to_dict()
-        self.runner.engine.save_checkpoint(str(filepath), tag=CHECKPOINT_TAG, client_state=client)
+        self.runner.save_checkpoint(filepath, CHECKPOINT_TAG, client)
 
     @property
     @override
@@ -321,10 +324,12 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         if self.runner is None:
             raise field_error("ckpt_path", str(checkpoint_path), "be given to trainer.fit (hetero_deepspeed "
                               "resumes only into the DeepSpeed engine that fit builds)")
-        meta = path / CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
+        # rank 0's file carries the client state; an asymmetric plan's is under replica0/ (PlanRunner.checkpoint_dir)
+        candidates = [d / CHECKPOINT_TAG / "mp_rank_00_model_states.pt" for d in (path, path / "replica0")]
+        meta = next((c for c in candidates if c.is_file()), candidates[0])
         if not meta.is_file():
             raise field_error("ckpt_path", str(checkpoint_path), "be a checkpoint directory written by "
-                              f"hetero_deepspeed's save_checkpoint (no {CHECKPOINT_TAG}/{meta.name} in it)")
+                              f"hetero_deepspeed's save_checkpoint (no {meta.relative_to(path)} in it)")
         saved = torch.load(meta, map_location="cpu", weights_only=False).get(PLAN_KEY)
         mine = self.plan.to_dict()
         if saved != mine:
@@ -333,8 +338,8 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
                               f"saved plan `{PLAN_KEY}` differs in: {', '.join(diff) or 'everything'})",
                               "resume with the plan (and zero_stage) the checkpoint was trained with")
         module = self.lightning_module
-        _, client = self.runner.engine.load_checkpoint(
-            str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+        _, client = self.runner.load_checkpoint(
+            path, CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
             load_module_strict=getattr(module, "strict_loading", True))
         if client is None:
             raise field_error("ckpt_path", str(checkpoint_path), "be a DeepSpeed checkpoint DeepSpeed can load "
