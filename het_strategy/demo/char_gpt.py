@@ -82,6 +82,30 @@ class _Block(nn.Module):
         return x + self.resid_dropout(self.mlp(self.ln_mlp(x)))
 
 
+class _Embedding(nn.Module):
+    """Pipeline layer 0 (the workload's ``embedding``): token + position embeddings of CharGPT's own modules."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding, dropout: nn.Dropout, seq_len: int) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.dropout, self.seq_len = tok_emb, pos_emb, dropout, seq_len
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.seq_len:
+            raise field_error("input.seq_len", x.shape[1], f"be <= model.seq_len ({self.seq_len})")
+        return self.dropout(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
+
+
+class _Head(nn.Module):
+    """The last pipeline layer (the workload's ``head``): final LayerNorm and LM head."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(h))
+
+
 class CharGPT(pl.LightningModule):
     """A byte-level GPT whose parameters match ``transformer_workload(self.workload_config())`` exactly.
 
@@ -142,6 +166,22 @@ class CharGPT(pl.LightningModule):
         for block in self.blocks:
             h = block(h)
         return self.lm_head(self.ln_f(h))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as the workload's layers, in order: ``[embedding, block0, ..., head]`` (``num_layers + 2``).
+
+        The same parameters as ``forward`` (the layers wrap this module's own
+        submodules), so a Plan's stage boundaries index this list and
+        ``hetero_deepspeed`` can run it as a pipeline.
+        """
+        hp = self.hparams
+        return [_Embedding(self.tok_emb, self.pos_emb, self.emb_dropout, hp.seq_len), *self.blocks,
+                _Head(self.ln_f, self.lm_head)]
+
+    @staticmethod
+    def pipeline_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy of one micro-batch (the ``hetero_deepspeed`` contract)."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

@@ -54,9 +54,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.config import deepspeed_config, rank_batches, rank_layout
 from het_strategy.ds_runtime.replicas import ReplicaLayout, replica_layout
 
@@ -180,7 +182,8 @@ class PlanRunner:
                  optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
                  settings: TrainSettings | None = None, *, gradient_clipping: float = 0.0,
                  activation_checkpoint_interval: int = 0, ds_config_overrides: dict[str, Any] | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, emulated_cluster: "ClusterSpec | None" = None,
+                 workload: "WorkloadSpec | None" = None) -> None:
         import deepspeed
         import deepspeed.comm as ds_dist
 
@@ -215,6 +218,7 @@ class PlanRunner:
                 self.layout, self.rank, layers, weighted, optimizer_factory, cfg,
                 gradient_clipping=gradient_clipping, activation_checkpoint_interval=activation_checkpoint_interval)
             self.optimizer = self.engine.optimizer
+            self._emulate(emulated_cluster, workload)
             return
         parts = list(self.layout.parts[0])
         if self.num_stages > 1:
@@ -230,6 +234,26 @@ class PlanRunner:
         self.module = module
         self.optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.optimizer, config=cfg)
+        self._emulate(emulated_cluster, workload)
+
+    def _emulate(self, cluster: "ClusterSpec | None", workload: "WorkloadSpec | None") -> None:
+        """Pad this rank's stage to its emulated device (``emulation.stage_padding``) if the cluster asks."""
+        self.padding = None
+        if cluster is None:
+            return
+        from het_strategy.emulation.speeds import cluster_is_emulated
+        from het_strategy.emulation.stage_padding import StagePadding
+
+        if not cluster_is_emulated(cluster):
+            return
+        if workload is None:
+            raise field_error("workload", None, "be given with an emulated cluster (it prices each stage)")
+        if workload.num_layers != self.layout.num_layers:
+            raise field_error("workload.num_layers", workload.num_layers,
+                              f"equal the plan's layer count ({self.layout.num_layers})")
+        self.padding = StagePadding(cluster, self.assignment.device, workload, self.layout.layers_of(self.rank),
+                                    self.plan.dtype, step=lambda: int(self.engine.global_steps))
+        self.padding.attach(self.module)
 
     # -- helpers ------------------------------------------------------------------------------
     @property

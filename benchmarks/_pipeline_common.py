@@ -1,0 +1,114 @@
+"""Run a Plan of the char GPT for real on emulated local ranks and read back its step times (benchmarks' helper).
+
+``run_plan`` starts one process per device of the plan (gloo on loopback,
+one thread each), each building ``PlanRunner`` (``hetero_deepspeed``'s
+engine) with the cluster's emulation on: every stage's forward and backward
+are padded to its emulated device's time (``emulation.stage_padding``).  The
+script is its own worker: ``python _pipeline_common.py SPEC.json``.
+
+Timing: rank 0 times each ``train_step`` (the whole global batch: every
+pipeline's schedule, the gradient reduction, the optimizer step, the loss
+broadcast); the figure is the mean over the steps after ``warmup``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def emulated_cluster(name: str, devices: list[tuple[str, float, float]], tflops: float = 0.016) -> dict[str, Any]:
+    """A one-node cluster mapping: ``(name, emulated_speed, memory_gb)`` per device, CPU at ``tflops`` x speed."""
+    return {"name": name, "inter_node_bandwidth_gbs": 1,
+            "nodes": [{"name": "local", "intra_bandwidth_gbs": 1, "devices": [
+                {"name": n, "type": "CPU", "tflops": {"fp32": tflops}, "efficiency": 1.0, "emulated_speed": speed,
+                 "memory_gb": mem} for n, speed, mem in devices]}]}
+
+
+def run_plan(plan: Any, cluster: dict[str, Any], model: dict[str, Any], steps: int, warmup: int = 2,
+             timeout_s: float = 900) -> dict[str, Any]:
+    """Train ``steps + warmup`` steps of ``plan``; rank 0's ``{"step_s", "times", "loss"}``."""
+    from het_strategy.emulation.local_ranks import free_port
+
+    world = len(plan.used_devices)
+    with tempfile.TemporaryDirectory(prefix="het_pipe_") as tmp:
+        out = Path(tmp)
+        spec = {"plan": json.loads(plan.to_json()), "cluster": cluster, "model": model, "steps": steps, "warmup": warmup,
+                "out": str(out / "result.json")}
+        (out / "spec.json").write_text(json.dumps(spec))
+        port = free_port()
+        procs, logs = [], []
+        for rank in range(world):
+            env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                       PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+            logs.append(out / f"log{rank}.txt")
+            with open(logs[-1], "w") as log:
+                procs.append(subprocess.Popen([sys.executable, __file__, str(out / "spec.json")], env=env,
+                                              stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                codes = [p.poll() for p in procs]
+                if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=10)
+        if [p.returncode for p in procs] != [0] * world:
+            tails = "\n----\n".join(path.read_text()[-2500:] for path in logs)
+            raise RuntimeError(f"ranks exited {[p.returncode for p in procs]}:\n{tails}")
+        return json.loads((out / "result.json").read_text())
+
+
+def _worker(spec_path: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.plan import Plan
+    from het_strategy.core.workload import TransformerConfig, transformer_workload
+    from het_strategy.demo.char_gpt import CharGPT
+    from het_strategy.ds_runtime.engine import PlanRunner
+
+    spec = json.loads(Path(spec_path).read_text())
+    plan = Plan.from_dict(spec["plan"])
+    cluster = load_cluster(spec["cluster"])
+    cfg = TransformerConfig(name="char_gpt", **spec["model"])
+    torch.manual_seed(0)
+    model = CharGPT.from_workload_config(cfg)
+    runner = PlanRunner(plan, model.pipeline_layers(), CharGPT.pipeline_loss,
+                        lambda params: torch.optim.AdamW(params, lr=1e-3), emulated_cluster=cluster,
+                        workload=transformer_workload(cfg, dtype="fp32"), timeout_s=120)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (plan.global_batch_size, cfg.seq_len), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (plan.global_batch_size, cfg.seq_len), generator=g)
+    times, loss = [], 0.0
+    torch.distributed.barrier()
+    for _ in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        loss = runner.train_step(x, y)
+        times.append(time.perf_counter() - t0)
+    torch.distributed.barrier()
+    if runner.rank == 0:
+        measured = times[spec["warmup"]:]
+        tmp = spec["out"] + ".tmp"
+        Path(tmp).write_text(json.dumps({"step_s": statistics.fmean(measured), "times": times, "loss": loss}))
+        os.replace(tmp, spec["out"])
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
