@@ -70,6 +70,9 @@ def run_plan(plan: Any, cluster: dict[str, Any], model: dict[str, Any], steps: i
         if [p.returncode for p in procs] != [0] * world:
             tails = "\n----\n".join(path.read_text()[-2500:] for path in logs)
             raise RuntimeError(f"ranks exited {[p.returncode for p in procs]}:\n{tails}")
+        if os.environ.get("HET_BENCH_VERBOSE"):  # each rank's per-step times, padding and reduction
+            for path in logs:
+                print("\n".join(line for line in path.read_text().splitlines() if line.startswith("rank ")))
         return json.loads((out / "result.json").read_text())
 
 
@@ -95,13 +98,18 @@ def _worker(spec_path: str) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (plan.global_batch_size, cfg.seq_len), generator=g)
     y = torch.randint(0, cfg.vocab_size, (plan.global_batch_size, cfg.seq_len), generator=g)
-    times, loss = [], 0.0
+    times, reduce_s, slept_s, loss = [], [], [], 0.0
     torch.distributed.barrier()
     for _ in range(spec["warmup"] + spec["steps"]):
+        slept = runner.padding.slept_s if runner.padding else 0.0
         t0 = time.perf_counter()
         loss = runner.train_step(x, y)
         times.append(time.perf_counter() - t0)
+        slept_s.append((runner.padding.slept_s if runner.padding else 0.0) - slept)
+        reduce_s.append(runner.reducer.last_reduce_s if runner.reducer else 0.0)
     torch.distributed.barrier()
+    if os.environ.get("HET_BENCH_VERBOSE"):
+        print(f"rank {runner.rank}: step {times} slept {slept_s} reduce {reduce_s}", file=sys.stderr, flush=True)
     if runner.rank == 0:
         measured = times[spec["warmup"]:]
         tmp = spec["out"] + ".tmp"

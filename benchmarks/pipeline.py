@@ -47,7 +47,7 @@ def with_bounds(base: Plan, devices: list[str], bounds: list[int]) -> Plan:
     stages = tuple(Stage((d,), (a, b)) for d, a, b in zip(devices, bounds, bounds[1:]))
     return Plan(cluster=base.cluster, cluster_devices=base.cluster_devices, model=base.model,
                 global_batch_size=base.global_batch_size, dtype=base.dtype, mode="manual", zero_stage=base.zero_stage,
-                pipelines=(Pipeline(stages, micro_batch_size=pipe.micro_batch_size, samples=pipe.samples),))
+                pipelines=(Pipeline(stages, micro_batch_size=pipe.micro_batch_size, samples=base.global_batch_size),))
 
 
 def describe(p: Plan) -> str:

@@ -37,6 +37,7 @@ over); fp32 or fp64 layers.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -109,11 +110,14 @@ class HolderSetReducer:
         self.gradient_clipping = float(gradient_clipping)
         self.last_norm: float | None = None
         """The global gradient norm of the last step (after the reduction, before clipping)."""
+        self.last_reduce_s = 0.0
+        """Wall seconds of the last step's reduction (waiting for the other holders included)."""
 
     @torch.no_grad()
     def __call__(self, module: torch.nn.Module) -> None:
         import deepspeed.comm as dist
 
+        t0 = time.perf_counter()
         replicas = self.layout.num_replicas
         for hs, params in _flat_groups(self.layout, self.rank, module):
             for q in params:
@@ -128,6 +132,7 @@ class HolderSetReducer:
                 k += q.numel()
         if self.gradient_clipping > 0:
             self._clip(module)
+        self.last_reduce_s = time.perf_counter() - t0
 
     def _clip(self, module: torch.nn.Module) -> None:
         import deepspeed.comm as dist

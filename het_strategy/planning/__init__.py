@@ -83,6 +83,10 @@ def score_plan(plan_: Plan, cluster: ClusterSpec, workload: WorkloadSpec, settin
     return CostModel(cluster, workload, settings, profile).score(plan_)
 
 
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= 0.1 * GiB else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def _nothing_fits_message(cm: CostModel, mode: str) -> str:
     """Say what is missing: the memory the smallest feasible layout needs vs the largest device."""
     largest = max(cm.cluster.devices, key=lambda d: d.memory_gb)
@@ -93,7 +97,7 @@ def _nothing_fits_message(cm: CostModel, mode: str) -> str:
     bounds = [round(i * L / stages) for i in range(stages + 1)]
     need = max((cm.stage_memory_bytes(a, b, 1, m, stages - s, cm.cluster.num_devices), s)
                for s, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a)
-    return (f"no {mode} plan fits in memory: the model needs {need[0] / GiB:.1f} GiB on stage {need[1]} even "
+    return (f"no {mode} plan fits in memory: the model needs {_size(need[0])} on stage {need[1]} even "
             f"when split over {stages} stages at micro-batch {m}; the largest device ({largest.name}, "
             f"{largest.type}) has {largest.memory_gb:g} GiB; try ZeRO-3 (train.zero_stage=3), activation "
             f"checkpointing (train.activation_checkpointing=true), offload, or more stages "
