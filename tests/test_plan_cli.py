@@ -126,7 +126,11 @@ def _bad_cases():
         return (["cluster=local_cpu4_mixed", "train.global_batch_size=2", "planner.mode=dp"],
                 ["`train.global_batch_size` is 2", "rank"])
 
+    def unknown_runtime(tmp):
+        return ["planner.runtime=fast"], ["`planner.runtime` is 'fast'", "any, deepspeed"]
+
     return [
+        pytest.param(unknown_runtime, id="unknown-runtime"),
         pytest.param(typ, id="unknown-device-type"),
         pytest.param(neg, id="negative-memory"),
         pytest.param(dup, id="duplicate-device-names"),

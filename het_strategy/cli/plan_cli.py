@@ -56,7 +56,7 @@ PROG = "het-plan"
 CONFIG_NAME = "plan"
 _PROFILES = (None, "sailor")
 _OUTPUT_KEYS = {"dir", "plan", "ds_config", "plot"}
-_PLANNER_KEYS = {"mode", "profile"}
+_PLANNER_KEYS = {"mode", "profile", "runtime"}
 
 _USAGE = f"""usage: {PROG} [--cfg] [key=value ...]
 
@@ -67,7 +67,7 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
   model=<name|file.yaml>        shipped: {{models}}
   train.global_batch_size=N     train.dtype=bf16|fp16|fp32   train.zero_stage=0..3
   train.max_tp=1|2|4|8          train.micro_batch_sizes=[1,2,4,8]   train.activation_checkpointing=true
-  planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor
+  planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed
   score=<plan.json>             score this plan with the same cost model instead of searching
   output.dir=.  output.plan=plan.json  output.ds_config=true  output.plot=true
 
@@ -102,17 +102,21 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     profile = _load_profile(planner.get("profile"), workload)
 
     score_path = cfg.get("score")
+    runtime_line = None
     if score_path is not None:
         plan, settings = _load_plan_to_score(str(score_path), cluster, workload, settings)
         score = CostModel(cluster, workload, settings, profile).score(plan)
         plan.predicted = score.to_dict()
     else:
-        from het_strategy.planning import plan as make_plan
+        from het_strategy.planning.runtimes import plan_for_runtime
 
         mode = planner.get("mode", "auto")
         if not isinstance(mode, str):
             raise field_error("planner.mode", mode, "be a planner name (auto, dp, pipeline, hybrid)")
-        plan = make_plan(cluster, workload, settings, mode=mode, profile=profile)
+        choice = plan_for_runtime(cluster, workload, settings, mode=mode, profile=profile,
+                                  runtime=planner.get("runtime", "any"))
+        plan = choice.plan
+        runtime_line = choice.summary() if choice.runtime != "any" else None
         score = CostModel(cluster, workload, settings, profile).score(plan)
         if not plan.predicted:
             plan.predicted = score.to_dict()
@@ -121,6 +125,8 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     written = _write_outputs(plan, score, cluster, settings, output)
     if echo:
         print(plan_table(plan, score, cluster))
+        if runtime_line:
+            print(runtime_line)
         if written:
             print("\nwrote " + ", ".join(str(p) for p in written))
     return plan, score

@@ -1,0 +1,85 @@
+"""``planner.runtime=deepspeed``: only plans hetero_deepspeed runs, and what the constraint costs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from het_strategy.cli.plan_cli import compose_plan_config, run_plan
+from het_strategy.core.cluster import load_cluster
+from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.workload import TransformerConfig, transformer_workload
+from het_strategy.planning.runtimes import plan_for_runtime, runnable_problem
+
+
+def _asym_cluster():
+    """benchmarks/pipeline_asymmetric.py's cluster: one fast device holding the model, four slow ones that cannot."""
+    devices = [("fast", 1.0, 16.0)] + [(f"slow{i}", 0.4, 0.02) for i in range(4)]
+    return load_cluster({"name": "asym", "inter_node_bandwidth_gbs": 1, "nodes": [{
+        "name": "local", "intra_bandwidth_gbs": 1, "devices": [
+            {"name": n, "type": "CPU", "tflops": {"fp32": 0.004}, "efficiency": 1.0, "emulated_speed": s,
+             "memory_gb": m} for n, s, m in devices]}]})
+
+
+def _workload():
+    return transformer_workload(TransformerConfig(name="char_gpt", num_layers=12, hidden_size=128, num_heads=4,
+                                                  seq_len=64, vocab_size=256), dtype="fp32")
+
+
+def _settings(**kw):
+    return TrainSettings(global_batch_size=8, dtype="fp32", micro_batch_sizes=(4,), memory_reserve_gb=0.0, **kw)
+
+
+def _plan(pipes, zero_stage=0, dtype="fp32"):
+    return Plan(cluster="c", cluster_devices=tuple(f"d{i}" for i in range(6)), model={"name": "m", "num_layers": 6},
+                global_batch_size=sum(p.samples for p in pipes), dtype=dtype, mode="manual", zero_stage=zero_stage,
+                pipelines=tuple(pipes))
+
+
+def _pipe(devs, bounds, samples=4):
+    return Pipeline(tuple(Stage(d if isinstance(d, tuple) else (d,), (a, b)) for d, a, b in
+                          zip(devs, bounds, bounds[1:])), micro_batch_size=2, samples=samples)
+
+
+@pytest.mark.parametrize("plan, problem", [
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), "ZeRO 1"),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16"), "bf16"),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])], zero_stage=1), None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6])], zero_stage=2), "pipeline engine"),
+    (_plan([_pipe([("d0", "d1")], [0, 6])]), "tensor parallelism"),
+])
+def test_runnable_problem_names_what_the_deepspeed_runtime_cannot_run(plan, problem):
+    got = runnable_problem(plan, "deepspeed")
+    assert (got is None) if problem is None else (problem in got)
+    assert runnable_problem(plan, "any") is None
+
+
+def test_asymmetric_best_is_runnable_at_zero_0_so_nothing_is_lost():
+    choice = plan_for_runtime(_asym_cluster(), _workload(), _settings(), mode="hybrid", runtime="deepspeed")
+    assert len({tuple(p.boundaries()) for p in choice.plan.pipelines}) > 1  # asymmetric
+    assert choice.plan is choice.unconstrained and choice.slowdown == 0.0
+    assert "0.0% slower" in choice.summary()
+
+
+def test_at_zero_1_the_runtime_takes_the_best_aligned_plan_and_says_what_it_costs():
+    cluster, workload = _asym_cluster(), _workload()
+    choice = plan_for_runtime(cluster, workload, _settings(zero_stage=1), mode="auto", runtime="deepspeed")
+    assert runnable_problem(choice.unconstrained, "deepspeed") is not None  # the unconstrained best is asymmetric
+    assert runnable_problem(choice.plan, "deepspeed") is None
+    assert len({tuple(p.boundaries()) for p in choice.plan.pipelines}) == 1
+    assert choice.slowdown > 0.05
+    assert f"{choice.slowdown * 100:.1f}% slower" in choice.summary() and "ZeRO 1" in choice.summary()
+
+
+def test_tensor_parallel_best_is_replaced_by_a_tp_1_plan():
+    # AMP's V100 + T4 cluster with tp up to 8: the best plan uses tp; the runtime keeps tp = 1 and prices it
+    args = ["cluster=amp_v100_t4", "model=gpt_small", "train.max_tp=8", "train.dtype=fp32", "output.plan=null"]
+    plan, _ = run_plan(compose_plan_config(args), echo=False)
+    assert any(s.tp > 1 for p in plan.pipelines for s in p.stages)
+    plan_ds, _ = run_plan(compose_plan_config([*args, "planner.runtime=deepspeed"]), echo=False)
+    assert runnable_problem(plan_ds, "deepspeed") is None
+    assert all(s.tp == 1 for p in plan_ds.pipelines for s in p.stages)
+    assert plan_ds.predicted["step_time_s"] > plan.predicted["step_time_s"]
