@@ -65,7 +65,9 @@ class ThroughputMonitor(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._ends.append(time.perf_counter())
-        local = trainer.strategy.current_local_samples if isinstance(trainer.strategy, HeteroRuntime) else None
+        # hetero (HeteroRuntime) and hetero_deepspeed both say how many samples this rank really uses
+        local = (trainer.strategy.current_local_samples if isinstance(trainer.strategy, HeteroRuntime)
+                 else getattr(trainer.strategy, "current_local_samples", None))
         self._samples.append(int(local) if local is not None else batch_length(batch))
 
     @override

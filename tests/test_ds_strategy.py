@@ -141,7 +141,9 @@ def test_a_loader_batch_other_than_the_global_batch_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(cluster=CLUSTER), "plan"),
+    (dict(cluster=CLUSTER), "workload"),  # no plan: the strategy plans, and needs the workload's layers
+    (dict(cluster=CLUSTER, workload="tiny_gpt"), "global_batch_size"),
+    (dict(cluster=CLUSTER, workload="tiny_gpt", global_batch_size=8, planner_mode="fast"), "planner_mode"),
     (dict(cluster=CLUSTER, plan=42), "plan"),
     (dict(plan="PLAN"), "cluster"),
     (dict(cluster=CLUSTER, plan="PLAN", zero_stage=2), "zero_stage"),

@@ -35,6 +35,12 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
     (["compression=quantize4", "+compression.bitz=4"], "compression.bitz"),
     (["strategy=ddp", "compression=adaptive"], "compression.method"),
     (["compression=zip"], "compression"),
+    (["planner.mode=pipeline"], "planner.mode"),                   # hetero plans data parallelism only
+    (["planner.mode=ring"], "planner.mode"),
+    (["strategy=hetero_deepspeed", "train.precision=bf16-mixed"], "train.precision"),
+    (["strategy=hetero_deepspeed", "train.accumulate_grad_batches=2"], "accumulate_grad_batches"),
+    (["strategy=hetero_deepspeed", "checkpoint.every_n_steps=2"], "checkpoint.every_n_steps"),
+    (["strategy=hetero_deepspeed", "compression=adaptive"], "DeepSpeed reduces"),
 ])
 def test_bad_input_is_one_line_and_exit_2(overrides: list[str], needle: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,3 +113,28 @@ def test_het_train_with_adaptive_compression_on_a_planned_slow_link(tmp_path: Pa
     (metrics,) = tmp_path.glob("csv/version_*/metrics.csv")
     header = metrics.read_text().splitlines()[0]
     assert "compression/wire_ratio" in header and "compression/bits/module.blocks.0.mlp.0.weight" in header
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_het_train_runs_a_planned_pipeline_with_the_same_updates_as_hetero(tmp_path: Path) -> None:
+    """`strategy=hetero_deepspeed planner.mode=pipeline` on the emulated (1, 0.4) pair: rank 0 plans a 2-stage
+    pipeline of the GPT's layers and broadcasts it; the run makes the same updates as `hetero` (uneven data
+    parallelism) on the same batches, so the training losses agree."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    losses = {}
+    for strategy, extra in (("hetero_deepspeed", ["planner.mode=pipeline"]), ("hetero", [])):
+        out = tmp_path / strategy
+        cmd = [sys.executable, "-m", "het_strategy.cli.train_cli", "cluster=local_cpu2_pipeline",
+               "train.max_steps=4", *TINY, "logger=none", f"strategy={strategy}", *extra, f"output.dir={out}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        losses[strategy] = summary["final_train_loss"]
+        if strategy == "hetero_deepspeed":
+            assert "plan: fast[0," in proc.stdout and "-> slow[" in proc.stdout
+            (stages,) = summary["plan_stages"]
+            assert len(stages) == 2 and summary["plan_samples"] == [16]
+            assert "0.0% slower" in summary["plan_summary"]
+            assert summary["samples_per_s"] > 0 and summary["final_val_loss"] < 5.4
+    assert losses["hetero_deepspeed"] == pytest.approx(losses["hetero"], rel=1e-5)

@@ -41,12 +41,12 @@ __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
 PROG = "het-train"
 CONFIG_NAME = "train"
 _TOP_KEYS = {"cluster", "model", "strategy", "accelerator", "devices", "train", "data", "logger", "wandb",
-             "output", "checkpoint", "resume", "straggler", "compression"}
+             "output", "checkpoint", "resume", "straggler", "compression", "planner"}
 _STRAGGLER_KEYS = {"enabled", "every_n_steps", "threshold", "consecutive", "warmup", "min_share", "evict_ratio",
                    "stop_ratio"}
 _TRAIN_KEYS = {"global_batch_size", "max_steps", "lr", "weight_decay", "precision", "accumulate_grad_batches",
                "val_every_n_steps", "val_batches", "seed"}
-_STRATEGIES = ("hetero", "ddp")
+_STRATEGIES = ("hetero", "ddp", "hetero_deepspeed")
 _LOGGERS = ("wandb", "csv", "none")
 
 _USAGE = f"""usage: {PROG} [--cfg] [key=value ...]
@@ -56,7 +56,8 @@ Train a character-level GPT on the Python standard library's source on a heterog
 overrides (Hydra syntax; see configs/train.yaml for every field):
   cluster=<name|file.yaml|auto>  shipped: {{clusters}}
   model=<name|file.yaml>         model.num_layers=N model.hidden_size=N model.num_heads=N model.seq_len=N
-  strategy=hetero|ddp            devices=N   accelerator=cpu|cuda
+  strategy=hetero|ddp|hetero_deepspeed   devices=N   accelerator=cpu|cuda
+  planner.mode=auto|dp|pipeline|hybrid   (hetero_deepspeed: pipelines of the GPT's blocks; hetero: auto|dp)
   train.global_batch_size=N  train.max_steps=N  train.lr=X  train.precision=32-true|bf16-mixed  train.seed=N
   train.val_every_n_steps=N  train.val_batches=N  train.accumulate_grad_batches=N
   data.max_bytes=N  data.val_fraction=X  data.seed=N
@@ -157,13 +158,47 @@ class TrainJob:
 
         self.compression = compression_config(cfg_to_dict(cfg.compression, "compression"))
         if self.compression is not None and self.compression.method != "none" and self.strategy != "hetero":
+            why = ("Lightning's DDP registers comm hooks on CUDA only" if self.strategy == "ddp" else
+                   "DeepSpeed reduces the gradients itself")
             raise field_error("compression.method", self.compression.method,
-                              "be none with strategy=ddp (Lightning's DDP registers comm hooks on CUDA only)",
+                              f"be none with strategy={self.strategy} ({why})",
                               "use strategy=hetero, which registers them on every device")
+        self.planner = cfg_to_dict(cfg.get("planner") or {"mode": "auto"}, "planner")
+        check_keys(self.planner, {"mode"}, "planner")
+        from het_strategy.planning import MODES
+
+        mode = self.planner.get("mode", "auto")
+        if mode not in MODES:
+            raise field_error("planner.mode", mode, f"be one of {', '.join(MODES)}")
+        if self.strategy == "hetero" and mode not in ("auto", "dp"):
+            raise field_error("planner.mode", mode, "be auto or dp with strategy=hetero (it plans data "
+                              "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
         self.resume = None if cfg.resume is None else str(cfg.resume)
         if self.resume is not None and not Path(self.resume).is_file():
             raise field_error("resume", self.resume, "be an existing checkpoint file")
+        if self.strategy == "hetero_deepspeed":
+            self._check_deepspeed_job(cfg)
         self.cfg = cfg
+
+    def _check_deepspeed_job(self, cfg: DictConfig) -> None:
+        """What ``strategy=hetero_deepspeed`` runs in het-train (refused here, before any worker starts)."""
+        if importlib.util.find_spec("deepspeed") is None:
+            raise field_error("strategy", "hetero_deepspeed", "have DeepSpeed installed",
+                              "pip install 'het_strategy[deepspeed]'")
+        if self.cluster is None:
+            raise field_error("cluster", "auto", "be a cluster file with strategy=hetero_deepspeed (it plans "
+                              "from the cluster's figures)")
+        if self.train.get("precision") != "32-true":
+            raise field_error("train.precision", self.train.get("precision"),
+                              "be 32-true with strategy=hetero_deepspeed in this version")
+        if self.train.get("accumulate_grad_batches") != 1:
+            raise field_error("train.accumulate_grad_batches", self.train.get("accumulate_grad_batches"),
+                              "be 1 with strategy=hetero_deepspeed (the plan's micro-batches are the accumulation)")
+        if self.checkpoint.get("every_n_steps") is not None or self.resume is not None:
+            raise field_error("checkpoint.every_n_steps" if self.resume is None else "resume",
+                              self.checkpoint.get("every_n_steps") if self.resume is None else self.resume,
+                              "be null with strategy=hetero_deepspeed in het-train (its checkpoints resume at "
+                              "epoch boundaries only; use the Python API's trainer.save_checkpoint)")
 
     def _straggler_args(self) -> dict[str, Any]:
         return {k: v for k, v in self.straggler.items() if k != "enabled"}
@@ -194,9 +229,13 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
                            seed=int(job.data["seed"]))
     seq = job.model_cfg.seq_len
     train_set, val_set = CharDataset(corpus.train, seq), CharDataset(corpus.val, seq)
-    per_rank = max(1, job.global_batch_size // job.devices)
-    train_loader = DataLoader(train_set, batch_size=per_rank, shuffle=True)
-    val_loader = DataLoader(val_set, batch_size=per_rank)
+    if job.strategy == "hetero_deepspeed":  # every rank loads the whole global batch and cuts its micro-batches
+        train_loader = DataLoader(train_set, batch_size=job.global_batch_size, shuffle=True, drop_last=True)
+        val_loader = DataLoader(val_set, batch_size=job.global_batch_size, drop_last=True)
+    else:
+        per_rank = max(1, job.global_batch_size // job.devices)
+        train_loader = DataLoader(train_set, batch_size=per_rank, shuffle=True)
+        val_loader = DataLoader(val_set, batch_size=per_rank)
     model = CharGPT.from_workload_config(job.model_cfg, lr=float(job.train["lr"]),
                                          weight_decay=float(job.train["weight_decay"]))
 
@@ -211,6 +250,13 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         strategy: Any = HeteroStrategy(cluster=cluster_source, workload=None if job.auto_cluster else job.workload,
                                        global_batch_size=job.global_batch_size, profile_input=model_input,
                                        compression=job.compression)
+    elif job.strategy == "hetero_deepspeed":
+        from het_strategy import HeteroDeepSpeedStrategy
+
+        # rank 0 plans (planner.runtime=deepspeed) and broadcasts; emulated stages are padded per micro-batch
+        strategy = HeteroDeepSpeedStrategy(cluster=job.cluster, workload=job.workload,
+                                           global_batch_size=job.global_batch_size,
+                                           planner_mode=job.planner.get("mode", "auto"))
     else:
         strategy = "ddp"
         if job.cluster is not None and cluster_is_emulated(job.cluster):
@@ -251,7 +297,9 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         "model": OmegaConf.to_container(job.cfg.model), "max_steps": int(job.train["max_steps"]),
         "final_train_loss": float(train_loss) if train_loss is not None else None,
         "final_val_loss": float(full_val[0]["val_loss"]) if full_val else None,
-        "val_samples": len(val_set), "train_samples": len(train_set), "wall_s": time.perf_counter() - started,
+        "val_samples": (len(val_set) // job.global_batch_size * job.global_batch_size
+                        if job.strategy == "hetero_deepspeed" else len(val_set)),  # whole global batches only
+        "train_samples": len(train_set), "wall_s": time.perf_counter() - started,
     })
     if straggler is not None:
         from dataclasses import asdict
@@ -307,6 +355,14 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
     plan, cluster = getattr(strategy, "plan", None), getattr(strategy, "cluster", None)
     if plan is None or cluster is None:
         return {}
+    if job.strategy == "hetero_deepspeed":
+        from het_strategy.core.cost_model import CostModel, TrainSettings
+
+        cm = CostModel(cluster, strategy.workload, TrainSettings(global_batch_size=job.global_batch_size,
+                                                                 dtype="fp32"))
+        stages = [[f"{s.devices[0]}[{s.layers[0]},{s.layers[1]})" for s in p.stages] for p in plan.pipelines]
+        return {"plan_stages": stages, "plan_samples": [p.samples for p in plan.pipelines],
+                "predicted_step_s": cm.score(plan).step_time_s, "plan_summary": strategy.plan_summary}
     from het_strategy.core.cost_model import CostModel, TrainSettings
     from het_strategy.planning.dp_split import equal_split_plan
 
@@ -323,6 +379,10 @@ def _print_report(summary: dict[str, Any]) -> None:
     from het_strategy.callbacks.throughput import format_summary
 
     print(format_summary(summary))
+    if "plan_stages" in summary:
+        print("plan: " + " | ".join(" -> ".join(st) + f" x{n}" for st, n in zip(summary["plan_stages"],
+                                                                              summary["plan_samples"]))
+              + f"; predicted {summary['predicted_step_s']:.3f} s/step (cost model); {summary['plan_summary']}")
     if "shares" in summary:
         print(f"shares per rank: {summary['shares']}; predicted speed-up over an equal split "
               f"{summary['predicted_speedup_vs_equal']:.2f}x (cost model)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["logger", "rank_debug", "rank_zero_warning"]
+__all__ = ["logger", "rank_debug", "rank_zero_info", "rank_zero_warning"]
 
 logger = logging.getLogger("het_strategy")
 
@@ -19,3 +19,9 @@ def rank_zero_warning(rank: int, message: str, *args: object) -> None:
     """Something the user should know, said once (by rank 0)."""
     if rank == 0:
         logger.warning(message, *args)
+
+
+def rank_zero_info(rank: int, message: str, *args: object) -> None:
+    """A note on what the run does (e.g. the plan it chose), said once (by rank 0)."""
+    if rank == 0:
+        logger.info(message, *args)

@@ -93,6 +93,7 @@ LightningModule of each rank: its ``state_dict`` is not the trained model.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -101,7 +102,10 @@ from typing_extensions import override
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import field_error
+from het_strategy.core.log import rank_zero_info
 from het_strategy.core.plan import Plan
+from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.engine import PlanRunner, check_runnable, init_deepspeed_distributed
 
 __all__ = ["HeteroDeepSpeedLogic", "CHECKPOINT_TAG", "PLAN_KEY"]
@@ -127,14 +131,11 @@ def __getattr__(name: str) -> object:
 
 
 def _load_plan(plan: Any) -> Plan:
-    if plan is None:
-        raise field_error("plan", None, "be a Plan or a plan JSON path (hetero_deepspeed does not plan at setup "
-                          "yet)", "e.g. het-plan ... and pass plan=<plan.json>")
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
-    raise field_error("plan", type(plan).__name__, "be a Plan or a plan JSON path")
+    raise field_error("plan", type(plan).__name__, "be a Plan, a plan JSON path, or None (plan at setup)")
 
 
 class HeteroDeepSpeedLogic(_DDPStrategy):
@@ -154,49 +155,119 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
     strategy_name = "hetero_deepspeed"
 
     def __init__(self, cluster: str | Path | ClusterSpec | dict | None = None, plan: str | Path | Plan | None = None,
-                 zero_stage: int | None = None, gradient_clipping: float = 0.0, **ddp_kwargs: Any) -> None:
+                 zero_stage: int | None = None, gradient_clipping: float = 0.0, *, workload: Any = None,
+                 global_batch_size: int | None = None, planner_mode: str = "auto", emulate: bool = True,
+                 **ddp_kwargs: Any) -> None:
         if cluster is None:
             raise field_error("cluster", None, "be a shipped cluster name, a YAML path, a mapping or a ClusterSpec")
         spec = load_cluster(cluster)
-        loaded = _load_plan(plan)
-        if zero_stage is not None:
-            if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
-                raise field_error("zero_stage", zero_stage, "be 0, 1 or None (the plan's)")
-            loaded = dataclasses.replace(loaded, zero_stage=zero_stage)
-        if loaded.zero_stage not in (0, 1):
-            raise field_error("plan.zero_stage", loaded.zero_stage, "be 0 or 1 in this version",
-                              "pass zero_stage=0 or 1")
+        if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1)):
+            raise field_error("zero_stage", zero_stage, "be 0, 1 or None (the plan's)")
         if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
                 or not gradient_clipping >= 0 or gradient_clipping == float("inf"):
             raise field_error("gradient_clipping", gradient_clipping, "be a finite number >= 0 (0 = off)")
-        if loaded.dtype != "fp32":
-            raise field_error("plan.dtype", loaded.dtype, "be fp32 in this version (DeepSpeed's CPU allreduce "
-                              "is fp32-only; mixed precision is not wired up yet)")
-        names = {d.name for d in spec.devices}
-        missing = [d for d in loaded.used_devices if d not in names]
-        if missing:
-            raise field_error("plan.cluster_devices", missing, f"name devices of cluster `{spec.name}`",
-                              "pass the cluster the plan was made for")
-        check_runnable(loaded, None, gradient_clipping=float(gradient_clipping))
+        self.workload: WorkloadSpec | None = None if workload is None else _load_workload(workload)
+        self._planning: TrainSettings | None = None
+        loaded: Plan | None = None
+        if plan is None:
+            from het_strategy.planning import MODES
+
+            if self.workload is None:
+                raise field_error("workload", None, "be given when plan is None (the planner prices its layers)",
+                                  "pass workload= (a WorkloadSpec, a shipped model name or mapping) or plan=")
+            if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+                raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 when plan is None")
+            if planner_mode not in MODES:
+                raise field_error("planner_mode", planner_mode, f"be one of {', '.join(MODES)}")
+            self._planning = TrainSettings(global_batch_size=global_batch_size, dtype="fp32",
+                                           zero_stage=zero_stage or 0)
+        else:
+            loaded = _load_plan(plan)
+            if zero_stage is not None:
+                loaded = dataclasses.replace(loaded, zero_stage=zero_stage)
+            self._check_plan(loaded, spec, float(gradient_clipping))
+        self.planner_mode = planner_mode
+        self.emulate = bool(emulate)
         super().__init__(**ddp_kwargs)
         self.cluster: ClusterSpec = spec
-        self.plan: Plan = loaded
+        self.plan: Plan | None = loaded
+        """The plan run (``None`` until ``setup_environment`` when the strategy plans)."""
+        self.plan_summary: str | None = None
+        """With planning at setup: how the best runnable plan compares with the unconstrained best."""
         self.gradient_clipping = float(gradient_clipping)
         self.runner: PlanRunner | None = None
         self.last_loss: float | None = None
+
+    @staticmethod
+    def _check_plan(plan: Plan, cluster: ClusterSpec, gradient_clipping: float) -> None:
+        if plan.zero_stage not in (0, 1):
+            raise field_error("plan.zero_stage", plan.zero_stage, "be 0 or 1 in this version",
+                              "pass zero_stage=0 or 1")
+        if plan.dtype != "fp32":
+            raise field_error("plan.dtype", plan.dtype, "be fp32 in this version (DeepSpeed's CPU allreduce "
+                              "is fp32-only; mixed precision is not wired up yet)")
+        names = {d.name for d in cluster.devices}
+        missing = [d for d in plan.used_devices if d not in names]
+        if missing:
+            raise field_error("plan.cluster_devices", missing, f"name devices of cluster `{cluster.name}`",
+                              "pass the cluster the plan was made for")
+        check_runnable(plan, None, gradient_clipping=gradient_clipping)
+
+    def _plan_on_rank_zero(self) -> Plan:
+        """Rank 0 searches (``planner.runtime=deepspeed``) and broadcasts one Plan; an error stops every rank."""
+        import torch.distributed as dist
+
+        from het_strategy.core.errors import ConfigError
+        from het_strategy.planning.runtimes import plan_for_runtime
+
+        assert self._planning is not None and self.workload is not None
+        payload: list[Any] = [None]
+        if self.global_rank == 0:
+            try:
+                choice = plan_for_runtime(self.cluster, self.workload, self._planning, mode=self.planner_mode,
+                                          runtime="deepspeed")
+                payload[0] = ("plan", choice.plan.to_json(), choice.summary())
+            except ConfigError as exc:
+                payload[0] = ("error", str(exc), None)
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)
+        kind, value, summary = payload[0]
+        if kind == "error":
+            raise ConfigError(value)
+        self.plan_summary = summary
+        return Plan.from_dict(json.loads(value))
 
     # -- setup ------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group (gloo on CPU); DeepSpeed wraps it
         init_deepspeed_distributed()
+        if self.plan is None:
+            self.plan = self._plan_on_rank_zero()
+            self._check_plan(self.plan, self.cluster, self.gradient_clipping)
+            rank_zero_info(self.global_rank, "hetero_deepspeed planned %d device(s), %d replica(s): %s",
+                           len(self.plan.used_devices), self.plan.num_pipelines, self.plan_summary)
+        used = len(self.plan.used_devices)
+        if used != self.world_size:
+            raise field_error("devices", self.world_size, f"equal the number of devices the plan uses ({used} of "
+                              f"cluster `{self.cluster.name}`'s {self.cluster.num_devices})",
+                              f"launch {used} processes, or plan for a cluster of {self.world_size} devices")
         check_runnable(self.plan, self.world_size, gradient_clipping=self.gradient_clipping)
 
     @override
     def setup(self, trainer: Any) -> None:
         fn = getattr(trainer.state.fn, "value", trainer.state.fn)
+        if fn == "validate" and self.runner is not None:
+            # trainer.validate after fit, same Trainer: the trained engine evaluates (validation_step below).
+            # Not DDPStrategy.setup: outside fit it broadcasts rank 0's module states to every rank, which
+            # would overwrite each stage's trained layers with rank 0's copies of them.
+            self.accelerator.setup(trainer)
+            self.model_to_device()
+            self.setup_precision_plugin()
+            return
         if fn != "fit":
-            raise field_error("trainer function", fn, "be fit (hetero_deepspeed has no validate/test/predict yet)")
+            raise field_error("trainer function", fn, "be fit, or validate after fit on the same Trainer "
+                              "(hetero_deepspeed has no test/predict, and validate needs the trained engine)")
         precision = self.precision_plugin.precision
         if precision != "32-true":
             raise field_error("precision", precision, "be 32-true (fp32) in this version")
@@ -227,8 +298,15 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         module = self.lightning_module
         layers = list(module.pipeline_layers())
         optimizer = self.optimizers[0]
+        from het_strategy.emulation.speeds import cluster_is_emulated
+
+        emulated = self.emulate and cluster_is_emulated(self.cluster)
+        workload = self.workload
+        if emulated and workload is None:
+            workload = _module_workload(module)
         self.runner = PlanRunner(self.plan, layers, module.pipeline_loss, lambda params: _keep_only(optimizer, params),
-                                 gradient_clipping=self.gradient_clipping)
+                                 gradient_clipping=self.gradient_clipping,
+                                 emulated_cluster=self.cluster if emulated else None, workload=workload)
 
     @property
     @override
@@ -245,6 +323,14 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
                               f"equal the plan's global_batch_size ({self.plan.global_batch_size}): every rank "
                               "loads the whole global batch")
         return dataloader
+
+    @property
+    def current_local_samples(self) -> int | None:
+        """Samples of the global batch this rank's replica takes, counted on its first stage only (so a sum over
+        ranks is the global batch; ``ThroughputMonitor`` reads it)."""
+        if self.runner is None:
+            return None
+        return self.runner.batch.samples if self.runner.assignment.stage == 0 else 0
 
     # -- steps ------------------------------------------------------------------------------------
     @override
@@ -355,6 +441,22 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Replaces Strategy's: nothing to do, DeepSpeed loaded the optimizer state in ``load_checkpoint``."""
+
+
+def _load_workload(workload: Any) -> WorkloadSpec:
+    from het_strategy.core.workload import load_workload
+
+    return load_workload(workload, dtype="fp32")
+
+
+def _module_workload(module: Any) -> WorkloadSpec:
+    """The workload an emulated run prices stages with: the module's ``workload_config()`` (as CharGPT has)."""
+    if not callable(getattr(module, "workload_config", None)):
+        raise field_error("workload", None, "be given for an emulated cluster (it prices each stage), or the "
+                          "LightningModule must define workload_config()", "pass workload= to the strategy")
+    from het_strategy.core.workload import transformer_workload
+
+    return transformer_workload(module.workload_config(), dtype="fp32")
 
 
 def _pair(batch: Any, where: str) -> tuple[Any, Any]:
