@@ -50,7 +50,7 @@ def main() -> None:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from het_strategy.ds_runtime.strategy import HeteroDeepSpeedStrategy
+    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
 
     class PipeModel(pl.LightningModule):
         def __init__(self) -> None:
@@ -106,7 +106,7 @@ def main() -> None:
               "val_loss": float(trainer.callback_metrics["val_loss"]),
               "params": {n: p.flatten().tolist() for n, p in runner.named_parameters().items()}}
     # a checkpoint round trip: save (every rank), spoil this rank's weights, load them back through DeepSpeed
-    from het_strategy.ds_runtime.strategy import CHECKPOINT_TAG, PLAN_KEY
+    from het_strategy.strategy.hetero_deepspeed import CHECKPOINT_TAG, PLAN_KEY
 
     path = os.path.join(out_dir, "last.ckpt")
     trainer.save_checkpoint(path)
@@ -128,6 +128,27 @@ def main() -> None:
     result["resumed"] = {"global_step": trainer2.global_step, "epoch": trainer2.current_epoch,
                          "losses": resumed_losses.losses,
                          "params": {n: q.flatten().tolist() for n, q in strategy2.runner.named_parameters().items()}}
+    # resume mid-epoch: a run stopped after 2 of the epoch's 3 steps, resumed by a new Trainer, continues with
+    # the epoch's third batch (the training loader's saved position) and then epoch 2
+    # (ModelCheckpoint saves during the epoch; a checkpoint saved after fit stopped at max_steps counts as the
+    # epoch's end for Lightning's loops)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every = ModelCheckpoint(dirpath=os.path.join(out_dir, "mid"), filename="{step}", every_n_train_steps=2,
+                            save_top_k=-1)
+    trainer_a = pl.Trainer(strategy=HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage),
+                           accelerator="cpu", devices=4, max_epochs=1, logger=False, enable_progress_bar=False,
+                           enable_model_summary=False, callbacks=[every])
+    trainer_a.fit(PipeModel(), data)
+    mid_path = os.path.join(out_dir, "mid", "step=2.ckpt")
+    mid_losses = Losses()
+    strategy_b = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
+    trainer_b = pl.Trainer(strategy=strategy_b, accelerator="cpu", devices=4, max_epochs=2, logger=False,
+                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                           callbacks=[mid_losses])
+    trainer_b.fit(PipeModel(), data, ckpt_path=mid_path)
+    result["mid_resumed"] = {"global_step": trainer_b.global_step, "losses": mid_losses.losses,
+                             "params": {n: q.flatten().tolist() for n, q in strategy_b.runner.named_parameters().items()}}
     # a checkpoint of another plan (the other ZeRO stage; for the asymmetric plan, the aligned one) is refused
     strategy3 = (HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=0) if mode == "asym" else
                  HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=1 - zero_stage))

@@ -124,6 +124,12 @@ def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stag
         assert set(res["params"]) == set(r["params"])
         for name, values in res["params"].items():
             assert values == pytest.approx(ref6_params[name], **TOL), f"rank {r['rank']}: resumed {name}"
+        # resumed mid-epoch (after step 2 of 3): steps 3..6 as one process makes them
+        mid = r["mid_resumed"]
+        assert mid["global_step"] == 2 * base.STEPS, f"rank {r['rank']}"
+        assert mid["losses"] == pytest.approx(ref6_losses[2:], **TOL), f"rank {r['rank']}: mid-epoch resume"
+        for name, values in mid["params"].items():
+            assert values == pytest.approx(ref6_params[name], **TOL), f"rank {r['rank']}: mid-resumed {name}"
         # a checkpoint of another plan (the other ZeRO stage) is refused, naming the field
         assert r["refused"] is not None and r["refused"]["field"] == "ckpt_path", r["refused"]
         assert ("pipelines" if mode == "asym" else "zero_stage") in r["refused"]["message"]
@@ -153,7 +159,7 @@ def test_a_loader_batch_other_than_the_global_batch_is_refused(tmp_path):
           plan="PLAN"), "plan.cluster_devices"),
 ])
 def test_bad_construction_is_refused_naming_the_field(kwargs, field):
-    from het_strategy.ds_runtime.strategy import HeteroDeepSpeedStrategy
+    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
 
     kwargs = {k: (base.pipe_plan() if v == "PLAN" else v) for k, v in kwargs.items()}
     with pytest.raises(ConfigError) as err:
@@ -165,7 +171,7 @@ def test_bad_construction_is_refused_naming_the_field(kwargs, field):
 def test_construction():
     import lightning.pytorch as pl
 
-    from het_strategy.ds_runtime.strategy import HeteroDeepSpeedStrategy
+    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
 
     s = HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=base.pipe_plan(), zero_stage=1, gradient_clipping=0.5)
     assert isinstance(s, pl.strategies.DDPStrategy)
@@ -180,7 +186,7 @@ def test_hetero_deepspeed_is_registered_on_each_lightning_package(namespace):
         "import pickle",
         "import het_strategy",
         f"import {namespace} as pl",
-        "import het_strategy.ds_runtime.strategy as m",
+        "import het_strategy.strategy.hetero_deepspeed as m",
         "from het_strategy.core.errors import ConfigError",
         f"cls = m.HeteroDeepSpeedStrategy{'' if namespace == 'lightning.pytorch' else 'PL'}",
         "assert pl.strategies.StrategyRegistry['hetero_deepspeed']['strategy'] is cls",

@@ -6,12 +6,15 @@ rank, and makes the optimizer step that a single process would make on the
 mean loss over all ``B`` samples.  The distributed invariants, in order:
 
 1. Ranks.  The world size is the plan's device count and ranks follow
-   ``rank_layout`` (``PipeDataParallelTopology``: ``rank = stage * dp +
-   pipeline``), the numbering ``PipelineModule`` assumes; every pipeline has
-   the same stage count, the same boundaries (``pipeline_parts``) and tp = 1,
-   since stage ``s`` of every replica allreduces the same parameters.
-   DeepSpeed broadcasts each stage's parameters from data-parallel rank 0 at
-   ``initialize``, so replicas start equal.
+   ``rank_layout``.  Aligned plans (every pipeline the same boundaries,
+   ``pipeline_parts``) run on DeepSpeed's own grid, ``PipeDataParallelTopology``
+   (``rank = stage * dp + pipeline``), since stage ``s`` of every replica
+   allreduces the same parameters; DeepSpeed broadcasts each stage's
+   parameters from data-parallel rank 0 at ``initialize``, so replicas start
+   equal.  Asymmetric plans (replicas of other lengths or boundaries, plan
+   order) run each replica as its own pipeline (``replica_engine``): every
+   layer is reduced over the ranks holding it and broadcast from replica 0's
+   holder at the start.  tp = 1 everywhere.
 2. Data.  Pipeline ``p`` takes the contiguous slice ``[sum(samples[:p]),
    +samples[p])`` and cuts it into ``rank_batches(plan)[rank]
    .micro_batch_sizes``.  Its first stage (inputs) and last stage (labels)
@@ -19,7 +22,7 @@ mean loss over all ``B`` samples.  The distributed invariants, in order:
    nothing.
 3. Weights.  DeepSpeed divides each micro-batch loss by the rank's own
    ``gas_r`` and averages gradients over the ``dp`` replicas with equal
-   weight.  Micro-batch ``k`` (``m_k`` samples, mean loss ``L_k``) therefore
+   weight (the asymmetric reduction averages over replicas too).  Micro-batch ``k`` (``m_k`` samples, mean loss ``L_k``) therefore
    travels with ``w_k = dp * gas_r * m_k / B`` (``RankBatch.micro_loss_weights``)
    inside its labels, ``(y_k, w_k)``, and the loss is ``loss_fn(out, y_k) *
    w_k``: the averaged gradient is ``(1/dp) sum_r (1/gas_r) sum_k w_k dL_k =

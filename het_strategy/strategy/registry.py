@@ -37,9 +37,10 @@ _KINDS: dict[str, tuple[str, str, str, str, dict[str, tuple[str, dict[str, Any]]
     "hetero": ("het_strategy.strategy.hetero", "HeteroLogic", "HeteroStrategy", "het_strategy.strategy", {
         "hetero": ("Uneven data parallelism planned for a heterogeneous cluster (het_strategy)", {}),
         "hetero_spawn": ("hetero with start_method='spawn'", {"start_method": "spawn"})}),
-    "hetero_deepspeed": ("het_strategy.ds_runtime.strategy", "HeteroDeepSpeedLogic", "HeteroDeepSpeedStrategy",
-                         "het_strategy.ds_runtime.strategy", {
-        "hetero_deepspeed": ("A given heterogeneous plan (uneven pipelines) run on DeepSpeed (het_strategy)", {})}),
+    "hetero_deepspeed": ("het_strategy.strategy.hetero_deepspeed", "HeteroDeepSpeedLogic", "HeteroDeepSpeedStrategy",
+                         "het_strategy.strategy.hetero_deepspeed", {
+        "hetero_deepspeed": ("Heterogeneous pipelines, planned or given (asymmetric replicas too), on DeepSpeed "
+                             "(het_strategy)", {})}),
 }
 CLASS_NAMES = {f"{built}{suffix}": (kind, namespace) for kind, (_, _, built, _, _) in _KINDS.items()
                for namespace, suffix in _SUFFIX.items()}

@@ -44,50 +44,33 @@ runs no validation loop otherwise), but it is not called.  ``runner`` is the
 name in the full layer list).
 
 Checkpoints: ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) make
-``path`` a DeepSpeed checkpoint directory, written by every rank (each stage's
-layers, the optimizer state, partitioned under ZeRO 1), with Lightning's other
-entries (loops, callbacks, ...) and the plan (``PLAN_KEY``) as client state;
-``strategy.runner.engine.load_checkpoint(path, tag=CHECKPOINT_TAG)`` reads it
-back into a runner of the same plan.
+``path`` a DeepSpeed checkpoint directory; ``fit(ckpt_path=path)`` resumes
+exactly, mid-epoch too (see ``deepspeed_checkpoint``).
 
-Resuming: ``trainer.fit(model, loader, ckpt_path=path)`` (a directory written
-by ``save_checkpoint`` / ``ModelCheckpoint``; a new Trainer and module are
-fine) continues exactly.  As in Lightning's ``DeepSpeedStrategy`` the
-checkpoint is read after ``setup`` (``restore_checkpoint_after_setup``: the
-engine is built in ``setup_optimizers``): every rank's DeepSpeed engine loads
-its stage's layers and optimizer state (``load_checkpoint(path,
-tag=CHECKPOINT_TAG)``), and the client state gives Lightning its loops,
-callbacks, LR schedulers and precision state; Lightning's own model and
-optimizer loading is skipped.  A checkpoint whose saved plan (``PLAN_KEY``)
-is not the strategy's plan (``zero_stage`` override included) is refused
-(``ConfigError`` on ``ckpt_path``, naming the plan fields that differ) before
-anything is loaded.  Resume at an epoch boundary only (a checkpoint saved
-after an epoch ended, e.g. ``trainer.save_checkpoint`` after fit or
-``ModelCheckpoint(every_n_epochs=1)``): with Lightning's usual non-stateful
-DataLoaders a mid-epoch checkpoint does not restore the position inside the
-epoch, so the batches after it would not be the ones an uninterrupted run
-sees.  Not supported: loading a checkpoint into another plan or world size
-(re-sharding), a Lightning single-file checkpoint, ``ckpt_path`` for
-``validate`` / ``test`` / ``predict``, and restoring the LightningModule's
-own full ``state_dict`` (the non-local layers stay untrained, as above).
+Planning: ``plan=`` (a ``Plan`` or its JSON path) runs that plan; with
+``plan=None`` rank 0 searches one (``planner.runtime=deepspeed``: only plans
+this runtime runs) from ``cluster``, ``workload`` and ``global_batch_size``
+(``planner_mode`` auto | dp | pipeline | hybrid) in ``setup_environment`` and
+broadcasts it, so all ranks run the same plan; ``plan_summary`` says how it
+compares with the unconstrained best.  On a cluster with ``emulated_speed``s
+each stage's forward and backward are padded to its device's time
+(``emulation.stage_padding``; ``emulate=False`` turns it off).
 
-Supported in this version: ``trainer.fit`` with a given Plan (``plan=``, a
-``Plan`` or a JSON path; no planning inside the strategy yet), pipelines of
-any shape with tp = 1 (``check_runnable``): aligned replicas on DeepSpeed's
-own grid at ZeRO stage 0 or 1, asymmetric replicas (different lengths and
-boundaries, ``replica_engine.py``) at ZeRO 0, fp32
-(``precision="32-true"``; DeepSpeed's CPU allreduce is fp32-only), automatic
-optimization, gradient clipping by the global norm (``gradient_clipping=``;
-DeepSpeed's for aligned plans, refused for an aligned fp32 ZeRO-0 pipeline,
-see ``engine.py``; the runtime's own for asymmetric ones).
+Supported: ``trainer.fit`` and ``trainer.validate`` after it (same Trainer);
+plans of any shape with tp = 1 (``check_runnable``): aligned replicas on
+DeepSpeed's own grid at ZeRO 0 or 1, asymmetric replicas (different lengths
+and boundaries, ``ds_runtime.replica_engine``) at ZeRO 0; fp32
+(``precision="32-true"``; DeepSpeed's CPU allreduce is fp32-only); automatic
+optimization; gradient clipping by the global norm (``gradient_clipping=``;
+DeepSpeed's own for aligned plans, refused for an aligned fp32 ZeRO-0
+pipeline, see ``engine.py``; the runtime's for asymmetric ones).
 
-Not supported yet (refused with ``ConfigError``, or not run): ``trainer.validate``,
-``test`` and ``predict``, a short last batch (use ``drop_last=True`` or a
-dataset size divisible by the global batch), mid-epoch resuming (see above),
-``trainer.gradient_clip_val``,
-``accumulate_grad_batches`` > 1, manual optimization, mixed precision, emulated
-device speeds, live re-planning.  The non-local layers stay (untrained) in the
-LightningModule of each rank: its ``state_dict`` is not the trained model.
+Not supported yet (refused with ``ConfigError``): ``test`` and ``predict``,
+``validate`` on a fresh Trainer, a short last training batch (use
+``drop_last=True``), ``trainer.gradient_clip_val``, ``accumulate_grad_batches``
+> 1, manual optimization, mixed precision, live re-planning.  The non-local
+layers stay (untrained) in the LightningModule of each rank: its
+``state_dict`` is not the trained model.
 """
 
 from __future__ import annotations
@@ -98,6 +81,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
@@ -107,13 +91,11 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.engine import PlanRunner, check_runnable, init_deepspeed_distributed
+from het_strategy.strategy.deepspeed_checkpoint import (CHECKPOINT_TAG, PLAN_KEY, load_plan_checkpoint,
+                                                        save_plan_checkpoint)
+from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_splittable, split_loader
 
 __all__ = ["HeteroDeepSpeedLogic", "CHECKPOINT_TAG", "PLAN_KEY"]
-
-CHECKPOINT_TAG = "checkpoint"
-"""The DeepSpeed tag ``save_checkpoint`` writes under (``<dir>/checkpoint/``)."""
-PLAN_KEY = "hetero_deepspeed_plan"
-"""The client-state key of the plan a checkpoint was trained with (``Plan.to_dict()``)."""
 
 if TYPE_CHECKING:  # at run time the registry mixes this into each Lightning package's own DDPStrategy
     from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy
@@ -197,6 +179,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         self.gradient_clipping = float(gradient_clipping)
         self.runner: PlanRunner | None = None
         self.last_loss: float | None = None
+        self._batch_idx = -1
 
     @staticmethod
     def _check_plan(plan: Plan, cluster: ClusterSpec, gradient_clipping: float) -> None:
@@ -282,7 +265,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
                               "be 1 (the plan's micro-batches are the accumulation)")
         for hook in ("pipeline_layers", "pipeline_loss"):
             if not callable(getattr(module, hook, None)):
-                raise field_error(f"LightningModule.{hook}", None, "be defined (see het_strategy.ds_runtime.strategy)")
+                raise field_error(f"LightningModule.{hook}", None, "be defined (see het_strategy.strategy.hetero_deepspeed)")
         super().setup(trainer)
 
     @override
@@ -316,13 +299,27 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        """Check the global batch; the training loader becomes a ``HeteroDataLoader`` of one share (the whole
+        global batch, in the order Lightning's sampler gives), whose position a checkpoint saves mid-epoch."""
         dataloader = super().process_dataloader(dataloader)
+        if isinstance(dataloader, HeteroDataLoader):
+            return dataloader
         batch_size = getattr(dataloader, "batch_size", None)
-        if batch_size is not None and batch_size != self.plan.global_batch_size:
+        global_batch = self.plan.global_batch_size
+        if batch_size is not None and batch_size != global_batch:
             raise field_error("DataLoader.batch_size", batch_size,
-                              f"equal the plan's global_batch_size ({self.plan.global_batch_size}): every rank "
+                              f"equal the plan's global_batch_size ({global_batch}): every rank "
                               "loads the whole global batch")
-        return dataloader
+        trainer = self.lightning_module.trainer
+        if not isinstance(dataloader, DataLoader) or getattr(trainer.state.stage, "value", None) != "train":
+            return dataloader
+        check_splittable(dataloader)
+        size = len(dataloader.dataset)  # type: ignore[arg-type]
+        if size % global_batch and not dataloader.drop_last:
+            raise field_error("DataLoader.drop_last", False, f"be True when the dataset size ({size}) is not a "
+                              f"multiple of the global batch ({global_batch}): a short last batch cannot be cut "
+                              "into the plan's micro-batches")
+        return split_loader(dataloader, global_batch, [global_batch], 0, lambda: self._batch_idx + 1)
 
     @property
     def current_local_samples(self) -> int | None:
@@ -338,6 +335,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         """Replaces Strategy.training_step: PlanRunner runs forward, backward and step of the global batch."""
         assert self.runner is not None
         inputs, labels = _pair(args[0] if args else kwargs["batch"], "training batch")
+        self._batch_idx = batch_index(args, kwargs)  # the loader's saved position is the next one
         self.last_loss = self.runner.train_step(inputs, labels)
         loss = torch.tensor(self.last_loss)
         self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True,
@@ -384,9 +382,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
             raise field_error("storage_options", type(storage_options).__name__,
                               "be None (DeepSpeed writes the checkpoint directory itself)")
         assert self.runner is not None
-        client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        client[PLAN_KEY] = self.plan.to_dict()
-        self.runner.save_checkpoint(filepath, CHECKPOINT_TAG, client)
+        save_plan_checkpoint(self.runner, self.plan, checkpoint, filepath)
 
     @property
     @override
@@ -406,33 +402,11 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         """Replaces Strategy's: DeepSpeed restores this rank's stage (layers and optimizer state) from the directory
         ``checkpoint_path`` that ``save_checkpoint`` wrote; returns the client state (Lightning's loops, callbacks,
         schedulers, ...).  A checkpoint of another plan is refused before anything is loaded."""
-        path = Path(checkpoint_path)
         if self.runner is None:
             raise field_error("ckpt_path", str(checkpoint_path), "be given to trainer.fit (hetero_deepspeed "
                               "resumes only into the DeepSpeed engine that fit builds)")
-        # rank 0's file carries the client state; an asymmetric plan's is under replica0/ (PlanRunner.checkpoint_dir)
-        candidates = [d / CHECKPOINT_TAG / "mp_rank_00_model_states.pt" for d in (path, path / "replica0")]
-        meta = next((c for c in candidates if c.is_file()), candidates[0])
-        if not meta.is_file():
-            raise field_error("ckpt_path", str(checkpoint_path), "be a checkpoint directory written by "
-                              f"hetero_deepspeed's save_checkpoint (no {meta.relative_to(path)} in it)")
-        saved = torch.load(meta, map_location="cpu", weights_only=False).get(PLAN_KEY)
-        mine = self.plan.to_dict()
-        if saved != mine:
-            diff = sorted(k for k in set(mine) | set(saved or {}) if (saved or {}).get(k) != mine.get(k))
-            raise field_error("ckpt_path", str(checkpoint_path), "hold a checkpoint of this strategy's plan (its "
-                              f"saved plan `{PLAN_KEY}` differs in: {', '.join(diff) or 'everything'})",
-                              "resume with the plan (and zero_stage) the checkpoint was trained with")
-        module = self.lightning_module
-        _, client = self.runner.load_checkpoint(
-            path, CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
-            load_module_strict=getattr(module, "strict_loading", True))
-        if client is None:
-            raise field_error("ckpt_path", str(checkpoint_path), "be a DeepSpeed checkpoint DeepSpeed can load "
-                              f"(tag {CHECKPOINT_TAG!r})")
-        client = dict(client)
-        client.pop(PLAN_KEY, None)
-        return client
+        strict = getattr(self.lightning_module, "strict_loading", True)
+        return load_plan_checkpoint(self.runner, self.plan, checkpoint_path, strict=strict)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
