@@ -98,14 +98,18 @@ def main() -> None:
     from het_strategy.ds_runtime.engine import PlanRunner
 
     plan = {"pipe": pipe_plan, "dp": dp_plan, "asym": asym_plan}[mode](zero_stage)
+    # ZeRO 3: shard every parameter (the default keeps small ones whole, which these are)
+    overrides = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
     runner = PlanRunner(plan, layers(mode), torch.nn.functional.mse_loss, optimizer, gradient_clipping=clip,
-                        timeout_s=60)
+                        timeout_s=60, ds_config_overrides=overrides)
     x, y = batch(mode)
     result: dict = {"rank": runner.rank, "losses": [runner.train_step(x, y) for _ in range(STEPS)]}
     result["eval_loss"] = runner.eval_step(x, y)
     result["micro_batch_sizes"] = list(runner.batch.micro_batch_sizes)
     result["gas"] = runner.engine.gradient_accumulation_steps()
     result["global_steps"] = runner.engine.global_steps
+    result["sharded"] = any(getattr(q, "ds_tensor", None) is not None and q.ds_tensor.numel() < q.ds_numel
+                            for q in runner.engine.module.parameters())
     result["params"] = {n: p.flatten().tolist() for n, p in runner.named_parameters().items()}
     with open(os.path.join(out_dir, f"rank{runner.rank}.json"), "w") as fh:
         json.dump(result, fh)

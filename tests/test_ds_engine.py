@@ -109,10 +109,14 @@ def test_asymmetric_replicas_match_one_process_in_float64(tmp_path, clip):
 
 
 @pytest.mark.multiprocess
-def test_uneven_pure_data_parallel_matches_one_process(tmp_path):
-    # rank 0: 5 samples as 2+2+1 (gas 3); rank 1: 3 samples as one micro-batch (gas 1)
-    ranks = _run_ranks(2, ["dp", "0"], tmp_path)
-    assert [r["gas"] for r in ranks] == [3, 1]
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_uneven_pure_data_parallel_matches_one_process(tmp_path, zero_stage):
+    # rank 0: 5 samples as 2+2+1 (gas 3); rank 1: 3 samples as one micro-batch (gas 1).  ZeRO 2 reduces on every
+    # micro-step, so both ranks run 3 micro-batches there (rank 1's 3 samples as 1+1+1); ZeRO 3 also shards and
+    # gathers the parameters (every parameter sharded; runner.named_parameters() gathers them for the comparison).
+    ranks = _run_ranks(2, ["dp", str(zero_stage)], tmp_path)
+    assert [r["gas"] for r in ranks] == ([3, 1] if zero_stage == 0 else [3, 3])
+    assert all(r["sharded"] for r in ranks) == (zero_stage == 3)
     _assert_matches_reference(ranks)
 
 
@@ -135,8 +139,8 @@ def _pipe(devs, bounds, micro=2, samples=4):
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])], zero_stage=1), "plan.zero_stage",
      None),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), "WORLD_SIZE", 4),
-    (_plan([_pipe(["d0"], [0, 6], micro=2, samples=4), _pipe(["d1"], [0, 6], micro=1, samples=4)], zero_stage=2),
-     "plan.pipelines[].num_micro_batches", None),
+    (_plan([_pipe(["d0"], [0, 6], micro=1, samples=4), _pipe(["d1"], [0, 6], micro=3, samples=3)], zero_stage=2),
+     "plan.pipelines[].samples", None),  # ZeRO 2: 4 micro-batches everywhere, and 3 samples cannot make 4
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])]), "WORLD_SIZE", 2),
 ])
 def test_plans_deepspeed_cannot_run_are_refused_naming_the_field(plan, field, world):

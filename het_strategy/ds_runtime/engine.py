@@ -123,10 +123,13 @@ def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clippi
         if plan.dtype not in ("fp32",):
             raise field_error("plan.dtype", plan.dtype, "be fp32 for an asymmetric plan (its gradient reduction "
                               "runs outside DeepSpeed's mixed-precision optimizers)", "use dtype fp32")
-    if plan.zero_stage >= 2 and len(set(micro)) > 1:
-        raise field_error("plan.pipelines[].num_micro_batches", micro,
-                          f"be equal on every pipeline under ZeRO stage {plan.zero_stage} (ZeRO 2/3 reduce on "
-                          "every micro-step, so replicas must run the same number)", "use zero_stage 0 or 1")
+    # ZeRO 2/3 reduce on every micro-step, so every replica must run the same number of micro-batches:
+    # rank_batches splits each replica's samples into the largest count (a replica needs that many samples)
+    if plan.zero_stage >= 2 and any(p.samples < max(micro) for p in plan.pipelines):
+        raise field_error("plan.pipelines[].samples", [p.samples for p in plan.pipelines],
+                          f"be >= {max(micro)} on every pipeline under ZeRO stage {plan.zero_stage} (ZeRO 2/3 "
+                          f"reduce on every micro-step, so every replica runs {max(micro)} micro-batches)",
+                          "use zero_stage 0 or 1, or re-plan with equal micro-batch counts")
     if max(counts) > 1 and plan.zero_stage >= 2:
         raise field_error("plan.zero_stage", plan.zero_stage, "be 0 or 1 for a pipeline plan "
                           "(DeepSpeed: ZeRO 2/3 are incompatible with pipeline parallelism)")
@@ -197,6 +200,10 @@ class PlanRunner:
         self.rank = ds_dist.get_rank()
         self.world_size = ds_dist.get_world_size()
         self.layout = check_runnable(plan, self.world_size, gradient_clipping=gradient_clipping)
+        if len(layers) != self.layout.num_layers:
+            raise field_error("layers", f"{len(layers)} layers", f"be the plan's {self.layout.num_layers} layers "
+                              "in order (its stage boundaries index this list)",
+                              "plan for this model's layers (e.g. CharGPT.pipeline_layers(): blocks + 2)")
         self.plan = plan
         self.assignment = rank_layout(plan)[self.rank]
         self.batch = rank_batches(plan)[self.rank]
@@ -375,5 +382,13 @@ class PlanRunner:
         return self.engine.load_checkpoint(str(self.checkpoint_dir(path)), tag=tag, **kwargs)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by their name in the full model (a stage holds its layers' names)."""
-        return {n: q.detach() for n, q in self.engine.module.named_parameters()}
+        """This rank's parameters by their name in the full model (a stage holds its layers' names).
+
+        Under ZeRO 3 the parameters are gathered for the copy (a collective: call it on every rank)."""
+        module = self.engine.module
+        if self.plan.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                return {n: q.detach().clone() for n, q in module.named_parameters()}
+        return {n: q.detach() for n, q in module.named_parameters()}
