@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ def emulated_cluster(name: str, devices: list[tuple[str, float, float]], tflops:
 def run_plan(plan: Any, cluster: dict[str, Any], model: dict[str, Any], steps: int, warmup: int = 2,
              timeout_s: float = 900) -> dict[str, Any]:
     """Train ``steps + warmup`` steps of ``plan``; rank 0's ``{"step_s", "times", "loss"}``."""
-    from het_strategy.emulation.local_ranks import free_port
+    from het_strategy.emulation.local_ranks import run_script_ranks
 
     world = len(plan.used_devices)
     with tempfile.TemporaryDirectory(prefix="het_pipe_") as tmp:
@@ -45,31 +44,13 @@ def run_plan(plan: Any, cluster: dict[str, Any], model: dict[str, Any], steps: i
         spec = {"plan": json.loads(plan.to_json()), "cluster": cluster, "model": model, "steps": steps, "warmup": warmup,
                 "out": str(out / "result.json")}
         (out / "spec.json").write_text(json.dumps(spec))
-        port = free_port()
-        procs, logs = [], []
-        for rank in range(world):
-            env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                       PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-            logs.append(out / f"log{rank}.txt")
-            with open(logs[-1], "w") as log:
-                procs.append(subprocess.Popen([sys.executable, __file__, str(out / "spec.json")], env=env,
-                                              stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                codes = [p.poll() for p in procs]
-                if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait(timeout=10)
-        if [p.returncode for p in procs] != [0] * world:
+        env = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        codes = run_script_ranks([sys.executable, __file__, str(out / "spec.json")], world, out, timeout_s, env)
+        logs = [out / f"log{rank}.txt" for rank in range(world)]
+        if codes != [0] * world:
             tails = "\n----\n".join(path.read_text()[-2500:] for path in logs)
-            raise RuntimeError(f"ranks exited {[p.returncode for p in procs]}:\n{tails}")
+            raise RuntimeError(f"ranks exited {codes}:\n{tails}")
         if os.environ.get("HET_BENCH_VERBOSE"):  # each rank's per-step times, padding and reduction
             for path in logs:
                 print("\n".join(line for line in path.read_text().splitlines() if line.startswith("rank ")))

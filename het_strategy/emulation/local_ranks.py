@@ -5,6 +5,10 @@ gloo process group over loopback, calls ``fn(rank, world, *args)`` on each and
 returns every rank's (picklable) result, in rank order.  A rank that fails
 fails the call with its traceback; ranks that do not finish within
 ``timeout_s`` are killed, so a collective mismatch cannot hang the caller.
+
+``run_script_ranks(cmd, world, log_dir)`` does the same for a script (each rank
+its own process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* set, as
+``deepspeed.init_distributed`` reads them) and returns the exit codes.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_local_ranks", "free_port"]
+__all__ = ["run_local_ranks", "run_script_ranks", "free_port"]
 
 
 def free_port() -> int:
@@ -58,3 +62,35 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: f
                 if p.is_alive():
                     p.kill()
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def run_script_ranks(cmd: list[str], world: int, log_dir: Path, timeout_s: float,
+                     env: dict[str, str] | None = None) -> list[int]:
+    """Start ``cmd`` once per rank (output to ``log_dir/log{r}.txt``); their exit codes.
+
+    When one rank fails the others are killed (they would stay blocked in a
+    collective), and so are ranks still running after ``timeout_s``
+    (negative codes).  ``env`` is added to each rank's environment.
+    """
+    import subprocess
+
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **(env or {}))
+        with open(Path(log_dir) / f"log{rank}.txt", "w") as log:
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+    return [p.returncode for p in procs]
