@@ -22,7 +22,8 @@ mean loss over all ``B`` samples.  The distributed invariants, in order:
    nothing.
 3. Weights.  DeepSpeed divides each micro-batch loss by the rank's own
    ``gas_r`` and averages gradients over the ``dp`` replicas with equal
-   weight (the asymmetric reduction averages over replicas too).  Micro-batch ``k`` (``m_k`` samples, mean loss ``L_k``) therefore
+   weight (the asymmetric reduction averages over replicas too).
+   Micro-batch ``k`` (``m_k`` samples, mean loss ``L_k``) therefore
    travels with ``w_k = dp * gas_r * m_k / B`` (``RankBatch.micro_loss_weights``)
    inside its labels, ``(y_k, w_k)``, and the loss is ``loss_fn(out, y_k) *
    w_k``: the averaged gradient is ``(1/dp) sum_r (1/gas_r) sum_k w_k dL_k =
@@ -113,7 +114,6 @@ def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clippi
                                   "re-plan with max_tp=1")
     layout = replica_layout(plan)
     counts = [len(p.stages) for p in plan.pipelines]
-    micro = [p.num_micro_batches for p in plan.pipelines]
     if not layout.is_aligned:
         if plan.zero_stage != 0:
             raise field_error("plan.zero_stage", plan.zero_stage,
@@ -123,16 +123,12 @@ def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clippi
         if plan.dtype not in ("fp32",):
             raise field_error("plan.dtype", plan.dtype, "be fp32 for an asymmetric plan (its gradient reduction "
                               "runs outside DeepSpeed's mixed-precision optimizers)", "use dtype fp32")
-    # ZeRO 2/3 reduce on every micro-step, so every replica must run the same number of micro-batches:
-    # rank_batches splits each replica's samples into the largest count (a replica needs that many samples)
-    if plan.zero_stage >= 2 and any(p.samples < max(micro) for p in plan.pipelines):
-        raise field_error("plan.pipelines[].samples", [p.samples for p in plan.pipelines],
-                          f"be >= {max(micro)} on every pipeline under ZeRO stage {plan.zero_stage} (ZeRO 2/3 "
-                          f"reduce on every micro-step, so every replica runs {max(micro)} micro-batches)",
-                          "use zero_stage 0 or 1, or re-plan with equal micro-batch counts")
     if max(counts) > 1 and plan.zero_stage >= 2:
         raise field_error("plan.zero_stage", plan.zero_stage, "be 0 or 1 for a pipeline plan "
                           "(DeepSpeed: ZeRO 2/3 are incompatible with pipeline parallelism)")
+    # ZeRO 2/3 reduce on every micro-step: rank_batches gives every replica the same micro-batch count and
+    # refuses a replica with fewer samples than that
+    rank_batches(plan)
     if (layout.is_aligned and counts[0] > 1 and plan.zero_stage == 0 and plan.dtype == "fp32"
             and gradient_clipping > 0):
         raise field_error("gradient_clipping", gradient_clipping,
