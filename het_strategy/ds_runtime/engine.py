@@ -44,8 +44,9 @@ mean loss over all ``B`` samples.  The distributed invariants, in order:
    same, unrounded number.  Pure DP: ``sum_k m_k L_k`` is summed over ranks
    and divided by ``B``.
 7. Clipping.  DeepSpeed 0.19's fp32 ZeRO-0 pipeline engine clips by stage 0's
-   gradient norm only, so that combination is refused for clipping > 0;
-   ZeRO 1 clips by the global norm.
+   gradient norm only, so for that combination DeepSpeed's clipping is off
+   and the engine clips by the global norm after its reduction
+   (``clipping.py``); ZeRO 1 clips by the global norm itself.
 
 Import cost: torch at module level, deepspeed only inside functions.
 """
@@ -129,11 +130,6 @@ def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clippi
     # ZeRO 2/3 reduce on every micro-step: rank_batches gives every replica the same micro-batch count and
     # refuses a replica with fewer samples than that
     rank_batches(plan)
-    if (layout.is_aligned and counts[0] > 1 and plan.zero_stage == 0 and plan.dtype == "fp32"
-            and gradient_clipping > 0):
-        raise field_error("gradient_clipping", gradient_clipping,
-                          "be 0 for an fp32 ZeRO-0 pipeline plan (DeepSpeed 0.19 clips it by stage 0's "
-                          "gradient norm only, not the global norm)", "use zero_stage 1 to clip")
     devices = len(plan.used_devices)
     if world_size is not None and world_size != devices:
         raise field_error("WORLD_SIZE", world_size, f"equal the plan's device count ({devices})",
@@ -210,7 +206,12 @@ class PlanRunner:
         self.reducer = None
         """The holder-set gradient reduction of an asymmetric plan (``None`` on DeepSpeed's own grid)."""
 
-        cfg = deepspeed_config(plan, settings, rank=self.rank, gradient_clipping=gradient_clipping)
+        # an aligned fp32 ZeRO-0 pipeline clips by the global norm itself (clipping.py): DeepSpeed 0.19 clips it
+        # by stage 0's norm only
+        self.own_clipping = (self.layout.is_aligned and self.num_stages > 1 and plan.zero_stage == 0
+                             and plan.dtype == "fp32" and gradient_clipping > 0)
+        cfg = deepspeed_config(plan, settings, rank=self.rank,
+                               gradient_clipping=0.0 if self.own_clipping else gradient_clipping)
         if plan.zero_stage > 0:
             cfg["zero_allow_untested_optimizer"] = True  # the caller's optimizer is a choice, not a mistake
         cfg.update(ds_config_overrides or {})
@@ -239,7 +240,12 @@ class PlanRunner:
             module = torch.nn.Sequential(*[l.build() if isinstance(l, LayerSpec) else l for l in layers])
         self.module = module
         self.optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
-        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.optimizer, config=cfg)
+        if self.own_clipping:
+            from het_strategy.ds_runtime.clipping import clipping_pipeline_engine
+
+            self.engine = clipping_pipeline_engine(module, self.optimizer, cfg, gradient_clipping)
+        else:
+            self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.optimizer, config=cfg)
         self._emulate(emulated_cluster, workload)
 
     def _emulate(self, cluster: "ClusterSpec | None", workload: "WorkloadSpec | None") -> None:

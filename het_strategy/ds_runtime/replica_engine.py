@@ -23,8 +23,9 @@ module runs it with subclasses and public entry points only:
   ``ReduceGrads`` instruction (``_INSTRUCTION_MAP``) to ``HolderSetReducer``:
   per holder set, in the shared order, one flat allreduce of this rank's
   layers' gradients, divided by the replica count; then clipping by the
-  global norm (the sum of squares over one replica's stages; replicas agree
-  after the reduction).  DeepSpeed's own clipping is off in this config.
+  global norm (``clipping.clip_by_global_norm`` over one replica's stages;
+  replicas agree after the reduction).  DeepSpeed's own clipping is off in
+  this config.
   The engine is constructed directly, as ``deepspeed.initialize`` does for
   a ``PipelineModule`` (it picks the class from the module's type).
 
@@ -42,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from het_strategy.ds_runtime.clipping import clip_by_global_norm
 from het_strategy.ds_runtime.replicas import ReplicaLayout
 
 __all__ = ["PlanGroups", "HolderSetReducer", "build_replica_engine", "broadcast_from_first_replica"]
@@ -130,24 +132,9 @@ class HolderSetReducer:
             for q in params:
                 q.grad.copy_(flat[k:k + q.numel()].view_as(q.grad))
                 k += q.numel()
-        if self.gradient_clipping > 0:
-            self._clip(module)
+        if self.gradient_clipping > 0:  # one replica's stages cover every layer once
+            self.last_norm = clip_by_global_norm(module, self.gradient_clipping, self.groups.pipe)
         self.last_reduce_s = time.perf_counter() - t0
-
-    def _clip(self, module: torch.nn.Module) -> None:
-        import deepspeed.comm as dist
-
-        grads = [q.grad for q in module.parameters() if q.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.groups.pipe)  # one replica's stages cover every layer once
-        norm = float(sq.sqrt().item())
-        self.last_norm = norm
-        coef = self.gradient_clipping / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
 
 
 def _grid_class() -> type:

@@ -62,8 +62,8 @@ DeepSpeed's own grid at ZeRO 0 or 1, asymmetric replicas (different lengths
 and boundaries, ``ds_runtime.replica_engine``) at ZeRO 0; fp32
 (``precision="32-true"``; DeepSpeed's CPU allreduce is fp32-only); automatic
 optimization; gradient clipping by the global norm (``gradient_clipping=``;
-DeepSpeed's own for aligned plans, refused for an aligned fp32 ZeRO-0
-pipeline, see ``engine.py``; the runtime's for asymmetric ones).
+DeepSpeed's own at ZeRO 1, the runtime's after the reduction otherwise, see
+``ds_runtime/clipping.py``).
 
 Not supported yet (refused with ``ConfigError``): ``test`` and ``predict``,
 ``validate`` on a fresh Trainer, a short last training batch (use
@@ -126,9 +126,15 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
     Args:
         cluster: a shipped cluster name, a YAML path, a mapping or a ``ClusterSpec``
             holding every device the plan names.
-        plan: the ``Plan`` (or its JSON path) to run; required in this version.
-        zero_stage: ``None`` keeps the plan's; 0 or 1 overrides it.
-        gradient_clipping: DeepSpeed's ``gradient_clipping`` (0 = off).
+        plan: the ``Plan`` (or its JSON path) to run; ``None``: rank 0 plans at setup.
+        zero_stage: ``None`` keeps the plan's (0 when planning); 0 or 1 overrides it.
+        gradient_clipping: the largest global gradient norm (0 = off).
+        workload: with ``plan=None``: the model's layers for the planner (a ``WorkloadSpec``, a
+            shipped model name or a mapping); also prices emulated stages (default: the module's
+            ``workload_config()``).
+        global_batch_size: with ``plan=None``: samples per optimizer step.
+        planner_mode: with ``plan=None``: auto, dp, pipeline or hybrid.
+        emulate: pad stages to the cluster's ``emulated_speed``s (when it has any).
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``, ...).
 
     See the module docstring for what the LightningModule provides and what is supported.
