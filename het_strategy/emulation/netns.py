@@ -32,6 +32,7 @@ __all__ = [
     "namespace_exists",
     "create_namespace",
     "delete_namespace",
+    "end_started_processes",
 ]
 
 _log = logging.getLogger(__name__)
@@ -120,6 +121,25 @@ def _end_processes_inside(name: str) -> None:
             if not pids:
                 return
             time.sleep(0.05)
+
+
+def end_started_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM, then after the grace period SIGKILL, the still running processes a namespace started.
+
+    They are ended by their own handles, not found through ``ip netns pids``: a
+    child started just before teardown may not have entered the namespace yet,
+    and would then outlive it.
+    """
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
 
 
 def delete_namespace(name: str) -> None:

@@ -71,6 +71,7 @@ from het_strategy.emulation.netns import (
     NetnsUnavailable,
     create_namespace,
     delete_namespace,
+    end_started_processes,
     failure_reason,
     iproute_tool,
     list_namespaces,
@@ -220,13 +221,15 @@ def loopback_tx_bytes() -> int:
 class ShapedNamespace:
     """A live network namespace made by ``shaped_namespace``; valid only inside that ``with``."""
 
-    __slots__ = ("name", "shape")
+    __slots__ = ("name", "shape", "started")
 
     def __init__(self, name: str, shape: LinkShape | None) -> None:
         self.name = name
         """The namespace's name (``ip netns exec NAME ...``)."""
         self.shape = shape
         """The shaping of its loopback, or None for an unshaped namespace."""
+        self.started: list[subprocess.Popen] = []
+        """The processes ``popen`` started (ended at teardown if still running)."""
 
     def __repr__(self) -> str:
         return f"ShapedNamespace(name={self.name!r}, shape={self.shape!r})"
@@ -241,7 +244,9 @@ class ShapedNamespace:
 
     def popen(self, argv: Sequence[str], **subprocess_kwargs: Any) -> subprocess.Popen:
         """``subprocess.Popen`` of ``argv`` inside the namespace; it is ended at teardown if still running."""
-        return subprocess.Popen(self.command(argv), **subprocess_kwargs)
+        proc = subprocess.Popen(self.command(argv), **subprocess_kwargs)
+        self.started.append(proc)
+        return proc
 
     def lo_tx_bytes(self) -> int:
         """Bytes loopback has transmitted in this namespace (every packet, both directions, headers included)."""
@@ -271,13 +276,17 @@ def shaped_namespace(shape: LinkShape | None, name: str | None = None) -> Iterat
     if shape is not None and not isinstance(shape, LinkShape):
         raise field_error("shape", shape, "be a LinkShape or None")
     created = create_namespace(name)
+    ns: ShapedNamespace | None = None
     try:
         _shape_loopback(created, shape)
         _log.info("netshape: namespace %s, loopback %s", created,
                   shape.describe() if shape is not None else "unshaped")
-        yield ShapedNamespace(created, shape)
+        ns = ShapedNamespace(created, shape)
+        yield ns
     finally:
         with _sigint_deferred():
+            if ns is not None:
+                end_started_processes(ns.started)
             delete_namespace(created)
 
 
