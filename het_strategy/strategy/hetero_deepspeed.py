@@ -1,13 +1,14 @@
-"""``hetero_deepspeed``: a given heterogeneous Plan run by ``PlanRunner`` (DeepSpeed) inside Lightning's fit loop.
+"""``hetero_deepspeed``: a heterogeneous Plan (given, or planned on rank 0) run by DeepSpeed in Lightning's fit loop.
 
 ``HeteroDeepSpeedLogic`` is mixed into each Lightning package's own
 ``DDPStrategy`` by ``het_strategy.strategy.registry`` (``HeteroDeepSpeedStrategy``
 on ``lightning.pytorch``, ``HeteroDeepSpeedStrategyPL`` on ``pytorch_lightning``;
 ``Trainer(strategy="hetero_deepspeed")`` after ``import het_strategy``).  Lightning's
 DDP strategy launches the processes and sets up the process group (gloo on CPU);
-DeepSpeed wraps that group; ``PlanRunner`` (``engine.py``) then runs this rank's
-part of the plan.  Lightning's own ``DeepSpeedStrategy`` is not used: it refuses
-CPU and it cannot run uneven pipelines.
+DeepSpeed wraps that group; ``PlanRunner`` (``ds_runtime/engine.py``) then runs
+this rank's part of the plan.  Lightning's own ``DeepSpeedStrategy`` is not
+used: it refuses CPU, rejects per-rank gradient accumulation in the config and
+has no pipeline path.
 
 User contract (the LightningModule):
 
