@@ -114,6 +114,8 @@ class HolderSetReducer:
         """The global gradient norm of the last step (after the reduction, before clipping)."""
         self.last_reduce_s = 0.0
         """Wall seconds of the last step's reduction (waiting for the other holders included)."""
+        self._buckets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]] | None = None
+        """This rank's parameters per holder set, in the shared order (found on the first step: fixed after)."""
 
     @torch.no_grad()
     def __call__(self, module: torch.nn.Module) -> None:
@@ -121,7 +123,9 @@ class HolderSetReducer:
 
         t0 = time.perf_counter()
         replicas = self.layout.num_replicas
-        for hs, params in _flat_groups(self.layout, self.rank, module):
+        if self._buckets is None:
+            self._buckets = list(_flat_groups(self.layout, self.rank, module))
+        for hs, params in self._buckets:
             for q in params:
                 if q.grad is None:
                     q.grad = torch.zeros_like(q)
