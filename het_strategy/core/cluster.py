@@ -95,12 +95,26 @@ class NodeSpec:
     """Its devices, in rank order."""
     intra_bandwidth_gbs: float
     """Device-to-device bandwidth inside the node, GB/s."""
+    inter_bandwidth_gbs: float | None = None
+    """The node's network interface to other nodes, GB/s, shared by the flows that leave it at the same time
+    (None: the cluster's ``inter_node_bandwidth_gbs``, filled in by ClusterSpec)."""
+    inter_flow_bandwidth_gbs: float | None = None
+    """What one flow alone reaches to another node, GB/s (None: the whole interface)."""
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise field_error(f"node `{self.name}`.devices", [], "list at least one device")
         if not is_positive(self.intra_bandwidth_gbs):
             raise field_error(f"node `{self.name}`.intra_bandwidth_gbs", self.intra_bandwidth_gbs, "be > 0 (GB/s)")
+        if self.inter_bandwidth_gbs is None:
+            return  # ClusterSpec fills both figures in
+        if not is_positive(self.inter_bandwidth_gbs):
+            raise field_error(f"node `{self.name}`.inter_bandwidth_gbs", self.inter_bandwidth_gbs, "be > 0 (GB/s)")
+        if self.inter_flow_bandwidth_gbs is None:
+            object.__setattr__(self, "inter_flow_bandwidth_gbs", self.inter_bandwidth_gbs)
+        elif not is_positive(self.inter_flow_bandwidth_gbs) or self.inter_flow_bandwidth_gbs > self.inter_bandwidth_gbs:
+            raise field_error(f"node `{self.name}`.inter_flow_bandwidth_gbs", self.inter_flow_bandwidth_gbs,
+                              f"be > 0 and <= the node's inter_bandwidth_gbs ({self.inter_bandwidth_gbs:g}) (GB/s)")
 
 
 @dataclass(frozen=True)
@@ -154,6 +168,11 @@ class ClusterSpec:
             raise field_error("nodes", [], "list at least one node")
         if not is_positive(self.inter_node_bandwidth_gbs):
             raise field_error("inter_node_bandwidth_gbs", self.inter_node_bandwidth_gbs, "be > 0 (GB/s)")
+        if any(n.inter_bandwidth_gbs is None for n in self.nodes):
+            object.__setattr__(self, "nodes", tuple(
+                n if n.inter_bandwidth_gbs is not None else dataclasses.replace(
+                    n, inter_bandwidth_gbs=max(self.inter_node_bandwidth_gbs, n.inter_flow_bandwidth_gbs or 0.0))
+                for n in self.nodes))
         if not (isinstance(self.latency_us, (int, float)) and self.latency_us >= 0):
             raise field_error("latency_us", self.latency_us, "be >= 0 (microseconds)")
         _require_unique([n.name for n in self.nodes], "nodes[].name")
@@ -215,10 +234,16 @@ class ClusterSpec:
         """GB/s between two nodes (the node's own link when they are the same)."""
         if node_a == node_b:
             return self.node(node_a).intra_bandwidth_gbs
-        return self._pair_bw.get(frozenset((node_a, node_b)), self.inter_node_bandwidth_gbs)  # type: ignore[attr-defined]
+        a, b = self.node(node_a), self.node(node_b)
+        lone = min(a.inter_flow_bandwidth_gbs, b.inter_flow_bandwidth_gbs)  # type: ignore[type-var]
+        return min(lone, self._pair_bw.get(frozenset((node_a, node_b)), lone))  # type: ignore[attr-defined]
+
+    def pair_link_gbs(self, node_a: str, node_b: str) -> float | None:
+        """GB/s of an explicit ``links`` entry between two nodes, or None."""
+        return self._pair_bw.get(frozenset((node_a, node_b)))  # type: ignore[attr-defined]
 
     def bandwidth(self, dev_a: str, dev_b: str) -> float:
-        """Bytes/s between two devices."""
+        """Bytes/s between two devices: a lone flow's peak (``network.Network`` prices real transfers)."""
         a, b = self.device(dev_a), self.device(dev_b)
         return self.node_bandwidth_gbs(a.node, b.node) * 1e9
 
@@ -272,6 +297,8 @@ class ClusterSpec:
                 {
                     "name": n.name,
                     "intra_bandwidth_gbs": n.intra_bandwidth_gbs,
+                    "inter_bandwidth_gbs": n.inter_bandwidth_gbs,
+                    "inter_flow_bandwidth_gbs": n.inter_flow_bandwidth_gbs,
                     "devices": [
                         {k: v for k, v in {
                             "name": d.name, "type": d.type, "tflops": dict(d.tflops), "memory_gb": d.memory_gb,
@@ -290,7 +317,7 @@ class ClusterSpec:
 _CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_us", "description", "slowdowns",
                  "emulation_noise"}
 _SLOWDOWN_KEYS = {"device", "factor", "start_step", "end_step"}
-_NODE_KEYS = {"name", "devices", "intra_bandwidth_gbs", "count"}
+_NODE_KEYS = {"name", "devices", "intra_bandwidth_gbs", "inter_bandwidth_gbs", "inter_flow_bandwidth_gbs", "count"}
 _DEVICE_KEYS = {"name", "type", "count", "tflops", "memory_gb", "memory_bandwidth_gbs", "efficiency",
                 "emulated_speed"}
 _LINK_KEYS = {"nodes", "bandwidth_gbs"}
@@ -326,6 +353,7 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
     nodes_raw = raw.get("nodes")
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise field_error("nodes", nodes_raw, "be a non-empty list of nodes")
+    inter = require_number(raw.get("inter_node_bandwidth_gbs", 12.5), "inter_node_bandwidth_gbs")
     nodes: list[NodeSpec] = []
     for i, node_raw in enumerate(nodes_raw):
         where = f"nodes[{i}]"
@@ -336,8 +364,7 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
         base = str(node_raw.get("name", f"node{i}"))
         for r in range(repeat):
             node_name = base if repeat == 1 else f"{base}{r}"
-            nodes.append(_node_from_dict(node_raw, node_name, where))
-    inter = require_number(raw.get("inter_node_bandwidth_gbs", 12.5), "inter_node_bandwidth_gbs")
+            nodes.append(_node_from_dict(node_raw, node_name, where, inter))
     links = []
     for i, link_raw in enumerate(raw.get("links") or []):
         if not isinstance(link_raw, Mapping):
@@ -366,7 +393,7 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
                        latency_us=latency, slowdowns=tuple(slowdowns), emulation_noise=noise)
 
 
-def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str) -> NodeSpec:
+def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str, inter_default: float) -> NodeSpec:
     devs_raw = node_raw.get("devices")
     if not isinstance(devs_raw, list) or not devs_raw:
         raise field_error(f"{where}.devices", devs_raw, "be a non-empty list of devices")
@@ -392,7 +419,15 @@ def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str) -> 
         intra = first_type.intra_node_bandwidth_gbs
     else:
         raise field_error(f"{where}.intra_bandwidth_gbs", None, "be given when the node's devices are not in the catalog")
-    return NodeSpec(name=node_name, devices=tuple(devices), intra_bandwidth_gbs=intra)
+    nic = require_number(node_raw.get("inter_bandwidth_gbs", inter_default), f"{where}.inter_bandwidth_gbs")
+    flow = node_raw.get("inter_flow_bandwidth_gbs")
+    if flow is not None:
+        flow = require_number(flow, f"{where}.inter_flow_bandwidth_gbs")
+        if flow > nic:
+            raise field_error(f"{where}.inter_flow_bandwidth_gbs", flow,
+                              f"be <= the node's inter_bandwidth_gbs ({nic:g}): one flow cannot exceed the interface")
+    return NodeSpec(name=node_name, devices=tuple(devices), intra_bandwidth_gbs=intra, inter_bandwidth_gbs=nic,
+                    inter_flow_bandwidth_gbs=flow)
 
 
 def _resolve_type(dev_raw: Mapping[str, Any], where: str) -> DeviceType | None:

@@ -17,11 +17,22 @@ and a pipeline with n micro-batches takes, in 1F1B order,
 
 (the last micro-batch may be smaller and is costed at its own size).  After the
 slowest pipeline, every device allreduces its gradients with the replicas that
-hold the same layers, over the slowest link from its stage to the other
-pipelines (ring: 2(d-1)/d of the bytes; ZeRO-3 adds the parameter all-gathers,
-1.5x), then runs its optimizer update (memory-bound).
+hold the same layers, then runs its optimizer update (memory-bound).
 Step time = max_p T_p + max over devices of (sync + update).  Gradient sync is
 not overlapped with backward here: the model errs on the slow side.
+
+Communication is priced by ``network.Network`` (one place for the link model):
+
+* gradients move in ``train.grad_dtype`` (fp32 unless set: mixed precision
+  keeps fp32 gradients), sharded by tp, in a ring over the replicas whose
+  route (``ring_bandwidths``) knows which nodes it spans and how many other
+  rings cross each node's interface at the same time; ZeRO-3 adds the
+  parameter all-gathers (1.5x);
+* tensor parallelism costs 2 activation allreduces per transformer block
+  forward and 2 backward (+2 with activation checkpointing: the recomputed
+  forward), over the node's own link, not overlapped; measured per-layer
+  times for (device, tp) replace all of it when a profile has them;
+* a pipeline send is one message over the link between the two devices.
 
 Memory per device: weights + gradients + optimizer state (sharded by ZeRO stage
 over the data-parallel degree) + activations of the micro-batches in flight
@@ -37,6 +48,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec
+from het_strategy.core.network import NO_SYNC, Network, SyncRoute
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings  # also importable from here, as in 0.1.0
 from het_strategy.core.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
@@ -70,6 +82,10 @@ class PlanScore:
     memory_bytes: dict[str, float]
     memory_capacity_bytes: dict[str, float]
     stage_costs: list[list[StageCost]] = field(default_factory=list)
+    grad_dtype: str = "fp32"
+    """Dtype the gradients were priced in."""
+    network: str = ""
+    """The link model that priced communication (one line)."""
 
     @property
     def fits(self) -> bool:
@@ -90,6 +106,7 @@ class PlanScore:
             "memory_gb": {d: round(b / GiB, 3) for d, b in self.memory_bytes.items()},
             "memory_capacity_gb": {d: round(b / GiB, 3) for d, b in self.memory_capacity_bytes.items()},
             "fits": self.fits,
+            "grad_dtype": self.grad_dtype,
         }
 
 
@@ -97,8 +114,12 @@ class CostModel:
     """Scores plans for one cluster, workload and set of training settings."""
 
     def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
-                 profile: MeasuredProfile | None = None) -> None:
+                 profile: MeasuredProfile | None = None, network: Network | None = None) -> None:
         self.cluster = cluster
+        if network is None:
+            network = profile.network(cluster) if profile is not None and profile.network is not None \
+                else Network(cluster)
+        self.network = network
         self.workload = workload
         self.settings = settings
         self.profile = profile
@@ -156,12 +177,11 @@ class CostModel:
             bw = device.memory_bandwidth_gbs * 1e9
             upd = [layer.total_params / tp * 16 / bw for layer in self.workload.layers]
             if tp > 1:
-                tp_bw = self.cluster.node(device.node).intra_bandwidth_gbs * 1e9
+                # Megatron: 2 allreduces of the block's output forward, 2 backward, +2 in a recomputed forward
+                count = 6 if ckpt else 4
                 for i, layer in enumerate(self.workload.layers):
                     if layer.name.startswith("block") or layer.moe:
-                        # two allreduces forward, two backward (Megatron-style)
-                        vol = self._out[i] * micro_batch * 2 * (tp - 1) / tp
-                        comp[i] += 4 * (vol / tp_bw + self._latency_s)
+                        comp[i] += count * self.network.tp_allreduce_s(self._out[i] * micro_batch, device.node, tp)
         return _prefix(comp), _prefix(upd)
 
     def replicated_compute_prefix(self, device: DeviceSpec, tp: int, micro_batch: int) -> np.ndarray:
@@ -190,7 +210,7 @@ class CostModel:
 
     def send_s(self, micro_batch: int, last_layer: int, src: str, dst: str) -> float:
         """Activation forward + gradient backward across a stage boundary."""
-        return 2 * (self._out[last_layer] * micro_batch / self.cluster.bandwidth(src, dst) + self._latency_s)
+        return 2 * self.network.send_s(self._out[last_layer] * micro_batch, src, dst)
 
     def stage_param_count(self, start: int, stop: int, experts_held: dict[int, int] | None = None) -> float:
         """Parameters a stage holds: dense part + all experts, or only the experts placed on it."""
@@ -234,14 +254,11 @@ class CostModel:
             acts = (A[None, :] - A[:, None]) * micro_batch * in_flight
         return params * s.state_bytes_per_param(dp) + acts / tp + s.memory_reserve_gb * GiB
 
-    def post_matrix(self, device: DeviceSpec, tp: int, dp: int, bandwidth: float) -> np.ndarray:
+    def post_matrix(self, device: DeviceSpec, tp: int, dp: int, route: SyncRoute | float) -> np.ndarray:
         """Gradient sync + optimizer update of every range [i, j) on ``device``, as an (L+1)^2 array."""
         P = np.asarray(self._params)
-        grad_bytes = (P[None, :] - P[:, None]) / tp * self.settings.param_bytes
-        if dp <= 1 or not math.isfinite(bandwidth):
-            sync = np.zeros_like(grad_bytes)
-        else:
-            sync = np.where(grad_bytes > 0, self._ring_allreduce_s(grad_bytes, dp, bandwidth), 0.0)
+        grad_bytes = (P[None, :] - P[:, None]) / tp * self.settings.grad_bytes
+        sync = self.allreduce_s(grad_bytes, dp, route)
         _, upd = self._layer_compute_prefix(device, tp, 1)
         U = np.asarray(upd) / self.settings.zero_shards(dp).optimizer
         return sync + (U[None, :] - U[:, None])
@@ -249,18 +266,30 @@ class CostModel:
     def memory_capacity_bytes(self, device: DeviceSpec) -> float:
         return device.memory_bytes
 
-    def allreduce_s(self, num_bytes: float, group_size: int, bandwidth: float) -> float:
-        """Ring allreduce of ``num_bytes`` among ``group_size`` members over ``bandwidth`` bytes/s."""
-        if group_size <= 1 or num_bytes <= 0 or not math.isfinite(bandwidth):
-            return 0.0
-        return self._ring_allreduce_s(num_bytes, group_size, bandwidth)
+    def allreduce_s(self, num_bytes: Any, group_size: int, route: SyncRoute | float) -> Any:
+        """Gradient allreduce of ``num_bytes`` (a number or an array) among ``group_size`` replicas along
+        ``route`` (a bare number: a ring over a link of that many bytes/s), plus ZeRO-3's parameter
+        all-gathers (1.5x)."""
+        if not isinstance(route, SyncRoute):
+            if not math.isfinite(route):
+                route = NO_SYNC
+            else:  # a bare bandwidth: a ring over one node's link of that speed (tests, old callers)
+                return self._bare_ring_s(num_bytes, group_size, route)
+        if group_size <= 1 or route.members <= 1:
+            return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
+        if route.members != group_size:
+            route = SyncRoute(group_size, route.nodes, route.flows)
+        factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
+        return factor * self.network.ring_allreduce_s(num_bytes, route)
 
-    def _ring_allreduce_s(self, num_bytes: Any, group_size: int, bandwidth: float) -> Any:
-        """The ring formula, for a number of bytes or an array of them: 2(n-1) steps of bytes/n each, plus
-        ZeRO-3's parameter all-gathers (1.5x)."""
+    def _bare_ring_s(self, num_bytes: Any, group_size: int, bandwidth: float) -> Any:
         factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
         steps = 2 * (group_size - 1)
-        return factor * (steps / group_size * num_bytes / bandwidth + steps * self._latency_s)
+        out = factor * (steps / group_size * np.asarray(num_bytes, dtype=float) / bandwidth
+                        + steps * self._latency_s)
+        if isinstance(num_bytes, np.ndarray):
+            return np.where(num_bytes > 0, out, 0.0) if group_size > 1 else np.zeros_like(out)
+        return float(out) if group_size > 1 and num_bytes > 0 else 0.0
 
     # -- MoE ----------------------------------------------------------------------------------
     def _experts_by_device(self, plan: Plan) -> dict[str, dict[int, int]]:
@@ -316,7 +345,8 @@ class CostModel:
         step = max(pipeline_times) + sync + update
         return PlanScore(step_time_s=step, samples_per_s=plan.global_batch_size / step,
                          pipeline_times_s=pipeline_times, sync_time_s=sync, update_time_s=update,
-                         memory_bytes=memory, memory_capacity_bytes=capacity, stage_costs=stage_costs)
+                         memory_bytes=memory, memory_capacity_bytes=capacity, stage_costs=stage_costs,
+                         grad_dtype=self.settings.grad_reduce_dtype, network=self.network.describe())
 
     def pipeline_cost(self, pipe: Pipeline, dp: int, experts_by_dev: dict[str, dict[int, int]] | None = None,
                       group_tokens: float = 0.0) -> tuple[float, list[StageCost], dict[str, float]]:
@@ -372,37 +402,57 @@ class CostModel:
                               self.stage_update_s(self.cluster.device(d), stage.tp, start, stop, dp))
         return out
 
-    def ring_bandwidths(self, structure: list[tuple[tuple[str, ...], ...]]) -> list[list[float]]:
-        """Per pipeline, per stage: bytes/s of the gradient ring to the other pipelines (inf for one pipeline).
+    def ring_bandwidths(self, structure: list[tuple[tuple[str, ...], ...]]) -> list[list[SyncRoute]]:
+        """Per pipeline, per stage: the route of its gradient ring (``NO_SYNC`` for one pipeline).
 
-        The ring's bandwidth is taken as the slowest link between the stage's
-        node(s) and any node holding another pipeline's devices, so it depends
-        on the plan's structure and not on how the other pipelines split their
-        layers (which keeps the planner's search exact).
+        A ring is identified by (pipeline length, stage index, tp rank): pipelines
+        of one length hold the same layers at the same stage (the planner gives
+        identical pipelines one split).  A stage of a pipeline of another length
+        reduces with every stage whose relative position overlaps its own, so
+        those rings' nodes join.  A node's interface is shared by every ring
+        with a member there that leaves the node.  The route depends on the
+        plan's structure only, not on the layer split (which keeps the
+        planner's search exact).
         """
+        if len(structure) <= 1:
+            return [[NO_SYNC] * len(slots) for slots in structure]
         node_of = {d.name: d.node for d in self.cluster.devices}
-        pipe_nodes = [frozenset(node_of[d] for slot in slots for d in slot) for slots in structure]
-        touching: dict[str, int] = {}
-        for nodes in pipe_nodes:
-            for n in nodes:
-                touching[n] = touching.get(n, 0) + 1
-        everywhere = frozenset(touching)
+        members: dict[tuple[int, int, int], set[str]] = {}
+        for slots in structure:
+            for s, slot in enumerate(slots):
+                for r, d in enumerate(slot):
+                    members.setdefault((len(slots), s, r), set()).add(node_of[d])
+        lengths = sorted({len(slots) for slots in structure})
+        ring_nodes: dict[tuple[int, int, int], frozenset[str]] = {}
+        for key, nodes in members.items():
+            S, s, r = key
+            joined = set(nodes)
+            if len(lengths) > 1:
+                for (S2, s2, r2), other in members.items():
+                    if S2 != S and s2 * S < (s + 1) * S2 and s * S2 < (s2 + 1) * S:  # relative ranges overlap
+                        joined |= other
+            ring_nodes[key] = frozenset(joined)
+        flows: dict[str, int] = {}
+        for key, nodes in ring_nodes.items():
+            if len(nodes) > 1:
+                for n in members[key]:
+                    flows[n] = flows.get(n, 0) + 1
+        dp = len(structure)
         out = []
-        for slots, own in zip(structure, pipe_nodes):
-            # nodes that only this pipeline uses hold no other replica
-            exclusive = {n for n in own if touching[n] == 1}
-            others = everywhere - exclusive if exclusive else everywhere
-            if not others:
-                out.append([math.inf] * len(slots))
-                continue
-            out.append([self.cluster.min_node_set_bandwidth_gbs({node_of[d] for d in slot}, others) * 1e9
-                        for slot in slots])
+        for slots in structure:
+            routes = []
+            for s, slot in enumerate(slots):
+                nodes = frozenset().union(*(ring_nodes[(len(slots), s, r)] for r in range(len(slot))))
+                ordered = tuple(sorted(nodes))
+                routes.append(SyncRoute(dp, ordered, tuple(max(1, flows.get(n, 1)) for n in ordered)
+                                        if len(ordered) > 1 else ()))
+            out.append(routes)
         return out
 
-    def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, bandwidth: float) -> float:
+    def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, route: SyncRoute | float) -> float:
         """Gradient allreduce of a stage's dense parameters among ``dp`` replicas."""
-        grad_bytes = (self._params[stop] - self._params[start]) / tp * self.settings.param_bytes
-        return self.allreduce_s(grad_bytes, dp, bandwidth)
+        grad_bytes = (self._params[stop] - self._params[start]) / tp * self.settings.grad_bytes
+        return self.allreduce_s(grad_bytes, dp, route)
 
 
 def pipeline_time_s(costs: list[StageCost], costs_last: list[StageCost], num_micro_batches: int) -> float:

@@ -27,11 +27,17 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.network import Network, SyncRoute
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
+
+if TYPE_CHECKING:
+    from het_strategy.core.cluster import ClusterSpec
 
 __all__ = [
     "SAILOR_DATA_DIR",
@@ -41,6 +47,7 @@ __all__ = [
     "load_sailor_training_config",
     "sailor_bandwidth_gbs",
     "sailor_peak_bandwidth_gbs",
+    "SailorNetwork",
 ]
 
 SAILOR_DATA_DIR = Path(__file__).with_name("data") / "sailor"
@@ -100,7 +107,7 @@ def load_sailor_profile(model: str = "OPT-350", workload: WorkloadSpec | None = 
                 elif len(rows) != num_layers:
                     raise field_error(where, f"{len(rows)} layers", f"have {num_layers} layers like the other tables")
                 times.setdefault((device_type, int(tp_key)), {})[int(mbs_key)] = rows
-    profile = MeasuredProfile(model=model, times=times)
+    profile = MeasuredProfile(model=model, times=times, network=SailorNetwork)
     if workload is not None:
         profile.check_matches(workload)
     return profile
@@ -200,3 +207,87 @@ def sailor_peak_bandwidth_gbs(gpu: str, num_gpus: int, inter_node: bool = False,
                               peer_gpu: str | None = None, peer_num_gpus: int | None = None) -> float:
     """The fit's measured peak in GB/s (the file stores bytes/s)."""
     return _fit(gpu, num_gpus, inter_node, zone, peer_gpu, peer_num_gpus)[1] / 1e9
+
+
+# -- the network Sailor measured ---------------------------------------------------------------
+
+
+class SailorNetwork(Network):
+    """Links priced from Sailor's measured bandwidth-vs-message-size fits (one zone).
+
+    * inside a node: the intra-node fit for the group's GPU type and size;
+    * across nodes: ``k`` concurrent flows from a node of ``g`` GPUs to one of
+      ``g'`` get the fit measured between ``k`` GPUs of each (``[g][k] -> [g'][k]``,
+      the aggregate of the node's interface), divided by ``k``: one flow gets the
+      1-GPU fit, four share the 4-GPU fit.  Counts beyond those measured use
+      the largest measured count;
+    * a ring's step message is its chunk, ``min(buffer, 5e8 B) / n`` (DeepSpeed's
+      reduce bucket, as Sailor's simulator takes it), and a fit is evaluated at
+      that size and capped at its measured peak.  No latency term beyond the
+      fit (it is measured end to end).
+    """
+
+    BUCKET_BYTES = 5e8
+
+    def __init__(self, cluster: "ClusterSpec", zone: str = DEFAULT_ZONE) -> None:
+        super().__init__(cluster)
+        self.latency_s = 0.0
+        self.zone = zone
+        self._gpu_of_node = {n.name: n.devices[0].type for n in cluster.nodes}
+
+    def describe(self) -> str:
+        return f"Sailor's measured bandwidth fits ({self.zone}), per message size, shared node interfaces"
+
+    def _gbs(self, coeffs: list[float], peak: float, message_bytes: Any) -> Any:
+        m = np.log2(np.maximum(np.asarray(message_bytes, dtype=float), 1.0) / 1e6)
+        n = len(coeffs)
+        gbs = sum(c * m ** (n - 1 - i) for i, c in enumerate(coeffs))
+        # below the measured range the polynomial may turn negative: hold the smallest positive figure
+        return np.clip(gbs, 1e-3, peak / 1e9) * 1e9
+
+    @functools.lru_cache(maxsize=None)
+    def _intra_fit(self, gpu: str, group_size: int) -> tuple[list[float], float]:
+        data = _read_json("intra_node_bandwidth_fits.json")
+        key = _sailor_gpu_key(gpu, sorted(data), "gpu")
+        counts = sorted(int(k) for k in data[key])
+        k = str(min((c for c in counts if c >= group_size), default=counts[-1]))
+        coeffs, peak = data[key][k]
+        return coeffs, peak
+
+    @functools.lru_cache(maxsize=None)
+    def _inter_fit(self, gpu: str, peer_gpu: str, k: int) -> tuple[list[float], float]:
+        data = _read_json("inter_node_bandwidth_fits.json")[self.zone]
+        key = _sailor_gpu_key(gpu, sorted(data), "gpu")
+        counts = sorted(int(c) for c in data[key])
+        measured = max((c for c in counts if c <= k), default=counts[0])
+        remote = data[key][str(measured)][self.zone]
+        peer_key = _sailor_gpu_key(peer_gpu, sorted(remote), "peer_gpu")
+        peer_counts = sorted(int(c) for c in remote[peer_key])
+        peer_measured = max((c for c in peer_counts if c <= k), default=peer_counts[0])
+        coeffs, peak = remote[peer_key][str(peer_measured)]
+        return coeffs, peak
+
+    def intra_bandwidth(self, node: str, group_size: int, message_bytes: Any) -> Any:
+        return self._gbs(*self._intra_fit(self._gpu_of_node[node], group_size), message_bytes)
+
+    def inter_flow_bandwidth(self, node: str, peer: str, flows: int, peer_flows: int, message_bytes: Any) -> Any:
+        k = max(flows, peer_flows)
+        coeffs, peak = self._inter_fit(self._gpu_of_node[node], self._gpu_of_node[peer], k)
+        return self._gbs(coeffs, peak, message_bytes) / k
+
+    def ring_allreduce_s(self, num_bytes: Any, route: SyncRoute) -> Any:
+        n = route.members
+        if n <= 1 or not route.nodes:
+            return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
+        total = np.asarray(num_bytes, dtype=float)
+        chunk = np.minimum(total, self.BUCKET_BYTES) / n
+        bw = self.ring_bandwidth(route, chunk)
+        out = 2 * (n - 1) * total / n / bw
+        if isinstance(num_bytes, np.ndarray):
+            return np.where(num_bytes > 0, out, 0.0)
+        return float(out) if num_bytes > 0 else 0.0
+
+    def send_s(self, num_bytes: float, src_device: str, dst_device: str) -> float:
+        a, b = self.cluster.device(src_device).node, self.cluster.device(dst_device).node
+        bw = self.intra_bandwidth(a, 2, num_bytes) if a == b else self.inter_flow_bandwidth(a, b, 1, 1, num_bytes)
+        return float(num_bytes / bw)

@@ -49,6 +49,11 @@ class TrainSettings:
     """GiB per device kept for the framework, CUDA context and fragmentation."""
     max_stages: int = 16
     """Most pipeline stages the planner considers."""
+    grad_dtype: str | None = None
+    """Dtype gradients are reduced in.  None: fp32 — mixed precision (torch autocast, Lightning's
+    ``*-mixed``, DeepSpeed's bf16 optimizer) keeps fp32 gradients and reduces them so.  Set fp16/bf16
+    where the runtime reduces in half precision (DeepSpeed fp16 or its ``communication_data_type``,
+    parameters held in bf16)."""
 
     def __post_init__(self) -> None:
         require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
@@ -66,10 +71,22 @@ class TrainSettings:
         object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(sizes))))
         require_number(self.memory_reserve_gb, "train.memory_reserve_gb", allow_zero=True)
         require_int(self.max_stages, "train.max_stages", minimum=1)
+        if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
+            raise field_error("train.grad_dtype", self.grad_dtype, f"be null or one of {sorted(DTYPE_BYTES)}")
 
     @property
     def param_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def grad_reduce_dtype(self) -> str:
+        """The dtype gradients cross the network in (``grad_dtype``, else fp32)."""
+        return self.grad_dtype or "fp32"
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element on the wire."""
+        return DTYPE_BYTES[self.grad_reduce_dtype]
 
     @property
     def optimizer_bytes_per_param(self) -> int:

@@ -230,6 +230,9 @@ class MeasuredProfile:
     """Model the times belong to (checked against the workload's name)."""
     times: dict[tuple[str, int], dict[int, list[tuple[float, float, float]]]] = field(default_factory=dict)
     """Measured seconds per (device type, tp) and micro-batch size, per layer."""
+    network: Any = None
+    """Optional factory ``cluster -> network.Network`` for links measured with the same profile (Sailor's
+    bandwidth fits); None: the cluster file's figures."""
 
     def covers(self, device_type: str, tp: int) -> bool:
         return (device_type, tp) in self.times

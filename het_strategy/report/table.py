@@ -198,8 +198,10 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
         "",
         f"predicted step time: {score.step_time_s * 1e3:.1f} ms   throughput: {score.samples_per_s:.1f} samples/s",
         f"  = slowest pipeline {slowest * 1e3:.1f} ms + gradient sync {score.sync_time_s * 1e3:.1f} ms"
-        f" + optimizer update {score.update_time_s * 1e3:.1f} ms",
+        f" ({score.grad_dtype} gradients) + optimizer update {score.update_time_s * 1e3:.1f} ms",
     ]
+    if score.network:
+        lines.append(f"  communication priced by: {score.network}")
     dev, need, cap = score.worst_memory()
     verdict = "fits" if score.fits else "DOES NOT FIT"
     lines.append(f"memory: {verdict}; least headroom on {dev} ({cluster.device(dev).type}): "

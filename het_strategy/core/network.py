@@ -1,0 +1,161 @@
+"""What moving bytes costs: pipeline sends, gradient allreduces and tensor-parallel allreduces.
+
+The cost model asks this module, and only this module, how long a transfer
+takes, so the link model is in one place.
+
+**Links.**  Inside a node, devices talk over the node's ``intra_bandwidth_gbs``
+(NVLink, or PCIe on nodes without it: AMP's T4 node).  Across nodes, each node
+has a network interface of ``inter_bandwidth_gbs`` (default: the cluster's
+``inter_node_bandwidth_gbs``) that every flow leaving the node *at the same
+time* shares, and one flow alone reaches at most ``inter_flow_bandwidth_gbs``
+(default: the whole interface).  The two figures differ on real clouds: in
+Sailor's measurements (us-central1-a) one V100 reaches 1.72 GB/s to another
+node, four V100s of a node together 5.787 GB/s, not 4 x 5.787.  A flow between
+nodes a and b carrying one of ``f_a`` (``f_b``) concurrent flows of its node gets
+
+    min(flow_cap_a, flow_cap_b, nic_a / f_a, nic_b / f_b, link_ab / max(f_a, f_b))
+
+where ``link_ab`` is an explicit ``links`` entry for the pair, if any.
+
+**Message size.**  Every message pays the cluster's ``latency_us`` once
+(alpha-beta: ``t = alpha + bytes / bandwidth``).  A subclass may make the
+bandwidth itself a function of the message size (Sailor's measured fits:
+``reference_profiles.SailorNetwork``).
+
+**Ring allreduce.**  Gradients are reduced the way NCCL does across nodes for
+large messages: one ring per group, its members ordered node by node, so each
+node's interface carries one ring edge in and one out whatever the number of
+members it holds.  ``2(n-1)`` steps each move ``S/n`` bytes over every edge at
+once, so a ring runs at its slowest edge:
+
+    t = 2(n-1) x (alpha + S / n / b_slowest)
+
+``b_slowest`` is the intra-node link for a ring inside one node, else the
+smallest inter-node flow share among the ring's nodes, where ``f_N`` counts the
+rings that cross node N's interface at the same time (``SyncRoute.flows``).
+Tensor-parallel groups of a stage run ``tp`` such rings side by side (one per
+shard), and every stage syncs after the slowest pipeline, so they all count.
+
+Planning core: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from het_strategy.core.cluster import ClusterSpec
+
+__all__ = ["SyncRoute", "Network", "NO_SYNC"]
+
+
+@dataclass(frozen=True)
+class SyncRoute:
+    """Where one gradient ring runs: its size, its nodes and the rings sharing each node's interface."""
+
+    members: int
+    """Ring size: the data-parallel replicas reducing together (1: nothing to reduce)."""
+    nodes: tuple[str, ...] = ()
+    """Nodes the ring spans, sorted; one node: an intra-node ring."""
+    flows: tuple[int, ...] = ()
+    """Per node of ``nodes``: rings crossing that node's interface at the same time (this one included)."""
+
+    @property
+    def inter_node(self) -> bool:
+        return len(self.nodes) > 1
+
+
+NO_SYNC = SyncRoute(members=1)
+"""The route of a stage with no other replica."""
+
+
+class Network:
+    """Prices transfers over a cluster's links (alpha-beta, shared node interfaces)."""
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        self.latency_s = cluster.latency_us * 1e-6
+
+    def describe(self) -> str:
+        """One line for the plan table."""
+        return f"alpha-beta links (latency {self.cluster.latency_us:g} us), shared node interfaces"
+
+    # -- link bandwidths (bytes/s) --------------------------------------------------------------
+    def intra_bandwidth(self, node: str, group_size: int, message_bytes: Any) -> Any:
+        """Bytes/s between devices of ``node`` in a group of ``group_size`` (scalar or array of sizes)."""
+        return self.cluster.node(node).intra_bandwidth_gbs * 1e9
+
+    def inter_flow_bandwidth(self, node: str, peer: str, flows: int, peer_flows: int, message_bytes: Any) -> Any:
+        """Bytes/s of one flow from ``node`` to ``peer`` with ``flows`` (``peer_flows``) concurrent flows there."""
+        a, b = self.cluster.node(node), self.cluster.node(peer)
+        gbs = min(a.inter_flow_bandwidth_gbs, b.inter_flow_bandwidth_gbs,
+                  a.inter_bandwidth_gbs / flows, b.inter_bandwidth_gbs / peer_flows)
+        link = self.cluster.pair_link_gbs(node, peer)
+        if link is not None:
+            gbs = min(gbs, link / max(flows, peer_flows))
+        return gbs * 1e9
+
+    # -- transfers ------------------------------------------------------------------------------
+    def send_s(self, num_bytes: float, src_device: str, dst_device: str) -> float:
+        """One point-to-point message between two devices (a pipeline send), as a lone flow."""
+        a, b = self.cluster.device(src_device).node, self.cluster.device(dst_device).node
+        if a == b:
+            bw = self.intra_bandwidth(a, 2, num_bytes)
+        else:
+            bw = self.inter_flow_bandwidth(a, b, 1, 1, num_bytes)
+        return self.latency_s + num_bytes / bw
+
+    def ring_allreduce_s(self, num_bytes: Any, route: SyncRoute) -> Any:
+        """Seconds of a ring allreduce of ``num_bytes`` (a number or an array) along ``route``."""
+        n = route.members
+        if n <= 1 or not route.nodes:
+            return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
+        bw = self.ring_bandwidth(route, num_bytes)
+        out = 2 * (n - 1) * (self.latency_s + np.asarray(num_bytes, dtype=float) / n / bw)
+        if isinstance(num_bytes, np.ndarray):
+            return np.where(num_bytes > 0, out, 0.0)
+        return float(out) if num_bytes > 0 else 0.0
+
+    def ring_bandwidth(self, route: SyncRoute, num_bytes: Any) -> Any:
+        """Bytes/s of the slowest edge of the ring (the buffer size may set it, for measured fits).
+
+        Nodes with equal figures and equal flow counts price alike, so one pair per
+        two such classes is evaluated (a ring over hundreds of nodes stays cheap);
+        explicit ``links`` between the ring's nodes are checked one by one.
+        """
+        if not route.inter_node:
+            return self.intra_bandwidth(route.nodes[0], route.members, num_bytes)
+        classes: dict[tuple, list[str]] = {}
+        for node, f in zip(route.nodes, route.flows):
+            classes.setdefault((self.node_class(node), f), []).append(node)
+        reps = [(nodes[0], f, len(nodes)) for (_, f), nodes in classes.items()]
+        worst: Any = math.inf
+        for i, (node, f, count) in enumerate(reps):
+            for j, (peer, pf, _) in enumerate(reps):
+                if i == j and count < 2:
+                    continue
+                if i == j:
+                    peer = classes[(self.node_class(node), f)][1]
+                worst = np.minimum(worst, self.inter_flow_bandwidth(node, peer, f, pf, num_bytes))
+        if self.cluster.links:
+            flows = dict(zip(route.nodes, route.flows))
+            for link in self.cluster.links:
+                a, b = link.nodes
+                if a in flows and b in flows:
+                    worst = np.minimum(worst, self.inter_flow_bandwidth(a, b, flows[a], flows[b], num_bytes))
+        return worst
+
+    def node_class(self, node: str) -> tuple:
+        """Nodes with equal classes have equal link figures."""
+        n = self.cluster.node(node)
+        return (n.devices[0].type, n.intra_bandwidth_gbs, n.inter_bandwidth_gbs, n.inter_flow_bandwidth_gbs)
+
+    def tp_allreduce_s(self, num_bytes: float, node: str, tp: int) -> float:
+        """One Megatron activation allreduce among the ``tp`` devices of a tensor-parallel group in ``node``."""
+        if tp <= 1 or num_bytes <= 0:
+            return 0.0
+        bw = self.intra_bandwidth(node, tp, num_bytes)
+        return 2 * (tp - 1) * (self.latency_s + num_bytes / tp / bw)
