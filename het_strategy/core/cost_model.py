@@ -48,7 +48,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec
-from het_strategy.core.network import NO_SYNC, Network, SyncRoute
+from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings  # also importable from here, as in 0.1.0
 from het_strategy.core.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
@@ -208,9 +208,12 @@ class CostModel:
         _, upd = self._layer_compute_prefix(device, tp, 1)
         return (upd[stop] - upd[start]) / self.settings.zero_shards(dp).optimizer
 
-    def send_s(self, micro_batch: int, last_layer: int, src: str, dst: str) -> float:
-        """Activation forward + gradient backward across a stage boundary."""
-        return 2 * self.network.send_s(self._out[last_layer] * micro_batch, src, dst)
+    def send_s(self, micro_batch: int, last_layer: int, src: str, dst: str,
+               route: SyncRoute | float | None = None) -> float:
+        """Activation forward + gradient backward across a stage boundary (sharing the nodes' interfaces
+        with the concurrent sends ``route.send_flows`` counts)."""
+        flows = route.send_flows if isinstance(route, SyncRoute) else (1, 1)
+        return 2 * self.network.send_s(self._out[last_layer] * micro_batch, src, dst, flows)
 
     def stage_param_count(self, start: int, stop: int, experts_held: dict[int, int] | None = None) -> float:
         """Parameters a stage holds: dense part + all experts, or only the experts placed on it."""
@@ -278,7 +281,7 @@ class CostModel:
         if group_size <= 1 or route.members <= 1:
             return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
         if route.members != group_size:
-            route = SyncRoute(group_size, route.nodes, route.flows)
+            route = SyncRoute(group_size, route.nodes, route.flows, route.send_flows)
         factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
         return factor * self.network.ring_allreduce_s(num_bytes, route)
 
@@ -333,8 +336,9 @@ class CostModel:
         stage_costs: list[list[StageCost]] = []
         memory: dict[str, float] = {}
         capacity: dict[str, float] = {}
-        for pipe in plan.pipelines:
-            time_s, costs, mem = self.pipeline_cost(pipe, dp, experts_by_dev, group_tokens)
+        all_routes = self.ring_bandwidths([tuple(st.devices for st in pipe.stages) for pipe in plan.pipelines])
+        for pipe, routes in zip(plan.pipelines, all_routes):
+            time_s, costs, mem = self.pipeline_cost(pipe, dp, experts_by_dev, group_tokens, routes)
             pipeline_times.append(time_s)
             stage_costs.append(costs)
             memory.update(mem)
@@ -349,9 +353,14 @@ class CostModel:
                          grad_dtype=self.settings.grad_reduce_dtype, network=self.network.describe())
 
     def pipeline_cost(self, pipe: Pipeline, dp: int, experts_by_dev: dict[str, dict[int, int]] | None = None,
-                      group_tokens: float = 0.0) -> tuple[float, list[StageCost], dict[str, float]]:
-        """(1F1B time, per-stage costs at the full micro-batch, memory per device) of one pipeline."""
+                      group_tokens: float = 0.0, routes: list[SyncRoute] | None = None
+                      ) -> tuple[float, list[StageCost], dict[str, float]]:
+        """(1F1B time, per-stage costs at the full micro-batch, memory per device) of one pipeline.
+
+        ``routes`` (from ``ring_bandwidths``) tell how many sends share each boundary's interfaces;
+        None: every send alone."""
         experts_by_dev = experts_by_dev or {}
+        routes = routes or [NO_SYNC] * len(pipe.stages)
         seq = self.workload.seq_len
         n = pipe.num_micro_batches
         last = pipe.samples - (n - 1) * pipe.micro_batch_size
@@ -363,14 +372,14 @@ class CostModel:
             nxt = pipe.stages[s + 1] if s + 1 < len(pipe.stages) else None
 
             def _stage(mb: int, stage: Stage = stage, start: int = start, stop: int = stop,
-                       nxt: Stage | None = nxt) -> tuple[float, float]:
+                       nxt: Stage | None = nxt, route: SyncRoute = routes[s]) -> tuple[float, float]:
                 comp = max(self.stage_compute_s(self.cluster.device(d), stage.tp, mb, start, stop)
                            + self.expert_compute_s(self.cluster.device(d), stage.tp, start, stop, mb * seq,
                                                    experts_by_dev.get(d), group_tokens)
                            for d in stage.devices)
                 send = 0.0
                 if nxt is not None:
-                    send = max(self.send_s(mb, stop - 1, a, b)
+                    send = max(self.send_s(mb, stop - 1, a, b, route)
                                for a, b in zip(stage.devices, _cycle(nxt.devices, stage.tp)))
                 return comp, send
 
@@ -403,51 +412,8 @@ class CostModel:
         return out
 
     def ring_bandwidths(self, structure: list[tuple[tuple[str, ...], ...]]) -> list[list[SyncRoute]]:
-        """Per pipeline, per stage: the route of its gradient ring (``NO_SYNC`` for one pipeline).
-
-        A ring is identified by (pipeline length, stage index, tp rank): pipelines
-        of one length hold the same layers at the same stage (the planner gives
-        identical pipelines one split).  A stage of a pipeline of another length
-        reduces with every stage whose relative position overlaps its own, so
-        those rings' nodes join.  A node's interface is shared by every ring
-        with a member there that leaves the node.  The route depends on the
-        plan's structure only, not on the layer split (which keeps the
-        planner's search exact).
-        """
-        if len(structure) <= 1:
-            return [[NO_SYNC] * len(slots) for slots in structure]
-        node_of = {d.name: d.node for d in self.cluster.devices}
-        members: dict[tuple[int, int, int], set[str]] = {}
-        for slots in structure:
-            for s, slot in enumerate(slots):
-                for r, d in enumerate(slot):
-                    members.setdefault((len(slots), s, r), set()).add(node_of[d])
-        lengths = sorted({len(slots) for slots in structure})
-        ring_nodes: dict[tuple[int, int, int], frozenset[str]] = {}
-        for key, nodes in members.items():
-            S, s, r = key
-            joined = set(nodes)
-            if len(lengths) > 1:
-                for (S2, s2, r2), other in members.items():
-                    if S2 != S and s2 * S < (s + 1) * S2 and s * S2 < (s2 + 1) * S:  # relative ranges overlap
-                        joined |= other
-            ring_nodes[key] = frozenset(joined)
-        flows: dict[str, int] = {}
-        for key, nodes in ring_nodes.items():
-            if len(nodes) > 1:
-                for n in members[key]:
-                    flows[n] = flows.get(n, 0) + 1
-        dp = len(structure)
-        out = []
-        for slots in structure:
-            routes = []
-            for s, slot in enumerate(slots):
-                nodes = frozenset().union(*(ring_nodes[(len(slots), s, r)] for r in range(len(slot))))
-                ordered = tuple(sorted(nodes))
-                routes.append(SyncRoute(dp, ordered, tuple(max(1, flows.get(n, 1)) for n in ordered)
-                                        if len(ordered) > 1 else ()))
-            out.append(routes)
-        return out
+        """Per pipeline, per stage: its gradient ring's route and its send's sharing (``network.routes``)."""
+        return routes(self.cluster, structure)
 
     def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, route: SyncRoute | float) -> float:
         """Gradient allreduce of a stage's dense parameters among ``dp`` replicas."""

@@ -22,6 +22,11 @@ where ``link_ab`` is an explicit ``links`` entry for the pair, if any.
 bandwidth itself a function of the message size (Sailor's measured fits:
 ``reference_profiles.SailorNetwork``).
 
+**Tensor parallelism.**  A Megatron activation allreduce among the ``tp``
+devices of a group is a ring over the node's link at ``TP_LINK_EFFICIENCY`` of
+its peak (blocking, small messages between kernels: what Sailor's measured tp
+profiles imply).
+
 **Ring allreduce.**  Gradients are reduced the way NCCL does across nodes for
 large messages: one ring per group, its members ordered node by node, so each
 node's interface carries one ring edge in and one out whatever the number of
@@ -43,13 +48,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec
 
-__all__ = ["SyncRoute", "Network", "NO_SYNC"]
+__all__ = ["SyncRoute", "Network", "NO_SYNC", "TP_LINK_EFFICIENCY", "routes"]
+
+TP_LINK_EFFICIENCY = 0.36
+"""Fraction of the node link's peak that a blocking Megatron activation allreduce reaches.
+
+Measured, not assumed: over the 74 (gpu, tp, micro-batch) points of Sailor's OPT-350
+profiles with a tp-1 reference (A100, V100, GH200, RTX-2080/3090, Titan-RTX), the
+allreduce bandwidth a block's tp > 1 time implies — ``(t_tp - t_1 / tp) / 4`` per
+allreduce — over the intra-node fit's peak has median 0.36 (spread 0.1-1.3; PCIe
+and NVLink nodes alike).  ``reference_profiles.measured_tp_link_efficiency``
+recomputes it from the data, and a test keeps the two together.
+"""
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,10 @@ class SyncRoute:
     """Nodes the ring spans, sorted; one node: an intra-node ring."""
     flows: tuple[int, ...] = ()
     """Per node of ``nodes``: rings crossing that node's interface at the same time (this one included)."""
+    send_flows: tuple[int, int] = (1, 1)
+    """The stage's pipeline send to the next stage: sends leaving the sender's node and entering the
+    receiver's node at the same time (every pipeline's boundaries and every tp rank: each rank of a
+    tensor-parallel group sends the whole activation, as DeepSpeed's pipeline engine does)."""
 
     @property
     def inter_node(self) -> bool:
@@ -99,13 +119,14 @@ class Network:
         return gbs * 1e9
 
     # -- transfers ------------------------------------------------------------------------------
-    def send_s(self, num_bytes: float, src_device: str, dst_device: str) -> float:
-        """One point-to-point message between two devices (a pipeline send), as a lone flow."""
+    def send_s(self, num_bytes: float, src_device: str, dst_device: str, flows: tuple[int, int] = (1, 1)) -> float:
+        """One point-to-point message between two devices (a pipeline send); across nodes it shares the
+        sender's and the receiver's interfaces with ``flows`` concurrent sends."""
         a, b = self.cluster.device(src_device).node, self.cluster.device(dst_device).node
         if a == b:
             bw = self.intra_bandwidth(a, 2, num_bytes)
         else:
-            bw = self.inter_flow_bandwidth(a, b, 1, 1, num_bytes)
+            bw = self.inter_flow_bandwidth(a, b, flows[0], flows[1], num_bytes)
         return self.latency_s + num_bytes / bw
 
     def ring_allreduce_s(self, num_bytes: Any, route: SyncRoute) -> Any:
@@ -157,5 +178,77 @@ class Network:
         """One Megatron activation allreduce among the ``tp`` devices of a tensor-parallel group in ``node``."""
         if tp <= 1 or num_bytes <= 0:
             return 0.0
-        bw = self.intra_bandwidth(node, tp, num_bytes)
+        bw = self.intra_bandwidth(node, tp, num_bytes) * TP_LINK_EFFICIENCY
         return 2 * (tp - 1) * (self.latency_s + num_bytes / tp / bw)
+
+
+def routes(cluster: ClusterSpec, structure: Sequence[Sequence[tuple[str, ...]]]) -> list[list[SyncRoute]]:
+    """Per pipeline (a sequence of stage device groups), per stage: its gradient ring's route and its send's sharing.
+
+    A ring is identified by (pipeline length, stage index, tp rank): pipelines
+    of one length hold the same layers at the same stage (the planner gives
+    identical pipelines one split).  A stage of a pipeline of another length
+    reduces with every stage whose relative position overlaps its own, so
+    those rings' nodes join.  A node's interface is shared by every ring
+    with a member there that leaves the node.  The route depends on the
+    plan's structure only, not on the layer split (which keeps the
+    planner's search exact).
+    """
+    node_of = {d.name: d.node for d in cluster.devices}
+    sends_out: dict[str, int] = {}
+    sends_in: dict[str, int] = {}
+    for slots in structure:
+        for a, b in zip(slots, slots[1:]):
+            for src, dst in zip(a, _cycle(b, len(a))):
+                if node_of[src] != node_of[dst]:
+                    sends_out[node_of[src]] = sends_out.get(node_of[src], 0) + 1
+                    sends_in[node_of[dst]] = sends_in.get(node_of[dst], 0) + 1
+
+    def send_flows(slots: Sequence[tuple[str, ...]], s: int) -> tuple[int, int]:
+        if s + 1 >= len(slots):
+            return (1, 1)
+        return (sends_out.get(node_of[slots[s][0]], 1), sends_in.get(node_of[slots[s + 1][0]], 1))
+
+    if len(structure) <= 1:
+        return [[SyncRoute(1, send_flows=send_flows(slots, s)) for s in range(len(slots))]
+                for slots in structure]
+    members: dict[tuple[int, int, int], set[str]] = {}
+    for slots in structure:
+        for s, slot in enumerate(slots):
+            for r, d in enumerate(slot):
+                members.setdefault((len(slots), s, r), set()).add(node_of[d])
+    lengths = sorted({len(slots) for slots in structure})
+    ring_nodes: dict[tuple[int, int, int], frozenset[str]] = {}
+    for key, nodes in members.items():
+        S, s, r = key
+        joined = set(nodes)
+        if len(lengths) > 1:
+            for (S2, s2, r2), other in members.items():
+                if S2 != S and s2 * S < (s + 1) * S2 and s * S2 < (s2 + 1) * S:  # relative ranges overlap
+                    joined |= other
+        ring_nodes[key] = frozenset(joined)
+    flows: dict[str, int] = {}
+    for key, nodes in ring_nodes.items():
+        if len(nodes) > 1:
+            for n in members[key]:
+                flows[n] = flows.get(n, 0) + 1
+    dp = len(structure)
+    memo: dict[tuple[int, int, int], tuple[tuple[str, ...], tuple[int, ...]]] = {}
+    out = []
+    for slots in structure:
+        stage_routes = []
+        for s, slot in enumerate(slots):
+            key = (len(slots), s, len(slot))
+            hit = memo.get(key)
+            if hit is None:
+                nodes = frozenset().union(*(ring_nodes[(len(slots), s, r)] for r in range(len(slot))))
+                ordered = tuple(sorted(nodes))
+                hit = memo[key] = (ordered, tuple(max(1, flows.get(n, 1)) for n in ordered)
+                                   if len(ordered) > 1 else ())
+            stage_routes.append(SyncRoute(dp, hit[0], hit[1], send_flows(slots, s)))
+        out.append(stage_routes)
+    return out
+
+
+def _cycle(devices: Sequence[str], n: int) -> list[str]:
+    return [devices[i % len(devices)] for i in range(n)]

@@ -287,7 +287,47 @@ class SailorNetwork(Network):
             return np.where(num_bytes > 0, out, 0.0)
         return float(out) if num_bytes > 0 else 0.0
 
-    def send_s(self, num_bytes: float, src_device: str, dst_device: str) -> float:
+    def send_s(self, num_bytes: float, src_device: str, dst_device: str, flows: tuple[int, int] = (1, 1)) -> float:
         a, b = self.cluster.device(src_device).node, self.cluster.device(dst_device).node
-        bw = self.intra_bandwidth(a, 2, num_bytes) if a == b else self.inter_flow_bandwidth(a, b, 1, 1, num_bytes)
+        bw = self.intra_bandwidth(a, 2, num_bytes) if a == b else \
+            self.inter_flow_bandwidth(a, b, flows[0], flows[1], num_bytes)
         return float(num_bytes / bw)
+
+
+def measured_tp_link_efficiency(model: str = "OPT-350", layer: int | None = None) -> tuple[float, int]:
+    """(median, count) over Sailor's profiles of the tp allreduce bandwidth a block implies / the link's peak.
+
+    For every GPU with an intra-node fit and every (micro-batch, tp > 1) with a
+    tp-1 time: one block's four Megatron allreduces take ``t_tp - t_1 / tp``; a
+    ring of ``tp`` moving ``2 (tp-1)/tp`` of the block output (fp32, Sailor's runs)
+    in that time implies a bandwidth, compared with the fit's measured peak for a
+    group of that size.  The ``network.TP_LINK_EFFICIENCY`` constant is this median.
+    """
+    data = _read_json("layer_profiles.json")[model]
+    intra = _read_json("intra_node_bandwidth_fits.json")
+    shape = load_sailor_training_config(model)
+    seq, hidden = int(shape.get("sequence_length", 2048)), int(shape.get("hidden_size", 1024))
+    ratios = []
+    for gpu, by_mbs in data.items():
+        if gpu not in intra:
+            continue
+        for mbs, by_tp in by_mbs.items():
+            if "1" not in by_tp:
+                continue
+            block = str(layer if layer is not None else len(by_tp["1"]) // 2)
+            f1, b1, _ = by_tp["1"][block]
+            for tp_key, rows in by_tp.items():
+                tp = int(tp_key)
+                if tp == 1:
+                    continue
+                sizes = sorted(int(k) for k in intra[gpu])
+                group = str(min((k for k in sizes if k >= tp), default=sizes[-1]))
+                each = (rows[block][0] + rows[block][1] - (f1 + b1) / tp) / 4
+                if each <= 0:
+                    continue
+                moved = 2 * (tp - 1) / tp * int(mbs) * seq * hidden * 4
+                ratios.append(moved / each / intra[gpu][group][1])
+    ratios.sort()
+    n = len(ratios)
+    median = ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+    return median, n

@@ -49,6 +49,9 @@ class TrainSettings:
     """GiB per device kept for the framework, CUDA context and fragmentation."""
     max_stages: int = 16
     """Most pipeline stages the planner considers."""
+    equal_shares: bool = False
+    """Give every pipeline the same share of the batch (for runtimes that cannot run uneven batches,
+    e.g. Sailor's or Megatron's); the default lets the planner split it unevenly by speed."""
     grad_dtype: str | None = None
     """Dtype gradients are reduced in.  None: fp32 — mixed precision (torch autocast, Lightning's
     ``*-mixed``, DeepSpeed's bf16 optimizer) keeps fp32 gradients and reduces them so.  Set fp16/bf16
@@ -71,6 +74,8 @@ class TrainSettings:
         object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(sizes))))
         require_number(self.memory_reserve_gb, "train.memory_reserve_gb", allow_zero=True)
         require_int(self.max_stages, "train.max_stages", minimum=1)
+        if not isinstance(self.equal_shares, bool):
+            raise field_error("train.equal_shares", self.equal_shares, "be true or false")
         if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
             raise field_error("train.grad_dtype", self.grad_dtype, f"be null or one of {sorted(DTYPE_BYTES)}")
 
