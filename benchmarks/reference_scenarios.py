@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from het_strategy.core.amp_reference import amp_measured_plans
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
@@ -22,23 +23,10 @@ from het_strategy.core.reference_profiles import load_sailor_profile
 from het_strategy.core.workload import WorkloadSpec, load_workload
 
 
-def _uniform_bounds(num_layers: int, stages: int) -> list[int]:
-    return [round(i * num_layers / stages) for i in range(stages + 1)]
-
-
 def _manual(cluster: ClusterSpec, workload: WorkloadSpec, batch: int, pipelines: list[Pipeline]) -> Plan:
     return Plan(cluster=cluster.name, cluster_devices=tuple(d.name for d in cluster.devices),
                 model=workload.fingerprint(), global_batch_size=batch, pipelines=tuple(pipelines),
                 dtype="fp16", mode="manual")
-
-
-def amp_plan(cluster: ClusterSpec, workload: WorkloadSpec, batch: int, dp: int, pp: int, mbs: int = 1) -> Plan:
-    """AMP's (mbs, tp=1, dp, pp) shape: dp pipelines of pp devices in cluster order, uniform layer split."""
-    names = [d.name for d in cluster.devices]
-    bounds = _uniform_bounds(workload.num_layers, pp)
-    pipes = [Pipeline(tuple(Stage((names[p * pp + s],), (bounds[s], bounds[s + 1])) for s in range(pp)),
-                      mbs, batch // dp) for p in range(dp)]
-    return _manual(cluster, workload, batch, pipes)
 
 
 def metis_plan(cluster: ClusterSpec, workload: WorkloadSpec, batch: int) -> Plan:
@@ -58,8 +46,10 @@ def run_amp() -> dict:
     settings = TrainSettings(32, dtype="fp16", max_tp=1)
     cm = CostModel(cluster, workload, settings)
     ours = plan(cluster, workload, settings)
-    measured_best = cm.score(amp_plan(cluster, workload, 32, dp=2, pp=8))
-    predicted_best = cm.score(amp_plan(cluster, workload, 32, dp=4, pp=4))
+    # AMP's own runs, rebuilt with its logged stage boundaries and DeepSpeed's rank order
+    amp = {p.label: p.plan for p in amp_measured_plans(cluster, workload)}
+    measured_best = cm.score(amp[(1, 1, 2, 8)])
+    predicted_best = cm.score(amp[(1, 1, 4, 4)])
     return {"ours": ours, "ours_s": ours.predicted["step_time_s"], "amp_measured_best_s": measured_best.step_time_s,
             "amp_predicted_best_s": predicted_best.step_time_s}
 

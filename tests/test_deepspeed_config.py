@@ -28,6 +28,7 @@ from het_strategy.core.workload import TransformerConfig, transformer_workload
 GiB = 2**30
 DS_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
            "zero_optimization", "bf16", "fp16", "steps_per_print", "wall_clock_breakdown"}
+DS_KEYS_HALF = DS_KEYS | {"communication_data_type"}  # half-precision plans: the priced gradient dtype
 
 
 def _workload(num_blocks: int = 4, hidden: int = 64):
@@ -117,7 +118,8 @@ def test_uneven_dp_per_rank_configs_validate_and_weights_give_global_mean(monkey
     assert gas == [math.ceil(5 / 2), math.ceil(2 / 2), 1] == [3, 1, 1]
     assert [c["train_micro_batch_size_per_gpu"] for c in cfgs] == [2, 2, 1]
     for c in cfgs:
-        assert set(c) == DS_KEYS  # only keys DeepSpeed knows; no loss weights or samples
+        assert set(c) == DS_KEYS_HALF  # only keys DeepSpeed knows; no loss weights or samples
+        assert c["communication_data_type"] == "fp32"  # what the cost model priced (train.grad_dtype unset)
         parsed = _validate(c, dp_world=3, monkeypatch=monkeypatch)
         assert parsed.train_batch_size == c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] * 3
         assert parsed.zero_optimization_stage == 0 and parsed.bfloat16_config.enabled and not parsed.float16_config.enabled

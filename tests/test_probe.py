@@ -261,3 +261,14 @@ def test_probe_cluster_measures_then_loads_from_cache(tmp_path):
     assert rank0["table"].startswith("Probed cluster `auto` (cached; gloo, 2 ranks)")
     files = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
     assert files == ["device", "device", "links"]
+
+
+def test_probed_latency_is_the_alpha_of_an_alpha_beta_fit_over_the_measured_sizes():
+    alpha, beta = 50e-6, 2e9
+    p2p = tuple(P2PTiming(src, 1 - src, size, alpha + size / beta, size / (alpha + size / beta) / 1e9)
+                for src in (0, 1) for size in (64 * 2**10, 2**20, 8 * 2**20))
+    links = LinkMeasurement(backend="gloo", world_size=2,
+                            allreduce=(AllreduceTiming(8 * 2**20, 0.01, 0.8, 0.8),), p2p=p2p)
+    assert links.latency_us() == pytest.approx(50.0)
+    cluster = cluster_from_measurements([_device("a"), _device("b")], links)
+    assert cluster.latency_us == pytest.approx(50.0)

@@ -105,6 +105,20 @@ class LinkMeasurement:
         """Bus bandwidth at the largest size (0 for a single rank: nothing crosses a link)."""
         return next(t.busbw_gbs for t in self.allreduce if t.size_bytes == self.largest_size)
 
+    def latency_us(self) -> float:
+        """Per-message latency (alpha) of an alpha-beta fit ``t = alpha + bytes / beta`` to every measured
+        point-to-point time (least squares over all pairs and sizes), microseconds, >= 0; 0 without sizes
+        to fit (one rank, or one size)."""
+        points = [(t.size_bytes, t.seconds) for t in self.p2p]
+        if len({b for b, _ in points}) < 2:
+            return 0.0
+        n = len(points)
+        mx = sum(b for b, _ in points) / n
+        my = sum(t for _, t in points) / n
+        sxx = sum((b - mx) ** 2 for b, _ in points)
+        slope = sum((b - mx) * (t - my) for b, t in points) / sxx
+        return max(0.0, (my - slope * mx) * 1e6)
+
     def pair_gbs(self) -> dict[tuple[int, int], float]:
         """GB/s of each measured (src, dst) pair at the largest size."""
         return {(t.src, t.dst): t.gbs for t in self.p2p if t.size_bytes == self.largest_size}

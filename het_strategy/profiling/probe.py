@@ -93,7 +93,10 @@ def cluster_from_measurements(devices: Sequence[DeviceMeasurement], links: LinkM
     measured pair; a node with one rank (or no measured pair inside it) takes
     the allreduce bus bandwidth, and with a single rank in the whole group, where
     no link exists, its device's memory bandwidth.  Inter-node bandwidth is the
-    slowest pair across hosts (the intra figure when there is one host).
+    slowest pair across hosts (the intra figure when there is one host).  The
+    per-message latency is the alpha of an alpha-beta fit over the point-to-point
+    times at every measured size (64 KiB, 1 MiB, 8 MiB by default), so small
+    messages cost what they cost here.
     Ranks of one host should be contiguous (every launcher does this): the
     ClusterSpec lists devices node by node, so interleaved hosts would reorder them.
     """
@@ -124,7 +127,8 @@ def cluster_from_measurements(devices: Sequence[DeviceMeasurement], links: LinkM
         })
     across = [gbs for (a, b), gbs in pairs.items() if hosts[a] != hosts[b]]
     inter = min(across, default=min(n["intra_bandwidth_gbs"] for n in nodes))
-    return cluster_from_dict({"name": name, "nodes": nodes, "inter_node_bandwidth_gbs": inter})
+    return cluster_from_dict({"name": name, "nodes": nodes, "inter_node_bandwidth_gbs": inter,
+                              "latency_us": links.latency_us()})
 
 
 # -- the collective probe ------------------------------------------------------------------------------
