@@ -209,15 +209,17 @@ class _Evaluator:
         self.evals = 0
 
     def stage_cost(self, slot: tuple[str, ...], nxt: tuple[str, ...] | None, start: int, stop: int,
-                   mb: int) -> StageCost:
-        key = (slot, nxt, start, stop, mb)
+                   mb: int, route: Any = None) -> StageCost:
+        """Compute and send of one stage; ``route`` (from ``ring_bandwidths``) says how many sends share
+        the nodes' interfaces with this one."""
+        key = (slot, nxt, start, stop, mb, getattr(route, "send_flows", None))
         hit = self._stage.get(key)
         if hit is None:
             cm, tp, seq = self.cm, len(slot), self.cm.workload.seq_len
             comp = max(cm.stage_compute_s(cm.cluster.device(d), tp, mb, start, stop)
                        + cm.expert_compute_s(cm.cluster.device(d), tp, start, stop, mb * seq, None, 0.0)
                        for d in slot)
-            send = 0.0 if nxt is None else max(cm.send_s(mb, stop - 1, a, nxt[i % len(nxt)])
+            send = 0.0 if nxt is None else max(cm.send_s(mb, stop - 1, a, nxt[i % len(nxt)], route)
                                                for i, a in enumerate(slot))
             hit = self._stage[key] = StageCost(comp, send, 0.0)
         return hit
@@ -243,7 +245,7 @@ class _Evaluator:
                        + cm.stage_update_s(cm.cluster.device(slot[0]), len(slot), a, b, dp)
                        for slot, (a, b), bw in zip(slots, ranges, ring))
             for m in cm.settings.micro_batch_sizes:
-                full = [self.stage_cost(slot, slots[s + 1] if s + 1 < S else None, a, b, m)
+                full = [self.stage_cost(slot, slots[s + 1] if s + 1 < S else None, a, b, m, ring[s])
                         for s, (slot, (a, b)) in enumerate(zip(slots, ranges))]
                 for samples in range(1, max_share + 1):
                     self.evals += 1
@@ -253,7 +255,7 @@ class _Evaluator:
                         continue
                     last = samples - (n - 1) * m
                     costs_last = full if last == m else [
-                        self.stage_cost(slot, slots[s + 1] if s + 1 < S else None, a, b, last)
+                        self.stage_cost(slot, slots[s + 1] if s + 1 < S else None, a, b, last, ring[s])
                         for s, (slot, (a, b)) in enumerate(zip(slots, ranges))]
                     per_b[samples].append((pipeline_time_s(full, costs_last, n), post, bounds, m))
         out = []

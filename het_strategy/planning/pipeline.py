@@ -20,6 +20,15 @@ Steps:
    With <= 16 layers every distinct stage cost is tried as C (exact); beyond
    that a geometric grid of caps between C* and the bottleneck of the min-fill
    partition is used (the front is convex in practice; the grid is 24 points).
+   Up to ``_DENSE_LAYERS`` layers all caps run as one vectorised DP
+   (``_min_fill_many``: same arithmetic and tie-breaking per cap as the one-cap
+   DP); beyond, one DP per cap (the 3-D arrays would not fit in cache).
+
+Caching (``_SlotCache``): the matrices are cached by what they depend on, and
+equal matrices are the same object (masks deduplicated by content), so a front
+is computed once per distinct set of matrices: pipelines that differ only in d,
+gradient routes, or in-flight counts that do not change what fits share it
+(``post_s`` is re-read from each one's own post matrices).
 """
 
 from __future__ import annotations
@@ -33,9 +42,12 @@ import numpy as np
 
 from het_strategy.core.cost_model import CostModel
 
-__all__ = ["Partition", "PartitionFront", "partition_front", "plan_pipeline_stages"]
+__all__ = ["Partition", "PartitionFront", "partition_front", "plan_pipeline_stages", "stage_matrices",
+           "send_key", "EXACT_LAYER_LIMIT"]
 
 _EXACT_LAYER_LIMIT = 16
+EXACT_LAYER_LIMIT = _EXACT_LAYER_LIMIT
+"""Up to this many layers every distinct stage cost is tried as a bottleneck cap (fronts are exact)."""
 _GRID_POINTS = 24
 
 
@@ -66,46 +78,105 @@ class PartitionFront:
         return min(self.partitions, key=lambda p: (p.time_s(num_micro_batches), p.post_s))
 
 
-_SLOT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
+class _SlotCache:
+    """Per cost model: the stage matrices, cached by what each really depends on.
+
+    * the memory mask by (tp, micro-batch, in flight, ZeRO state bytes, capacity),
+      deduplicated by content: in-flight counts or d that do not change which
+      ranges fit give the very same mask object;
+    * (bottleneck, fill) by (device key, tp, micro-batch, mask, send key), where the
+      send key is what a pipeline send is priced from (the two nodes' link figures,
+      an explicit link between them, the concurrent sends at each end);
+    * post (sync + update) by (device key, tp, d, route, mask).
+
+    Equal objects let ``partition_front`` share one front between pipelines
+    whose matrices are the same (other d, other gradient routes, fewer micro-batches
+    in flight where memory does not bind).
+    """
+
+    def __init__(self) -> None:
+        self.masks: dict[tuple, np.ndarray] = {}
+        self.by_content: dict[bytes, np.ndarray] = {}
+        self.compute: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.post: dict[tuple, np.ndarray] = {}
+        self.sends: dict[tuple, np.ndarray] = {}
+        self.fronts: dict[tuple, tuple] = {}
+        self.valid: np.ndarray | None = None
+
+
+_SLOT_CACHES: "weakref.WeakKeyDictionary[CostModel, _SlotCache]" = weakref.WeakKeyDictionary()
+
+
+def send_key(cm: CostModel, src: str, dst: str, route) -> tuple:
+    """What a pipeline send from ``src`` to ``dst`` is priced from: the nodes' link figures
+    (``network.node_class``), an explicit link between them, the concurrent sends at each end."""
+    a, b = cm.cluster.device(src).node, cm.cluster.device(dst).node
+    flows = route.send_flows if hasattr(route, "send_flows") else (1, 1)
+    if a == b:
+        return ("intra", cm.network.node_class(a))
+    return ("inter", cm.network.node_class(a), cm.network.node_class(b), cm.cluster.pair_link_gbs(a, b), flows)
 
 
 def _stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch: int, in_flight: Sequence[int],
-                    dp: int, ring_bw: Sequence[float]) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+                    dp: int, ring_bw: Sequence) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Per slot: (bottleneck cost, fill cost, post cost) matrices, inf where infeasible or i >= j."""
-    cache = _SLOT_CACHES.setdefault(cm, {})
+    cache = _SLOT_CACHES.get(cm)
+    if cache is None:
+        cache = _SLOT_CACHES[cm] = _SlotCache()
+    if cache.valid is None:
+        idx = np.arange(cm.workload.num_layers + 1)
+        cache.valid = idx[:, None] < idx[None, :]
+    state_bytes = cm.settings.state_bytes_per_param(dp)
     bott, fill, post = [], [], []
     for s, devices in enumerate(slots):
         dev = cm.cluster.device(devices[0])
-        link = cm.cluster.bandwidth(devices[0], slots[s + 1][0]) if s + 1 < len(slots) else None
-        key = (cm.device_key(dev), len(devices), micro_batch, in_flight[s], dp, ring_bw[s], link)
-        mats = cache.get(key)
+        dkey, tp = cm.device_key(dev), len(devices)
+        capacity = cm.memory_capacity_bytes(dev)
+        mkey = (tp, micro_batch, in_flight[s], state_bytes, capacity)
+        mask = cache.masks.get(mkey)
+        if mask is None:
+            ok = cache.valid & (cm.memory_matrix(tp, micro_batch, in_flight[s], dp) <= capacity)
+            mask = cache.masks[mkey] = cache.by_content.setdefault(ok.tobytes(), ok)
+        nxt = slots[s + 1][0] if s + 1 < len(slots) else None
+        skey = None if nxt is None else send_key(cm, devices[0], nxt, ring_bw[s])
+        ckey = (dkey, tp, micro_batch, id(mask), skey)
+        mats = cache.compute.get(ckey)
         if mats is None:
-            nxt = slots[s + 1][0] if s + 1 < len(slots) else None
-            mats = cache[key] = _slot_matrices(cm, dev, len(devices), micro_batch, in_flight[s], dp, ring_bw[s],
-                                               devices[0], nxt)
+            mats = cache.compute[ckey] = _compute_matrices(cm, dev, tp, micro_batch, mask, devices[0], nxt,
+                                                           ring_bw[s], skey, cache)
+        pkey = (dkey, tp, dp, ring_bw[s], id(mask))
+        pm = cache.post.get(pkey)
+        if pm is None:
+            pm = cache.post[pkey] = np.where(mask, cm.post_matrix(dev, tp, dp, ring_bw[s]), np.inf)
         bott.append(mats[0])
         fill.append(mats[1])
-        post.append(mats[2])
+        post.append(pm)
     return bott, fill, post
 
 
-def _slot_matrices(cm: CostModel, dev, tp: int, micro_batch: int, in_flight: int, dp: int, ring_bw: float,
-                   src: str, nxt: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch: int, in_flight: Sequence[int],
+                   dp: int, routes: Sequence) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per slot: (bottleneck, fill, post) matrices of one micro-batch of ``micro_batch`` samples over every
+    layer range, inf where it does not fit with ``in_flight[s]`` micro-batches in flight (cached objects:
+    equal matrices are the same object)."""
+    return _stage_matrices(cm, slots, micro_batch, in_flight, dp, routes)
+
+
+def _compute_matrices(cm: CostModel, dev, tp: int, micro_batch: int, mask: np.ndarray, src: str, nxt: str | None,
+                      route, skey: tuple | None, cache: _SlotCache) -> tuple[np.ndarray, np.ndarray]:
     L = cm.workload.num_layers
-    idx = np.arange(L + 1)
-    valid = idx[:, None] < idx[None, :]
     # MoE experts without a placement: each replica runs its own routed tokens
     comp = cm.replicated_compute_prefix(dev, tp, micro_batch)
     c = comp[None, :] - comp[:, None]
     if nxt is not None:
-        send_by_stop = np.array([0.0] + [cm.send_s(micro_batch, j - 1, src, nxt) for j in range(1, L + 1)])
+        send_by_stop = cache.sends.get((micro_batch, skey))
+        if send_by_stop is None:
+            send_by_stop = cache.sends[(micro_batch, skey)] = np.array(
+                [0.0] + [cm.send_s(micro_batch, j - 1, src, nxt, route) for j in range(1, L + 1)])
         send = np.broadcast_to(send_by_stop[None, :], c.shape)
     else:
         send = np.zeros_like(c)
-    mem = cm.memory_matrix(tp, micro_batch, in_flight, dp)
-    ok = valid & (mem <= cm.memory_capacity_bytes(dev))
-    sync = np.where(valid, cm.post_matrix(dev, tp, dp, ring_bw), np.inf)
-    return np.where(ok, np.maximum(c, send), np.inf), np.where(ok, c + send, np.inf), np.where(ok, sync, np.inf)
+    return np.where(mask, np.maximum(c, send), np.inf), np.where(mask, c + send, np.inf)
 
 
 def _min_bottleneck(bott: list[np.ndarray]) -> float:
@@ -136,6 +207,52 @@ def _min_fill(bott: list[np.ndarray], fill: list[np.ndarray], cap: float) -> tup
     return float(f[-1]), tuple(reversed(bounds))
 
 
+_CHUNK_CELLS = 1 << 22  # caps x (L+1)^2 cells per vectorised DP step (about 32 MiB of floats)
+
+
+def _min_fill_many(bott: list[np.ndarray], fill: list[np.ndarray], caps: np.ndarray
+                   ) -> list[tuple[float, tuple[int, ...]] | None]:
+    """``_min_fill`` for many caps at once, with the same arithmetic per cap.
+
+    One 3-D DP per chunk of caps, laid out (cap, stop j, start i) so the min over i runs along
+    contiguous memory; a stage whose matrices repeat an earlier stage's reuses its masked costs.
+    """
+    n = fill[0].shape[0]
+    out: list[tuple[float, tuple[int, ...]] | None] = []
+    step = max(1, _CHUNK_CELLS // (n * n))
+    for lo in range(0, len(caps), step):
+        cap = np.asarray(caps[lo:lo + step], dtype=float)[:, None, None]
+        K = cap.shape[0]
+        f = np.full((K, n), np.inf)
+        f[:, 0] = 0.0
+        buf = np.empty((K, n, n))
+        masked: dict[tuple[int, int], np.ndarray] = {}
+        choice = []
+        for b, c in zip(bott, fill):
+            cost = masked.get((id(b), id(c)))
+            if cost is None:
+                cost = masked[(id(b), id(c))] = np.where(np.ascontiguousarray(b.T)[None] <= cap,
+                                                         np.ascontiguousarray(c.T)[None], np.inf)
+            np.add(cost, f[:, None, :], out=buf)
+            arg = buf.argmin(axis=2)
+            f = np.take_along_axis(buf, arg[:, :, None], axis=2)[:, :, 0]
+            choice.append(arg)
+        for k in range(K):
+            if not math.isfinite(f[k, -1]):
+                out.append(None)
+                continue
+            bounds = [n - 1]
+            for arg in reversed(choice):
+                bounds.append(int(arg[k, bounds[-1]]))
+            out.append((float(f[k, -1]), tuple(reversed(bounds))))
+    return out
+
+
+_DENSE_LAYERS = 40
+"""Up to this many layers the caps run as one 3-D DP (python overhead dominates small matrices); beyond,
+one 2-D DP per cap is faster (the 3-D arrays no longer fit in cache)."""
+
+
 def _describe(bounds: tuple[int, ...], bott: list[np.ndarray], fill: list[np.ndarray], post: list[np.ndarray]
               ) -> Partition:
     pairs = list(zip(bounds, bounds[1:]))
@@ -146,7 +263,7 @@ def _describe(bounds: tuple[int, ...], bott: list[np.ndarray], fill: list[np.nda
 
 
 def partition_front(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch: int, num_micro_batches: int,
-                    dp: int, ring_bw: Sequence[float], post_limit: float = math.inf) -> PartitionFront | None:
+                    dp: int, ring_bw: Sequence, post_limit: float = math.inf) -> PartitionFront | None:
     """All useful layer splits of a pipeline (see module docstring); None if nothing fits."""
     S = len(slots)
     L = cm.workload.num_layers
@@ -154,11 +271,29 @@ def partition_front(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch
         return None
     in_flight = [min(S - s, num_micro_batches) for s in range(S)]
     bott, fill, post = _stage_matrices(cm, slots, micro_batch, in_flight, dp, ring_bw)
+    # the splits depend on the post matrices only through a finite post_limit: without one, pipelines that
+    # differ in d or gradient routes alone share them (post_s is re-read from each one's own matrices)
+    limited = math.isfinite(post_limit)
+    key = (tuple(map(id, bott)), tuple(map(id, fill)), tuple(map(id, post)) if limited else None, post_limit)
+    cache = _SLOT_CACHES[cm].fronts
+    splits = cache.get(key)
+    if splits is None:
+        splits = cache[key] = _front_splits(bott, fill, post, post_limit, L)
+    if not splits:
+        return None
+    return PartitionFront(tuple(Partition(bounds, f, c, float(max(post[s][i, j] for s, (i, j)
+                                                                     in enumerate(zip(bounds, bounds[1:])))))
+                                for bounds, f, c in splits))
+
+
+def _front_splits(bott: list[np.ndarray], fill: list[np.ndarray], post: list[np.ndarray], post_limit: float,
+                  L: int) -> tuple[tuple[tuple[int, ...], float, float], ...]:
+    """(bounds, fill, bottleneck) of the front's splits, ascending bottleneck caps (module docstring)."""
     if math.isfinite(post_limit):
         bott = [np.where(p <= post_limit, b, np.inf) for b, p in zip(bott, post)]
     c_star = _min_bottleneck(bott)
     if not math.isfinite(c_star):
-        return None
+        return ()
     loose = _min_fill(bott, fill, math.inf)
     assert loose is not None
     c_loose = _describe(loose[1], bott, fill, post).bottleneck_s
@@ -168,15 +303,19 @@ def partition_front(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch
         ok = math.isfinite(c_loose) and c_loose > c_star > 0
         grid = np.geomspace(c_star, c_loose, _GRID_POINTS) if ok else np.array([c_star])
         values = np.unique(values[np.minimum(np.searchsorted(values, grid), len(values) - 1)])
-    front: list[Partition] = []
+    front: list[tuple[tuple[int, ...], float, float]] = []
     best_fill = math.inf
-    for cap in values:  # ascending caps: fill can only fall
-        res = _min_fill(bott, fill, float(cap))
+    if L <= _DENSE_LAYERS:
+        solved = _min_fill_many(bott, fill, values)
+    else:
+        solved = [_min_fill(bott, fill, float(cap)) for cap in values]
+    for res in solved:  # ascending caps: fill can only fall
         if res is None or res[0] >= best_fill - 1e-15:
             continue
         best_fill = res[0]
-        front.append(_describe(res[1], bott, fill, post))
-    return PartitionFront(tuple(front))
+        part = _describe(res[1], bott, fill, post)
+        front.append((part.bounds, part.fill_s, part.bottleneck_s))
+    return tuple(front)
 
 
 def plan_pipeline_stages(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch: int, num_micro_batches: int,

@@ -14,15 +14,24 @@ Steps:
    so thousands of identical pipelines cost one front.
 2. ``g_p(b)`` = the best 1F1B time of pipeline p on b samples over its
    micro-batch sizes and splits (non-decreasing in b), evaluated with the cost
-   model's own pipeline formula (last micro-batch at its real size).
+   model's own pipeline formula (last micro-batch at its real size), from the
+   splits' (fill, bottleneck) per micro-batch size, cached per cost model by
+   signature: rounds and structures that share a pipeline shape share them.
 3. Batch shares: exact min-max allocation (``allocation.allocate_min_max``),
-   each pipeline at least one sample.
+   each pipeline at least one sample; with ``train.equal_shares`` every
+   pipeline gets B / dp (runtimes that cannot run uneven batches).
 4. Sync/update coupling: the post-step term depends on each stage's layers.
    Starting from no limit, the stages' post time is capped ever lower
    (``post_limit`` = current max - epsilon) and steps 1-3 re-run; the pipeline
    part can only grow as the cap falls, so the loop stops as soon as it alone
+   (plus ``post_floor``, a lower bound on any post term the caller may know)
    exceeds the best step found.  This makes the result exact for the
-   structure, given exact fronts.
+   structure, given exact fronts.  A front the cap leaves whole (every split
+   of it under the cap, exact fronts only) is reused rather than recomputed.
+
+Routes (``cm.ring_bandwidths``) of the last few structures are kept
+(``structure_routes``): the searches bound a structure with its routes just
+before assembling it.
 """
 
 from __future__ import annotations
@@ -32,12 +41,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
-from het_strategy.core.cost_model import CostModel, StageCost, pipeline_time_s
+from het_strategy.core.cost_model import CostModel
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
-from het_strategy.planning.pipeline import Partition, partition_front
+from het_strategy.planning.pipeline import EXACT_LAYER_LIMIT, Partition, partition_front, send_key
 
-__all__ = ["StructureResult", "assemble_plan", "plan_from_pipelines"]
+__all__ = ["StructureResult", "assemble_plan", "plan_from_pipelines", "structure_routes"]
 
 Slots = tuple[tuple[str, ...], ...]
 _MAX_POST_ROUNDS = 12
@@ -65,7 +74,7 @@ class _PipelineOracle:
         self._exact_in_flight = exact_in_flight
         self._signature = signature
         self._best: dict[int, tuple[float, int, Partition] | None] = {}
-        self._costs: dict[tuple, list[StageCost]] = {}
+        self._costs: dict[tuple, tuple[float, float]] = {}
         self._local_fronts: dict[tuple[int, int], object] = {}
 
     def _front(self, micro_batch: int, n: int):
@@ -76,25 +85,46 @@ class _PipelineOracle:
         if local not in self._local_fronts:  # small key first: hashing the signature is not free
             key = (self._signature, self.dp, micro_batch, n_class, self.post_limit)
             if key not in self._fronts:
-                self._fronts[key] = partition_front(self.cm, self.slots, micro_batch, n_class, self.dp,
-                                                    self.ring_bw, self.post_limit)
+                self._fronts[key] = self._limited(key) or partition_front(
+                    self.cm, self.slots, micro_batch, n_class, self.dp, self.ring_bw, self.post_limit)
             self._local_fronts[local] = self._fronts[key]
         return self._local_fronts[local]
 
-    def _stage_costs(self, bounds: tuple[int, ...], micro_batch: int) -> list[StageCost]:
-        """Per-stage costs of a split at one micro-batch size (cached: few splits, few sizes)."""
+    def _limited(self, key: tuple):
+        """The unlimited front again, when a post limit removes none of its splits and the front is exact
+        (every cap tried, ``pipeline.EXACT_LAYER_LIMIT``): removing dominated splits changes no front."""
+        if not math.isfinite(self.post_limit) or self.cm.workload.num_layers > EXACT_LAYER_LIMIT:
+            return None
+        free = self._fronts.get(key[:-1] + (math.inf,))
+        if free is not None and all(p.post_s <= self.post_limit for p in free.partitions):
+            return free
+        return None
+
+    def _figures(self, bounds: tuple[int, ...], micro_batch: int) -> tuple[float, float]:
+        """(fill, bottleneck) of a split at one micro-batch size, as ``pipeline_time_s`` sums them.
+
+        From the cost model's own per-stage costs (``pipeline_cost``); cached here and per cost model
+        by the pipeline's signature (the costs depend on nothing else), so rounds and structures share them.
+        """
         key = (bounds, micro_batch)
         hit = self._costs.get(key)
         if hit is None:
-            pipe = _pipeline(self.slots, bounds, micro_batch, micro_batch)
-            hit = self._costs[key] = self.cm.pipeline_cost(pipe, self.dp)[1]
+            gkey = ("figures", self._signature, bounds, micro_batch)
+            hit = self._fronts.get(gkey)
+            if hit is None:
+                pipe = _pipeline(self.slots, bounds, micro_batch, micro_batch)
+                costs = self.cm.pipeline_cost(pipe, self.dp, routes=list(self.ring_bw))[1]
+                hit = self._fronts[gkey] = (sum(c.compute_s + c.send_s for c in costs),
+                                            max(max(c.compute_s, c.send_s) for c in costs))
+            self._costs[key] = hit
         return hit
 
     def best(self, samples: int) -> tuple[float, int, Partition] | None:
         """(time, micro-batch size, partition) minimising the pipeline's time on ``samples``.
 
-        The time is the cost model's own 1F1B formula (``pipeline_time_s``),
-        with the last micro-batch costed at its real size.
+        The time is the cost model's 1F1B formula (``pipeline_time_s``: fill of the first
+        micro-batch, then the bottleneck per further one, the last costed at its real size),
+        evaluated from cached (fill, bottleneck) pairs in the same arithmetic.
         """
         if samples in self._best:
             return self._best[samples]
@@ -111,9 +141,12 @@ class _PipelineOracle:
                 continue
             last = samples - (n - 1) * m
             for part in front.partitions:
-                full = self._stage_costs(part.bounds, m)
-                tail = full if last == m else self._stage_costs(part.bounds, last)
-                t = pipeline_time_s(full, tail, n)
+                if n == 1:
+                    t = self._figures(part.bounds, last)[0]
+                else:
+                    fill, bott = self._figures(part.bounds, m)
+                    bott_last = bott if last == m else self._figures(part.bounds, last)[1]
+                    t = fill + (n - 2) * bott + bott_last
                 if found is None or t < found[0] - 1e-15:
                     found = (t, m, part)
         self._best[samples] = found
@@ -125,8 +158,10 @@ class _PipelineOracle:
 
 
 def _signature(cm: CostModel, slots: Slots, ring_bw: Sequence[float]) -> tuple:
+    """What a pipeline's costs depend on: its stages' device keys and tp, what its sends are priced from
+    (the nodes' link figures, ``pipeline.send_key``), and its routes."""
     keys = tuple((cm.device_key(cm.cluster.device(s[0])), len(s)) for s in slots)
-    links = tuple(cm.cluster.bandwidth(a[0], b[0]) for a, b in zip(slots, slots[1:]))
+    links = tuple(send_key(cm, a[0], b[0], None) for a, b in zip(slots, slots[1:]))
     return keys, links, tuple(ring_bw)
 
 
@@ -143,29 +178,53 @@ def plan_from_pipelines(cm: CostModel, pipelines: Sequence[Pipeline], mode: str)
 
 
 _FRONT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
+_ROUTE_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
+_ROUTES_KEPT = 64
+
+
+def structure_routes(cm: CostModel, structure: Sequence[Slots]) -> list:
+    """``cm.ring_bandwidths`` of a structure, remembered for the last few structures (the search bounds a
+    structure with its routes just before assembling it, and routes of big structures are not free)."""
+    cache = _ROUTE_CACHES.setdefault(cm, {})
+    key = tuple(structure)
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= _ROUTES_KEPT:
+            del cache[next(iter(cache))]
+        hit = cache[key] = cm.ring_bandwidths(list(structure))
+    return hit
 
 
 def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: float = math.inf,
-                  post_rounds: int = _MAX_POST_ROUNDS, exact_in_flight: bool = True) -> StructureResult | None:
-    """Best plan for pipelines with these stage slots; None if nothing fits or it can't beat ``cutoff``."""
+                  post_rounds: int = _MAX_POST_ROUNDS, exact_in_flight: bool = True,
+                  post_floor: float = 0.0) -> StructureResult | None:
+    """Best plan for pipelines with these stage slots; None if nothing fits or it can't beat ``cutoff``.
+
+    ``post_floor``: a lower bound on the post term of any plan of this structure (``bounds``); a round
+    whose pipeline part plus it cannot beat the best step ends the search early (exact: later rounds
+    only raise the pipeline part).
+    """
     B = cm.settings.global_batch_size
     dp = len(structure)
     if dp == 0 or B < dp:
         return None
     fronts = _FRONT_CACHES.setdefault(cm, {})
-    ring = cm.ring_bandwidths(list(structure))
+    ring = structure_routes(cm, structure)
     best: StructureResult | None = None
     post_limit = math.inf
     for _ in range(post_rounds):
         oracles = _oracles(cm, structure, dp, ring, post_limit, fronts, exact_in_flight)
-        shares = allocate_min_max([o.time_s for o in oracles], B, minimum=[1] * dp)
+        if cm.settings.equal_shares:  # a runtime that gives every replica the same batch
+            shares = [B // dp + (1 if p < B % dp else 0) for p in range(dp)]
+        else:
+            shares = allocate_min_max([o.time_s for o in oracles], B, minimum=[1] * dp)
         if shares is None:
             break
         picks = [o.best(b) for o, b in zip(oracles, shares)]
         if any(p is None for p in picks):
             break
         pipe_time = max(p[0] for p in picks)  # type: ignore[index]
-        if pipe_time >= min(cutoff, best.step_time_s if best else math.inf):
+        if pipe_time + post_floor >= min(cutoff, best.step_time_s if best else math.inf):
             break
         pipelines = [_pipeline(slots, part.bounds, m, b)
                      for slots, b, (_, m, part) in zip(structure, shares, picks)]  # type: ignore[misc]
@@ -173,7 +232,7 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
         step = pipe_time + post
         if best is None or step < best.step_time_s:
             best = StructureResult(plan_from_pipelines(cm, pipelines, mode), step)
-        if post <= 0:
+        if post <= 0 or pipe_time + post_floor >= best.step_time_s:
             break
         post_limit = post * (1 - 1e-9)
     return best

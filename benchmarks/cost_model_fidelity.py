@@ -1,0 +1,194 @@
+"""How well the cost model prices what real clusters measured: Sailor's profiles and simulator, AMP's runs.
+
+(a) Per layer (fp32, as Sailor measured): the analytic model (datasheet FLOP/s x catalog efficiency, Megatron
+    tp allreduces over the node's link) against Sailor's measured forward +
+    backward time for every (gpu, tp, mbs) Sailor profiled on OPT-350 whose GPU the
+    catalog has; and the analytic *tp scaling* alone (the measured tp-1 time
+    scaled by the model's tp rule) against the measured tp > 1 times.
+(b) Sailor's clusters (OPT-350, global batch 1024, planner.profile=sailor): our
+    plan and Sailor's own 32:96 plan (../shared/reference) under our model and
+    under Sailor's simulator (``core/sailor_simulator.py``).  Sailor's runtime
+    takes one micro-batch size per plan and gives every replica the same batch
+    (its simulator charges every pipeline the same micro-batch count), so our
+    planner runs with ``train.equal_shares`` once per single-size menu and the
+    plan *our* model predicts fastest is kept; Sailor's
+    simulated figures for its own plans at 80:240 and 128:384 (2.77 s, 1.91 s)
+    come from the issue that asked for this benchmark (its 32:96 figure, 5.884 s,
+    is recomputed here).
+(c) AMP's six measured plans (``core/amp_reference.py``, data/amp/measured_plans.json) on
+    its V100 + T4 cluster: our predictions next to the measured times, and the
+    rank correlation.
+
+Last line: ``RESULT layer_median_err=... layer_worst_err=... tp_scaling_median_err=... sailor_32_96=...
+sailor_80_240=... sailor_128_384=... amp_spearman=... amp_best_rank=... amp_tp2_ranks=...``
+(sailor_*: Sailor's plan's simulated time / ours, both under Sailor's simulator; > 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from het_strategy.core.amp_reference import amp_measured_plans  # noqa: E402
+from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_cluster  # noqa: E402
+from het_strategy.core.cost_model import CostModel, TrainSettings  # noqa: E402
+from het_strategy.core.plan import Plan  # noqa: E402
+from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile  # noqa: E402
+from het_strategy.core.sailor_simulator import sailor_iteration_time  # noqa: E402
+from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
+from het_strategy.planning import plan  # noqa: E402
+
+SAILOR_PUBLISHED_S = {"sailor_a100_v100_80_240": 2.77, "sailor_a100_v100_128_384": 1.91}
+
+
+def _one_type_cluster(device_type: str, tp: int) -> ClusterSpec:
+    """8 devices of one type on a node whose link is the peak Sailor measured for a group of ``tp`` of them."""
+    node: dict = {"devices": [{"type": device_type, "count": 8}]}
+    intra = json.loads((SAILOR_DATA_DIR / "intra_node_bandwidth_fits.json").read_text())
+    for gpu, fits in intra.items():
+        if _catalog_name(gpu) == device_type:
+            sizes = sorted(int(k) for k in fits)
+            group = str(min((k for k in sizes if k >= tp), default=sizes[-1]))
+            node["intra_bandwidth_gbs"] = fits[group][1] / 1e9
+    return cluster_from_dict({"name": f"one_{device_type}", "nodes": [node]})
+
+
+def _catalog_name(sailor_gpu: str) -> str | None:
+    from het_strategy.core.catalog import lookup_device_type
+    from het_strategy.core.errors import ConfigError
+
+    try:
+        return lookup_device_type(sailor_gpu, "gpu").name
+    except ConfigError:
+        return None
+
+
+def layer_errors(workload: WorkloadSpec) -> tuple[list[tuple], list[tuple]]:
+    """Rows (gpu, tp, mbs, measured_s, analytic_s) for a middle block, and tp-scaling rows."""
+    profile = load_sailor_profile("OPT-350", workload)
+    block = workload.num_layers // 2
+    rows, scaling = [], []
+    for (gpu, tp), table in sorted(profile.times.items()):
+        cluster = _one_type_cluster(gpu, tp)
+        # Sailor's runs train in fp32 (its simulator and validation use fp16=False; the times match fp32 rates)
+        cm = CostModel(cluster, workload, TrainSettings(1024, dtype="fp32", max_tp=8))
+        dev = cluster.devices[0]
+        for mbs, layer_rows in sorted(table.items()):
+            f, b, _ = layer_rows[block]
+            analytic = cm.stage_compute_s(dev, tp, mbs, block, block + 1)
+            rows.append((gpu, tp, mbs, f + b, analytic))
+            base = profile.times.get((gpu, 1), {}).get(mbs)
+            if tp > 1 and base is not None:
+                f1, b1, _ = base[block]
+                rule = cm.stage_compute_s(dev, tp, mbs, block, block + 1) / cm.stage_compute_s(dev, 1, mbs, block,
+                                                                                               block + 1)
+                scaling.append((gpu, tp, mbs, f + b, (f1 + b1) * rule))
+    return rows, scaling
+
+
+def _rel(measured: float, predicted: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+def sailor_scenario(cluster_name: str, workload: WorkloadSpec) -> dict:
+    cluster = load_cluster(cluster_name)
+    profile = load_sailor_profile("OPT-350", workload)
+    best = None
+    for m in (1, 2, 4, 8):
+        settings = TrainSettings(1024, dtype="fp16", max_tp=4, max_stages=8, micro_batch_sizes=(m,),
+                                 equal_shares=True)
+        p = plan(cluster, workload, settings, profile=profile)
+        ours = CostModel(cluster, workload, settings, profile).score(p).step_time_s
+        if best is None or ours < best[0]:
+            best = (ours, p, settings)
+    ours_s, ours_plan, settings = best  # type: ignore[misc]
+    out = {"ours_model_s": ours_s, "ours_sailor_s": sailor_iteration_time(ours_plan, cluster).iteration_s,
+           "plan": ours_plan, "cluster": cluster}
+    if cluster_name == "sailor_a100_v100_32_96":
+        theirs = Plan.load(SAILOR_DATA_DIR / "sailor_plan_32_96.json")
+        out["theirs_model_s"] = CostModel(cluster, workload, settings, profile).score(theirs).step_time_s
+        out["theirs_sailor_s"] = sailor_iteration_time(theirs, cluster).iteration_s
+    else:
+        out["theirs_model_s"] = None
+        out["theirs_sailor_s"] = SAILOR_PUBLISHED_S[cluster_name]
+    return out
+
+
+def _ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0] * len(values)
+    for r, i in enumerate(order):
+        ranks[i] = r + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    opt = load_workload("opt350", dtype="fp16")
+    rows, scaling = layer_errors(load_workload("opt350", dtype="fp32"))
+    print("(a) OPT-350 block forward+backward, analytic vs Sailor-measured (ms):")
+    by_key: dict[tuple[str, int], list[float]] = {}
+    for gpu, tp, mbs, meas, pred in rows:
+        by_key.setdefault((gpu, tp), []).append(_rel(meas, pred))
+    for (gpu, tp), errs in sorted(by_key.items()):
+        print(f"  {gpu:<10} tp {tp}: median error {statistics.median(errs):6.1%}  worst {max(errs):6.1%}"
+              f"  ({len(errs)} micro-batch sizes)")
+    errs = [_rel(m, p) for *_, m, p in rows]
+    print(f"  all: median {statistics.median(errs):.1%}, worst {max(errs):.1%}")
+    tp_by_key: dict[tuple[str, int], list[float]] = {}
+    for gpu, tp, mbs, meas, pred in scaling:
+        tp_by_key.setdefault((gpu, tp), []).append(_rel(meas, pred))
+    print("  tp scaling only (measured tp 1 x the model's tp rule) vs measured tp > 1:")
+    for (gpu, tp), e in sorted(tp_by_key.items()):
+        print(f"  {gpu:<10} tp {tp}: median error {statistics.median(e):6.1%}  worst {max(e):6.1%}")
+    tp_errs = [_rel(m, p) for *_, m, p in scaling]
+    print(f"  all: median {statistics.median(tp_errs):.1%}, worst {max(tp_errs):.1%}")
+
+    print("(b) Sailor's clusters, OPT-350, batch 1024 (s/iteration):")
+    ratios = {}
+    for name in ("sailor_a100_v100_32_96", "sailor_a100_v100_80_240", "sailor_a100_v100_128_384"):
+        res = sailor_scenario(name, opt)
+        ratios[name] = res["theirs_sailor_s"] / res["ours_sailor_s"]
+        theirs_model = "-" if res["theirs_model_s"] is None else f"{res['theirs_model_s']:.3f}"
+        shape: dict[str, int] = {}
+        for pipe in res["plan"].pipelines:
+            k = " -> ".join(f"{res['cluster'].device(st.devices[0]).type}x{st.tp}{list(st.layers)}"
+                            for st in pipe.stages) + f" mbs {pipe.micro_batch_size}"
+            shape[k] = shape.get(k, 0) + 1
+        print(f"  {name}: ours {res['ours_model_s']:.3f} (our model) {res['ours_sailor_s']:.3f} (Sailor's sim); "
+              f"Sailor's plan {theirs_model} (our model) {res['theirs_sailor_s']:.3f} (Sailor's sim); "
+              f"Sailor/ours under Sailor's sim {ratios[name]:.3f}")
+        print("    our plan: " + "; ".join(f"{n} x [{k}]" for k, n in shape.items()))
+
+    print("(c) AMP's measured plans, 3x4 V100 + 4 T4, GPT-2 1024h/24L, batch 32 (s/iteration):")
+    cluster, gpt2 = load_cluster("amp_v100_t4"), load_workload("gpt2_amp", dtype="fp16")
+    cm = CostModel(cluster, gpt2, TrainSettings(32, dtype="fp16", max_tp=2))
+    measured, predicted, labels = [], [], []
+    for amp in amp_measured_plans(cluster, gpt2):
+        labels.append(amp.label)
+        measured.append(amp.measured_s)
+        predicted.append(cm.score(amp.plan).step_time_s)
+    ranks = _ranks(predicted)
+    for lab, m, p, r in zip(labels, measured, predicted, ranks):
+        print(f"  (mbs, tp, dp, pp) = {lab}: measured {m:.2f}  ours {p:.3f}  our rank {r}")
+    rho = spearman(measured, predicted)
+    best = ranks[labels.index((1, 1, 2, 8))]
+    tp2 = sorted(r for lab, r in zip(labels, ranks) if lab[1] == 2)
+    print(f"  rank correlation (Spearman) {rho:.2f}; (1,1,2,8) ranked {best}; tp-2 plans ranked {tp2}")
+    print(f"RESULT layer_median_err={statistics.median(errs):.3f} layer_worst_err={max(errs):.3f} "
+          f"tp_scaling_median_err={statistics.median(tp_errs):.3f} "
+          f"sailor_32_96={ratios['sailor_a100_v100_32_96']:.3f} sailor_80_240={ratios['sailor_a100_v100_80_240']:.3f} "
+          f"sailor_128_384={ratios['sailor_a100_v100_128_384']:.3f} amp_spearman={rho:.2f} amp_best_rank={best} "
+          f"amp_tp2_ranks={','.join(map(str, tp2))}")
+
+
+if __name__ == "__main__":
+    main()

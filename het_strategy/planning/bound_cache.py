@@ -1,0 +1,308 @@
+"""The figures of ``bounds`` for one cost model: layer-range matrices, memory masks, DPs, cached.
+
+A slot is described by ``(device key, tp, node)``.  Memory enters only as the
+mask of layer ranges that fit, one per stage, deduplicated by content, so d
+(ZeRO) or in-flight counts that change nothing share one.  The per-sample DPs
+run stage by stage along tries of pipeline prefixes (by slot and mask, without
+nodes): templates that share a prefix share its work, and thousands of
+pipelines of one shape on different nodes cost one DP.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.network import NO_SYNC, SyncRoute
+from het_strategy.planning.bounds import INFEASIBLE, CurveBound, PipelineBound, min_bottleneck, min_sum
+from het_strategy.planning.pipeline import stage_matrices
+
+__all__ = ["BoundCache"]
+
+Slots = tuple[tuple[str, ...], ...]
+
+
+class BoundCache:
+    """Pipeline bounds for one cost model, cached by what they depend on.
+
+    A slot is described by ``(device key, tp, node)``: devices of one key cost
+    the same.  Memory enters only as the mask of layer ranges that fit, one per
+    stage; masks are deduplicated by content, so d (ZeRO) or in-flight counts
+    that change nothing share one.  ``tau`` and ``phi`` are computed stage by
+    stage and cached per pipeline prefix (by slots and masks, without nodes):
+    templates that share a prefix share its DP.
+
+    ``fixed_in_flight``: stage s of an S-stage pipeline holds S - s micro-batches
+    (how the families regime assembles, ``exact_in_flight=False``); otherwise one,
+    the least any plan holds (valid for every assembly).
+
+    The post figure comes in two strengths:
+
+    * ``pipeline``: with the stages' actual gradient-ring routes (``ring_bandwidths``);
+    * ``floor``: no routes needed; each stage's sync is priced on the cheapest
+      route its ring could have: a ring inside the stage's node (only if that
+      node holds >= d devices: the ring has d members) or a ring over the node
+      and one other node, one flow each.  Valid because a ring's time does not
+      fall when it spans more nodes or shares interfaces with more flows (the
+      network model prices the slowest edge, and a flow's share of a node's
+      interface falls with the flows).
+    """
+
+    def __init__(self, cm: CostModel, fixed_in_flight: bool = False) -> None:
+        self.cm = cm
+        self.fixed_in_flight = fixed_in_flight
+        L = cm.workload.num_layers
+        idx = np.arange(L + 1)
+        self._valid = idx[:, None] < idx[None, :]
+        self._start = np.where(idx == 0, 0.0, np.inf)
+        self._m0 = min(cm.settings.micro_batch_sizes)
+        self._sizes = range(1, max(cm.settings.micro_batch_sizes) + 1)
+        self._device: dict[tuple, object] = {}
+        self._slot_of: dict[tuple[str, ...], tuple] = {}
+        self._per_sample: dict[tuple, np.ndarray] = {}
+        self._masks: dict[tuple, np.ndarray] = {}
+        self._by_content: dict[bytes, np.ndarray] = {}
+        self._masked: dict[tuple, np.ndarray] = {}
+        self._post: dict[tuple, np.ndarray] = {}
+        self._floor: dict[tuple, np.ndarray] = {}
+        self._raw_post: dict[tuple, np.ndarray] = {}
+        self._raw_floor: dict[tuple, np.ndarray] = {}
+        # prefix tries: (parent node, stage description, mask id[, d]) -> node; node -> DP vectors
+        self._trie: dict[tuple, int] = {}
+        self._trie_vecs: list[tuple[np.ndarray, np.ndarray]] = [(self._start, self._start)]
+        self._floor_trie: dict[tuple, int] = {}
+        self._floor_vecs: list[np.ndarray] = [self._start]
+        self._dp_masks: dict[tuple, np.ndarray] = {}
+        self._post_bound: dict[tuple, float] = {}
+        self._refined: dict[tuple, CurveBound] = {}
+        self._node_size = {n.name: len(n.devices) for n in cm.cluster.nodes}
+        self._node_class = {n: cm.network.node_class(n) for n in self._node_size}
+        self._class_nodes: dict[tuple, list[str]] = {}
+        for n, c in self._node_class.items():
+            self._class_nodes.setdefault(c, []).append(n)
+        self._floor_key: dict[str, tuple] = {}
+
+    def slot(self, devices: Sequence[str]) -> tuple:
+        """The bound's description of a stage slot: (device key, tp, node)."""
+        devices = tuple(devices)
+        hit = self._slot_of.get(devices)
+        if hit is None:
+            dev = self.cm.cluster.device(devices[0])
+            key = self.cm.device_key(dev)
+            self._device.setdefault(key, dev)
+            hit = self._slot_of[devices] = (key, len(devices), dev.node)
+        return hit
+
+    # -- matrices ---------------------------------------------------------------------------------
+    def _per_sample_matrix(self, key: tuple, tp: int) -> np.ndarray:
+        """Per layer range: smallest compute seconds per sample over micro-batch sizes 1..M (inf if i >= j)."""
+        hit = self._per_sample.get((key, tp))
+        if hit is None:
+            dev = self._device[key]
+            best = None
+            for k in self._sizes:
+                p = self.cm.replicated_compute_prefix(dev, tp, k)
+                per = (p[None, :] - p[:, None]) / k
+                best = per if best is None else np.minimum(best, per)
+            hit = self._per_sample[(key, tp)] = np.where(self._valid, best, np.inf)
+        return hit
+
+    def _mask(self, key: tuple, tp: int, dp: int, in_flight: int) -> np.ndarray:
+        """Layer ranges that fit at the smallest micro-batch (canonical object per content)."""
+        qkey = (key, tp, dp, in_flight)
+        hit = self._dp_masks.get(qkey)
+        if hit is None:
+            capacity = self.cm.memory_capacity_bytes(self._device[key])
+            mkey = (tp, in_flight, self.cm.settings.state_bytes_per_param(dp), capacity)
+            hit = self._masks.get(mkey)
+            if hit is None:
+                ok = self._valid & (self.cm.memory_matrix(tp, self._m0, in_flight, dp) <= capacity)
+                hit = self._masks[mkey] = self._by_content.setdefault(ok.tobytes(), ok)
+            self._dp_masks[qkey] = hit
+        return hit
+
+    def masks(self, slots: Sequence[tuple], dp: int, fixed: bool | None = None) -> tuple[np.ndarray, ...]:
+        """Per stage, the ranges that fit (``fixed``: S - s micro-batches in flight; default: the cache's)."""
+        S = len(slots)
+        fixed = self.fixed_in_flight if fixed is None else fixed
+        return tuple(self._mask(key, tp, dp, S - s if fixed else 1) for s, (key, tp, _) in enumerate(slots))
+
+    def _masked_per_sample(self, key: tuple, tp: int, mask: np.ndarray) -> np.ndarray:
+        mkey = (key, tp, id(mask))
+        hit = self._masked.get(mkey)
+        if hit is None:
+            hit = self._masked[mkey] = np.where(mask, self._per_sample_matrix(key, tp), np.inf)
+        return hit
+
+    def _post_matrix(self, key: tuple, tp: int, dp: int, route, mask: np.ndarray) -> np.ndarray:
+        """Sync + update of every range, inf where the range does not fit (cached per route and mask)."""
+        pkey = (key, tp, dp, route, id(mask))
+        hit = self._post.get(pkey)
+        if hit is None:
+            rkey = (key, tp, dp, route)
+            raw = self._raw_post.get(rkey)
+            if raw is None:
+                raw = self._raw_post[rkey] = self.cm.post_matrix(self._device[key], tp, dp, route)
+            hit = self._post[pkey] = np.where(mask, raw, np.inf)
+        return hit
+
+    def _floor_node(self, node: str) -> tuple:
+        """What the cheapest ring through ``node`` depends on: its link figures, its size, its peers' figures."""
+        hit = self._floor_key.get(node)
+        if hit is None:
+            cls = self._node_class[node]
+            if self.cm.cluster.links:  # explicit pair links: every node is its own case
+                hit = ("node", node)
+            else:
+                hit = ("class", cls, self._node_size[node], len(self._class_nodes[cls]) > 1)
+            self._floor_key[node] = hit
+        return hit
+
+    def _floor_matrix(self, key: tuple, tp: int, node: str, dp: int, mask: np.ndarray) -> np.ndarray:
+        """Post on the cheapest route a ring of this stage could have (class docstring), masked."""
+        fkey = (key, tp, self._floor_node(node), dp, id(mask))
+        hit = self._floor.get(fkey)
+        if hit is None:
+            rkey = fkey[:4]
+            raw = self._raw_floor.get(rkey)
+            if raw is None:
+                if dp <= 1:
+                    cands = [NO_SYNC]
+                else:
+                    # one peer per class of link figures (equal figures price alike), or every node with links
+                    peers = ([n for n in self._node_size if n != node] if self.cm.cluster.links else
+                             [next((n for n in nodes if n != node), None) for nodes in self._class_nodes.values()])
+                    cands = [SyncRoute(dp, tuple(sorted((node, other))), (1, 1)) for other in peers if other]
+                    if self._node_size[node] >= dp:
+                        cands.append(SyncRoute(dp, (node,), ()))
+                dev = self._device[key]
+                raw = self.cm.post_matrix(dev, tp, dp, cands[0])
+                for route in cands[1:]:
+                    raw = np.minimum(raw, self.cm.post_matrix(dev, tp, dp, route))
+                self._raw_floor[rkey] = raw
+            hit = self._floor[fkey] = np.where(mask, raw, np.inf)
+        return hit
+
+    # -- DPs ------------------------------------------------------------------------------------
+    def _compute(self, slots: Sequence[tuple], masks: tuple) -> tuple[float, float]:
+        """(tau, phi): min bottleneck and min sum of the per-sample figures over the stages' splits.
+
+        The DP runs stage by stage along a trie of prefixes (by slot and mask), so pipelines that share
+        a prefix share its work."""
+        if not slots or len(slots) > self.cm.workload.num_layers:
+            return math.inf, math.inf
+        node = 0
+        for (key, tp, _), mask in zip(slots, masks):
+            tkey = (node, key, tp, id(mask))
+            child = self._trie.get(tkey)
+            if child is None:
+                g, f = self._trie_vecs[node]
+                per = self._masked_per_sample(key, tp, mask)
+                self._trie_vecs.append((np.maximum(g[:, None], per).min(axis=0), (f[:, None] + per).min(axis=0)))
+                child = self._trie[tkey] = len(self._trie_vecs) - 1
+            node = child
+        g, f = self._trie_vecs[node]
+        return float(g[-1]), float(f[-1])
+
+    def _floor_post(self, slots: Sequence[tuple], masks: tuple, dp: int) -> float:
+        """Min over splits of the largest stage floor post (same trie scheme, nodes of equal figures alike)."""
+        node = 0
+        for (key, tp, where), mask in zip(slots, masks):
+            tkey = (node, key, tp, self._floor_node(where), id(mask), dp)
+            child = self._floor_trie.get(tkey)
+            if child is None:
+                g = self._floor_vecs[node]
+                self._floor_vecs.append(np.maximum(g[:, None], self._floor_matrix(key, tp, where, dp, mask)
+                                                   ).min(axis=0))
+                child = self._floor_trie[tkey] = len(self._floor_vecs) - 1
+            node = child
+        return float(self._floor_vecs[node][-1])
+
+    # -- bounds ---------------------------------------------------------------------------------
+    def floor_shape(self, slots: Sequence[tuple]) -> tuple:
+        """What ``floor`` of a pipeline depends on (equal shapes on other nodes of equal figures share it)."""
+        return tuple((key, tp, self._floor_node(node)) for key, tp, node in slots)
+
+    def floor(self, slots: Sequence[tuple], dp: int, memory_dp: int | None = None) -> PipelineBound:
+        """Bound figures with each stage's sync on its cheapest possible route (no routes needed).
+
+        Memory as for one micro-batch in flight (the loosest; stages in any position then share one
+        mask, so pipelines of any length share their prefixes' DPs).  ``memory_dp`` (>= dp): judge memory
+        as if there were that many replicas (ZeRO shards more, so more fits: still a lower bound, and
+        pipelines of any d up to it share one DP).
+        """
+        masks = self.masks(slots, dp if memory_dp is None else memory_dp, fixed=False)
+        tau, phi = self._compute(slots, masks)
+        if not math.isfinite(tau):
+            return INFEASIBLE
+        return PipelineBound(tau, phi, self._floor_post(slots, masks, dp))
+
+    def pipeline(self, slots: Sequence[tuple], dp: int, routes: Sequence) -> PipelineBound:
+        """Bound figures of a pipeline given as slot descriptions (``slot``), with d = ``dp`` and its routes.
+
+        Without ``fixed_in_flight`` the figures for shares past (S - 1) M samples (>= S micro-batches,
+        stage s holding S - s) come too (``PipelineBound.beyond``).
+        """
+        masks = self.masks(slots, dp)
+        tau, phi = self._compute(slots, masks)
+        if not math.isfinite(tau):
+            return INFEASIBLE
+        pkey = (tuple((key, tp) for key, tp, _ in slots), tuple(map(id, masks)), dp, tuple(routes))
+        post = self._post_bound.get(pkey)
+        if post is None:
+            post = self._post_bound[pkey] = min_bottleneck(
+                [self._post_matrix(key, tp, dp, r, m) for (key, tp, _), r, m in zip(slots, routes, masks)])
+        S = len(slots)
+        if self.fixed_in_flight or S == 1:
+            return PipelineBound(tau, phi, post)
+        full = tuple(self._mask(key, tp, dp, S - s) for s, (key, tp, _) in enumerate(slots))
+        tau_full, phi_full = self._compute(slots, full)
+        return PipelineBound(tau, phi, post, (S - 1) * self._sizes[-1], tau_full, phi_full)
+
+    def refined(self, names: Slots, dp: int, routes: Sequence) -> CurveBound:
+        """Per micro-batch size m, from the very matrices the layer split uses (sends and all, at size m):
+
+        * one micro-batch (b <= M samples): ``fill(b) >= b phi``;
+        * n >= 2 micro-batches of m: ``T >= m phi_m + (b - 2m) tau_m + m tau``, where tau_m and phi_m are
+          the min bottleneck and min fill per sample at size m (the last micro-batch, of l <= m samples,
+          costs >= l tau); with memory for one micro-batch in flight while b <= (S - 1) m and for
+          S - s on stage s beyond (then n >= S), unless ``fixed_in_flight``.
+        """
+        key = (names, dp, tuple(routes))
+        hit = self._refined.get(key)
+        if hit is not None:
+            return hit
+        slots = [self.slot(sl) for sl in names]
+        S = len(slots)
+        masks = self.masks(slots, dp)
+        tau, phi = self._compute(slots, masks)
+        if not math.isfinite(tau):
+            self._refined[key] = hit = CurveBound((), math.inf)
+            return hit
+        M = self._sizes[-1]
+        full = [S - s for s in range(S)]
+        loose = full if self.fixed_in_flight else [1] * S
+        post = min_bottleneck(stage_matrices(self.cm, names, self._m0, loose, dp, routes)[2])
+        pieces = [(1.0, float(M), 0.0, phi)]
+        for m in self.cm.settings.micro_batch_sizes:
+            if self.fixed_in_flight or S == 1:
+                regimes = [(full, m + 1, math.inf)]
+            else:
+                regimes = [(loose, m + 1, (S - 1) * m), (full, max(m + 1, (S - 1) * m + 1), math.inf)]
+            for flight, lo, hi in regimes:
+                if lo > hi:
+                    continue
+                bott, fill, _ = stage_matrices(self.cm, names, m, flight, dp, routes)
+                t_m = min_bottleneck(bott) / m
+                if math.isfinite(t_m):
+                    f_m = min_sum(fill) / m
+                    pieces.append((float(lo), hi, m * f_m - 2 * m * t_m + m * tau, t_m))
+        self._refined[key] = hit = CurveBound(tuple(pieces), post)
+        return hit
+
+    def named_pipeline(self, slots: Sequence[tuple[str, ...]], dp: int, routes: Sequence) -> PipelineBound:
+        """``pipeline`` for stage slots given as device names."""
+        return self.pipeline([self.slot(sl) for sl in slots], dp, routes)
