@@ -48,6 +48,7 @@ __all__ = [
     "sailor_bandwidth_gbs",
     "sailor_peak_bandwidth_gbs",
     "SailorNetwork",
+    "read_sailor_json",
 ]
 
 SAILOR_DATA_DIR = Path(__file__).with_name("data") / "sailor"
@@ -60,7 +61,8 @@ _TRAINING_FILES = {"OPT-350": "training_opt_350.json", "GPT-Neo-2.7": "training_
 
 
 @functools.lru_cache(maxsize=None)
-def _read_json(name: str) -> Any:
+def read_sailor_json(name: str) -> Any:
+    """One vendored Sailor JSON file, parsed once (ConfigError if the install lacks it)."""
     path = SAILOR_DATA_DIR / name
     if not path.exists():
         raise ConfigError(f"Sailor reference file {path} is missing; reinstall het_strategy", field="sailor_data",
@@ -70,7 +72,7 @@ def _read_json(name: str) -> Any:
 
 def sailor_models() -> list[str]:
     """Model names with measured layer profiles (``OPT-350``, ``GPT-Neo-2.7``, ...)."""
-    return sorted(_read_json("layer_profiles.json"))
+    return sorted(read_sailor_json("layer_profiles.json"))
 
 
 def _canonical_type(sailor_gpu: str) -> str | None:
@@ -89,7 +91,7 @@ def load_sailor_profile(model: str = "OPT-350", workload: WorkloadSpec | None = 
     tp become ints.  With ``workload``, every table must have one entry per layer
     of it (OPT-350: 26 = embedding + 24 blocks + head), else ConfigError.
     """
-    data = _read_json("layer_profiles.json")
+    data = read_sailor_json("layer_profiles.json")
     if model not in data:
         raise field_error("model", model, "be a model Sailor profiled", f"profiled: {', '.join(sorted(data))}")
     times: dict[tuple[str, int], dict[int, list[tuple[float, float, float]]]] = {}
@@ -131,7 +133,7 @@ def load_sailor_training_config(model: str = "OPT-350") -> dict[str, Any]:
     if model not in _TRAINING_FILES:
         raise field_error("model", model, "be a model with a Sailor training config",
                           f"known: {', '.join(sorted(_TRAINING_FILES))}")
-    return dict(_read_json(_TRAINING_FILES[model]))
+    return dict(read_sailor_json(_TRAINING_FILES[model]))
 
 
 # -- bandwidth fits ---------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def _fit(gpu: str, num_gpus: int, inter_node: bool, zone: str, peer_gpu: str | N
          peer_num_gpus: int | None) -> tuple[list[float], float]:
     """(coefficients, peak bytes/s) of the matching fit."""
     if inter_node:
-        data = _read_json("inter_node_bandwidth_fits.json")
+        data = read_sailor_json("inter_node_bandwidth_fits.json")
         if zone not in data:
             raise field_error("zone", zone, "be a zone Sailor measured", f"measured: {', '.join(sorted(data))}")
         side = data[zone]
@@ -164,7 +166,7 @@ def _fit(gpu: str, num_gpus: int, inter_node: bool, zone: str, peer_gpu: str | N
                                "peer_num_gpus")
         coeffs, peak = remote[peer_key][peer_n]
     else:
-        data = _read_json("intra_node_bandwidth_fits.json")
+        data = read_sailor_json("intra_node_bandwidth_fits.json")
         key = _sailor_gpu_key(gpu, sorted(data), "gpu")
         n = _num_gpus_key(data[key], num_gpus, "num_gpus")
         coeffs, peak = data[key][n]
@@ -247,7 +249,7 @@ class SailorNetwork(Network):
 
     @functools.lru_cache(maxsize=None)
     def _intra_fit(self, gpu: str, group_size: int) -> tuple[list[float], float]:
-        data = _read_json("intra_node_bandwidth_fits.json")
+        data = read_sailor_json("intra_node_bandwidth_fits.json")
         key = _sailor_gpu_key(gpu, sorted(data), "gpu")
         counts = sorted(int(k) for k in data[key])
         k = str(min((c for c in counts if c >= group_size), default=counts[-1]))
@@ -256,7 +258,7 @@ class SailorNetwork(Network):
 
     @functools.lru_cache(maxsize=None)
     def _inter_fit(self, gpu: str, peer_gpu: str, k: int) -> tuple[list[float], float]:
-        data = _read_json("inter_node_bandwidth_fits.json")[self.zone]
+        data = read_sailor_json("inter_node_bandwidth_fits.json")[self.zone]
         key = _sailor_gpu_key(gpu, sorted(data), "gpu")
         counts = sorted(int(c) for c in data[key])
         measured = max((c for c in counts if c <= k), default=counts[0])
@@ -303,8 +305,8 @@ def measured_tp_link_efficiency(model: str = "OPT-350", layer: int | None = None
     in that time implies a bandwidth, compared with the fit's measured peak for a
     group of that size.  The ``network.TP_LINK_EFFICIENCY`` constant is this median.
     """
-    data = _read_json("layer_profiles.json")[model]
-    intra = _read_json("intra_node_bandwidth_fits.json")
+    data = read_sailor_json("layer_profiles.json")[model]
+    intra = read_sailor_json("intra_node_bandwidth_fits.json")
     shape = load_sailor_training_config(model)
     seq, hidden = int(shape.get("sequence_length", 2048)), int(shape.get("hidden_size", 1024))
     ratios = []

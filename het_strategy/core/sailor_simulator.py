@@ -43,8 +43,6 @@ formula, which is not reproduced).  Where Sailor would read a missing table entr
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +51,7 @@ from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.reference_profiles import DEFAULT_ZONE, SAILOR_DATA_DIR
+from het_strategy.core.reference_profiles import DEFAULT_ZONE, read_sailor_json
 
 __all__ = ["SAILOR_BUCKET_BYTES", "SailorStageEstimate", "SailorPipelineEstimate", "SailorEstimate",
            "sailor_iteration_time", "sailor_send_time_s", "sailor_allreduce_time_s"]
@@ -140,15 +138,6 @@ class SailorEstimate:
 # -- Sailor's data ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _data(name: str) -> Any:
-    path = SAILOR_DATA_DIR / name
-    if not path.exists():
-        raise ConfigError(f"Sailor reference file {path} is missing; reinstall het_strategy", field="sailor_data",
-                          value=str(path))
-    return json.loads(path.read_text())
-
-
 def _fit_gbs(coeffs: list[float], message_bytes: float) -> float:
     m = math.log2(message_bytes / 1e6)
     n = len(coeffs)
@@ -198,11 +187,11 @@ class _Tables:
     """Lookups into the vendored files for one model, zone and float size."""
 
     def __init__(self, model: str, zone: str, float_bytes: int) -> None:
-        profiles, memory = _data("layer_profiles.json"), _data("layer_memory.json")
+        profiles, memory = read_sailor_json("layer_profiles.json"), read_sailor_json("layer_memory.json")
         if model not in profiles or model not in memory:
             raise field_error("model", model, "be a model Sailor profiled",
                               f"profiled: {', '.join(sorted(set(profiles) & set(memory)))}")
-        inter = _data("inter_node_bandwidth_fits.json")
+        inter = read_sailor_json("inter_node_bandwidth_fits.json")
         if zone not in inter:
             raise field_error("zone", zone, "be a zone Sailor measured", f"measured: {', '.join(sorted(inter))}")
         self.model, self.zone, self.profile, self.fits = model, zone, profiles[model], inter[zone]
