@@ -41,7 +41,6 @@ over the data-parallel degree) + activations of the micro-batches in flight
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -135,7 +134,6 @@ class CostModel:
         self._ckpt_act = _prefix([layer.output_bytes_per_sample * act_scale for layer in layers])
         self._max_act = [layer.activation_bytes_per_sample * act_scale for layer in layers]
         self._total_params = _prefix([layer.total_params for layer in layers])
-        self._latency_s = cluster.latency_us * 1e-6
         self._representative: dict[tuple, DeviceSpec] = {}
         self._prefix_cache: dict[tuple, tuple[list[float], list[float]]] = {}
         self._replicated_prefix_cache: dict[tuple, np.ndarray] = {}
@@ -209,10 +207,10 @@ class CostModel:
         return (upd[stop] - upd[start]) / self.settings.zero_shards(dp).optimizer
 
     def send_s(self, micro_batch: int, last_layer: int, src: str, dst: str,
-               route: SyncRoute | float | None = None) -> float:
+               route: SyncRoute | None = None) -> float:
         """Activation forward + gradient backward across a stage boundary (sharing the nodes' interfaces
         with the concurrent sends ``route.send_flows`` counts)."""
-        flows = route.send_flows if isinstance(route, SyncRoute) else (1, 1)
+        flows = route.send_flows if route is not None else (1, 1)
         return 2 * self.network.send_s(self._out[last_layer] * micro_batch, src, dst, flows)
 
     def stage_param_count(self, start: int, stop: int, experts_held: dict[int, int] | None = None) -> float:
@@ -257,7 +255,7 @@ class CostModel:
             acts = (A[None, :] - A[:, None]) * micro_batch * in_flight
         return params * s.state_bytes_per_param(dp) + acts / tp + s.memory_reserve_gb * GiB
 
-    def post_matrix(self, device: DeviceSpec, tp: int, dp: int, route: SyncRoute | float) -> np.ndarray:
+    def post_matrix(self, device: DeviceSpec, tp: int, dp: int, route: SyncRoute) -> np.ndarray:
         """Gradient sync + optimizer update of every range [i, j) on ``device``, as an (L+1)^2 array."""
         P = np.asarray(self._params)
         grad_bytes = (P[None, :] - P[:, None]) / tp * self.settings.grad_bytes
@@ -269,30 +267,15 @@ class CostModel:
     def memory_capacity_bytes(self, device: DeviceSpec) -> float:
         return device.memory_bytes
 
-    def allreduce_s(self, num_bytes: Any, group_size: int, route: SyncRoute | float) -> Any:
+    def allreduce_s(self, num_bytes: Any, group_size: int, route: SyncRoute) -> Any:
         """Gradient allreduce of ``num_bytes`` (a number or an array) among ``group_size`` replicas along
-        ``route`` (a bare number: a ring over a link of that many bytes/s), plus ZeRO-3's parameter
-        all-gathers (1.5x)."""
-        if not isinstance(route, SyncRoute):
-            if not math.isfinite(route):
-                route = NO_SYNC
-            else:  # a bare bandwidth: a ring over one node's link of that speed (tests, old callers)
-                return self._bare_ring_s(num_bytes, group_size, route)
+        ``route``, plus ZeRO-3's parameter all-gathers (1.5x)."""
         if group_size <= 1 or route.members <= 1:
             return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
         if route.members != group_size:
             route = SyncRoute(group_size, route.nodes, route.flows, route.send_flows)
         factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
         return factor * self.network.ring_allreduce_s(num_bytes, route)
-
-    def _bare_ring_s(self, num_bytes: Any, group_size: int, bandwidth: float) -> Any:
-        factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
-        steps = 2 * (group_size - 1)
-        out = factor * (steps / group_size * np.asarray(num_bytes, dtype=float) / bandwidth
-                        + steps * self._latency_s)
-        if isinstance(num_bytes, np.ndarray):
-            return np.where(num_bytes > 0, out, 0.0) if group_size > 1 else np.zeros_like(out)
-        return float(out) if group_size > 1 and num_bytes > 0 else 0.0
 
     # -- MoE ----------------------------------------------------------------------------------
     def _experts_by_device(self, plan: Plan) -> dict[str, dict[int, int]]:
@@ -415,7 +398,7 @@ class CostModel:
         """Per pipeline, per stage: its gradient ring's route and its send's sharing (``network.routes``)."""
         return routes(self.cluster, structure)
 
-    def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, route: SyncRoute | float) -> float:
+    def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, route: SyncRoute) -> float:
         """Gradient allreduce of a stage's dense parameters among ``dp`` replicas."""
         grad_bytes = (self._params[stop] - self._params[start]) / tp * self.settings.grad_bytes
         return self.allreduce_s(grad_bytes, dp, route)

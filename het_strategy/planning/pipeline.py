@@ -41,6 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from het_strategy.core.cost_model import CostModel
+from het_strategy.core.network import NO_SYNC, SyncRoute
 
 __all__ = ["Partition", "PartitionFront", "partition_front", "plan_pipeline_stages", "stage_matrices",
            "send_key", "EXACT_LAYER_LIMIT"]
@@ -319,9 +320,9 @@ def _front_splits(bott: list[np.ndarray], fill: list[np.ndarray], post: list[np.
 
 
 def plan_pipeline_stages(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch: int, num_micro_batches: int,
-                         dp: int = 1, ring_bw: Sequence[float] | None = None) -> Partition | None:
+                         dp: int = 1, ring_bw: Sequence[SyncRoute] | None = None) -> Partition | None:
     """Best layer split of one ordered pipeline for ``num_micro_batches`` micro-batches (None: no fit)."""
-    ring = list(ring_bw) if ring_bw is not None else [math.inf] * len(slots)
+    ring = list(ring_bw) if ring_bw is not None else [NO_SYNC] * len(slots)
     front = partition_front(cm, slots, micro_batch, num_micro_batches, dp, ring)
     return None if front is None else front.best(num_micro_batches)
 
