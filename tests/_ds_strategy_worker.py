@@ -119,12 +119,17 @@ def main() -> None:
                       "loops": "loops" in client, "is_dir": os.path.isdir(path)}
 
     # resume at the epoch boundary: a NEW Trainer, strategy and model continue from the checkpoint for epoch 2
-    resumed_losses = Losses()
-    strategy2 = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
-    trainer2 = pl.Trainer(strategy=strategy2, accelerator="cpu", devices=4, max_epochs=2, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          callbacks=[resumed_losses])
-    trainer2.fit(PipeModel(), data, ckpt_path=path)
+    def resume(ckpt_path: str) -> tuple[pl.Trainer, HeteroDeepSpeedStrategy, Losses]:
+        """A NEW Trainer, strategy and model continuing from ``ckpt_path`` to the end of epoch 2."""
+        losses = Losses()
+        strategy_r = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
+        trainer_r = pl.Trainer(strategy=strategy_r, accelerator="cpu", devices=4, max_epochs=2, logger=False,
+                               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                               callbacks=[losses])
+        trainer_r.fit(PipeModel(), data, ckpt_path=ckpt_path)
+        return trainer_r, strategy_r, losses
+
+    trainer2, strategy2, resumed_losses = resume(path)
     result["resumed"] = {"global_step": trainer2.global_step, "epoch": trainer2.current_epoch,
                          "losses": resumed_losses.losses,
                          "params": {n: q.flatten().tolist() for n, q in strategy2.runner.named_parameters().items()}}
@@ -141,12 +146,7 @@ def main() -> None:
                            enable_model_summary=False, callbacks=[every])
     trainer_a.fit(PipeModel(), data)
     mid_path = os.path.join(out_dir, "mid", "step=2.ckpt")
-    mid_losses = Losses()
-    strategy_b = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
-    trainer_b = pl.Trainer(strategy=strategy_b, accelerator="cpu", devices=4, max_epochs=2, logger=False,
-                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                           callbacks=[mid_losses])
-    trainer_b.fit(PipeModel(), data, ckpt_path=mid_path)
+    trainer_b, strategy_b, mid_losses = resume(mid_path)
     result["mid_resumed"] = {"global_step": trainer_b.global_step, "losses": mid_losses.losses,
                              "params": {n: q.flatten().tolist() for n, q in strategy_b.runner.named_parameters().items()}}
     # a checkpoint of another plan (the other ZeRO stage; for the asymmetric plan, the aligned one) is refused
