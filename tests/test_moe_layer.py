@@ -48,9 +48,9 @@ def _naive(layer: HeteroMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 # -- single process --------------------------------------------------------------------------------
-@pytest.mark.parametrize("drop", [False, True])
-def test_one_process_layer_equals_token_by_token_reference(drop: bool) -> None:
-    layer = _layer(5, k=2, capacity_factor=0.5, min_capacity=0, drop_tokens=drop)
+@pytest.mark.parametrize("drop, dispatch", [(False, "exact"), (True, "exact"), (True, "capacity")])
+def test_one_process_layer_equals_token_by_token_reference(drop: bool, dispatch: str) -> None:
+    layer = _layer(5, k=2, capacity_factor=0.5, min_capacity=0, drop_tokens=drop, dispatch=dispatch)
     x = _tokens(0)
     out, aux, counts = layer(x)
     ref, ref_aux = _naive(layer, x)
@@ -102,6 +102,8 @@ def test_bad_layer_arguments_fail_at_construction() -> None:
         HeteroMoE(HIDDEN, _expert, num_experts=4, placement=[[0, 1, 1, 2]])
     with pytest.raises(ConfigError, match="moe.noisy_gate_policy"):
         HeteroMoE(HIDDEN, _expert, num_experts=4, noisy_gate_policy="gumbel")
+    with pytest.raises(ConfigError, match="moe.dispatch"):
+        HeteroMoE(HIDDEN, _expert, num_experts=4, drop_tokens=False, dispatch="capacity")
     with pytest.raises(ConfigError, match="plan.experts"):
         placements_from_plan({3: {"a": [0, 1], "b": [2]}}, ["a", "b"], [4])
 
@@ -115,9 +117,9 @@ def test_placement_change_after_training_is_refused() -> None:
 
 
 # -- several ranks ---------------------------------------------------------------------------------
-def _ranks_fn(rank: int, world: int, placement, drop: bool, k: int) -> dict:
+def _ranks_fn(rank: int, world: int, placement, drop: bool, k: int, dispatch: str) -> dict:
     layer = _layer(sum(len(p) for p in placement), placement=placement, k=k, capacity_factor=0.6,
-                   min_capacity=0, drop_tokens=drop)
+                   min_capacity=0, drop_tokens=drop, dispatch=dispatch)
     layer.train()
     x = _tokens(rank, n=6 + 3 * rank).requires_grad_()  # uneven token counts per rank too
     out, aux, counts = layer(x)
@@ -128,15 +130,17 @@ def _ranks_fn(rank: int, world: int, placement, drop: bool, k: int) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("placement, drop, k", [
-    ([[0, 1, 2], [3]], False, 2),
-    ([[0, 1], [2], [3]], True, 2),
-    ([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13], [14, 15]], True, 2),
-    ([[3, 0, 5, 1, 4, 2], [11, 6, 7, 8, 9, 10], [12, 15], [14, 13]], False, 1),
+@pytest.mark.parametrize("placement, drop, k, dispatch", [
+    ([[0, 1, 2], [3]], False, 2, "exact"),
+    ([[0, 1], [2], [3]], True, 2, "exact"),
+    ([[0, 1], [2], [3]], True, 2, "capacity"),
+    ([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13], [14, 15]], True, 2, "capacity"),
+    ([[3, 0, 5, 1, 4, 2], [11, 6, 7, 8, 9, 10], [12, 15], [14, 13]], False, 1, "exact"),
 ])
-def test_ranks_equal_single_process_reference(placement, drop: bool, k: int) -> None:
+def test_ranks_equal_single_process_reference(placement, drop: bool, k: int, dispatch: str) -> None:
+    """Outputs, aux loss and all gradients; with drops the reference drops the same choices (per-rank capacity)."""
     world = len(placement)
-    got = run_local_ranks(_ranks_fn, world, placement, drop, k, timeout_s=120)
+    got = run_local_ranks(_ranks_fn, world, placement, drop, k, dispatch, timeout_s=120)
     num_experts = sum(len(p) for p in placement)
     ref = _layer(num_experts, k=k, capacity_factor=0.6, min_capacity=0, drop_tokens=drop)
     ref.train()

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg, compose_config, run_cli
-from het_strategy.core.errors import check_keys, field_error, require_int
+from het_strategy.core.errors import check_keys, field_error, require_int, require_number
 from het_strategy.core.shipped import shipped_names
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
@@ -41,7 +41,7 @@ __all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "run_train", "main"]
 PROG = "het-train"
 CONFIG_NAME = "train"
 _TOP_KEYS = {"cluster", "model", "strategy", "accelerator", "devices", "train", "data", "logger", "wandb",
-             "output", "checkpoint", "resume", "straggler", "compression", "planner"}
+             "output", "checkpoint", "resume", "straggler", "compression", "planner", "moe"}
 _STRAGGLER_KEYS = {"enabled", "every_n_steps", "threshold", "consecutive", "warmup", "min_share", "evict_ratio",
                    "stop_ratio"}
 _TRAIN_KEYS = {"global_batch_size", "max_steps", "lr", "weight_decay", "precision", "accumulate_grad_batches",
@@ -65,6 +65,7 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   output.dir=DIR  output.summary=summary.json  checkpoint.every_n_steps=N  resume=<ckpt>
   straggler.enabled=true  straggler.threshold=X  straggler.consecutive=N  straggler.min_share=X
   compression=none|adaptive|quantize4|powersgd|topk|fp16|bf16   compression.bits=N  compression.error_budget=X
+  model=moe_gpt_tiny  moe.placement=planned|uniform  moe.capacity_factor=X  moe.drop_tokens=true|false
 
 options:
   --cfg       print the composed config and exit
@@ -178,7 +179,36 @@ class TrainJob:
             raise field_error("resume", self.resume, "be an existing checkpoint file")
         if self.strategy == "hetero_deepspeed":
             self._check_deepspeed_job(cfg)
+        self.moe = self._check_moe(cfg)
         self.cfg = cfg
+
+    def _check_moe(self, cfg: DictConfig) -> dict[str, Any]:
+        """The ``moe`` section: where experts live and how they route (models with experts only)."""
+        moe = cfg_to_dict(cfg.get("moe") or {"placement": "planned"}, "moe")
+        check_keys(moe, {"placement", "capacity_factor", "drop_tokens", "aux_loss_coef"}, "moe")
+        placement = moe.get("placement", "planned")
+        if placement not in ("planned", "uniform"):
+            raise field_error("moe.placement", placement, "be planned or uniform")
+        for key in ("capacity_factor", "aux_loss_coef"):
+            if key in moe:
+                require_number(moe[key], f"moe.{key}", allow_zero=key == "aux_loss_coef")
+        if not isinstance(moe.get("drop_tokens", True), bool):
+            raise field_error("moe.drop_tokens", moe.get("drop_tokens"), "be true or false")
+        experts = self.model_cfg.num_experts
+        if experts:
+            if self.strategy == "hetero_deepspeed":
+                raise field_error("strategy", "hetero_deepspeed", "be hetero or ddp for a model with experts "
+                                  f"(model.num_experts={experts}): HeteroMoE runs under DDP in this version")
+            if self.resume is not None:
+                raise field_error("resume", self.resume, "be null for a model with experts (each rank's optimizer "
+                                  "state covers only its own experts; resuming is not supported yet)")
+            if experts < self.devices:
+                raise field_error("model.num_experts", experts, f"be >= devices ({self.devices}) so every rank "
+                                  "holds an expert")
+            if self.strategy == "hetero" and placement == "uniform" and experts % self.devices:
+                raise field_error("moe.placement", "uniform", f"go with model.num_experts ({experts}) divisible "
+                                  f"by devices ({self.devices})", "use moe.placement=planned")
+        return moe
 
     def _check_deepspeed_job(self, cfg: DictConfig) -> None:
         """What ``strategy=hetero_deepspeed`` runs in het-train (refused here, before any worker starts)."""
@@ -220,7 +250,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     from het_strategy import HeteroStrategy
     from het_strategy.callbacks.emulation import EmulatedDeviceCallback
     from het_strategy.emulation.speeds import cluster_is_emulated
-    from het_strategy.demo.char_gpt import CharGPT
+    from het_strategy.demo.moe_gpt import build_char_model
 
     started = time.perf_counter()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.devices))
@@ -236,8 +266,9 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         per_rank = max(1, job.global_batch_size // job.devices)
         train_loader = DataLoader(train_set, batch_size=per_rank, shuffle=True)
         val_loader = DataLoader(val_set, batch_size=per_rank)
-    model = CharGPT.from_workload_config(job.model_cfg, lr=float(job.train["lr"]),
-                                         weight_decay=float(job.train["weight_decay"]))
+    routing = {k: v for k, v in job.moe.items() if k != "placement"}
+    model = build_char_model(job.model_cfg, routing, lr=float(job.train["lr"]),
+                             weight_decay=float(job.train["weight_decay"]))
 
     out = job.out_dir
     summary_path = out / str(job.output["summary"]) if job.output.get("summary") else None
@@ -249,7 +280,8 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         # with cluster=auto the strategy profiles the model itself (per block, on every device type)
         strategy: Any = HeteroStrategy(cluster=cluster_source, workload=None if job.auto_cluster else job.workload,
                                        global_batch_size=job.global_batch_size, profile_input=model_input,
-                                       compression=job.compression)
+                                       compression=job.compression,
+                                       moe_placement=job.moe.get("placement", "planned"))
     elif job.strategy == "hetero_deepspeed":
         from het_strategy import HeteroDeepSpeedStrategy
 
@@ -306,6 +338,9 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
         summary["straggler_decisions"] = [asdict(d) for d in straggler.decisions]
     summary.update(_predicted_speedup(trainer.strategy, job))
+    experts = getattr(trainer.strategy, "experts", None)
+    if experts is not None:
+        summary.update(experts.summary())
     summary.update(_compression_summary(trainer.strategy, job))
     _print_report(summary)
     if summary_path is not None:

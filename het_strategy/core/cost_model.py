@@ -313,15 +313,17 @@ class CostModel:
         plan.check_against(self.cluster, self.workload)
         dp = plan.num_pipelines
         experts_by_dev = self._experts_by_device(plan)
-        # tokens one expert-parallel group routes per micro-batch step (MoE placement only)
-        group_tokens = sum(p.samples / p.num_micro_batches for p in plan.pipelines) * self.workload.seq_len
+        # tokens the expert-parallel group routes per step (MoE placement only): a holder runs its experts' part
+        # of them over its own pipeline's micro-batches
+        step_tokens = plan.global_batch_size * self.workload.seq_len
         pipeline_times: list[float] = []
         stage_costs: list[list[StageCost]] = []
         memory: dict[str, float] = {}
         capacity: dict[str, float] = {}
         all_routes = self.ring_bandwidths([tuple(st.devices for st in pipe.stages) for pipe in plan.pipelines])
         for pipe, routes in zip(plan.pipelines, all_routes):
-            time_s, costs, mem = self.pipeline_cost(pipe, dp, experts_by_dev, group_tokens, routes)
+            time_s, costs, mem = self.pipeline_cost(pipe, dp, experts_by_dev, step_tokens / pipe.num_micro_batches,
+                                                    routes)
             pipeline_times.append(time_s)
             stage_costs.append(costs)
             memory.update(mem)

@@ -137,6 +137,8 @@ class TransformerConfig:
     """Experts each token is routed to."""
     moe_every: int = 1
     """Every n-th block is MoE (1 = all blocks, 2 = every other block)."""
+    expert_ffn_hidden_size: int | None = None
+    """Width of one expert's MLP; the MLP width (``ffn_hidden_size`` or 4h) when not given."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size"):
@@ -152,6 +154,8 @@ class TransformerConfig:
             require_int(self.moe_every, "model.moe_every", minimum=1)
             if self.top_k > self.num_experts:
                 raise field_error("model.top_k", self.top_k, f"be <= model.num_experts ({self.num_experts})")
+        if self.expert_ffn_hidden_size is not None:
+            require_int(self.expert_ffn_hidden_size, "model.expert_ffn_hidden_size", minimum=1)
 
 
 def transformer_workload(cfg: TransformerConfig, dtype: str = "bf16") -> WorkloadSpec:
@@ -163,6 +167,7 @@ def transformer_workload(cfg: TransformerConfig, dtype: str = "bf16") -> Workloa
     """
     s, h, a, v = cfg.seq_len, cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     f = cfg.ffn_hidden_size or 4 * h
+    fe = cfg.expert_ffn_hidden_size or f
     scale = DTYPE_BYTES[dtype] / 2
     boundary = s * h * DTYPE_BYTES[dtype]
     attn_flops = 2 * s * 4 * h * h + 4 * s * s * h
@@ -174,8 +179,8 @@ def transformer_workload(cfg: TransformerConfig, dtype: str = "bf16") -> Workloa
     for i in range(cfg.num_layers):
         is_moe = cfg.num_experts > 0 and (i % cfg.moe_every == cfg.moe_every - 1)
         if is_moe:
-            moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.top_k, params_per_expert=mlp_params,
-                          flops_per_token_per_expert=4 * h * f)
+            moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.top_k, params_per_expert=2 * h * fe + fe + h,
+                          flops_per_token_per_expert=4 * h * fe)
             router_flops = 2 * s * h * cfg.num_experts
             layers.append(LayerCost(f"block{i}", attn_flops + router_flops, attn_params + h * cfg.num_experts,
                                     block_act + s * h * cfg.top_k * DTYPE_BYTES[dtype], boundary, moe))
@@ -188,7 +193,7 @@ def transformer_workload(cfg: TransformerConfig, dtype: str = "bf16") -> Workloa
 
 
 _MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "ffn_hidden_size",
-               "num_experts", "top_k", "moe_every", "kind", "description"}
+               "num_experts", "top_k", "moe_every", "expert_ffn_hidden_size", "kind", "description"}
 
 
 def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: str = "bf16") -> WorkloadSpec:

@@ -34,16 +34,24 @@ class BatchPadding:
         """Seconds slept for the current batch."""
         self.target_s = 0.0
         """The current batch's emulated compute seconds (known once padded)."""
+        self.excluded: Any = None
+        """A clock (``inside_s``, ``reset()``) of time the batch padding leaves out: MoE layers pad their experts
+        themselves (``moe/padding.py``), so their whole time is not the dense compute padded here."""
 
     @classmethod
-    def for_device(cls, cluster: ClusterSpec, device: str, workload: WorkloadSpec, dtype: str) -> BatchPadding:
-        """The padding of ``device``: its emulated seconds per sample for ``workload`` in ``dtype``."""
-        return cls(EmulatedCompute(emulated_seconds_per_sample(cluster, device, workload, dtype)), cluster, device)
+    def for_device(cls, cluster: ClusterSpec, device: str, workload: WorkloadSpec, dtype: str,
+                   experts: bool = True) -> BatchPadding:
+        """The padding of ``device``: its emulated seconds per sample for ``workload`` in ``dtype``
+        (``experts=False``: the dense part only)."""
+        return cls(EmulatedCompute(emulated_seconds_per_sample(cluster, device, workload, dtype, experts)),
+                   cluster, device)
 
     def begin(self, samples: int, step: int) -> None:
         """A batch of ``samples`` starts at optimizer step ``step`` (slowdown schedules count steps)."""
         self.samples, self.step = samples, step
         self.padded, self.pad_s, self.target_s = False, 0.0, 0.0
+        if self.excluded is not None:
+            self.excluded.reset()
         self.compute.begin()
 
     def finish(self, computed_s: float | None = None) -> None:
@@ -57,8 +65,9 @@ class BatchPadding:
             return
         factor = emulated_factor(self.cluster, self.device, self.step)
         self.target_s = self.compute.target_s(self.samples, factor)
-        self.pad_s = self.compute.pad(self.samples, factor,
-                                      self.compute.elapsed_s() if computed_s is None else computed_s)
+        if computed_s is None:
+            computed_s = self.compute.elapsed_s() - (self.excluded.inside_s if self.excluded is not None else 0.0)
+        self.pad_s = self.compute.pad(self.samples, factor, computed_s)
         self.padded = True
 
     def finish_before_backward(self) -> None:

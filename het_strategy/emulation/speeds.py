@@ -28,7 +28,7 @@ from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import field_error
 from het_strategy.core.workload import WorkloadSpec
 
-__all__ = ["EmulatedCompute", "emulated_seconds_per_sample", "emulated_factor", "cluster_is_emulated",
+__all__ = ["EmulatedCompute", "emulated_seconds_per_sample", "emulated_expert_seconds_per_token", "emulated_factor", "cluster_is_emulated",
            "emulation_summary"]
 
 
@@ -38,10 +38,27 @@ def cluster_is_emulated(cluster: ClusterSpec) -> bool:
 
 
 def emulated_seconds_per_sample(cluster: ClusterSpec, device_name: str, workload: WorkloadSpec,
-                                dtype: str = "fp32") -> float:
-    """Forward + backward seconds of one sample on ``device_name`` as the cost model sees it."""
+                                dtype: str = "fp32", experts: bool = True) -> float:
+    """Forward + backward seconds of one sample on ``device_name`` as the cost model sees it.
+
+    ``experts=False``: the dense part only (an MoE layer pads its experts itself,
+    ``moe/padding.py``, at ``emulated_expert_seconds_per_token``).
+    """
     cm = CostModel(cluster, workload, TrainSettings(global_batch_size=1, dtype=dtype, micro_batch_sizes=(1,)))
-    return float(cm.replicated_compute_prefix(cluster.device(device_name), 1, 1)[-1])
+    device = cluster.device(device_name)
+    if not experts:
+        return cm.stage_compute_s(device, 1, 1, 0, workload.num_layers)
+    return float(cm.replicated_compute_prefix(device, 1, 1)[-1])
+
+
+def emulated_expert_seconds_per_token(cluster: ClusterSpec, device_name: str, workload: WorkloadSpec,
+                                      dtype: str = "fp32") -> list[float]:
+    """Forward seconds one expert spends on one routed token on ``device_name``, per MoE layer (in layer order).
+
+    Backward is counted as twice the forward, as for the dense part.
+    """
+    rate = cluster.device(device_name).flops_per_second(dtype)
+    return [layer.moe.flops_per_token_per_expert / rate for layer in workload.layers if layer.moe is not None]
 
 
 def emulated_factor(cluster: ClusterSpec, device_name: str, step: int) -> float:
@@ -57,12 +74,21 @@ def emulated_factor(cluster: ClusterSpec, device_name: str, step: int) -> float:
     return factor
 
 
-def emulation_summary(cluster: ClusterSpec, workload: WorkloadSpec, dtype: str) -> str:
-    """One line per device: its emulated speed and per-sample compute time."""
+def emulation_summary(cluster: ClusterSpec, workload: WorkloadSpec, dtype: str, experts_inside: bool = False) -> str:
+    """One line per device: its emulated speed and per-sample compute time.
+
+    ``experts_inside``: MoE layers pad their experts themselves; the line then
+    gives the dense part per sample and the expert time per 1000 routed tokens.
+    """
     lines = [f"EMULATED cluster `{cluster.name}` (compute padded to the emulated device; collectives are real):"]
     for d in cluster.devices:
-        t = emulated_seconds_per_sample(cluster, d.name, workload, dtype)
-        lines.append(f"  {d.name:<12} speed {d.emulated_speed or 1.0:<6g} {t * 1e3:9.2f} ms/sample")
+        t = emulated_seconds_per_sample(cluster, d.name, workload, dtype, experts=not experts_inside)
+        line = f"  {d.name:<12} speed {d.emulated_speed or 1.0:<6g} {t * 1e3:9.2f} ms/sample"
+        per_token = emulated_expert_seconds_per_token(cluster, d.name, workload, dtype) if experts_inside else []
+        if per_token:
+            line += (" (dense part) + experts " + ", ".join(f"{3e3 * x * 1e3:.1f}" for x in per_token)
+                     + " ms per 1000 routed tokens (fwd + bwd, per MoE layer, padded inside the layer)")
+        lines.append(line)
     for sd in cluster.slowdowns:
         until = f"until step {sd.end_step}" if sd.end_step is not None else "to the end"
         lines.append(f"  scheduled: {sd.device} {sd.factor:g}x slower from step {sd.start_step} {until}")

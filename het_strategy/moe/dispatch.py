@@ -1,28 +1,47 @@
 """Moving routed tokens to their experts' ranks and back: all-to-all with uneven split sizes.
 
-``exchange_counts`` all-gathers every rank's per-expert token counts (``E``
-integers per rank), so each rank knows what it sends to and receives from
-every other rank.  ``all_to_all`` is ``torch.distributed.all_to_all_single``
-with those split sizes, differentiable: its backward sends the gradients back
-along the same routes (the splits swapped).  Works over gloo and NCCL.
+A sender lists its kept (token, expert) pairs by *slot* (the experts numbered
+rank by rank, each rank in its local order), so rank r's rows are one
+contiguous block.  Two layouts:
+
+* ``dispatch_exact`` sends exactly the routed rows.  Each rank first tells
+  every other rank how many rows it sends to each of that rank's experts (one
+  ``all_to_all_single`` of counts), then the rows go with uneven split sizes.
+* ``dispatch_capacity`` (DeepSpeed's and GShard's layout, with token
+  dropping) sends every expert ``capacity`` rows from every rank, padded with
+  zeros: the split sizes follow from the placement and the ranks' capacities
+  (``n_r x capacity`` rows to rank r, uneven when the placement is; only the
+  capacities, one integer per rank, are exchanged), and each rank's expert
+  compute is fixed by its expert count, whatever the routing.
+
+Both return the rows regrouped by local expert and a ``back`` function that
+returns the experts' outputs to their senders, in the senders' pair order.
+``all_to_all`` is ``all_to_all_single`` made differentiable: its backward
+sends the gradients back along the same routes.  Works over gloo and NCCL.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["exchange_counts", "all_to_all"]
+from het_strategy.moe.placement import ExpertPlacement
+
+__all__ = ["Dispatched", "dispatch_exact", "dispatch_capacity", "all_to_all"]
 
 
-def exchange_counts(counts: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """``[world, E]``: every rank's per-expert counts (a collective over ``group``)."""
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(counts) for _ in range(world)]
-    dist.all_gather(gathered, counts.contiguous(), group=group)
-    return torch.stack(gathered)
+@dataclass
+class Dispatched:
+    """Rows received by this rank, grouped by local expert."""
+
+    rows: torch.Tensor
+    """``[N, h]``: local expert i's rows are the i-th block of ``sizes[i]`` rows."""
+    sizes: list[int]
+    back: Callable[[torch.Tensor], torch.Tensor]
+    """Expert outputs (``rows``' layout) -> this rank's pairs' outputs, in the order they were dispatched."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -44,3 +63,73 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any = None) -> torch.Tensor:
     """Rows ``x[sum(send[:r]) : sum(send[:r+1])]`` go to rank r; returns the rows received, by source rank."""
     return _AllToAll.apply(x, list(send), list(recv), group)
+
+
+def dispatch_exact(rows: torch.Tensor, slot: torch.Tensor, placement: ExpertPlacement, rank: int,
+                   group: Any = None) -> Dispatched:
+    """Send ``rows`` (one per kept pair, sorted by ``slot``) to their experts' ranks, exactly as many as routed."""
+    counts = torch.bincount(slot, minlength=placement.num_experts)
+    world, n_local = placement.world_size, placement.counts[rank]
+    if world == 1:
+        return _regroup(rows, [], [], counts[None, :], group)
+    local = counts.new_empty(world * n_local)  # from each source: its rows for each of my experts
+    dist.all_to_all_single(local, counts, output_split_sizes=[n_local] * world,
+                           input_split_sizes=placement.counts, group=group)
+    local = local.view(world, n_local)
+    per_slot, send, start = counts.tolist(), [], 0
+    for n in placement.counts:
+        send.append(sum(per_slot[start:start + n]))
+        start += n
+    return _regroup(rows, send, local.sum(dim=1).tolist(), local, group)
+
+
+def dispatch_capacity(rows: torch.Tensor, slot: torch.Tensor, position: torch.Tensor, capacity: int,
+                      placement: ExpertPlacement, rank: int, group: Any = None) -> Dispatched:
+    """Send every expert ``capacity`` rows from this rank (``rows`` at ``position`` of their expert's block).
+
+    Ranks with other token counts have other capacities: they are all-gathered
+    (one integer per rank), the only thing exchanged before the rows.
+    """
+    world, n_local = placement.world_size, placement.counts[rank]
+    index = slot * capacity + position
+    buffer = rows.new_zeros((placement.num_experts * capacity, rows.shape[1])).index_copy(0, index, rows)
+    if world == 1:
+        caps = [capacity]
+    else:
+        gathered = [torch.empty(1, dtype=torch.long) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor([capacity], dtype=torch.long), group=group)
+        caps = [int(c) for c in torch.cat(gathered).tolist()]
+    local = torch.tensor(caps, dtype=torch.long)[:, None].expand(world, n_local)
+    sent = _regroup(buffer, [n * capacity for n in placement.counts], [n_local * c for c in caps], local, group)
+    back = sent.back
+    sent.back = lambda y: back(y)[index]
+    return sent
+
+
+def _regroup(rows: torch.Tensor, send: list[int], recv: list[int], local: torch.Tensor, group: Any) -> Dispatched:
+    """Send ``rows`` with split sizes ``send``/``recv`` (none for one rank) and group what arrives by expert.
+
+    ``local[s, i]``: rows source s sends to local expert i.
+    """
+    world = len(send)
+    received = all_to_all(rows, send, recv, group) if world > 1 else rows
+    perm = _expert_major(local)
+    grouped = received[perm]
+
+    def back(y: torch.Tensor) -> torch.Tensor:
+        y = y.new_empty(y.shape).index_copy(0, perm.to(y.device), y)  # back to the order received
+        return all_to_all(y, recv, send, group) if world > 1 else y
+
+    return Dispatched(grouped, local.sum(dim=0).tolist(), back)
+
+
+def _expert_major(local: torch.Tensor) -> torch.Tensor:
+    """Row order that regroups rows received by source (each source's by local expert) by expert, then source."""
+    sources, experts = local.shape
+    flat = local.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # where each (source, expert) block starts in the received rows
+    order = torch.arange(sources * experts, device=local.device).view(sources, experts).t().reshape(-1)
+    lengths, block_starts = flat[order], starts[order]
+    out_starts = torch.cumsum(lengths, 0) - lengths
+    total = int(lengths.sum())
+    return torch.arange(total, device=local.device) + torch.repeat_interleave(block_starts - out_starts, lengths)

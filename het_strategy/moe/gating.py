@@ -47,6 +47,8 @@ class Routing:
     """``[T, k]``: its combine weight (0 where dropped); differentiable w.r.t. the gate."""
     kept: torch.Tensor
     """``[T, k]`` bool: the choice is dispatched."""
+    position: torch.Tensor
+    """``[T, k]`` long: the choice's slot at its expert (< capacity where kept)."""
     aux_loss: torch.Tensor
     """Scalar load-balancing loss."""
     counts: torch.Tensor
@@ -75,11 +77,12 @@ def route_tokens(logits: torch.Tensor, top_k: int, capacity: int | None, noisy_r
         scores = scores.scatter(1, idx[:, None], float("-inf"))
     expert = torch.stack(chosen, dim=1)  # [T, k]
     masks = [F.one_hot(idx, num_experts) for idx in chosen]  # [T, E] each, before drops
-    kept_cols = []
+    kept_cols, positions = [], []
     offset = torch.zeros(num_experts, dtype=torch.long, device=logits.device)
     for mask in masks:
         slot = (torch.cumsum(mask, dim=0) - 1 + offset) * mask  # position among the expert's tokens
         offset = offset + mask.sum(dim=0)
+        positions.append(slot.sum(dim=1))
         if capacity is None:
             kept_cols.append(torch.ones(num_tokens, dtype=torch.bool, device=logits.device))
         else:
@@ -92,8 +95,8 @@ def route_tokens(logits: torch.Tensor, top_k: int, capacity: int | None, noisy_r
     ce = masks[0].to(gates.dtype).mean(dim=0)
     aux = (me * ce).sum() * num_experts
     counts = torch.bincount(expert[kept], minlength=num_experts)
-    return Routing(expert=expert, weight=probs.to(logits.dtype), kept=kept, aux_loss=aux.to(logits.dtype),
-                   counts=counts)
+    return Routing(expert=expert, weight=probs.to(logits.dtype), kept=kept, position=torch.stack(positions, dim=1),
+                   aux_loss=aux.to(logits.dtype), counts=counts)
 
 
 def jitter(x: torch.Tensor) -> torch.Tensor:

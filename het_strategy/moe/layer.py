@@ -7,9 +7,11 @@ takes the same arguments plus a placement, and:
 
 1. routes each rank's own tokens (``gating.py``: top-k, capacity, noisy gates,
    GShard's auxiliary loss);
-2. sorts the kept (token, expert) pairs by the rank holding the expert, all-gathers
-   the per-expert counts and sends the tokens with ``all_to_all_single`` of
-   *uneven* split sizes (``dispatch.py``, differentiable);
+2. sends the kept (token, expert) pairs to the ranks holding their experts
+   with ``all_to_all_single`` of *uneven* split sizes (``dispatch.py``,
+   differentiable): padded to capacity as DeepSpeed does (``dispatch="capacity"``,
+   the default with token dropping), or exactly the routed rows after an
+   exchange of per-expert counts (``dispatch="exact"``);
 3. runs each local expert on the tokens it received from every rank (on an
    emulated device, padded to the device's expert time, ``padding.py``);
 4. sends the outputs back the same way and adds them up, weighted by the gate.
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.moe.dispatch import all_to_all, exchange_counts
+from het_strategy.moe.dispatch import dispatch_capacity, dispatch_exact
 from het_strategy.moe.gating import NOISY_GATE_POLICIES, expert_capacity, jitter, route_tokens
 from het_strategy.moe.padding import ExpertPadding, MoEClock, mark_backward_start, pad_backward_end, time_backward
 from het_strategy.moe.placement import ExpertPlacement, check_placement, uniform_placement
@@ -62,12 +64,18 @@ class HeteroMoE(nn.Module):
         group: the expert-parallel process group (default: the whole world).
         expert_seed: seed of expert 0's initialisation (expert e uses
             ``expert_seed + e``); default: one draw of the global RNG.
+        dispatch: ``"capacity"`` (with ``drop_tokens``, the default then:
+            every expert gets ``capacity`` rows from every rank, zero-padded, as
+            in DeepSpeed; no counts exchanged; expert compute fixed by the
+            expert count) or ``"exact"`` (only the routed rows, after an
+            exchange of counts; the only layout without ``drop_tokens``).
     """
 
     def __init__(self, hidden_size: int, expert: nn.Module | Callable[[], nn.Module], num_experts: int = 1,
                  k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
                  min_capacity: int = 4, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
-                 placement: Any = None, group: Any = None, expert_seed: int | None = None) -> None:
+                 placement: Any = None, group: Any = None, expert_seed: int | None = None,
+                 dispatch: str | None = None) -> None:
         super().__init__()
         _check_int(hidden_size, "moe.hidden_size", 1)
         _check_int(num_experts, "moe.num_experts", 1)
@@ -84,12 +92,16 @@ class HeteroMoE(nn.Module):
                               f"be one of {', '.join(map(str, NOISY_GATE_POLICIES))}")
         if not isinstance(drop_tokens, bool):
             raise field_error("moe.drop_tokens", drop_tokens, "be true or false")
+        dispatch = dispatch or ("capacity" if drop_tokens else "exact")
+        if dispatch not in ("capacity", "exact") or dispatch == "capacity" and not drop_tokens:
+            raise field_error("moe.dispatch", dispatch, "be exact, or capacity with drop_tokens=True (capacity "
+                              "padding needs a capacity)")
         if not (isinstance(expert, nn.Module) or callable(expert)):
             raise field_error("moe.expert", type(expert).__name__, "be an nn.Module or a factory () -> nn.Module")
         self.hidden_size, self.num_experts, self.k = hidden_size, num_experts, k
         self.capacity_factor, self.eval_capacity_factor = float(capacity_factor), float(eval_capacity_factor)
         self.min_capacity, self.noisy_gate_policy, self.drop_tokens = min_capacity, noisy_gate_policy, drop_tokens
-        self.group = group
+        self.group, self.dispatch = group, dispatch
         self._expert_source = expert
         self.expert_seed = int(torch.randint(0, 2 ** 31, (1,)).item()) if expert_seed is None else int(expert_seed)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
@@ -106,7 +118,8 @@ class HeteroMoE(nn.Module):
     # -- placement ----------------------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        """This rank's index in the placement (0 for a one-rank placement: every expert here, replicated)."""
+        return self._rank
 
     @property
     def local_experts(self) -> list[int]:
@@ -115,8 +128,15 @@ class HeteroMoE(nn.Module):
         return list(self.placement.ranks[self.rank])
 
     def place(self, placement: Any) -> None:
-        """Hold the experts ``placement`` gives this rank (before training: moving trained experts is refused)."""
+        """Hold the experts ``placement`` gives this rank (before training: moving trained experts is refused).
+
+        A one-rank placement (``[[0, ..., E-1]]``) keeps every expert on every rank:
+        replicated experts, which data parallelism then averages like dense weights.
+        """
         world = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        lists = placement.ranks if isinstance(placement, ExpertPlacement) else placement
+        if isinstance(lists, (list, tuple)) and len(lists) == 1:
+            world = 1
         checked = check_placement(placement, self.num_experts, world, "moe.placement")
         if self._trained and checked != self.placement:
             raise ConfigError("`moe.placement` cannot change after training steps: moving trained experts (and "
@@ -125,7 +145,7 @@ class HeteroMoE(nn.Module):
         keep = {str(e): self.experts[str(e)] for e in checked.ranks[rank] if str(e) in self.experts}
         self.experts = nn.ModuleDict({str(e): keep[str(e)] if str(e) in keep else self._build_expert(e)
                                       for e in checked.ranks[rank]})
-        self.placement = checked
+        self.placement, self._rank = checked, rank
         self._owner_slot = torch.tensor(checked.slots(), dtype=torch.long)
 
     def _build_expert(self, expert_id: int) -> nn.Module:
@@ -160,7 +180,8 @@ class HeteroMoE(nn.Module):
         box = [0.0]
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
-        if self.clock is not None:
+        timed = self.clock is not None and self.training  # the batch padding times training batches only
+        if timed:
             x = time_backward(x, box, self.clock, start=False)
         gate_in = jitter(x) if self.training and self.noisy_gate_policy == "Jitter" else x
         logits = self.gate(gate_in)
@@ -169,72 +190,43 @@ class HeteroMoE(nn.Module):
             factor = self.capacity_factor if self.training else self.eval_capacity_factor
             capacity = expert_capacity(x.shape[0], self.num_experts, self.k, factor, self.min_capacity)
         routing = route_tokens(logits, self.k, capacity, self.training and self.noisy_gate_policy == "RSample")
-        out = self._dispatch_and_combine(x, routing)
-        if self.clock is not None:
+        out = self._dispatch_and_combine(x, routing, capacity)
+        if timed:
             out = time_backward(out, box, self.clock, start=True)
             self.clock.add(time.perf_counter() - entered)
         return out.reshape(shape), routing.aux_loss, routing.counts
 
-    def _dispatch_and_combine(self, x: torch.Tensor, routing: Any) -> torch.Tensor:
-        num_tokens = x.shape[0]
+    def _dispatch_and_combine(self, x: torch.Tensor, routing: Any, capacity: int | None) -> torch.Tensor:
         kept = routing.kept.reshape(-1)
-        token = torch.arange(num_tokens, device=x.device).repeat_interleave(self.k)[kept]
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.k)[kept]
         expert = routing.expert.reshape(-1)[kept]
         weight = routing.weight.reshape(-1)[kept]
         slot = self._owner_slot.to(x.device)[expert]
-        order = torch.argsort(slot, stable=True)  # by holder rank, then its local expert order, then token
-        token, weight, slot = token[order], weight[order], slot[order]
-        counts = torch.bincount(slot, minlength=self.num_experts)
         assert self.placement is not None
-        sizes = self.placement.counts
-        bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
-        rank = self.rank
-        if len(sizes) == 1:
-            all_counts = counts[None, :]
-            received = x[token]
+        if capacity is not None and self.dispatch == "capacity":
+            position = routing.position.reshape(-1)[kept]
+            sent = dispatch_capacity(x[token], slot, position, capacity, self.placement, self.rank, self.group)
         else:
-            all_counts = exchange_counts(counts, self.group)
-            send = [int(counts[bounds[r]:bounds[r + 1]].sum()) for r in range(len(sizes))]
-            recv = [int(all_counts[s, bounds[rank]:bounds[rank + 1]].sum()) for s in range(len(sizes))]
-            received = all_to_all(x[token], send, recv, self.group)
-        local = all_counts[:, bounds[rank]:bounds[rank + 1]]  # [source rank, local expert]
-        perm = _expert_major(local)
-        grouped = received[perm]
-        tokens_here = int(grouped.shape[0])
+            order = torch.argsort(slot, stable=True)  # by holder rank, then its local expert order, then token
+            token, weight, slot = token[order], weight[order], slot[order]
+            sent = dispatch_exact(x[token], slot, self.placement, self.rank, self.group)
+        grouped = sent.rows
+        rows_here = int(grouped.shape[0])
         pbox = [0.0]
-        if self.padding is not None and self.training:
-            grouped = pad_backward_end(grouped, pbox, self.padding, tokens_here)
+        emulated = self.padding is not None and self.training
+        if emulated:
+            grouped = pad_backward_end(grouped, pbox, self.padding, rows_here)
         started = time.perf_counter()
-        per_expert = local.sum(dim=0).tolist()
         outputs, start = [], 0
-        for e, n in zip(self.local_experts, per_expert):
+        for e, n in zip(self.local_experts, sent.sizes):
             outputs.append(self.experts[str(e)](grouped[start:start + n]))
             start += n
-        y = torch.cat(outputs) if outputs else grouped
-        if self.padding is not None and self.training:
-            self.padding.pad(tokens_here, time.perf_counter() - started)
+        y = torch.cat(outputs)
+        if emulated:
+            self.padding.pad(rows_here, time.perf_counter() - started)
             y = mark_backward_start(y, pbox)
-        y = y[torch.argsort(perm)]  # back to the order received
-        if len(sizes) > 1:
-            y = all_to_all(y, recv, send, self.group)
-        contributions = y * weight[:, None].to(y.dtype)
+        contributions = sent.back(y) * weight[:, None].to(y.dtype)
         return x.new_zeros(x.shape).index_add(0, token, contributions)
-
-
-def _expert_major(local: torch.Tensor) -> torch.Tensor:
-    """Row order that regroups tokens received by source rank (each source: by local expert) by expert."""
-    sources, experts = local.shape
-    flat = local.reshape(-1).tolist()
-    offsets, pos = [], 0
-    for n in flat:
-        offsets.append(pos)
-        pos += n
-    index = []
-    for e in range(experts):
-        for s in range(sources):
-            start = offsets[s * experts + e]
-            index.extend(range(start, start + flat[s * experts + e]))
-    return torch.tensor(index, dtype=torch.long, device=local.device)
 
 
 def _check_int(value: Any, field: str, minimum: int) -> None:

@@ -29,12 +29,19 @@ class MoEClock:
 
     def __init__(self) -> None:
         self.inside_s = 0.0
+        self.total_s = 0.0
+        """Over every batch since the clock was made."""
+        self.batches = 0
+        """Batches begun (``reset`` calls)."""
 
     def reset(self) -> None:
+        """A new batch begins."""
         self.inside_s = 0.0
+        self.batches += 1
 
     def add(self, seconds: float) -> None:
         self.inside_s += seconds
+        self.total_s += seconds
 
 
 class ExpertPadding:

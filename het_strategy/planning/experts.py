@@ -16,7 +16,7 @@ from het_strategy.core.cost_model import CostModel
 from het_strategy.core.plan import Plan
 from het_strategy.planning.allocation import allocate_min_max
 
-__all__ = ["place_experts"]
+__all__ = ["place_experts", "expert_counts_by_speed"]
 
 
 def place_experts(cm: CostModel, plan: Plan) -> dict[int, dict[str, list[int]]]:
@@ -34,21 +34,29 @@ def place_experts(cm: CostModel, plan: Plan) -> dict[int, dict[str, list[int]]]:
                     holders.append((stage, pipe))
         if len(holders) > moe.num_experts:
             continue  # more holders than experts: keep every expert replicated (no placement)
-        costs, caps = [], []
+        rates, caps = [], []
         for stage, pipe in holders:
             dev = cm.cluster.device(stage.devices[0])
-            rate = dev.flops_per_second(cm.settings.dtype) * stage.tp
-            costs.append(lambda n, rate=rate: n / rate)
+            rates.append(dev.flops_per_second(cm.settings.dtype) * stage.tp)
             # memory left for this layer's experts after the stage's dense part (and all its other experts)
             n_flight = min(len(pipe.stages) - pipe.stages.index(stage), pipe.num_micro_batches)
             used = cm.stage_memory_bytes(stage.layers[0], stage.layers[1], stage.tp, pipe.micro_batch_size,
                                          n_flight, dp, experts_held={layer: 0})
             per_expert = moe.params_per_expert / stage.tp * cm.settings.state_bytes_per_param(dp)
             caps.append(max(1, int((cm.memory_capacity_bytes(dev) - used) // per_expert)))
-        counts = allocate_min_max(costs, moe.num_experts, minimum=[1] * len(holders), cap=caps)
+        counts = expert_counts_by_speed(rates, moe.num_experts, caps)
         if counts is None:
             continue
         ids = iter(range(moe.num_experts))
         placement[layer] = {stage.devices[0]: [next(ids) for _ in range(n)]
                             for (stage, _), n in zip(holders, counts)}
     return placement
+
+
+def expert_counts_by_speed(rates: list[float], num_experts: int, caps: list[int] | None = None) -> list[int] | None:
+    """Experts per holder minimising the slowest holder's expert time (n / rate), each holding >= 1 and <= its cap.
+
+    None when the experts cannot be placed (fewer experts than holders, or the caps too small).
+    """
+    costs = [lambda n, rate=rate: n / rate for rate in rates]
+    return allocate_min_max(costs, num_experts, minimum=[1] * len(rates), cap=caps)

@@ -12,14 +12,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.planning import plan as search_plan
-from het_strategy.core.workload import LayerCost, MeasuredProfile, WorkloadSpec
+from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
 __all__ = ["precision_dtype", "estimate_workload", "data_parallel_plan",
            "shares_in_rank_order"]
@@ -37,18 +37,27 @@ def precision_dtype(precision: Any) -> str:
     return _PRECISIONS[key]
 
 
-def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: str) -> WorkloadSpec:
-    """A one-layer workload: forward FLOPs ~ 2 x parameters x tokens per sample.
+def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: str,
+                      moe: Sequence[tuple[int, int, int]] = ()) -> WorkloadSpec:
+    """A workload from the model's size: forward FLOPs ~ 2 x parameters x tokens per sample.
 
     Enough for a data-parallel split, where only the ratio of device speeds and
     the gradient volume matter; activation memory is not known (0), so pass a
-    workload to plan memory-bound runs.
+    workload to plan memory-bound runs.  ``moe``: one ``(num_experts, top_k,
+    params_per_expert)`` per MoE layer (its experts left out of ``num_params``),
+    each a layer of its own whose experts cost 2 x their parameters per routed token.
     """
     if num_params < 1:
         raise field_error("model", name, "have trainable parameters")
-    layer = LayerCost(name="model", flops_per_sample=2.0 * num_params * max(1, tokens_per_sample),
-                      params=num_params, activation_bytes_per_sample=0, output_bytes_per_sample=0)
-    return WorkloadSpec(name=name, layers=(layer,), seq_len=max(1, tokens_per_sample), dtype=dtype)
+    tokens = max(1, tokens_per_sample)
+    layers = [LayerCost(name="model", flops_per_sample=2.0 * num_params * tokens, params=num_params,
+                        activation_bytes_per_sample=0, output_bytes_per_sample=0)]
+    for i, (experts, top_k, per_expert) in enumerate(moe):
+        spec = MoESpec(num_experts=experts, top_k=top_k, params_per_expert=per_expert,
+                       flops_per_token_per_expert=2.0 * per_expert)
+        layers.append(LayerCost(name=f"moe{i}", flops_per_sample=0.0, params=0, activation_bytes_per_sample=0,
+                                output_bytes_per_sample=0, moe=spec))
+    return WorkloadSpec(name=name, layers=tuple(layers), seq_len=tokens, dtype=dtype)
 
 
 def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: str,

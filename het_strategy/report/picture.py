@@ -2,8 +2,9 @@
 
 ``plot_plan`` draws one row per device (or per group of identical pipelines
 beyond 64 devices), a bar over the layer range each holds, coloured by device
-type and labelled with its batch share.  matplotlib is imported inside
-``plot_plan`` only, so importing this module stays light.
+type and labelled with its batch share (and the experts it holds per MoE
+layer).  matplotlib is imported inside ``plot_plan`` only, so importing this
+module stays light.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def plot_plan(plan: "Plan", cluster: "ClusterSpec", path: str | Path) -> Path:
 
     Rows are devices in rank order when the cluster has at most 64 of them;
     otherwise one row per group of identical pipelines.  Bars are coloured by
-    device type and labelled with the batch share; idle devices get an empty row.
+    device type and labelled with the batch share (and experts held per MoE
+    layer); idle devices get an empty row.
     The file is written atomically.
     """
     import matplotlib
@@ -58,6 +60,9 @@ def plot_plan(plan: "Plan", cluster: "ClusterSpec", path: str | Path) -> Path:
             pipe, st = plan.pipelines[p], plan.pipelines[p].stages[s]
             text = f"p{p} s{s}" + (f" tp{st.tp}" if st.tp > 1 else "") + \
                 f" | {pipe.micro_batch_size}x{pipe.num_micro_batches} = {pipe.samples} samples"
+            held = [len(plan.experts[layer].get(dev.name, [])) for layer in sorted(plan.experts)]
+            if any(held):
+                text += " | experts " + "+".join(map(str, held))
             rows.append((f"{dev.name} ({dev.type})", [(st.layers[0], st.layers[1], dev.type, text)]))
         ylabel = "device"
     else:

@@ -212,9 +212,25 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
     if plan.is_pure_dp:
         lines += _shares_lines(plan, cluster)
     if plan.experts:
-        lines.append(f"expert placement: {len(plan.experts)} MoE layer(s) placed over "
-                     f"{len({d for m in plan.experts.values() for d in m})} devices (see plan.json `experts`)")
+        lines += _expert_lines(plan, cluster)
     return "\n".join(lines)
+
+
+def _expert_lines(plan: "Plan", cluster: "ClusterSpec") -> list[str]:
+    """Experts per device of each MoE layer; layers with the same counts share a line."""
+    by_counts: dict[tuple[tuple[str, int], ...], list[int]] = {}
+    for layer in sorted(plan.experts):
+        mapping = plan.experts[layer]
+        key = tuple((d.name, len(mapping.get(d.name, []))) for d in cluster.devices if d.name in mapping)
+        by_counts.setdefault(key, []).append(layer)
+    lines = [f"expert placement ({len(plan.experts)} MoE layer(s); ids in plan.json `experts`):"]
+    for key, layers in by_counts.items():
+        groups: dict[int, list[str]] = {}
+        for name, n in key:
+            groups.setdefault(n, []).append(name)
+        parts = [f"{', '.join(_name_runs(names))}: {n} expert{'s' if n != 1 else ''}" for n, names in groups.items()]
+        lines.append(f"  layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: " + "; ".join(parts))
+    return lines
 
 
 def _fmt_params(n: object) -> str:

@@ -14,6 +14,7 @@
    allreduce, wrapped to pad an emulated device and timestamp when the last
    gradient bucket is ready (``emulation/padding.py``, ``step_timing.py``).
 5. **Checkpoints** (``checkpoint.py``) carry the plan being run and the loader position.
+6. **Experts** of ``HeteroMoE`` layers are placed at setup (``experts.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from het_strategy.emulation.padding import padded_comm_hook
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_same_order, check_splittable, \
     loader_at, split_loader
+from het_strategy.strategy.experts import MoERun
 from het_strategy.strategy.planned_run import PlannedRun
 from het_strategy.strategy.sampler import HeteroBatchSampler
 from het_strategy.strategy.step_timing import StepClock
@@ -45,7 +47,7 @@ from het_strategy.strategy.step_timing import StepClock
 __all__ = ["HeteroLogic"]
 
 
-class HeteroLogic(PlannedRun):
+class HeteroLogic(MoERun, PlannedRun):
     """DDP with uneven per-rank batches planned for a heterogeneous cluster.
 
     Args:
@@ -76,6 +78,7 @@ class HeteroLogic(PlannedRun):
             the model's forward/backward per block on its device and the planner
             uses those times.
         verbose: print the plan (and emulation) table on rank 0.
+        moe_placement: ``HeteroMoE`` experts: ``"planned"``, ``"uniform"``, or per layer (``strategy/experts.py``).
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``,
             ``find_unused_parameters``, ``timeout``, ...).
     """
@@ -87,7 +90,7 @@ class HeteroLogic(PlannedRun):
                  compression: Callable | None = None, compression_state: Any = None, rebalance: Any = None,
                  emulation: bool = True, probe_cache_dir: str | Path | None = None,
                  profile_input: Callable[[Any], Any] | None = None, verbose: bool = True,
-                 **ddp_kwargs: Any) -> None:
+                 moe_placement: Any = "planned", **ddp_kwargs: Any) -> None:
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
             raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 or None")
         self._compression_config = None if callable(compression) else compression_config(compression)
@@ -105,8 +108,9 @@ class HeteroLogic(PlannedRun):
         self._cluster_source, self._plan_source, self._workload_source = cluster, plan, workload
         self._global_batch_size, self._rebalance, self._emulation_on = global_batch_size, rebalance, emulation
         self._probe_cache_dir, self._profile_input, self._verbose = probe_cache_dir, profile_input, verbose
+        self._moe_placement = moe_placement
         self.compression_state: CompressionState | None = None
-        self.cluster = self.plan = self._eval_plan = self.train_sampler = None
+        self.cluster = self.plan = self._eval_plan = self.train_sampler = self.experts = None
         self.workload = self.profile = self.padding = None
         self.clock = StepClock()
         self._restored: dict[str, Any] | None = None
@@ -114,15 +118,13 @@ class HeteroLogic(PlannedRun):
         self._in_step = False
 
     @property
-    def records(self) -> Any:
-        """This rank's ``StepRecord`` per training batch (the last 10 000)."""
+    def records(self) -> Any:  # this rank's ``StepRecord`` per training batch (the last 10 000)
         return self.clock.records
 
     # -- setup ------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
-        # Lightning warns that its DistributedSampler may repeat samples in validation; ours replaces it and
-        # evaluates every sample exactly once.
+        # Lightning warns its DistributedSampler may repeat validation samples; ours evaluates each once
         warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
         super().setup_environment()
         if self.cluster is None:  # once per strategy: a later trainer.validate/test keeps the cluster
@@ -132,6 +134,7 @@ class HeteroLogic(PlannedRun):
 
     @override
     def setup(self, trainer: Any) -> None:
+        self.place_experts()  # before DDP wraps the model and the optimizer is built
         super().setup(trainer)
         if self._rebalance is not None and self._rebalance not in trainer.callbacks:
             trainer.callbacks.append(self._rebalance)
@@ -290,8 +293,6 @@ class HeteroLogic(PlannedRun):
 
 
 def _is_mean(reduce_op: Any) -> bool:
-    if reduce_op is None:
-        return True
-    if isinstance(reduce_op, str):
-        return reduce_op.lower() in ("mean", "avg")
+    if reduce_op is None or isinstance(reduce_op, str):
+        return reduce_op is None or reduce_op.lower() in ("mean", "avg")
     return reduce_op == dist.ReduceOp.AVG if hasattr(dist.ReduceOp, "AVG") else False

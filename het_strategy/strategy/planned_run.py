@@ -29,11 +29,13 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
 from het_strategy.emulation.padding import BatchPadding
+from het_strategy.moe import moe_layers
 from het_strategy.emulation.speeds import cluster_is_emulated, emulation_summary
 from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, precision_dtype, \
     shares_in_rank_order
 from het_strategy.profiling.batch_contents import first_tensor
 from het_strategy.strategy.checkpoint import restored_plan
+from het_strategy.strategy.experts import ExpertRun
 from het_strategy.strategy.sampler import HeteroBatchSampler, split_by_shares
 
 __all__ = ["PlannedRun"]
@@ -62,6 +64,7 @@ class PlannedRun(_DDPStrategy):
     workload: WorkloadSpec | None
     profile: MeasuredProfile | None
     padding: BatchPadding | None
+    experts: ExpertRun | None
     train_sampler: HeteroBatchSampler | None
 
     @property
@@ -115,7 +118,11 @@ class PlannedRun(_DDPStrategy):
                      or self.broadcast_plan(global_batch, self.workload))
         if cluster_is_emulated(self.cluster):
             self.padding = BatchPadding.for_device(self.cluster, self.cluster.devices[rank].name, self.workload,
-                                                   self.dtype)
+                                                   self.dtype, experts=self.experts is None)
+        if self.experts is not None:
+            self.experts.plan_expert_map(self.plan, self.cluster, self.workload)
+            if self.padding is not None:
+                self.experts.emulate_experts(self.cluster, self.workload, self.dtype, rank, self.padding)
         if rank == 0 and self._verbose:
             self._print_plan()
 
@@ -208,13 +215,17 @@ class PlannedRun(_DDPStrategy):
         if self._workload_source is not None:
             return load_workload(self._workload_source, self.dtype)
         module = self.lightning_module
-        num_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        # experts differ per rank and run on routed tokens only (HeteroMoE pads them itself): not counted
+        num_params = sum(p.numel() for p in module.parameters()
+                         if p.requires_grad and not getattr(p, "het_expert", False))
         tokens = 1
         if len(dataloader.dataset) > 0:  # type: ignore[arg-type]
             first = first_tensor(dataloader.dataset[0])
             if first is not None and not torch.is_floating_point(first) and first.dim() >= 1:
                 tokens = int(first.numel())  # token ids: one sample is a sequence
-        return estimate_workload(type(module).__name__, num_params, tokens, self.dtype)
+        moe = [(m.num_experts, m.k, sum(p.numel() for p in next(iter(m.experts.values())).parameters()))
+               for m in moe_layers(module)]
+        return estimate_workload(type(module).__name__, num_params, tokens, self.dtype, moe)
 
     def _profile_model(self, dataloader: DataLoader) -> tuple[WorkloadSpec, MeasuredProfile]:
         """Every rank times the model per block on its device; the first rank of each device type speaks for it."""
@@ -251,4 +262,4 @@ class PlannedRun(_DDPStrategy):
         score = CostModel(self.cluster, self.workload, settings, self.profile).score(self.plan)
         print(plan_table(self.plan, score, self.cluster), flush=True)
         if cluster_is_emulated(self.cluster):
-            print(emulation_summary(self.cluster, self.workload, self.dtype), flush=True)
+            print(emulation_summary(self.cluster, self.workload, self.dtype, self.experts is not None), flush=True)
