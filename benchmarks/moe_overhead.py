@@ -11,10 +11,12 @@ rank r holds experts 3r .. 3r+2 in both), top-2, ``capacity_factor=1.0``,
 ``use_rts=False`` and ``top2_2nd_expert_sampling=False`` so that its routing
 is the same deterministic positional top-2 as ours; the two models start
 from the same weights (our gate and experts copied into DeepSpeed's) and the
-benchmark checks that their first outputs agree.  The work is not identical
-by design: DeepSpeed sends and computes every expert's full capacity buffer
-(``E x C`` rows per rank, zero rows where a slot is empty), ours only the
-kept choices (uneven all-to-all splits after an all-gather of the counts).
+benchmark checks that their first outputs agree.  Both send and compute
+every expert's full capacity buffer (``E x C`` rows per rank, zero rows where
+a slot is empty: ours in its default ``dispatch="capacity"`` layout); ours
+also tells every rank its capacity first (one small all-to-all per layer,
+started before the gate), because under uneven data parallelism ranks route
+different numbers of tokens, where DeepSpeed assumes equal shapes.
 Non-expert parameters are not allreduced across ranks (each rank steps its
 own copy) in either variant, so the step time is the MoE layers plus a small
 dense trunk.

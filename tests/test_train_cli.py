@@ -41,6 +41,13 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
     (["strategy=hetero_deepspeed", "train.accumulate_grad_batches=2"], "accumulate_grad_batches"),
     (["strategy=hetero_deepspeed", "checkpoint.every_n_steps=2"], "checkpoint.every_n_steps"),
     (["strategy=hetero_deepspeed", "compression=adaptive"], "DeepSpeed reduces"),
+    (["model=moe_gpt_tiny", "moe.placement=random"], "moe.placement"),
+    (["model=moe_gpt_tiny", "model.num_experts=5", "moe.placement=uniform"], "divisible by devices"),
+    (["model=moe_gpt_tiny", "model.num_experts=1"], "model.num_experts"),
+    (["model=moe_gpt_tiny", "model.top_k=13"], "model.top_k"),
+    (["model=moe_gpt_tiny", "moe.capacity_factor=0"], "moe.capacity_factor"),
+    (["model=moe_gpt_tiny", "+moe.experts_per_rank=3"], "moe.experts_per_rank"),
+    (["model=moe_gpt_tiny", "strategy=hetero_deepspeed"], "HeteroMoE runs under DDP"),
 ])
 def test_bad_input_is_one_line_and_exit_2(overrides: list[str], needle: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,3 +145,20 @@ def test_het_train_runs_a_planned_pipeline_with_the_same_updates_as_hetero(tmp_p
             assert "0.0% slower" in summary["plan_summary"]
             assert summary["samples_per_s"] > 0 and summary["final_val_loss"] < 5.4
     assert losses["hetero_deepspeed"] == pytest.approx(losses["hetero"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_het_train_moe_places_experts_by_speed_and_shows_them(tmp_path: Path) -> None:
+    """`model=moe_gpt_tiny cluster=local_cpu4_moe`: experts 4/4/2/2 for speeds (1, 1, 0.5, 0.5), in the plan table
+    and the summary; the run learns."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "het_strategy.cli.train_cli", "model=moe_gpt_tiny", "cluster=local_cpu4_moe",
+           "train.max_steps=4", "train.global_batch_size=8", "data.max_bytes=100000", "train.val_every_n_steps=4",
+           "train.val_batches=1", "logger=none", f"output.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layers 2, 4: rank0, rank1: 4 experts; rank2, rank3: 2 experts" in proc.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["experts_per_rank"] == [[4, 4, 2, 2], [4, 4, 2, 2]]
+    assert summary["final_val_loss"] < 5.545  # ln(256) at initialisation

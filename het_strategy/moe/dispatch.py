@@ -11,7 +11,7 @@ contiguous block.  Two layouts:
   dropping) sends every expert ``capacity`` rows from every rank, padded with
   zeros: the split sizes follow from the placement and the ranks' capacities
   (``n_r x capacity`` rows to rank r, uneven when the placement is; only the
-  capacities, one integer per rank, are exchanged), and each rank's expert
+  capacities are exchanged, not the routing), and each rank's expert
   compute is fixed by its expert count, whatever the routing.
 
 Both return the rows regrouped by local expert and a ``back`` function that
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from het_strategy.moe.placement import ExpertPlacement
 
-__all__ = ["Dispatched", "dispatch_exact", "dispatch_capacity", "all_to_all"]
+__all__ = ["Dispatched", "dispatch_exact", "dispatch_capacity", "announce_capacity", "all_to_all"]
 
 
 @dataclass
@@ -72,10 +72,7 @@ def dispatch_exact(rows: torch.Tensor, slot: torch.Tensor, placement: ExpertPlac
     world, n_local = placement.world_size, placement.counts[rank]
     if world == 1:
         return _regroup(rows, [], [], counts[None, :], group)
-    local = counts.new_empty(world * n_local)  # from each source: its rows for each of my experts
-    dist.all_to_all_single(local, counts, output_split_sizes=[n_local] * world,
-                           input_split_sizes=placement.counts, group=group)
-    local = local.view(world, n_local)
+    local = _counts_from_sources(counts, placement, n_local, group)
     per_slot, send, start = counts.tolist(), [], 0
     for n in placement.counts:
         send.append(sum(per_slot[start:start + n]))
@@ -83,27 +80,54 @@ def dispatch_exact(rows: torch.Tensor, slot: torch.Tensor, placement: ExpertPlac
     return _regroup(rows, send, local.sum(dim=1).tolist(), local, group)
 
 
+def announce_capacity(capacity: int, placement: ExpertPlacement, rank: int,
+                      group: Any = None) -> Callable[[], torch.Tensor]:
+    """Start telling every rank this rank's capacity (async); the returned call waits for the
+    ``[source, local expert]`` capacities.  Started before the gate runs, its latency hides behind it."""
+    world, n_local = placement.world_size, placement.counts[rank]
+    mine = torch.full((placement.num_experts,), capacity, dtype=torch.long)
+    if world == 1:
+        return lambda: mine[None, :]
+    local = mine.new_empty(world * n_local)
+    work = dist.all_to_all_single(local, mine, output_split_sizes=[n_local] * world,
+                                  input_split_sizes=placement.counts, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return local.view(world, n_local)
+
+    return wait
+
+
 def dispatch_capacity(rows: torch.Tensor, slot: torch.Tensor, position: torch.Tensor, capacity: int,
-                      placement: ExpertPlacement, rank: int, group: Any = None) -> Dispatched:
+                      placement: ExpertPlacement, rank: int, group: Any = None,
+                      announced: Callable[[], torch.Tensor] | None = None) -> Dispatched:
     """Send every expert ``capacity`` rows from this rank (``rows`` at ``position`` of their expert's block).
 
-    Ranks with other token counts have other capacities: they are all-gathered
-    (one integer per rank), the only thing exchanged before the rows.
+    Ranks with other token counts have other capacities: each rank tells the
+    others its capacity first (``announce_capacity``, the same small all-to-all
+    as the exact layout's counts, started before the gate), the only thing
+    exchanged before the rows.
     """
     world, n_local = placement.world_size, placement.counts[rank]
     index = slot * capacity + position
     buffer = rows.new_zeros((placement.num_experts * capacity, rows.shape[1])).index_copy(0, index, rows)
-    if world == 1:
-        caps = [capacity]
-    else:
-        gathered = [torch.empty(1, dtype=torch.long) for _ in range(world)]
-        dist.all_gather(gathered, torch.tensor([capacity], dtype=torch.long), group=group)
-        caps = [int(c) for c in torch.cat(gathered).tolist()]
-    local = torch.tensor(caps, dtype=torch.long)[:, None].expand(world, n_local)
-    sent = _regroup(buffer, [n * capacity for n in placement.counts], [n_local * c for c in caps], local, group)
+    local = (announced or announce_capacity(capacity, placement, rank, group))()
+    sent = _regroup(buffer, [n * capacity for n in placement.counts] if world > 1 else [],
+                    local.sum(dim=1).tolist() if world > 1 else [], local, group)
     back = sent.back
     sent.back = lambda y: back(y)[index]
     return sent
+
+
+def _counts_from_sources(counts: torch.Tensor, placement: ExpertPlacement, n_local: int, group: Any) -> torch.Tensor:
+    """``[source, local expert]``: what every rank sends to each of this rank's experts (one all-to-all of
+    ``counts``, this rank's rows per expert slot: each rank gets the entries of its own experts)."""
+    world = placement.world_size
+    local = counts.new_empty(world * n_local)
+    dist.all_to_all_single(local, counts, output_split_sizes=[n_local] * world, input_split_sizes=placement.counts,
+                           group=group)
+    return local.view(world, n_local)
 
 
 def _regroup(rows: torch.Tensor, send: list[int], recv: list[int], local: torch.Tensor, group: Any) -> Dispatched:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.moe.dispatch import dispatch_capacity, dispatch_exact
+from het_strategy.moe.dispatch import announce_capacity, dispatch_capacity, dispatch_exact
 from het_strategy.moe.gating import NOISY_GATE_POLICIES, expert_capacity, jitter, route_tokens
 from het_strategy.moe.padding import ExpertPadding, MoEClock, mark_backward_start, pad_backward_end, time_backward
 from het_strategy.moe.placement import ExpertPlacement, check_placement, uniform_placement
@@ -183,20 +183,24 @@ class HeteroMoE(nn.Module):
         timed = self.clock is not None and self.training  # the batch padding times training batches only
         if timed:
             x = time_backward(x, box, self.clock, start=False)
-        gate_in = jitter(x) if self.training and self.noisy_gate_policy == "Jitter" else x
-        logits = self.gate(gate_in)
-        capacity = None
+        capacity, announced = None, None
         if self.drop_tokens:
             factor = self.capacity_factor if self.training else self.eval_capacity_factor
             capacity = expert_capacity(x.shape[0], self.num_experts, self.k, factor, self.min_capacity)
+            if self.dispatch == "capacity":
+                assert self.placement is not None
+                announced = announce_capacity(capacity, self.placement, self.rank, self.group)
+        gate_in = jitter(x) if self.training and self.noisy_gate_policy == "Jitter" else x
+        logits = self.gate(gate_in)
         routing = route_tokens(logits, self.k, capacity, self.training and self.noisy_gate_policy == "RSample")
-        out = self._dispatch_and_combine(x, routing, capacity)
+        out = self._dispatch_and_combine(x, routing, capacity, announced)
         if timed:
             out = time_backward(out, box, self.clock, start=True)
             self.clock.add(time.perf_counter() - entered)
         return out.reshape(shape), routing.aux_loss, routing.counts
 
-    def _dispatch_and_combine(self, x: torch.Tensor, routing: Any, capacity: int | None) -> torch.Tensor:
+    def _dispatch_and_combine(self, x: torch.Tensor, routing: Any, capacity: int | None,
+                              announced: Any = None) -> torch.Tensor:
         kept = routing.kept.reshape(-1)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.k)[kept]
         expert = routing.expert.reshape(-1)[kept]
@@ -205,7 +209,8 @@ class HeteroMoE(nn.Module):
         assert self.placement is not None
         if capacity is not None and self.dispatch == "capacity":
             position = routing.position.reshape(-1)[kept]
-            sent = dispatch_capacity(x[token], slot, position, capacity, self.placement, self.rank, self.group)
+            sent = dispatch_capacity(x[token], slot, position, capacity, self.placement, self.rank, self.group,
+                                     announced)
         else:
             order = torch.argsort(slot, stable=True)  # by holder rank, then its local expert order, then token
             token, weight, slot = token[order], weight[order], slot[order]
