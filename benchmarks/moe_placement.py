@@ -11,7 +11,7 @@ one after the other in this script: 4 emulated CPU ranks of speeds (1, 1,
 
 Same tokens and steps in the first two (same seed; expert e starts from the
 same weights wherever it lives).  In all three the dense part is balanced by
-the uneven data split (shares 5/5/3/3 of 16); each rank's experts are padded
+the uneven data split (shares 8/8/4/4 of 24); each rank's experts are padded
 to its emulated device inside the MoE layer, so a slow rank holding 3 experts
 holds up every rank at the combine all-to-all.
 
@@ -37,8 +37,8 @@ from het_strategy.core.cluster import load_cluster
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cluster", default="local_cpu4_moe")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=24, help="global batch (24: shares 8/8/4/4 exactly)")
     args = ap.parse_args()
     speeds = [d.emulated_speed or 1.0 for d in load_cluster(args.cluster).devices]
     common = ["model=moe_gpt_tiny", f"cluster={args.cluster}", f"train.max_steps={args.steps}",

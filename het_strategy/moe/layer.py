@@ -66,8 +66,8 @@ class HeteroMoE(nn.Module):
             ``expert_seed + e``); default: one draw of the global RNG.
         dispatch: ``"capacity"`` (with ``drop_tokens``, the default then:
             every expert gets ``capacity`` rows from every rank, zero-padded, as
-            in DeepSpeed; no counts exchanged; expert compute fixed by the
-            expert count) or ``"exact"`` (only the routed rows, after an
+            in DeepSpeed; only the ranks' capacities are exchanged; expert
+            compute fixed by the expert count) or ``"exact"`` (only the routed rows, after an
             exchange of counts; the only layout without ``drop_tokens``).
     """
 
