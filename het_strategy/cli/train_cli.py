@@ -307,8 +307,10 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     if every is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="{step}",
-                                         every_n_train_steps=every, save_top_k=-1))
+        # "step_20.ckpt", not Lightning's "step=20.ckpt": Hydra's override grammar refuses "=" in a value,
+        # so `resume=<path>` works as printed
+        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step_{step}",
+                                         auto_insert_metric_name=False, every_n_train_steps=every, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator=job.accelerator, devices=job.devices, strategy=strategy,
         precision=job.train["precision"], max_steps=int(job.train["max_steps"]),

@@ -1,0 +1,57 @@
+"""Every script in examples/ runs as its docstring says (small settings) and prints what it promises."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _run(script: str, *args: str, timeout: float = 300) -> str:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_every_example_has_a_test_and_a_run_line_in_its_docstring() -> None:
+    tested = set(re.findall(r'_run\("([a-z_]+\.py)"', Path(__file__).read_text()))
+    scripts = {p.name for p in EXAMPLES.glob("*.py")}
+    assert scripts == tested
+    for name in scripts:
+        assert f"examples/{name}" in (EXAMPLES / name).read_text().split('"""')[1]
+
+
+def test_own_model_on_own_cluster_yaml() -> None:
+    out = _run("own_model_hetero.py", "--epochs", "1")
+    shares = re.search(r"shares per rank: \[(\d+), (\d+), (\d+)\]; final validation accuracy ([0-9.]+)", out)
+    assert shares, out[-2000:]
+    assert [int(shares.group(i)) for i in (1, 2, 3)] == [24, 12, 12]  # speeds 1 : 0.5 : 0.5 of 48
+    assert float(shares.group(4)) > 0.5  # 10 classes: chance is 0.1
+
+
+def test_plain_ddp_with_the_compression_hook() -> None:
+    out = _run("plain_ddp_compression.py", "--steps", "30")
+    found = re.search(r"held-out accuracy ([0-9.]+), .* \(([0-9.]+)x less\)", out)
+    assert found, out
+    # 4-bit gradients after 10 uncompressed warm-up steps of 30: 2.3x fewer bytes measured (100 steps: more)
+    assert float(found.group(1)) > 0.5 and float(found.group(2)) > 2.0
+
+
+def test_moe_layer_in_a_users_model_places_experts_by_speed() -> None:
+    out = _run("moe_uneven_experts.py", "--epochs", "1")
+    found = re.search(r"experts per rank \[([0-9, ]+)\]; shares per rank \[([0-9, ]+)\]; final validation "
+                      r"accuracy ([0-9.]+)", out)
+    assert found, out[-2000:]
+    assert found.group(1) == "4, 4, 2, 2" and found.group(2) == "16, 16, 8, 8"
+    assert float(found.group(3)) > 0.3
