@@ -206,3 +206,24 @@ def _shipped_cluster_file(name: str) -> Path:
     from het_strategy.core.shipped import shipped_path
 
     return shipped_path("cluster", name)
+
+
+def test_score_never_overwrites_its_input_and_unknown_plan_keys_are_refused(tmp_path: Path):
+    hand = _hand_plan()
+    hand.save(tmp_path / "plan.json")
+    before = (tmp_path / "plan.json").read_text()
+    cfg = compose_plan_config([*SHIPPED, f"score={tmp_path / 'plan.json'}", f"output.dir={tmp_path}"])
+    run_plan(cfg, echo=False)
+    assert (tmp_path / "plan.json").read_text() == before  # the input is untouched
+    assert Plan.load(tmp_path / "plan.scored.json").predicted["step_time_s"] > 0
+
+    raw = json.loads(before)
+    raw["pipelines"][0]["micro_batchsize"] = 2
+    (tmp_path / "typo.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"`plan.pipelines\[0\].micro_batchsize` is 2; it must not be there"):
+        Plan.load(tmp_path / "typo.json")
+    raw = json.loads(before)
+    raw["pipelines"][0]["stages"][0]["tp"] = 2
+    (tmp_path / "tp.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"plan.pipelines\[0\].stages\[0\].tp"):
+        Plan.load(tmp_path / "tp.json")

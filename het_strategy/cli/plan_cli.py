@@ -69,6 +69,7 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
   train.max_tp=1|2|4|8          train.micro_batch_sizes=[1,2,4,8]   train.activation_checkpointing=true
   planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed
   score=<plan.json>             score this plan with the same cost model instead of searching
+                                (written as <name>.scored.json when output.plan would overwrite it)
   output.dir=.  output.plan=plan.json  output.ds_config=true  output.plot=true
 
 options:
@@ -107,6 +108,8 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
         plan, settings = _load_plan_to_score(str(score_path), cluster, workload, settings)
         score = CostModel(cluster, workload, settings, profile).score(plan)
         plan.predicted = score.to_dict()
+        if output["plan"] is not None and (output["dir"] / output["plan"]).resolve() == Path(score_path).resolve():
+            output["plan"] = f"{Path(output['plan']).stem}.scored.json"  # the scored plan never overwrites its input
     else:
         from het_strategy.planning.runtimes import plan_for_runtime
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from het_strategy.core.atomic_file import write_atomic  # also importable from here, as in 0.1.0
-from het_strategy.core.errors import ConfigError, field_error, require_int
+from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
@@ -222,6 +222,7 @@ class Plan:
         version = raw.get("schema_version")
         if version != SCHEMA_VERSION:
             raise field_error("plan.schema_version", version, f"be {SCHEMA_VERSION}")
+        _check_plan_keys(raw)
         try:
             pipelines = tuple(
                 Pipeline(
@@ -267,3 +268,27 @@ class Plan:
             raise ConfigError(f"plan file {path} is not valid JSON: {exc}", field="plan", value=str(path)) from None
         return cls.from_dict(raw)
 
+
+
+_PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",
+              "zero_stage", "pipelines", "rank_shares", "experts", "predicted"}
+_PIPELINE_KEYS = {"micro_batch_size", "num_micro_batches", "samples", "stages"}
+_STAGE_KEYS = {"devices", "layers", "tp"}
+
+
+def _check_plan_keys(raw: Mapping[str, Any]) -> None:
+    """Refuse keys the plan schema does not know (a typo must not be silently ignored), and a stage's ``tp``
+    other than its device count (``tp`` is written for readers; the devices define it)."""
+    check_keys(raw, _PLAN_KEYS, "plan")
+    for p, pipe in enumerate(raw.get("pipelines") or []):
+        if not isinstance(pipe, Mapping):
+            continue  # the parser below reports the shape
+        check_keys(pipe, _PIPELINE_KEYS, f"plan.pipelines[{p}]")
+        for s, stage in enumerate(pipe.get("stages") or []):
+            if not isinstance(stage, Mapping):
+                continue
+            check_keys(stage, _STAGE_KEYS, f"plan.pipelines[{p}].stages[{s}]")
+            devices = stage.get("devices")
+            if "tp" in stage and isinstance(devices, list) and stage["tp"] != len(devices):
+                raise field_error(f"plan.pipelines[{p}].stages[{s}].tp", stage["tp"],
+                                  f"equal the stage's device count ({len(devices)})")
