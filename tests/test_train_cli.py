@@ -180,3 +180,28 @@ def test_resume_works_with_the_checkpoint_path_as_written(tmp_path: Path) -> Non
                            capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["max_steps"] == 4
+
+
+def test_multirun_checks_every_combination_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-m", "cluster=local_cpu2", "train.global_batch_size=16,1"]) == 2
+    captured = capsys.readouterr()
+    assert "run 1/2" not in captured.out  # nothing started
+    err = captured.err.strip()
+    assert err.startswith("het-train: error:") and "\n" not in err and "global_batch_size" in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_multirun_sweeps_seeds_into_one_summary_each(tmp_path: Path) -> None:
+    """The issue's command: `het-train -m train.seed=0,1 train.max_steps=5 model.num_layers=1` runs twice."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "het_strategy.cli.train_cli", "-m", "train.seed=0,1", "train.max_steps=5",
+           "model.num_layers=1", "cluster=local_cpu2", "data.max_bytes=200000", "logger=none",
+           f"output.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "multirun" / "multirun.json").read_text())
+    assert [r["overrides"][0] for r in runs] == ["train.seed=0", "train.seed=1"]
+    losses = [json.loads((tmp_path / "multirun" / str(i) / "summary.json").read_text())["final_train_loss"]
+              for i in (0, 1)]
+    assert losses[0] != losses[1]  # two seeds, two runs

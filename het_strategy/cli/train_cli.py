@@ -7,6 +7,7 @@ Usage (every field of ``configs/train.yaml`` can be overridden Hydra-style)::
     het-train cluster=local_cpu2 train.max_steps=30 model.num_layers=2 model.hidden_size=64
     het-train cluster=auto devices=2           # probe the real devices (cached) instead of a cluster file
     het-train --cfg                            # print the composed config and stop
+    het-train -m train.seed=0,1                # a sweep: two runs, summaries in het_train_runs/multirun/{0,1}
 
 Steps of one run:
 
@@ -33,6 +34,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg, compose_config, run_cli
+from het_strategy.cli.multirun import MULTIRUN_FLAGS, run_sweep
 from het_strategy.core.errors import check_keys, field_error, require_int, require_number
 from het_strategy.core.shipped import shipped_names
 
@@ -49,7 +51,7 @@ _TRAIN_KEYS = {"global_batch_size", "max_steps", "lr", "weight_decay", "precisio
 _STRATEGIES = ("hetero", "ddp", "hetero_deepspeed")
 _LOGGERS = ("wandb", "csv", "none")
 
-_USAGE = f"""usage: {PROG} [--cfg] [key=value ...]
+_USAGE = f"""usage: {PROG} [-m] [--cfg] [key=value ...]
 
 Train a character-level GPT on the Python standard library's source on a heterogeneous cluster.
 
@@ -68,6 +70,8 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   model=moe_gpt_tiny  moe.placement=planned|uniform  moe.capacity_factor=X  moe.drop_tokens=true|false
 
 options:
+  -m, --multirun  run every combination of comma-separated values (train.seed=0,1), one after the other,
+              each into output.dir/multirun/<i>
   --cfg       print the composed config and exit
   -h, --help  show this help and exit
 """
@@ -433,11 +437,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_USAGE.format(clusters=", ".join(shipped_names("cluster") + ["auto"])))
         return 0
     show_cfg = "--cfg" in args
-    args = [a for a in args if a != "--cfg"]
+    multirun = any(a in MULTIRUN_FLAGS for a in args)
+    args = [a for a in args if a != "--cfg" and a not in MULTIRUN_FLAGS]
     for a in args:
         if a.startswith("-"):
             print(f"{PROG}: error: unknown option {a} (overrides are key=value; see --help)", file=sys.stderr)
             return 2
+
+    def check(combo: list[str]) -> Path:
+        cfg, auto = compose_train_config(combo)
+        return TrainJob(cfg, auto).out_dir
+
+    if multirun:
+        return run_cli(PROG, lambda: run_sweep(args, check, PROG))
 
     def body() -> int:
         cfg, auto = compose_train_config(args)
