@@ -109,3 +109,24 @@ def test_package_dir_maps_configs():
     assert shipped_config_dir("cluster").is_dir()
     assert shipped_cluster_dir() == shipped_config_dir("cluster")  # 0.1.0's name still works
     assert shipped_path("cluster", "no_such_cluster") is None
+
+
+def test_inline_omegaconf_cluster_model_and_plan_are_accepted_where_a_dict_is() -> None:
+    """A cluster, model or plan written inline in a Hydra config arrives as DictConfig/ListConfig nodes."""
+    from omegaconf import OmegaConf
+
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.cost_model import CostModel, TrainSettings
+    from het_strategy.core.plan import Plan
+    from het_strategy.core.workload import load_workload
+    from het_strategy.planning.dp_split import equal_split_plan
+
+    cluster_cfg = OmegaConf.create({"name": "inline", "nodes": [
+        {"name": "n", "devices": [{"name": "a", "type": "A100-40GB"}, {"name": "b", "type": "T4"}]}]})
+    cluster = load_cluster(cluster_cfg)
+    assert [d.name for d in cluster.devices] == ["a", "b"]
+    workload = load_workload(OmegaConf.create({"name": "w", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
+                                               "seq_len": 32, "vocab_size": 100}))
+    assert workload.num_layers == 4
+    plan = equal_split_plan(CostModel(cluster, workload, TrainSettings(global_batch_size=8)))
+    assert Plan.from_dict(OmegaConf.create(plan.to_dict())).pipelines == plan.pipelines

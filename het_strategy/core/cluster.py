@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import yaml
 
 from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
+from het_strategy.core.plain_data import plain
 from het_strategy.core.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
 from het_strategy.core.shipped import config_file, shipped_config_dir
 
@@ -347,7 +348,8 @@ def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> Cluste
 
 
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
-    """Build a ClusterSpec from the YAML schema documented in README.md."""
+    """Build a ClusterSpec from the YAML schema documented in README.md (an OmegaConf node works too)."""
+    raw = plain(raw)
     check_keys(raw, _CLUSTER_KEYS, "cluster")
     name = str(raw.get("name", "cluster"))
     nodes_raw = raw.get("nodes")

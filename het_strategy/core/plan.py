@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from het_strategy.core.atomic_file import write_atomic  # also importable from here, as in 0.1.0
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int
+from het_strategy.core.plain_data import plain
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
@@ -217,6 +218,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Plan":
+        raw = plain(raw)  # an inline plan in a Hydra config
         if not isinstance(raw, Mapping):
             raise field_error("plan", type(raw).__name__, "be a JSON object")
         version = raw.get("schema_version")

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from het_strategy.core.plain_data import plain
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int, require_number
 from het_strategy.core.shipped import config_file
 
@@ -210,7 +211,7 @@ def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: 
 
 def transformer_config(source: Mapping[str, Any]) -> TransformerConfig:
     """The TransformerConfig of a model mapping (the ``model`` YAML schema; ``description`` ignored)."""
-    raw = dict(source)
+    raw = dict(plain(source))
     check_keys(raw, _MODEL_KEYS, "model")
     kind = raw.pop("kind", "transformer")
     raw.pop("description", None)
