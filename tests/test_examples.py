@@ -55,3 +55,12 @@ def test_moe_layer_in_a_users_model_places_experts_by_speed() -> None:
     assert found, out[-2000:]
     assert found.group(1) == "4, 4, 2, 2" and found.group(2) == "16, 16, 8, 8"
     assert float(found.group(3)) > 0.3
+
+
+def test_the_pytorch_lightning_flavour() -> None:
+    out = _run("pytorch_lightning_hetero.py", "--epochs", "1")
+    found = re.search(r"pytorch_lightning [0-9.]+: shares per rank \[(\d+), (\d+)\]; final validation accuracy "
+                      r"([0-9.]+)", out)
+    assert found, out[-2000:]
+    assert [int(found.group(1)), int(found.group(2))] == [32, 16]  # speeds 1 : 0.5 of 48
+    assert float(found.group(3)) > 0.5

@@ -1,0 +1,71 @@
+"""The ``pytorch_lightning`` flavour: the same ``strategy="hetero"`` in the other Lightning package.
+
+``lightning.pytorch`` and ``pytorch_lightning`` are separate packages with
+separate strategy registries; ``import het_strategy`` registers ``"hetero"``
+in both (whichever is imported first), built on each package's own
+``DDPStrategy`` (``het_strategy.HeteroStrategyPL`` here).  Two CPU processes
+play the shipped ``local_cpu2`` cluster (speeds 1 and 0.5), a logistic
+regression on sklearn's digits, and the shares follow the speeds.
+
+Run (from the repository root)::
+
+    .venv/bin/python examples/pytorch_lightning_hetero.py
+    .venv/bin/python examples/pytorch_lightning_hetero.py --epochs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import het_strategy
+
+
+class Digits(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        loss = F.cross_entropy(self.linear(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        self.log("val_acc", (self.linear(x).argmax(1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--epochs", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    data = load_digits()
+    x, y = torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
+    train, val = TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:])
+    strategy = het_strategy.HeteroStrategyPL(cluster="local_cpu2")
+    assert isinstance(strategy, pl.strategies.DDPStrategy)  # this package's own DDPStrategy
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    model = Digits()
+    trainer.fit(model, DataLoader(train, batch_size=24, shuffle=True), DataLoader(val, batch_size=24))
+    result = trainer.validate(model, DataLoader(val, batch_size=24), verbose=False)
+    if trainer.global_rank == 0:
+        print(f"pytorch_lightning {pl.__version__}: shares per rank {strategy.current_shares()}; "
+              f"final validation accuracy {result[0]['val_acc']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
