@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.log import logger
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.emulation.speeds import EmulatedCompute, emulated_factor, emulated_seconds_per_sample
 
@@ -34,6 +35,9 @@ class BatchPadding:
         """Seconds slept for the current batch."""
         self.target_s = 0.0
         """The current batch's emulated compute seconds (known once padded)."""
+        self.warn = False
+        """Say (once) when the emulated time is far below the real compute: set on rank 0 by the runtime."""
+        self._too_fast: list[float] = []
         self.excluded: Any = None
         """A clock (``inside_s``, ``reset()``) of time the batch padding leaves out: MoE layers pad their experts
         themselves (``moe/padding.py``), so their whole time is not the dense compute padded here."""
@@ -69,6 +73,24 @@ class BatchPadding:
             computed_s = self.compute.elapsed_s() - (self.excluded.inside_s if self.excluded is not None else 0.0)
         self.pad_s = self.compute.pad(self.samples, factor, computed_s)
         self.padded = True
+        if self.warn and self.target_s > 0:
+            self._check_emulation_visible(computed_s)
+
+    def _check_emulation_visible(self, computed_s: float) -> None:
+        """After 8 batches (the first 3 skipped): warn once if the real compute took >= 2x the emulated time."""
+        self._too_fast.append(computed_s / self.target_s)
+        if len(self._too_fast) < 8:
+            return
+        self.warn = False
+        ratio = sorted(self._too_fast[3:])[len(self._too_fast[3:]) // 2]
+        if ratio >= 2.0:
+            device = self.cluster.device(self.device)
+            tflops = device.tflops.get("fp32", min(device.tflops.values()))
+            logger.warning(
+                "emulated device %s (speed %g): its emulated compute is %.1fx below the real compute measured here "
+                "(median over batches), so the emulation has no visible effect; declare a lower `tflops` for it "
+                "in the cluster YAML (about %.3g for fp32 makes the emulated time 4x the real one)",
+                self.device, device.emulated_speed or 1.0, ratio, tflops / (4.0 * ratio))
 
     def finish_before_backward(self) -> None:
         """Where no hook can be registered: pad before backward, estimating the backward still to come."""

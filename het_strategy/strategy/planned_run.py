@@ -119,6 +119,7 @@ class PlannedRun(_DDPStrategy):
         if cluster_is_emulated(self.cluster):
             self.padding = BatchPadding.for_device(self.cluster, self.cluster.devices[rank].name, self.workload,
                                                    self.dtype, experts=self.experts is None)
+            self.padding.warn = rank == 0  # rank 0 says it once if its emulated time is far below the real one
         if self.experts is not None:
             self.experts.plan_expert_map(self.plan, self.cluster, self.workload)
             if self.padding is not None:
