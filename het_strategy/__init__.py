@@ -39,6 +39,7 @@ __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "Het
 
 _moved_modules.install()
 _registry.register_when_imported()
+_importlib.import_module("het_strategy.core.log").quiet_known_warnings()
 
 
 def __getattr__(name: str) -> object:

@@ -183,3 +183,19 @@ def test_old_module_paths_warn_and_give_the_same_objects() -> None:
         warnings.simplefilter("ignore")
         out = _run(code)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_known_lightning_pytree_warning_is_quiet_only_where_it_comes_from() -> None:
+    code = "\n".join([
+        "import warnings",
+        "import het_strategy",
+        "from lightning.pytorch.utilities._pytree import _tree_flatten",
+        "with warnings.catch_warnings(record=True) as seen:",
+        "    warnings.simplefilter('default')",
+        "    het_strategy.core.log.quiet_known_warnings()",  # catch_warnings reset the filters: set them again
+        "    _tree_flatten([1, 2])",
+        "    warnings.warn('`isinstance(treespec, LeafSpec)` is deprecated (elsewhere)', FutureWarning)",
+        "print(len(seen), seen[0].filename.endswith('<string>') if seen else None)",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["1", "True"], out.stderr

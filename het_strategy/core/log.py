@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
-__all__ = ["logger", "rank_debug", "rank_zero_info", "rank_zero_warning"]
+__all__ = ["logger", "rank_debug", "rank_zero_info", "rank_zero_warning", "quiet_known_warnings"]
 
 logger = logging.getLogger("het_strategy")
 
@@ -25,3 +26,18 @@ def rank_zero_info(rank: int, message: str, *args: object) -> None:
     """A note on what the run does (e.g. the plan it chose), said once (by rank 0)."""
     if rank == 0:
         logger.info(message, *args)
+
+
+KNOWN_WARNINGS = (
+    # torch 2.13 deprecates constructing LeafSpec; Lightning 2.6's own pytree copy still does, once per step
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+     r"(lightning\.pytorch|pytorch_lightning)\.utilities\._pytree"),
+)
+"""(message, category, the module that triggers it): warnings of the pinned torch / Lightning pair that a user
+can do nothing about."""
+
+
+def quiet_known_warnings() -> None:
+    """Ignore ``KNOWN_WARNINGS``, each only where it comes from (the same message elsewhere still shows)."""
+    for message, category, module in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
