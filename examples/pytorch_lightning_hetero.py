@@ -5,7 +5,11 @@ separate strategy registries; ``import het_strategy`` registers ``"hetero"``
 in both (whichever is imported first), built on each package's own
 ``DDPStrategy`` (``het_strategy.HeteroStrategyPL`` here).  Two CPU processes
 play the shipped ``local_cpu2`` cluster (speeds 1 and 0.5), a logistic
-regression on sklearn's digits, and the shares follow the speeds.
+regression on sklearn's digits, and the shares follow the speeds.  For a
+model this small the strategy notes that its costs are a rough estimate (no
+workload given) and warns that the cluster's emulated time is far below the
+real compute (local_cpu2 is sized for the char GPT): both are the strategy's
+checks at work.
 
 Run (from the repository root)::
 

@@ -104,3 +104,18 @@ def test_plot_writes_png_atomically(tmp_path: Path):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert sorted(p.name for p in out.parent.iterdir()) == ["plan.png"]  # no temporary file left
+
+
+def test_the_table_says_when_a_dtype_runs_at_the_fp32_rate() -> None:
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.cost_model import CostModel, TrainSettings
+    from het_strategy.core.workload import load_workload
+    from het_strategy.planning.dp_split import equal_split_plan
+    from het_strategy.report.table import plan_table
+
+    cluster = load_cluster("amp_v100_t4")
+    for dtype, note in (("bf16", True), ("fp16", False)):
+        cm = CostModel(cluster, load_workload("gpt2_amp", dtype), TrainSettings(global_batch_size=16, dtype=dtype))
+        plan = equal_split_plan(cm)
+        text = plan_table(plan, cm.score(plan), cluster)
+        assert ("note: bf16 runs at the fp32 rate on T4, V100-16GB" in text) == note

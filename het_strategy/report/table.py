@@ -213,7 +213,17 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
         lines += _shares_lines(plan, cluster)
     if plan.experts:
         lines += _expert_lines(plan, cluster)
+    lines += _dtype_rate_lines(plan, cluster, used)
     return "\n".join(lines)
+
+
+def _dtype_rate_lines(plan: "Plan", cluster: "ClusterSpec", used: Collection[str]) -> list[str]:
+    """A note for device types without a rate for the plan's dtype: the cost model runs them at their fp32 rate."""
+    slow = sorted({d.type for d in cluster.devices if d.name in used and plan.dtype not in d.tflops})
+    if not slow:
+        return []
+    return [f"note: {plan.dtype} runs at the fp32 rate on {', '.join(slow)} (no {plan.dtype} figure for "
+            f"{'that type' if len(slow) == 1 else 'those types'}: no {plan.dtype} units in the catalog)"]
 
 
 def _expert_lines(plan: "Plan", cluster: "ClusterSpec") -> list[str]:

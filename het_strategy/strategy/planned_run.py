@@ -262,5 +262,9 @@ class PlannedRun(_DDPStrategy):
                                  micro_batch_sizes=(1,))
         score = CostModel(self.cluster, self.workload, settings, self.profile).score(self.plan)
         print(plan_table(self.plan, score, self.cluster), flush=True)
+        if self._workload_source is None and self.profile is None:
+            print("note: rough estimate: the model's costs come from its parameter count (2 x parameters x tokens "
+                  "FLOPs per sample, no activation memory); pass workload= (a model YAML or WorkloadSpec), or "
+                  "cluster='auto' with profile_input= to time the model on each device", flush=True)
         if cluster_is_emulated(self.cluster):
             print(emulation_summary(self.cluster, self.workload, self.dtype, self.experts is not None), flush=True)
