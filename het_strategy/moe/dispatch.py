@@ -69,10 +69,9 @@ def dispatch_exact(rows: torch.Tensor, slot: torch.Tensor, placement: ExpertPlac
                    group: Any = None) -> Dispatched:
     """Send ``rows`` (one per kept pair, sorted by ``slot``) to their experts' ranks, exactly as many as routed."""
     counts = torch.bincount(slot, minlength=placement.num_experts)
-    world, n_local = placement.world_size, placement.counts[rank]
-    if world == 1:
+    if placement.world_size == 1:
         return _regroup(rows, [], [], counts[None, :], group)
-    local = _counts_from_sources(counts, placement, n_local, group)
+    local = _from_sources(counts, placement, rank, group)()
     per_slot, send, start = counts.tolist(), [], 0
     for n in placement.counts:
         send.append(sum(per_slot[start:start + n]))
@@ -84,19 +83,10 @@ def announce_capacity(capacity: int, placement: ExpertPlacement, rank: int,
                       group: Any = None) -> Callable[[], torch.Tensor]:
     """Start telling every rank this rank's capacity (async); the returned call waits for the
     ``[source, local expert]`` capacities.  Started before the gate runs, its latency hides behind it."""
-    world, n_local = placement.world_size, placement.counts[rank]
     mine = torch.full((placement.num_experts,), capacity, dtype=torch.long)
-    if world == 1:
+    if placement.world_size == 1:
         return lambda: mine[None, :]
-    local = mine.new_empty(world * n_local)
-    work = dist.all_to_all_single(local, mine, output_split_sizes=[n_local] * world,
-                                  input_split_sizes=placement.counts, group=group, async_op=True)
-
-    def wait() -> torch.Tensor:
-        work.wait()
-        return local.view(world, n_local)
-
-    return wait
+    return _from_sources(mine, placement, rank, group)
 
 
 def dispatch_capacity(rows: torch.Tensor, slot: torch.Tensor, position: torch.Tensor, capacity: int,
@@ -120,14 +110,20 @@ def dispatch_capacity(rows: torch.Tensor, slot: torch.Tensor, position: torch.Te
     return sent
 
 
-def _counts_from_sources(counts: torch.Tensor, placement: ExpertPlacement, n_local: int, group: Any) -> torch.Tensor:
-    """``[source, local expert]``: what every rank sends to each of this rank's experts (one all-to-all of
-    ``counts``, this rank's rows per expert slot: each rank gets the entries of its own experts)."""
-    world = placement.world_size
-    local = counts.new_empty(world * n_local)
-    dist.all_to_all_single(local, counts, output_split_sizes=[n_local] * world, input_split_sizes=placement.counts,
-                           group=group)
-    return local.view(world, n_local)
+def _from_sources(per_slot: torch.Tensor, placement: ExpertPlacement, rank: int,
+                  group: Any) -> Callable[[], torch.Tensor]:
+    """Start one all-to-all of ``per_slot`` (this rank's figure for every expert slot; each rank gets the
+    entries of its own experts); the returned call waits for ``[source, local expert]``."""
+    world, n_local = placement.world_size, placement.counts[rank]
+    local = per_slot.new_empty(world * n_local)
+    work = dist.all_to_all_single(local, per_slot, output_split_sizes=[n_local] * world,
+                                  input_split_sizes=placement.counts, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return local.view(world, n_local)
+
+    return wait
 
 
 def _regroup(rows: torch.Tensor, send: list[int], recv: list[int], local: torch.Tensor, group: Any) -> Dispatched:

@@ -38,7 +38,7 @@ from torch import nn
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.moe.dispatch import announce_capacity, dispatch_capacity, dispatch_exact
 from het_strategy.moe.gating import NOISY_GATE_POLICIES, expert_capacity, jitter, route_tokens
-from het_strategy.moe.padding import ExpertPadding, MoEClock, mark_backward_start, pad_backward_end, time_backward
+from het_strategy.moe.padding import ExpertPadding, MoEClock, on_backward
 from het_strategy.moe.placement import ExpertPlacement, check_placement, uniform_placement
 
 __all__ = ["HeteroMoE"]
@@ -180,9 +180,9 @@ class HeteroMoE(nn.Module):
         box = [0.0]
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
-        timed = self.clock is not None and self.training  # the batch padding times training batches only
-        if timed:
-            x = time_backward(x, box, self.clock, start=False)
+        clock = self.clock if self.training else None  # the batch padding times training batches only
+        if clock is not None:  # on the input: the layer's backward is over
+            x = on_backward(x, lambda: clock.add(time.perf_counter() - box[0]))
         capacity, announced = None, None
         if self.drop_tokens:
             factor = self.capacity_factor if self.training else self.eval_capacity_factor
@@ -194,9 +194,9 @@ class HeteroMoE(nn.Module):
         logits = self.gate(gate_in)
         routing = route_tokens(logits, self.k, capacity, self.training and self.noisy_gate_policy == "RSample")
         out = self._dispatch_and_combine(x, routing, capacity, announced)
-        if timed:
-            out = time_backward(out, box, self.clock, start=True)
-            self.clock.add(time.perf_counter() - entered)
+        if clock is not None:  # on the output: the layer's backward begins
+            out = on_backward(out, lambda: box.__setitem__(0, time.perf_counter()))
+            clock.add(time.perf_counter() - entered)
         return out.reshape(shape), routing.aux_loss, routing.counts
 
     def _dispatch_and_combine(self, x: torch.Tensor, routing: Any, capacity: int | None,
@@ -218,18 +218,18 @@ class HeteroMoE(nn.Module):
         grouped = sent.rows
         rows_here = int(grouped.shape[0])
         pbox = [0.0]
-        emulated = self.padding is not None and self.training
-        if emulated:
-            grouped = pad_backward_end(grouped, pbox, self.padding, rows_here)
+        padding = self.padding if self.training else None
+        if padding is not None:  # the experts' backward is over: pad it to the emulated device's time
+            grouped = on_backward(grouped, lambda: padding.pad(rows_here, time.perf_counter() - pbox[0], True))
         started = time.perf_counter()
         outputs, start = [], 0
         for e, n in zip(self.local_experts, sent.sizes):
             outputs.append(self.experts[str(e)](grouped[start:start + n]))
             start += n
         y = torch.cat(outputs)
-        if emulated:
-            self.padding.pad(rows_here, time.perf_counter() - started)
-            y = mark_backward_start(y, pbox)
+        if padding is not None:
+            padding.pad(rows_here, time.perf_counter() - started)
+            y = on_backward(y, lambda: pbox.__setitem__(0, time.perf_counter()))  # the experts' backward begins
         contributions = sent.back(y) * weight[:, None].to(y.dtype)
         return x.new_zeros(x.shape).index_add(0, token, contributions)
 

@@ -6,22 +6,26 @@ experts: padding the whole batch at its end (``emulation/padding.py``) would put
 slow expert time in the wrong place.  So a HeteroMoE layer on an emulated
 device pads there itself: the forward of its local experts takes at least
 ``tokens x seconds_per_token x factor`` and their backward ``backward_ratio``
-times that (``ExpertPadding``; ``tokens`` counts the routed token-expert pairs
-this rank received).  Everything the layer does (routing, all-to-alls, waits,
-expert compute) is added to ``inside_s``; the batch padding of the dense part
+times that (``ExpertPadding``; ``tokens`` counts the rows this rank's experts
+computed).  Everything the layer does (routing, all-to-alls, waits, expert
+compute) is added to a ``MoEClock``; the batch padding of the dense part
 subtracts it, so dense and expert emulated times add up as on the device.
+
+Backward is timed with ``on_backward``: an identity whose backward calls a
+function first.  On a block's output it runs when the block's backward
+begins; on its input, once the block's backward is over.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from het_strategy.core.errors import field_error
 
-__all__ = ["ExpertPadding", "MoEClock", "mark_backward_start", "pad_backward_end", "time_backward"]
+__all__ = ["ExpertPadding", "MoEClock", "on_backward"]
 
 
 class MoEClock:
@@ -47,16 +51,13 @@ class MoEClock:
 class ExpertPadding:
     """One rank's emulated expert speed for one MoE layer."""
 
-    def __init__(self, seconds_per_token: float, clock: MoEClock | None = None, backward_ratio: float = 2.0) -> None:
+    def __init__(self, seconds_per_token: float, backward_ratio: float = 2.0) -> None:
         if not (isinstance(seconds_per_token, (int, float)) and seconds_per_token > 0):
             raise field_error("emulation.expert_seconds_per_token", seconds_per_token, "be > 0")
         self.seconds_per_token = float(seconds_per_token)
         self.backward_ratio = backward_ratio
-        self.clock = clock or MoEClock()
         self.factor = 1.0
         """Slowdown x noise of the current step (set by the runtime per batch)."""
-        self.padded_s = 0.0
-        """Seconds slept since the last ``reset`` of the clock's owner (forward + backward)."""
 
     def target_s(self, tokens: int, backward: bool = False) -> float:
         return tokens * self.seconds_per_token * self.factor * (self.backward_ratio if backward else 1.0)
@@ -65,62 +66,20 @@ class ExpertPadding:
         remaining = self.target_s(tokens, backward) - computed_s
         if remaining > 0:
             time.sleep(remaining)
-            self.padded_s += remaining
 
 
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the experts' output; its backward notes when the experts' backward begins."""
-
+class _OnBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, box: list[float]) -> torch.Tensor:
-        ctx.box = box
-        return y.view_as(y)
+    def forward(ctx: Any, x: torch.Tensor, fn: Callable[[], None]) -> torch.Tensor:
+        ctx.fn = fn
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.box[0] = time.perf_counter()
+        ctx.fn()
         return grad, None
 
 
-class _BackwardEnd(torch.autograd.Function):
-    """Identity on the experts' input; its backward runs once the experts' backward is done, and pads it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, box: list[float], padding: ExpertPadding, tokens: int) -> torch.Tensor:
-        ctx.box, ctx.padding, ctx.tokens = box, padding, tokens
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        ctx.padding.pad(ctx.tokens, time.perf_counter() - ctx.box[0], backward=True)
-        return grad, None, None, None
-
-
-def pad_backward_end(x: torch.Tensor, box: list[float], padding: ExpertPadding, tokens: int) -> torch.Tensor:
-    return _BackwardEnd.apply(x, box, padding, tokens)
-
-
-def mark_backward_start(y: torch.Tensor, box: list[float]) -> torch.Tensor:
-    return _BackwardStart.apply(y, box)
-
-
-class _TimeBackward(torch.autograd.Function):
-    """Identity pair around a whole layer: adds the layer's backward wall time to a ``MoEClock``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, box: list[float], clock: MoEClock | None, start: bool) -> torch.Tensor:
-        ctx.box, ctx.clock, ctx.start = box, clock, start
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        if ctx.start:  # on the layer's output: its backward begins
-            ctx.box[0] = time.perf_counter()
-        elif ctx.clock is not None:  # on the layer's input: its backward is over
-            ctx.clock.add(time.perf_counter() - ctx.box[0])
-        return grad, None, None, None
-
-
-def time_backward(x: torch.Tensor, box: list[float], clock: MoEClock, start: bool) -> torch.Tensor:
-    """Identity; ``start=True`` on a layer's output, ``False`` on its input, to time the layer's backward."""
-    return _TimeBackward.apply(x, box, clock, start)
+def on_backward(x: torch.Tensor, fn: Callable[[], None]) -> torch.Tensor:
+    """``x`` unchanged; ``fn()`` runs when the gradient w.r.t. ``x`` arrives in backward."""
+    return _OnBackward.apply(x, fn)

@@ -74,7 +74,7 @@ class ExpertRun:
         if len(per_token) != len(self.layers):
             per_token = [_estimated_seconds_per_token(layer, cluster, device, dtype) for layer in self.layers]
         for layer, seconds in zip(self.layers, per_token):
-            layer.padding = _StepPadding(seconds, self.clock, cluster, device, padding)
+            layer.padding = _StepPadding(seconds, cluster, device, padding)
             layer.clock = self.clock
         padding.excluded = self.clock
 
@@ -88,9 +88,8 @@ class ExpertRun:
 class _StepPadding(ExpertPadding):
     """ExpertPadding whose slowdown factor follows the batch padding's current step."""
 
-    def __init__(self, seconds: float, clock: MoEClock, cluster: ClusterSpec, device: str,
-                 batch: BatchPadding) -> None:
-        super().__init__(seconds, clock)
+    def __init__(self, seconds: float, cluster: ClusterSpec, device: str, batch: BatchPadding) -> None:
+        super().__init__(seconds)
         self._cluster, self._device, self._batch = cluster, device, batch
 
     def target_s(self, tokens: int, backward: bool = False) -> float:
