@@ -1,7 +1,7 @@
 """A model of your own with a ``HeteroMoE`` layer: experts placed unevenly by device speed.
 
 An MLP with one mixture-of-experts layer (12 experts, top-2) classifies
-sklearn's digits on the shipped ``local_cpu4_moe`` cluster: four CPU
+a small 10-class image set (examples/_digits.py) on the shipped ``local_cpu4_moe`` cluster: four CPU
 processes playing devices of speeds 1, 1, 0.5 and 0.5.  The ``hetero``
 strategy places the experts 4 / 4 / 2 / 2 (``moe_placement="planned"``, the
 default; ``--uniform`` for 3 per rank), keeps them out of DDP's allreduce,
@@ -21,10 +21,10 @@ import argparse
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _digits import digits  # examples/_digits.py
 from het_strategy import HeteroStrategy
 from het_strategy.moe import HeteroMoE
 
@@ -64,8 +64,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    data = load_digits()
-    x, y = torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
+    images, y = digits()
+    x = images.flatten(1)
     train, val = TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:])
     strategy = HeteroStrategy(cluster="local_cpu4_moe", moe_placement="uniform" if args.uniform else "planned")
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=args.epochs, logger=False,

@@ -1,6 +1,6 @@
 """Your own LightningModule on your own cluster YAML with ``strategy="hetero"``.
 
-A small CNN classifies sklearn's 8x8 digits on three CPU processes that play
+A small CNN classifies a small 10-class image set (examples/_digits.py) on three CPU processes that play
 devices of speeds 1, 0.5, 0.5 (``examples/clusters/three_cpus.yaml``).  The
 strategy plans how many samples of every global batch each rank takes (here
 24 / 12 / 12 of 48), rebuilds the DataLoader so every sample is used once per
@@ -12,7 +12,7 @@ Run (from the repository root, after ``bash scripts/setup.sh``)::
     .venv/bin/python examples/own_model_hetero.py                 # 2 epochs
     .venv/bin/python examples/own_model_hetero.py --epochs 1      # quicker
 
-It prints the plan and the final validation accuracy (about 0.9 after 2 epochs).
+It prints the plan and the final validation accuracy (0.96 after 2 epochs, measured).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _digits import digits  # examples/_digits.py
 import het_strategy  # noqa: F401  (registers strategy="hetero")
 from het_strategy import HeteroStrategy
 
@@ -37,9 +37,8 @@ class DigitsCNN(pl.LightningModule):
     def __init__(self, lr: float = 3e-3) -> None:
         super().__init__()
         self.lr = lr
-        self.conv = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
-                                  nn.ReLU(), nn.AdaptiveAvgPool2d(2))
-        self.head = nn.Linear(32 * 4, 10)
+        self.conv = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(16 * 8 * 8, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.conv(x).flatten(1))
@@ -58,10 +57,8 @@ class DigitsCNN(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-def digits() -> tuple[TensorDataset, TensorDataset]:
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(data.target)
+def datasets() -> tuple[TensorDataset, TensorDataset]:
+    x, y = digits()
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(y), generator=g)
     train, val = order[:1500], order[1500:]
@@ -74,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    train, val = digits()
+    train, val = datasets()
     # batch_size is per rank, as in plain DDP: the global batch is 16 x 3 = 48, which the strategy splits by speed
     strategy = HeteroStrategy(cluster=str(CLUSTER))
     trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=args.epochs, logger=False,

@@ -2,7 +2,7 @@
 
 ``compression_hook`` is an ordinary DDP comm hook: register it with a
 ``CompressionState`` on any ``DistributedDataParallel`` model.  Here two gloo
-processes train a small MLP on sklearn's digits with 4-bit quantized
+processes train a small MLP on a small 10-class image set (examples/_digits.py) with 4-bit quantized
 gradients after 10 uncompressed warm-up steps (error feedback carries what
 quantization drops into the next step); the state reports how many bytes
 went on the wire against the fp32 allreduce.
@@ -25,18 +25,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 
+from _digits import digits  # examples/_digits.py
 from het_strategy.compression import CompressionState, compression_hook
 from het_strategy.emulation.local_ranks import free_port
 
 
 def train(rank: int, world: int, method: str, steps: int) -> None:
     torch.manual_seed(0)
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target)
+    images, y = digits()
+    x = images.flatten(1)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     ddp = nn.parallel.DistributedDataParallel(model)
     state = CompressionState(ddp, method)

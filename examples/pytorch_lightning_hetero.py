@@ -5,7 +5,7 @@ separate strategy registries; ``import het_strategy`` registers ``"hetero"``
 in both (whichever is imported first), built on each package's own
 ``DDPStrategy`` (``het_strategy.HeteroStrategyPL`` here).  Two CPU processes
 play the shipped ``local_cpu2`` cluster (speeds 1 and 0.5), a logistic
-regression on sklearn's digits, and the shares follow the speeds.  For a
+regression on a small 10-class image set (examples/_digits.py), and the shares follow the speeds.  For a
 model this small the strategy notes that its costs are a rough estimate (no
 workload given) and warns that the cluster's emulated time is far below the
 real compute (local_cpu2 is sized for the char GPT): both are the strategy's
@@ -24,10 +24,10 @@ import argparse
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _digits import digits  # examples/_digits.py
 import het_strategy
 
 
@@ -56,8 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    data = load_digits()
-    x, y = torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
+    images, y = digits()
+    x = images.flatten(1)
     train, val = TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:])
     strategy = het_strategy.HeteroStrategyPL(cluster="local_cpu2")
     assert isinstance(strategy, pl.strategies.DDPStrategy)  # this package's own DDPStrategy
