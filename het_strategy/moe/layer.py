@@ -167,6 +167,11 @@ class HeteroMoE(nn.Module):
             p.het_expert = True
         return module
 
+    @property
+    def params_per_expert(self) -> int:
+        """Parameters of one expert (every expert is built alike)."""
+        return sum(p.numel() for p in next(iter(self.experts.values())).parameters())
+
     def expert_parameters(self) -> list[nn.Parameter]:
         return [p for m in self.experts.values() for p in m.parameters()]
 

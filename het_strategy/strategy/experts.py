@@ -99,8 +99,7 @@ class _StepPadding(ExpertPadding):
 
 def _estimated_seconds_per_token(layer: HeteroMoE, cluster: ClusterSpec, device: str, dtype: str) -> float:
     """Forward seconds per routed token of one expert when the workload does not describe it: 2 x its parameters."""
-    params = sum(p.numel() for p in next(iter(layer.experts.values())).parameters())
-    return 2.0 * params / cluster.device(device).flops_per_second(dtype)
+    return 2.0 * layer.params_per_expert / cluster.device(device).flops_per_second(dtype)
 
 
 def place_model_experts(module: nn.Module, option: Any, cluster: ClusterSpec, workload: WorkloadSpec | None,

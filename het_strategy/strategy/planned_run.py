@@ -224,8 +224,7 @@ class PlannedRun(_DDPStrategy):
             first = first_tensor(dataloader.dataset[0])
             if first is not None and not torch.is_floating_point(first) and first.dim() >= 1:
                 tokens = int(first.numel())  # token ids: one sample is a sequence
-        moe = [(m.num_experts, m.k, sum(p.numel() for p in next(iter(m.experts.values())).parameters()))
-               for m in moe_layers(module)]
+        moe = [(m.num_experts, m.k, m.params_per_expert) for m in moe_layers(module)]
         return estimate_workload(type(module).__name__, num_params, tokens, self.dtype, moe)
 
     def _profile_model(self, dataloader: DataLoader) -> tuple[WorkloadSpec, MeasuredProfile]:
