@@ -37,6 +37,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.emulation.padding import padded_comm_hook
 from het_strategy.strategy import checkpoint as ckpt
+from het_strategy.strategy.arguments import check_cluster_source, check_options, check_plan_source
 from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_same_order, check_splittable, \
     loader_at, split_loader
 from het_strategy.strategy.experts import MoERun
@@ -79,6 +80,8 @@ class HeteroLogic(MoERun, PlannedRun):
             uses those times.
         verbose: print the plan (and emulation) table on rank 0.
         moe_placement: ``HeteroMoE`` experts: ``"planned"``, ``"uniform"``, or per layer (``strategy/experts.py``).
+        probe: with ``cluster="auto"``: ``"cached"`` reuses this host's measurements, ``"refresh"`` measures again.
+        telemetry: log the plan, per-rank step times, bytes and decisions to the Trainer's loggers.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``,
             ``find_unused_parameters``, ``timeout``, ...).
     """
@@ -90,24 +93,21 @@ class HeteroLogic(MoERun, PlannedRun):
                  compression: Callable | None = None, compression_state: Any = None, rebalance: Any = None,
                  emulation: bool = True, probe_cache_dir: str | Path | None = None,
                  profile_input: Callable[[Any], Any] | None = None, verbose: bool = True,
-                 moe_placement: Any = "planned", **ddp_kwargs: Any) -> None:
-        if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
-            raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 or None")
+                 moe_placement: Any = "planned", probe: str = "cached", telemetry: bool = True,
+                 **ddp_kwargs: Any) -> None:
+        cluster = check_cluster_source(cluster)  # bad input fails here, in the user's script, before any rank starts
+        plan = check_plan_source(plan)
+        check_options(cluster, global_batch_size, emulation, profile_input, probe, telemetry)
         self._compression_config = None if callable(compression) else compression_config(compression)
         if self._compression_config is not None and compression_state is not None:
             raise field_error("compression_state", type(compression_state).__name__,
                               "be None when `compression` names a method (the strategy builds the state)")
-        if not isinstance(emulation, bool):
-            raise field_error("emulation", emulation, "be true or false")
-        if profile_input is not None and not callable(profile_input):
-            raise field_error("profile_input", profile_input, "be a callable: batch -> the model's forward input")
-        if plan is not None and not isinstance(plan, (str, Path, Plan)):
-            raise field_error("plan", type(plan).__name__, "be a plan JSON path, a Plan, or None to plan at setup")
         hook = compression if callable(compression) else None
         super().__init__(ddp_comm_hook=hook, ddp_comm_state=compression_state, **ddp_kwargs)
         self._cluster_source, self._plan_source, self._workload_source = cluster, plan, workload
         self._global_batch_size, self._rebalance, self._emulation_on = global_batch_size, rebalance, emulation
         self._probe_cache_dir, self._profile_input, self._verbose = probe_cache_dir, profile_input, verbose
+        self._probe_refresh, self._telemetry = probe == "refresh", telemetry
         self._moe_placement = moe_placement
         self.compression_state: CompressionState | None = None
         self.cluster = self.plan = self._eval_plan = self.train_sampler = self.experts = None

@@ -54,6 +54,7 @@ class PlannedRun(_DDPStrategy):
     _workload_source: Any
     _emulation_on: bool
     _probe_cache_dir: str | Path | None
+    _probe_refresh: bool
     _profile_input: Callable[[Any], Any] | None
     _verbose: bool
     _restored: dict[str, Any] | None
@@ -79,7 +80,8 @@ class PlannedRun(_DDPStrategy):
             from het_strategy.profiling.probe import probe_cluster
 
             cluster = probe_cluster(self.root_device, dtype=self.dtype,
-                                    cache_dir=self._probe_cache_dir, print_table=self._verbose).cluster
+                                    cache_dir=self._probe_cache_dir, refresh=self._probe_refresh,
+                                    print_table=self._verbose).cluster
         else:
             cluster = load_cluster(source)
         world = self.world_size
