@@ -26,9 +26,11 @@ def _run(script: str, *args: str, timeout: float = 300) -> str:
 
 
 def test_every_example_has_a_test_and_a_run_line_in_its_docstring() -> None:
-    tested = set(re.findall(r'_run\("([a-z_]+\.py)"', Path(__file__).read_text()))
+    # run here or in another test file (tests/test_*example*.py), named as a quoted "<script>.py"
+    tested = {name for test in Path(__file__).parent.glob("test_*example*.py")
+              for name in re.findall(r'"([a-z_]+\.py)"', test.read_text())}
     scripts = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}  # _digits.py: their data
-    assert scripts == tested
+    assert scripts <= tested, scripts - tested
     for name in scripts:
         assert f"examples/{name}" in (EXAMPLES / name).read_text().split('"""')[1]
 
@@ -67,3 +69,13 @@ def test_the_pytorch_lightning_flavour() -> None:
     assert float(found.group(3)) > 0.5
     # a model this small: its costs are a rough estimate, and local_cpu2's emulated time is far below the real one
     assert "note: rough estimate" in out and "the emulation has no visible effect" in out
+
+
+def test_own_model_as_a_deepspeed_pipeline_over_unequal_devices() -> None:
+    out = _run("pipeline_deepspeed.py", "--epochs", "1")
+    found = re.search(r"planned stages: fast blocks 0-(\d+); slow blocks (\d+)-7;", out)
+    loss = re.search(r"epoch 0: validation loss ([0-9.]+)", out)
+    assert found and loss, out[-2000:]
+    fast_blocks, slow_blocks = int(found.group(1)) + 1, 8 - int(found.group(2))
+    assert int(found.group(2)) == fast_blocks and fast_blocks > slow_blocks >= 1  # speeds 1 : 0.4
+    assert float(loss.group(1)) < 2.2  # 10 classes: chance is ln 10 = 2.30

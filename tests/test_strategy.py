@@ -47,16 +47,33 @@ def test_hydra_target_instantiates_the_strategy() -> None:
     from hydra.utils import instantiate
 
     s = instantiate({"_target_": "het_strategy.HeteroStrategy", "cluster": "local_cpu2", "global_batch_size": 8})
-    assert isinstance(s, lp.strategies.DDPStrategy) and s._cluster_source == "local_cpu2"
+    assert isinstance(s, lp.strategies.DDPStrategy) and s._cluster_source.name == "local_cpu2"
 
 
 @pytest.mark.parametrize("kwargs, field", [({"global_batch_size": 0}, "global_batch_size"),
                                            ({"compression": "fast"}, "compression"),
                                            ({"emulation": "yes"}, "emulation"),
-                                           ({"plan": 3}, "plan")])
+                                           ({"plan": 3}, "plan"),
+                                           ({"cluster": "nope"}, "`cluster` is 'nope'.*shipped cluster name"),
+                                           ({"cluster": 42}, "`cluster` is 42"),
+                                           ({"cluster": {"nodes": "x"}}, "nodes` is .x.; it must be a non-empty list"),
+                                           ({"plan": "/nonexistent.json"}, "`plan` is '/nonexistent.json'"),
+                                           ({"cluster": "local_cpu2", "profile_input": lambda b: b},
+                                            "`profile_input`.*go with cluster=\"auto\""),
+                                           ({"probe": "always"}, "`probe` is 'always'"),
+                                           ({"cluster": "local_cpu2", "probe": "refresh"}, "`probe`.*cluster=\"auto\""),
+                                           ({"telemetry": "on"}, "`telemetry`")])
 def test_bad_constructor_arguments_name_the_field(kwargs: dict, field: str) -> None:
+    """Raised at construction, in the user's script, before Lightning launches a rank."""
     with pytest.raises(ConfigError, match=field):
         het_strategy.HeteroStrategy(**kwargs)
+
+
+def test_a_plan_file_is_read_at_construction(tmp_path) -> None:
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"schema_version": 1, "typo": 1}')
+    with pytest.raises(ConfigError, match="plan.typo"):
+        het_strategy.HeteroStrategy(cluster="local_cpu2", plan=bad)
 
 
 def test_precision_names() -> None:

@@ -283,7 +283,8 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     if job.strategy == "hetero":
         # with cluster=auto the strategy profiles the model itself (per block, on every device type)
         strategy: Any = HeteroStrategy(cluster=cluster_source, workload=None if job.auto_cluster else job.workload,
-                                       global_batch_size=job.global_batch_size, profile_input=model_input,
+                                       global_batch_size=job.global_batch_size,
+                                       profile_input=model_input if job.auto_cluster else None,
                                        compression=job.compression,
                                        moe_placement=job.moe.get("placement", "planned"))
     elif job.strategy == "hetero_deepspeed":
