@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import field_error
+from het_strategy.core.log import logger
 from het_strategy.core.workload import load_workload
 from het_strategy.emulation.padding import BatchPadding, padded_comm_hook
 from het_strategy.emulation.speeds import emulation_summary
@@ -49,7 +50,7 @@ class _EmulatedDeviceLogic:
         device = self._cluster.devices[trainer.global_rank].name
         self._padding = BatchPadding.for_device(self._cluster, device, workload, self._dtype)
         if trainer.global_rank == 0:
-            print(emulation_summary(self._cluster, workload, self._dtype), flush=True)
+            logger.info("%s", emulation_summary(self._cluster, workload, self._dtype))
 
     @override
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

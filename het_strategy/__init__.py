@@ -40,6 +40,7 @@ __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "Het
 _moved_modules.install()
 _registry.register_when_imported()
 _importlib.import_module("het_strategy.core.log").quiet_known_warnings()
+_importlib.import_module("het_strategy.core.log").install_handler()
 
 
 def __getattr__(name: str) -> object:

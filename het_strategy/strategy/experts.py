@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.log import logger
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec, load_workload
 from het_strategy.emulation.padding import BatchPadding
@@ -195,7 +196,7 @@ class MoERun(_DDPStrategy):
                                            self.dtype, self._plan_source, self.world_size)
         if self.experts is not None and self.global_rank == 0 and self._verbose:
             counts = "; ".join(f"layer {i}: {p.counts}" for i, p in enumerate(self.experts.placements))
-            print(f"HeteroMoE experts per rank ({self.experts.source}): {counts}", flush=True)
+            logger.info("HeteroMoE experts per rank (%s): %s", self.experts.source, counts)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.log import logger
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
 from het_strategy.emulation.padding import BatchPadding
@@ -262,10 +263,10 @@ class PlannedRun(_DDPStrategy):
         settings = TrainSettings(global_batch_size=self.plan.global_batch_size, dtype=self.dtype,
                                  micro_batch_sizes=(1,))
         score = CostModel(self.cluster, self.workload, settings, self.profile).score(self.plan)
-        print(plan_table(self.plan, score, self.cluster), flush=True)
+        logger.info("%s", plan_table(self.plan, score, self.cluster))  # rank 0 only (the caller's check)
         if self._workload_source is None and self.profile is None:
-            print("note: rough estimate: the model's costs come from its parameter count (2 x parameters x tokens "
-                  "FLOPs per sample, no activation memory); pass workload= (a model YAML or WorkloadSpec), or "
-                  "cluster='auto' with profile_input= to time the model on each device", flush=True)
+            logger.info("note: rough estimate: the model's costs come from its parameter count (2 x parameters x "
+                        "tokens FLOPs per sample, no activation memory); pass workload= (a model YAML or "
+                        "WorkloadSpec), or cluster='auto' with profile_input= to time the model on each device")
         if cluster_is_emulated(self.cluster):
-            print(emulation_summary(self.cluster, self.workload, self.dtype, self.experts is not None), flush=True)
+            logger.info("%s", emulation_summary(self.cluster, self.workload, self.dtype, self.experts is not None))
