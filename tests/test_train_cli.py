@@ -74,7 +74,8 @@ def test_an_eight_device_cluster_on_four_processes_is_refused(capsys: pytest.Cap
 def test_cfg_prints_the_composed_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--cfg", "strategy=ddp"]) == 0
     out = capsys.readouterr().out
-    assert "strategy: ddp" in out and "local_cpu4_mixed" in out
+    assert out.startswith("# groups: cluster=local_cpu4_mixed model=tiny_gpt strategy=ddp logger=wandb")
+    assert "_target_: lightning.pytorch.strategies.DDPStrategy" in out and "local_cpu4_mixed" in out
 
 
 @pytest.mark.multiprocess
@@ -205,3 +206,209 @@ def test_multirun_sweeps_seeds_into_one_summary_each(tmp_path: Path) -> None:
     losses = [json.loads((tmp_path / "multirun" / str(i) / "summary.json").read_text())["final_train_loss"]
               for i in (0, 1)]
     assert losses[0] != losses[1]  # two seeds, two runs
+
+
+# -- the structured schema and the bad input it catches (issue 14) --------------------------------------------
+
+def _error_of(overrides: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line of a refused command (exit code 2, nothing on stdout)."""
+    assert main(overrides) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("het-train: error:") and "\n" not in err, err
+    assert "Traceback" not in captured.err and not captured.out.strip()
+    return err
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a run (and so any worker) were started."""
+    import het_strategy.cli.train_cli as train_cli
+
+    def refuse(job: object) -> None:
+        raise AssertionError("run_train was reached: the bad input was not caught before the workers")
+
+    monkeypatch.setattr(train_cli, "run_train", refuse)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.lr=abc"], "het-train: error: `train.lr` is 'abc'; it must be a number"),
+    (["data.seed=abc"], "het-train: error: `data.seed` is 'abc'; it must be an integer"),
+    (["train.max_steps=2.5"], "het-train: error: `train.max_steps` is '2.5'; it must be an integer"),
+    (["straggler.enabled=maybe"], "het-train: error: `straggler.enabled` is 'maybe'; it must be true or false"),
+    (["devices=two"], "het-train: error: `devices` is 'two'; it must be an integer or null"),
+    (["train.lr=-1"], "het-train: error: `train.lr` is -1.0; it must be > 0"),
+    (["data.val_fraction=1.5"], "`data.val_fraction` is 1.5; it must be in (0, 1)"),
+    (["train.seed=-3"], "`train.seed` is -3; it must be in [0, 4294967295]"),
+    (["wandb.mode=bogus"], "`wandb.mode` is 'bogus'; it must be one of offline, online, disabled"),
+    (["logger.wandb.mode=bogus"], "`logger.wandb.mode` is 'bogus'; it must be one of offline, online, disabled"),
+    (["straggler.enabled=true", "straggler.threshold=0"], "`straggler.threshold` is 0.0; it must be > 0"),
+    (["straggler.enabled=true", "straggler.min_share=-0.1"], "`straggler.min_share` is -0.1; it must be a fraction"),
+    (["straggler.enabled=true", "straggler.evict_ratio=0.5"], "`straggler.evict_ratio` is 0.5; it must be > 1"),
+    (["straggler.enabled=true", "straggler.min_share=0.9"],
+     "`straggler.min_share` is 0.9; it must be <= 1/devices = 0.5"),
+    (["+train.momentum=0.9"], "`train.momentum` is 0.9; it must not be there: unknown key (known keys here: "
+                              "accumulate_grad_batches,"),
+    (["model.dropout=0.1"], "`model.dropout` is '0.1'; it must not be there: unknown key (known keys here: "
+                            "description, expert_ffn_hidden_size, ffn_hidden_size,"),
+    (["model.ffn_hidden_size=4096"], "`model.ffn_hidden_size` is 4096; it must be null or 4 * model.hidden_size = "
+                                     "512"),
+    (["model.num_layers=null"], "`model.num_layers` is 'null'; it must be an integer"),
+    (["output.summary=null", "output.dir=null"], "`output.dir` is 'null'; it must be a string"),
+    (["strategy=fsdp"], "`strategy` is 'fsdp'; it must be a shipped strategy name (shipped: ddp, hetero, "
+                        "hetero_deepspeed)"),
+    (["logger=tensorboard"], "`logger` is 'tensorboard'; it must be a shipped logger name (shipped: csv, none, "
+                             "wandb)"),
+    (["experiment=nope"], "`experiment` is 'nope'; it must be a shipped experiment name"),
+    (["+strategy.find_unused_parameters=true"], "`strategy.find_unused_parameters` is True; it must not be there"),
+    (["logger=csv", "logger.csv._target_=lightning.pytorch.loggers.NoSuchLogger"],
+     "`logger.csv._target_` is 'lightning.pytorch.loggers.NoSuchLogger'; it must name an importable logger class"),
+])
+def test_a_wrong_value_names_its_full_field_in_one_line(overrides: list[str], message: str, no_training: None,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert message in _error_of(["cluster=local_cpu2", *overrides], capsys)
+
+
+def test_an_unknown_model_key_says_how_to_add_one(no_training: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "to add a new key, write `+model.dropout=...`" in _error_of(["model.dropout=0.1"], capsys)
+    # the schema holds every TransformerConfig field, so a documented one is set plainly (and checked)
+    assert main(["--cfg", "model.ffn_hidden_size=512", "model.expert_ffn_hidden_size=64"]) == 0
+    out = capsys.readouterr().out
+    assert "ffn_hidden_size: 512" in out and "expert_ffn_hidden_size: 64" in out
+
+
+def test_a_model_file_of_the_wrong_type_or_missing_a_field(tmp_path: Path, no_training: None,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad_model.yaml"
+    bad.write_text("num_layers: two\nhidden_size: 64\nnum_heads: 4\nseq_len: 32\nvocab_size: 256\n")
+    assert "`model.num_layers` is 'two'; it must be an integer" in _error_of([f"model={bad}"], capsys)
+    short = tmp_path / "short_model.yaml"
+    short.write_text("num_layers: 2\nnum_heads: 4\nseq_len: 32\nvocab_size: 256\n")
+    assert "`model.hidden_size` is missing; it must be given" in _error_of([f"model={short}"], capsys)
+
+
+def test_resume_refuses_a_file_that_is_no_lightning_checkpoint(tmp_path: Path, no_training: None,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint\n")
+    err = _error_of(["cluster=local_cpu2", f"resume={text}"], capsys)
+    assert f"`resume` is '{text}'; it must be a Lightning checkpoint" in err
+    weights = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2)}, weights)  # a torch file, but no Lightning checkpoint
+    assert "a dict with `state_dict`; this file holds a dict with keys weight" in _error_of(
+        ["cluster=local_cpu2", f"resume={weights}"], capsys)
+
+
+def test_a_lightning_checkpoint_passes_the_resume_check(tmp_path: Path) -> None:
+    import torch
+
+    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+
+    ckpt = tmp_path / "step_2.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(3)}, "global_step": 2, "epoch": 0}, ckpt)
+    cfg, auto = compose_train_config(["cluster=local_cpu2", f"resume={ckpt}", f"output.dir={tmp_path}"])
+    assert TrainJob(cfg, auto).resume == str(ckpt)
+
+
+def test_output_dir_must_be_a_folder_it_can_write(tmp_path: Path, no_training: None,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "results.txt"
+    afile.write_text("x")
+    assert f"`output.dir` is '{afile}'; it must be a folder" in _error_of(
+        ["cluster=local_cpu2", f"output.dir={afile}"], capsys)
+    assert f"be creatable ({afile} is a file, not a folder)" in _error_of(
+        ["cluster=local_cpu2", f"output.dir={afile}/run"], capsys)
+
+
+def test_accelerator_cuda_without_cuda_says_to_use_the_cpu(no_training: None,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert "`accelerator` is 'cuda'; it must name an accelerator this machine has (torch sees no CUDA device) " \
+           "(accelerator=cpu)" in _error_of(["cluster=local_cpu2", "accelerator=cuda"], capsys)
+
+
+def test_a_bad_value_inside_a_sweep_is_one_line_before_any_run(no_training: None,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error_of(["-m", "cluster=local_cpu2", "train.lr=0.1,abc"], capsys)
+    assert "`train.lr` is 'abc'; it must be a number" in err
+
+
+def test_the_job_reads_typed_sections(tmp_path: Path) -> None:
+    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.cli.train_config import MoEConfig, TrainConfig
+
+    cfg, auto = compose_train_config(["cluster=local_cpu2", "train.lr=1", "data.seed=3", f"output.dir={tmp_path}"])
+    job = TrainJob(cfg, auto)
+    assert isinstance(job.train, TrainConfig) and job.train.lr == 1.0 and isinstance(job.train.lr, float)
+    assert job.data.seed == 3 and isinstance(job.moe, MoEConfig) and job.moe.routing()["capacity_factor"] == 1.25
+    assert job.strategy == "hetero" and list(job.loggers) == ["csv", "wandb"]
+
+
+@pytest.mark.parametrize("overrides, strategy, loggers", [
+    ([], "hetero", ["csv", "wandb"]),
+    (["strategy=ddp", "logger=csv"], "ddp", ["csv"]),
+    (["strategy=hetero_deepspeed", "logger=none", "cluster=local_cpu2_pipeline"], "hetero_deepspeed", []),
+])
+def test_strategy_and_logger_are_group_choices(overrides: list[str], strategy: str, loggers: list[str],
+                                               tmp_path: Path) -> None:
+    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+
+    cfg, auto = compose_train_config(["cluster=local_cpu2", *overrides, f"output.dir={tmp_path}"])
+    job = TrainJob(cfg, auto)
+    assert job.strategy == strategy and list(job.loggers) == loggers
+
+
+def test_the_group_nodes_instantiate_for_a_hydra_user(tmp_path: Path) -> None:
+    """What `hydra.utils.instantiate` builds from het-train's own groups: the CSV logger in output.dir, and the
+    hetero strategy once given the cluster node (inline OmegaConf) and the batch."""
+    from hydra.utils import instantiate
+    from lightning.pytorch.loggers import CSVLogger
+
+    import het_strategy
+    from het_strategy.cli.train_cli import compose_train_config
+
+    cfg, _ = compose_train_config(["cluster=local_cpu2", "logger=csv", f"output.dir={tmp_path}"])
+    logger = instantiate(cfg.logger.csv)
+    assert isinstance(logger, CSVLogger) and Path(logger.save_dir) == tmp_path and logger.name == "csv"
+    strategy = instantiate(cfg.strategy, cluster=cfg.cluster, global_batch_size=16)
+    assert isinstance(strategy, het_strategy.HeteroStrategy)
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("smoke", {"cluster": "local_cpu2", "loggers": ["csv"], "max_steps": 4, "experts": 0}),
+    ("moe_placement", {"cluster": "local_cpu4_moe", "loggers": ["csv"], "max_steps": 40, "experts": 12}),
+    ("adaptive_compression", {"cluster": "local_cpu2", "loggers": ["csv"], "max_steps": 60, "experts": 0}),
+])
+def test_experiment_presets_compose_and_check(name: str, expect: dict, tmp_path: Path) -> None:
+    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+
+    cfg, auto = compose_train_config([f"experiment={name}", f"output.dir={tmp_path}"])
+    job = TrainJob(cfg, auto)
+    assert job.cluster is not None and job.cluster.name == expect["cluster"]
+    assert list(job.loggers) == expect["loggers"] and job.train.max_steps == expect["max_steps"]
+    assert job.model_cfg.num_experts == expect["experts"]
+    if name == "adaptive_compression":
+        assert job.compression is not None and job.compression.method == "adaptive"
+    # the command line still wins over a preset
+    cfg, auto = compose_train_config([f"experiment={name}", "train.max_steps=7", f"output.dir={tmp_path}"])
+    assert TrainJob(cfg, auto).train.max_steps == 7
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_experiment_smoke_runs_end_to_end(tmp_path: Path) -> None:
+    """`het-train experiment=smoke`: the preset's 2 emulated ranks train, the CSV logger built by
+    hydra.utils.instantiate writes its metrics, and the summary lands in output.dir."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "het_strategy.cli.train_cli", "experiment=smoke", f"output.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["max_steps"] == 4 and summary["shares"] == [5, 3]  # speeds 1 : 0.5 of 8
+    assert summary["final_val_loss"] < 5.545  # ln(256) at initialisation
+    assert list(tmp_path.glob("csv/version_*/metrics.csv"))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.shipped import shipped_names
@@ -43,6 +43,7 @@ __all__ = [
     "EXIT_CONFIG_ERROR",
     "compose_config",
     "cfg_to_dict",
+    "schema_error",
     "cluster_from_cfg",
     "workload_from_cfg",
     "train_settings_from_cfg",
@@ -57,13 +58,14 @@ _STAGED_PREFIX = "file_"
 
 
 def compose_config(config_name: str, overrides: Sequence[str] = (),
-                   file_groups: Sequence[str] = FILE_GROUPS) -> DictConfig:
+                   file_groups: Sequence[str] = FILE_GROUPS, choices: dict[str, Any] | None = None) -> DictConfig:
     """Compose ``config_name`` from the shipped configs with Hydra ``overrides``.
 
     ``<group>=<path.yaml>`` for a group in ``file_groups`` loads that file as the
     group's option.  Groups whose YAML lacks a ``name`` get the option name (or
     the file's stem) as ``name``.  Raises ``ConfigError`` for every bad input.
-    Works inside or outside another ``hydra.initialize*`` context.
+    Works inside or outside another ``hydra.initialize*`` context.  ``choices``, when given, receives
+    the chosen option of every group (``{"strategy": "ddp", ...}``; a staged file: its stem).
     """
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -84,14 +86,17 @@ def compose_config(config_name: str, overrides: Sequence[str] = (),
     finally:
         GlobalHydra.instance().clear()
         restore_gh_from_backup(backup)
-    choices = dict(cfg.hydra.runtime.choices)
+    chosen = {str(k): file_names.get(str(v), v) for k, v in cfg.hydra.runtime.choices.items()
+              if not str(k).startswith("hydra/")}
+    if choices is not None:
+        choices.update(chosen)
     with open_dict(cfg):
         del cfg["hydra"]
         for group in file_groups:
             node = cfg.get(group)
-            if isinstance(node, DictConfig) and "name" not in node:
-                choice = str(choices.get(group, group))
-                node["name"] = file_names.get(choice, choice)
+            # a structured schema may declare `name` (null): a null name is filled as a missing one
+            if isinstance(node, DictConfig) and node.get("name") is None:
+                node["name"] = str(chosen.get(group) or group)
     return cfg
 
 
@@ -145,22 +150,56 @@ def _override_value(overrides: Sequence[str], full_key: str) -> Any:
     return None
 
 
+def _omegaconf_cause(exc: BaseException) -> OmegaConfBaseException | None:
+    """The OmegaConf error naming a key behind a Hydra error (overrides: one level down; group files: more)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OmegaConfBaseException) and getattr(seen, "full_key", None):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def schema_error(exc: OmegaConfBaseException, value: Any = None) -> ConfigError:
+    """One-line ConfigError for a value a structured schema refused: the full key, the value (``value``: the
+    override's text, when known) and the rule the field's type sets (``be a number`` for a float, ...)."""
+    key = str(getattr(exc, "full_key", "") or "config")
+    shown = value if value is not None else getattr(exc, "value", None)
+    parent = getattr(exc, "parent_node", None)
+    kind = None
+    if isinstance(parent, DictConfig):
+        owner = OmegaConf.get_type(parent)
+        if isinstance(owner, type) and dataclasses.is_dataclass(owner):
+            kind = {f.name: f.type for f in dataclasses.fields(owner)}.get(key.rsplit(".", 1)[-1])
+    if kind is None:
+        return field_error(key, shown, f"be a valid value ({str(exc).splitlines()[0]})")
+    text = str(getattr(kind, "__name__", kind))  # "float", "Optional[int]", ... (annotations may be strings)
+    for name, rule in (("bool", "be true or false"), ("int", "be an integer"), ("float", "be a number"),
+                       ("str", "be a string")):
+        if name in text:
+            return field_error(key, shown, rule + (" or null" if "Optional" in text or "None" in text else ""))
+    return field_error(key, shown, f"be of type {text}")
+
+
 def _hydra_error(exc: Exception, overrides: Sequence[str], file_groups: Sequence[str]) -> ConfigError:
     """One-line ConfigError for a Hydra composition failure."""
     from hydra.errors import MissingConfigException, OverrideParseException
 
     if isinstance(exc, ConfigError):
         return exc
-    cause = exc.__cause__
-    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+    cause = _omegaconf_cause(exc)
+    if cause is not None:
         key = str(cause.full_key)
-        parent = getattr(cause, "parent_node", None)
-        known = sorted(str(k) for k in parent.keys()) if isinstance(parent, DictConfig) else []
-        fix = f"known keys here: {', '.join(known)}" if known else "check the spelling"
         msg = str(cause).splitlines()[0]
-        if "not in struct" in msg:
+        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "not in" in msg:
+            parent = getattr(cause, "parent_node", None)
+            known = sorted(str(k) for k in parent.keys()) if isinstance(parent, DictConfig) else []
+            add = f"to add a new key, write `+{key}=...`"
+            fix = f"known keys here: {', '.join(known)}; {add}" if known else f"check the spelling; {add}"
             return field_error(key, _override_value(overrides, key), "not be there: unknown key", fix)
-        return field_error(key, _override_value(overrides, key), f"be a valid override ({msg})")
+        return schema_error(cause, _override_value(overrides, key))
     if isinstance(exc, MissingConfigException):
         match = re.search(r"Could not find '([^/']+)/([^']+)'", str(exc))
         if match:

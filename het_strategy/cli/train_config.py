@@ -1,0 +1,316 @@
+"""het-train's settings as typed dataclasses: the structured schema ``configs/train.yaml`` extends.
+
+``register_train_schema`` stores ``HetTrainConfig`` in Hydra's ConfigStore as
+``het_train_schema``, the first entry of train.yaml's defaults list, so Hydra
+checks every override and every group file against these types while it
+composes (``train.lr=abc`` fails there, naming ``train.lr``).  ``typed_config``
+turns the composed config into the dataclasses themselves, which check their
+values on construction (``__post_init__``): the rest of het-train reads
+``job.config.train.lr``, never ``cfg["train"]["lr"]``.
+
+The sections without one fixed schema stay mappings: ``cluster`` (the cluster
+YAML schema, checked by ``core.cluster``), ``compression`` (checked by
+``compression.config``), ``strategy`` and ``logger`` (``_target_`` nodes that
+``hydra.utils.instantiate`` builds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from het_strategy.cli._common import schema_error
+from het_strategy.core.errors import ConfigError, field_error, require_int, require_number
+
+__all__ = [
+    "SCHEMA_NAME",
+    "WANDB_MODES",
+    "ModelConfig",
+    "TrainConfig",
+    "DataConfig",
+    "WandbConfig",
+    "OutputConfig",
+    "CheckpointConfig",
+    "StragglerConfig",
+    "MoEConfig",
+    "PlannerConfig",
+    "HetTrainConfig",
+    "register_train_schema",
+    "typed_config",
+]
+
+SCHEMA_NAME = "het_train_schema"
+WANDB_MODES = ("offline", "online", "disabled")
+_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+_MAX_SEED = 2**32 - 1  # Lightning's seed_everything range
+
+
+def _require_seed(value: int, name: str) -> None:
+    if not 0 <= value <= _MAX_SEED:
+        raise field_error(name, value, f"be in [0, {_MAX_SEED}] (Lightning's seed range)")
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` group: every field of ``core.workload.TransformerConfig``, so each is settable plainly."""
+
+    num_layers: int = MISSING
+    """Transformer blocks."""
+    hidden_size: int = MISSING
+    """Model width h."""
+    num_heads: int = MISSING
+    """Attention heads (divide hidden_size)."""
+    seq_len: int = MISSING
+    """Tokens (characters) per sample."""
+    vocab_size: int = MISSING
+    """Vocabulary size (256: bytes)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; null: 4h."""
+    num_experts: int = 0
+    """Experts per MoE block; 0: a dense model."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    moe_every: int = 1
+    """Every n-th block is MoE."""
+    expert_ffn_hidden_size: Optional[int] = None
+    """Width of one expert's MLP; null: the MLP width."""
+    name: Optional[str] = None
+    """Model name; null: the group option's name."""
+    kind: str = "transformer"
+    """Only ``transformer`` trains in het-train."""
+    description: Optional[str] = None
+    """Free text (ignored)."""
+
+    def transformer_fields(self) -> dict[str, Any]:
+        """The fields ``TransformerConfig`` takes (description dropped)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "description"}
+
+
+@dataclass
+class TrainConfig:
+    """The ``train`` section: the optimisation loop."""
+
+    global_batch_size: int = 32
+    """Samples (sequences) per optimizer step over all ranks."""
+    max_steps: int = 100
+    """Optimizer steps."""
+    lr: float = 3.0e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    precision: str = "32-true"
+    """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA)."""
+    accumulate_grad_batches: int = 1
+    """Batches accumulated per optimizer step."""
+    val_every_n_steps: int = 50
+    """Validation period during training."""
+    val_batches: int = 4
+    """Batches per validation during training."""
+    seed: int = 0
+    """Seed of weights, shuffling and dropout."""
+
+    def __post_init__(self) -> None:
+        require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
+        for name in ("max_steps", "accumulate_grad_batches", "val_every_n_steps", "val_batches"):
+            require_int(getattr(self, name), f"train.{name}", minimum=1)
+        require_number(self.lr, "train.lr")
+        require_number(self.weight_decay, "train.weight_decay", allow_zero=True)
+        if self.precision not in _PRECISIONS:
+            raise field_error("train.precision", self.precision, f"be one of {', '.join(_PRECISIONS)}")
+        _require_seed(self.seed, "train.seed")
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` section: which standard-library source is read."""
+
+    max_bytes: int = 2_000_000
+    """Bytes of standard-library source used (train + validation)."""
+    val_fraction: float = 0.1
+    """Share of source files held out for validation."""
+    seed: int = 0
+    """Which files are held out (apart from train.seed)."""
+
+    def __post_init__(self) -> None:
+        require_int(self.max_bytes, "data.max_bytes", minimum=1)
+        if not (math.isfinite(self.val_fraction) and 0 < self.val_fraction < 1):
+            raise field_error("data.val_fraction", self.val_fraction, "be in (0, 1) (a share of the files)")
+        _require_seed(self.seed, "data.seed")
+
+
+@dataclass
+class WandbConfig:
+    """The ``wandb`` section, read by ``logger=wandb``."""
+
+    project: str = "het_strategy"
+    """W&B project."""
+    mode: str = "offline"
+    """offline | online | disabled."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise field_error("wandb.mode", self.mode, f"be one of {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class OutputConfig:
+    """The ``output`` section: where a run writes."""
+
+    dir: str = "het_train_runs"
+    """Run folder (relative to where het-train started; ``.``: that directory)."""
+    summary: Optional[str] = "summary.json"
+    """Summary file inside ``dir``; null: not written."""
+
+
+@dataclass
+class CheckpointConfig:
+    """The ``checkpoint`` section."""
+
+    every_n_steps: Optional[int] = None
+    """Save a checkpoint every n steps into output.dir/checkpoints; null: none."""
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None:
+            require_int(self.every_n_steps, "checkpoint.every_n_steps", minimum=1)
+
+
+@dataclass
+class StragglerConfig:
+    """The ``straggler`` section: online mitigation (hetero only); the callback checks the values."""
+
+    enabled: bool = False
+    """Turn telemetry, detection and live rebalancing on."""
+    every_n_steps: int = 2
+    """Telemetry exchange period."""
+    threshold: float = 0.25
+    """Relative shift of a rank's per-sample time that counts."""
+    consecutive: int = 4
+    """... when this many consecutive exchanges show it."""
+    warmup: int = 8
+    """Steps before the first detection."""
+    min_share: float = 0.0
+    """Least fraction of the global batch a rank keeps (<= 1/devices)."""
+    evict_ratio: Optional[float] = None
+    """A rank slower than this x the median keeps only min_share; null: off."""
+    stop_ratio: Optional[float] = None
+    """A rank slower than this x the median: checkpoint and stop; null: off."""
+
+    def mitigation_args(self) -> dict[str, Any]:
+        """The keyword arguments of ``StragglerMitigation``."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "enabled"}
+
+
+@dataclass
+class MoEConfig:
+    """The ``moe`` section: where experts live and how tokens route (models with experts)."""
+
+    placement: str = "planned"
+    """planned (by device speed and memory) | uniform (the same count per rank)."""
+    capacity_factor: float = 1.25
+    """Tokens one expert takes per rank: k x tokens / experts x this."""
+    drop_tokens: bool = True
+    """Drop the choices beyond capacity."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("planned", "uniform"):
+            raise field_error("moe.placement", self.placement, "be planned or uniform")
+        require_number(self.capacity_factor, "moe.capacity_factor")
+        require_number(self.aux_loss_coef, "moe.aux_loss_coef", allow_zero=True)
+
+    def routing(self) -> dict[str, Any]:
+        """The MoE layer's routing arguments."""
+        return {"capacity_factor": self.capacity_factor, "drop_tokens": self.drop_tokens,
+                "aux_loss_coef": self.aux_loss_coef}
+
+
+@dataclass
+class PlannerConfig:
+    """The ``planner`` section."""
+
+    mode: str = "auto"
+    """hetero_deepspeed: auto | dp | pipeline | hybrid; hetero: auto | dp."""
+
+    def __post_init__(self) -> None:
+        from het_strategy.planning import MODES
+
+        if self.mode not in MODES:
+            raise field_error("planner.mode", self.mode, f"be one of {', '.join(MODES)}")
+
+
+@dataclass
+class HetTrainConfig:
+    """The whole het-train config (``configs/train.yaml`` and its groups)."""
+
+    cluster: Any = MISSING
+    """The cluster group (cluster YAML schema)."""
+    model: ModelConfig = MISSING
+    """The model group."""
+    strategy: Any = MISSING
+    """The strategy group: a ``_target_`` node (hetero | ddp | hetero_deepspeed)."""
+    logger: Any = MISSING
+    """The logger group: logger name -> ``_target_`` node (wandb | csv | none)."""
+    compression: Any = MISSING
+    """The compression group (CompressionConfig fields)."""
+    accelerator: str = "cpu"
+    """cpu (gloo) | cuda (nccl)."""
+    devices: Optional[int] = None
+    """Processes on this node; null: the cluster's device count."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: Optional[str] = None
+    """A checkpoint to resume from."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ("cpu", "cuda"):
+            raise field_error("accelerator", self.accelerator, "be cpu or cuda")
+        if self.devices is not None:
+            require_int(self.devices, "devices", minimum=1)
+
+
+def register_train_schema() -> None:
+    """Store ``HetTrainConfig`` as ``het_train_schema`` (idempotent: the store replaces its entry)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=HetTrainConfig)
+
+
+def typed_config(cfg: DictConfig) -> HetTrainConfig:
+    """The composed config as ``HetTrainConfig``; keys the schema lacks and bad values raise ConfigError."""
+    _refuse_added_keys(cfg, "")
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as exc:
+        key = str(getattr(exc, "full_key", "") or "config")
+        raise ConfigError(f"`{key}` is missing; it must be given (set {key}=...)", field=key) from None
+    except OmegaConfBaseException as exc:
+        raise schema_error(exc) from None
+    assert isinstance(typed, HetTrainConfig)
+    return typed
+
+
+def _refuse_added_keys(node: DictConfig, where: str) -> None:
+    """``+train.foo=1`` adds a key Hydra lets through and ``to_object`` would drop silently: refuse it."""
+    kind = OmegaConf.get_type(node)
+    if not (isinstance(kind, type) and is_dataclass(kind)):
+        return
+    known = {f.name for f in fields(kind)}
+    for key in node.keys():
+        path = f"{where}{key}"
+        if key not in known:
+            raise field_error(path, OmegaConf.select(node, str(key), throw_on_missing=False), "not be there: "
+                              "unknown key", f"known keys here: {', '.join(sorted(known))}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _refuse_added_keys(child, f"{path}.")

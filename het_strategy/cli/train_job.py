@@ -1,0 +1,274 @@
+"""``TrainJob``: a het-train config checked in the launching process, before any worker starts.
+
+1. The composed config becomes ``HetTrainConfig`` (``train_config.typed_config``):
+   types, ranges and unknown keys, each named by its full dotted field.
+2. What needs more than one section or the machine is checked here: devices
+   against the cluster, the batch against the devices, the strategy and logger
+   ``_target_`` nodes, CUDA being there for ``accelerator=cuda``, the output
+   folder, the resume checkpoint, the straggler callback's settings, MoE and
+   DeepSpeed limits.
+3. Every failure is a ``ConfigError`` (``het-train: error: ...``, exit 2): the
+   Lightning launcher re-runs the command for ranks 1..n-1, so anything left to
+   the run would fail once per rank, after the processes started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
+from het_strategy.cli.train_config import WANDB_MODES, HetTrainConfig, typed_config
+from het_strategy.core.errors import ConfigError, field_error
+
+__all__ = ["STRATEGY_TARGETS", "TrainJob"]
+
+STRATEGY_TARGETS = {
+    "het_strategy.HeteroStrategy": "hetero",
+    "lightning.pytorch.strategies.DDPStrategy": "ddp",
+    "het_strategy.HeteroDeepSpeedStrategy": "hetero_deepspeed",
+}
+"""The strategy group's ``_target_`` -> het-train's name for it."""
+_WANDB_TARGET = "lightning.pytorch.loggers.WandbLogger"
+
+
+class TrainJob:
+    """A checked ``het-train`` config: everything needed to build the run, no process group yet."""
+
+    def __init__(self, cfg: DictConfig, auto_cluster: bool = False) -> None:
+        from het_strategy.planning.run_plan import precision_dtype
+        from het_strategy.core.workload import transformer_config, transformer_workload
+
+        self.cfg = cfg
+        self.config: HetTrainConfig = typed_config(cfg)
+        c = self.config
+        self.train, self.data, self.wandb, self.output = c.train, c.data, c.wandb, c.output
+        self.checkpoint, self.straggler, self.moe, self.planner = c.checkpoint, c.straggler, c.moe, c.planner
+        self.strategy = _strategy_name(cfg.strategy)
+        self.loggers = _logger_nodes(cfg.logger)
+        self.accelerator = c.accelerator
+        self.auto_cluster = auto_cluster
+        self.cluster = None if auto_cluster else cluster_from_cfg(cfg)
+        self.devices = self._check_devices(c.devices)
+        if self.accelerator == "cuda":
+            _check_cuda(self.devices)
+        self.dtype = precision_dtype(c.train.precision)
+        fields_ = c.model.transformer_fields()
+        fields_["name"] = fields_["name"] or "model"
+        self.model_cfg = transformer_config(fields_)
+        self.workload = transformer_workload(self.model_cfg, self.dtype)
+        gb = c.train.global_batch_size
+        if gb < self.devices:
+            raise field_error("train.global_batch_size", gb, f"be an integer >= devices ({self.devices}): every rank "
+                              "needs a sample")
+        if self.strategy == "ddp" and gb % self.devices:
+            raise field_error("train.global_batch_size", gb, f"be divisible by devices ({self.devices}) for plain "
+                              "ddp, which splits the batch evenly")
+        self.global_batch_size = gb
+        _check_output(c.output.dir, c.output.summary)
+        self._check_straggler()
+        from het_strategy.compression import compression_config
+
+        self.compression = compression_config(cfg_to_dict(cfg.compression, "compression"))
+        if self.compression is not None and self.compression.method != "none" and self.strategy != "hetero":
+            why = ("Lightning's DDP registers comm hooks on CUDA only" if self.strategy == "ddp" else
+                   "DeepSpeed reduces the gradients itself")
+            raise field_error("compression.method", self.compression.method,
+                              f"be none with strategy={self.strategy} ({why})",
+                              "use strategy=hetero, which registers them on every device")
+        if self.strategy == "hetero" and c.planner.mode not in ("auto", "dp"):
+            raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero (it plans data "
+                              "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
+        self.resume = c.resume
+        if self.resume is not None:
+            _check_checkpoint(self.resume)
+        if self.strategy == "hetero_deepspeed":
+            self._check_deepspeed_job()
+        self._check_model()
+
+    def _check_devices(self, devices: int | None) -> int:
+        if devices is None:
+            if self.cluster is None:
+                raise field_error("devices", None, "be given with cluster=auto (how many processes to probe)")
+            return self.cluster.num_devices
+        if self.cluster is not None and self.cluster.num_devices != devices:
+            raise field_error("devices", devices,
+                              f"equal the device count of cluster `{self.cluster.name}` "
+                              f"({self.cluster.num_devices}): rank r plays the cluster's r-th device",
+                              f"pass devices={self.cluster.num_devices} or a cluster of {devices} devices")
+        return devices
+
+    def _check_straggler(self) -> None:
+        """The straggler callback's own checks, run here and named ``straggler.<field>``."""
+        s = self.straggler
+        if not s.enabled:
+            return
+        if self.strategy != "hetero":
+            raise field_error("straggler.enabled", True, "go with strategy=hetero (it rebalances the hetero "
+                              "strategy's shares)")
+        if s.min_share > 1 / self.devices:
+            raise field_error("straggler.min_share", s.min_share, f"be <= 1/devices = {1 / self.devices:.4g} "
+                              "(every rank keeps at least this share of one global batch)")
+        from het_strategy.callbacks.straggler import StragglerMitigation
+
+        try:
+            StragglerMitigation(**s.mitigation_args())
+        except ConfigError as exc:
+            raise _prefixed(exc, "straggler") from None
+
+    def _check_model(self) -> None:
+        """What the char GPT (dense or MoE) that het-train builds can be, and what MoE runs with."""
+        m, placement = self.model_cfg, self.moe.placement
+        if m.ffn_hidden_size not in (None, 4 * m.hidden_size):
+            raise field_error("model.ffn_hidden_size", m.ffn_hidden_size, f"be null or 4 * model.hidden_size = "
+                              f"{4 * m.hidden_size}: het-train's char GPT has the 4h MLP",
+                              "set model.expert_ffn_hidden_size for wider experts")
+        experts = m.num_experts
+        if not experts:
+            return
+        if self.strategy == "hetero_deepspeed":
+            raise field_error("strategy", "hetero_deepspeed", "be hetero or ddp for a model with experts "
+                              f"(model.num_experts={experts}): HeteroMoE runs under DDP in this version")
+        if self.resume is not None:
+            raise field_error("resume", self.resume, "be null for a model with experts (each rank's optimizer "
+                              "state covers only its own experts; resuming is not supported yet)")
+        if experts < self.devices:
+            raise field_error("model.num_experts", experts, f"be >= devices ({self.devices}) so every rank "
+                              "holds an expert")
+        if self.strategy == "hetero" and placement == "uniform" and experts % self.devices:
+            raise field_error("moe.placement", "uniform", f"go with model.num_experts ({experts}) divisible "
+                              f"by devices ({self.devices})", "use moe.placement=planned")
+
+    def _check_deepspeed_job(self) -> None:
+        """What ``strategy=hetero_deepspeed`` runs in het-train (refused here, before any worker starts)."""
+        if importlib.util.find_spec("deepspeed") is None:
+            raise field_error("strategy", "hetero_deepspeed", "have DeepSpeed installed",
+                              "pip install 'het_strategy[deepspeed]'")
+        if self.cluster is None:
+            raise field_error("cluster", "auto", "be a cluster file with strategy=hetero_deepspeed (it plans "
+                              "from the cluster's figures)")
+        if self.train.precision != "32-true":
+            raise field_error("train.precision", self.train.precision,
+                              "be 32-true with strategy=hetero_deepspeed in this version")
+        if self.train.accumulate_grad_batches != 1:
+            raise field_error("train.accumulate_grad_batches", self.train.accumulate_grad_batches,
+                              "be 1 with strategy=hetero_deepspeed (the plan's micro-batches are the accumulation)")
+        if self.checkpoint.every_n_steps is not None or self.resume is not None:
+            raise field_error("checkpoint.every_n_steps" if self.resume is None else "resume",
+                              self.checkpoint.every_n_steps if self.resume is None else self.resume,
+                              "be null with strategy=hetero_deepspeed in het-train (its checkpoints resume at "
+                              "epoch boundaries only; use the Python API's trainer.save_checkpoint)")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.output.dir)
+
+
+def _prefixed(exc: ConfigError, section: str) -> ConfigError:
+    """``exc`` with its field named from the config's top (``threshold`` -> ``straggler.threshold``)."""
+    name = exc.field or ""
+    if not name or name.startswith(f"{section}."):
+        return exc
+    message = str(exc).replace(f"`{name}`", f"`{section}.{name}`", 1)
+    return ConfigError(message, field=f"{section}.{name}", value=exc.value)
+
+
+def _strategy_name(node: Any) -> str:
+    """het-train's name for the strategy group's node (it builds the strategy itself, from the plan's inputs)."""
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise field_error("strategy", node if not isinstance(node, DictConfig) else OmegaConf.to_container(node),
+                          "be a strategy group option", "strategy=hetero, strategy=ddp or strategy=hetero_deepspeed")
+    target = str(node["_target_"])
+    if target not in STRATEGY_TARGETS:
+        raise field_error("strategy._target_", target, f"be one of {', '.join(STRATEGY_TARGETS)}",
+                          "strategy=hetero, strategy=ddp or strategy=hetero_deepspeed")
+    extra = sorted(str(k) for k in node.keys() if k != "_target_")
+    if extra:
+        raise field_error(f"strategy.{extra[0]}", OmegaConf.select(node, extra[0]), "not be there: het-train "
+                          "builds the strategy from cluster, model and train", "set those sections instead")
+    return STRATEGY_TARGETS[target]
+
+
+def _logger_nodes(node: Any) -> dict[str, DictConfig]:
+    """The logger group's entries (name -> ``_target_`` node), each class found and wandb's mode checked."""
+    from hydra.utils import get_class
+
+    if node is None:
+        return {}
+    if not isinstance(node, DictConfig):
+        raise field_error("logger", node, "be a logger group option", "logger=wandb, logger=csv or logger=none")
+    out: dict[str, DictConfig] = {}
+    for name in node.keys():
+        entry = node[name]
+        where = f"logger.{name}"
+        if not isinstance(entry, DictConfig) or "_target_" not in entry:
+            raise field_error(where, entry, "be a mapping with a `_target_` (a Lightning logger class)")
+        target = str(entry["_target_"])
+        if target == _WANDB_TARGET:
+            if importlib.util.find_spec("wandb") is None:
+                raise field_error("logger", "wandb", "name an installed logger (wandb is an optional dependency)",
+                                  "pip install 'het_strategy[wandb]', or logger=csv")
+            mode = OmegaConf.select(entry, "mode", default="offline")
+            if mode not in WANDB_MODES:
+                raise field_error(f"{where}.mode", mode, f"be one of {', '.join(WANDB_MODES)}")
+        try:
+            get_class(target)
+        except Exception as exc:  # ImportError, AttributeError, ValueError: all mean a wrong path
+            raise field_error(f"{where}._target_", target, f"name an importable logger class "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        out[str(name)] = entry
+    return out
+
+
+def _check_cuda(devices: int) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise field_error("accelerator", "cuda", "name an accelerator this machine has (torch sees no CUDA "
+                          "device)", "accelerator=cpu")
+    count = torch.cuda.device_count()
+    if devices > count:
+        raise field_error("devices", devices, f"be <= the {count} CUDA device(s) this machine has")
+
+
+def _check_output(out_dir: str, summary: str | None) -> None:
+    """``output.dir`` must be (or become) a writable folder; ``output.summary`` a file name inside it."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise field_error("output.dir", out_dir, "be a folder (it names an existing file)",
+                          "choose another output.dir")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise field_error("output.dir", out_dir, f"be creatable ({ancestor} is a file, not a folder)")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise field_error("output.dir", out_dir, f"be writable ({ancestor} is not writable by this user)")
+    if summary is not None and (path / summary).is_dir():
+        raise field_error("output.summary", summary, "be a file name (it names a folder inside output.dir)")
+
+
+def _check_checkpoint(path: str) -> None:
+    """``resume`` must be a checkpoint Lightning can load: a torch file holding a dict with ``state_dict``."""
+    file = Path(path)
+    if not file.is_file():
+        raise field_error("resume", path, "be an existing checkpoint file")
+    if not zipfile.is_zipfile(file):
+        raise field_error("resume", path, "be a Lightning checkpoint (a torch.save file, e.g. "
+                          "output.dir/checkpoints/step_N.ckpt); this file is not one")
+    import torch
+
+    try:
+        # what Lightning's resume does (torch's weights_only default), memory-mapped: no tensor is read here
+        ckpt = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # a zip that is no torch file, or one holding objects a checkpoint doesn't
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise field_error("resume", path, f"be a Lightning checkpoint torch.load can read ({first})") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise field_error("resume", path, "be a Lightning checkpoint (a dict with `state_dict`; this file holds "
+                          f"{'a dict with keys ' + ', '.join(map(str, list(ckpt)[:5])) if isinstance(ckpt, dict) else type(ckpt).__name__})")
