@@ -86,7 +86,8 @@ def test_allocate_min_max_minimum_above_cap_is_infeasible():
 
 def test_dp_split_three_times_faster_device_gets_three_times_the_samples():
     cluster = cluster_from_dict(_two_speed_cluster())
-    cm = CostModel(cluster, _tiny_model(), TrainSettings(global_batch_size=8, micro_batch_sizes=(1,)))
+    # long sequences: compute outweighs the gradient sync (with short ones the slow device is better idle)
+    cm = CostModel(cluster, _tiny_model(seq_len=1024), TrainSettings(global_batch_size=8, micro_batch_sizes=(1,)))
     res = plan_data_parallel(cm)
     assert res is not None
     assert res.plan.rank_shares() == {"fast": 6, "slow": 2}
@@ -105,17 +106,16 @@ def test_dp_split_shares_sum_to_global_batch(speeds, extra, sizes):
     assert res is not None
     shares = res.plan.rank_shares()
     assert sum(shares.values()) == B
-    assert all(v >= 1 for v in shares.values())
+    assert all(v >= 1 for d, v in shares.items() if d not in res.plan.idle_reasons)
+    assert set(res.plan.idle_reasons) == {d for d, v in shares.items() if v == 0}
 
 
-def test_dp_batch_smaller_than_devices_names_the_field():
+def test_dp_batch_smaller_than_devices_gives_the_sample_to_the_fastest_and_says_why_the_other_idles():
     cluster = cluster_from_dict(_two_speed_cluster())
-    settings_ = TrainSettings(global_batch_size=1)
-    with pytest.raises(ConfigError) as info:
-        plan_data_parallel(CostModel(cluster, _tiny_model(), settings_))
-    assert info.value.field == "train.global_batch_size"
-    with pytest.raises(ConfigError, match="train.global_batch_size"):
-        plan(cluster, _tiny_model(), settings_, mode="dp")
+    res = plan_data_parallel(CostModel(cluster, _tiny_model(), TrainSettings(global_batch_size=1)))
+    assert res is not None and res.plan.rank_shares() == {"fast": 1, "slow": 0}
+    assert res.plan.idle_reasons == {"slow": "no sample left for it: the global batch (1) already gives one sample "
+                                              "to each of the 1 faster devices"}
 
 
 # -- pipeline partition -----------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_model_that_fits_nowhere_says_what_it_needs():
 
 def test_experts_split_by_speed_and_placed_once():
     cluster = cluster_from_dict(_two_speed_cluster())
-    workload = _tiny_model(num_layers=2, num_experts=8, top_k=2)
+    workload = _tiny_model(num_layers=2, num_experts=8, top_k=2, seq_len=1024)  # compute-bound: both devices run
     s = TrainSettings(global_batch_size=8, micro_batch_sizes=(1,))
     result = plan(cluster, workload, s, mode="dp")
     moe_layers = [i for i, layer in enumerate(workload.layers) if layer.moe]

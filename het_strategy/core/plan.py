@@ -107,6 +107,8 @@ class Plan:
     """MoE expert placement: ``{layer: {device: [expert ids]}}``."""
     predicted: dict[str, Any] = field(default_factory=dict)
     """Cost-model figures: step_time_s, samples_per_s, memory_gb per device, ..."""
+    idle_reasons: dict[str, str] = field(default_factory=dict)
+    """Why each device of ``cluster_devices`` the plan leaves idle is idle (optional; absent in older plans)."""
 
     def __post_init__(self) -> None:
         self.pipelines = tuple(self.pipelines)
@@ -211,6 +213,8 @@ class Plan:
             out["experts"] = {str(layer): {d: list(ids) for d, ids in m.items()} for layer, m in self.experts.items()}
         if self.predicted:
             out["predicted"] = self.predicted
+        if self.idle_reasons:
+            out["idle_reasons"] = dict(self.idle_reasons)
         return out
 
     def to_json(self) -> str:
@@ -248,6 +252,7 @@ class Plan:
                 mode=raw.get("mode", "manual"),
                 experts=experts,
                 predicted=dict(raw.get("predicted") or {}),
+                idle_reasons=_idle_reasons(raw.get("idle_reasons")),
             )
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -273,9 +278,18 @@ class Plan:
 
 
 _PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",
-              "zero_stage", "pipelines", "rank_shares", "experts", "predicted"}
+              "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons"}
 _PIPELINE_KEYS = {"micro_batch_size", "num_micro_batches", "samples", "stages"}
 _STAGE_KEYS = {"devices", "layers", "tp"}
+
+
+def _idle_reasons(raw: Any) -> dict[str, str]:
+    """``idle_reasons`` of a plan file: device name -> why it is idle (an optional field)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or not all(isinstance(v, str) for v in raw.values()):
+        raise field_error("plan.idle_reasons", raw, "be a mapping device name -> reason (text)")
+    return {str(k): v for k, v in raw.items()}
 
 
 def _check_plan_keys(raw: Mapping[str, Any]) -> None:

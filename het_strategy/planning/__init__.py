@@ -21,6 +21,7 @@ from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.dp_split import equal_split_plan, plan_data_parallel
 from het_strategy.planning.experts import place_experts
 from het_strategy.planning.hybrid import plan_hybrid
+from het_strategy.planning.idle import replica_memory
 from het_strategy.planning.pipeline import plan_pipeline_stages
 from het_strategy.planning.structure import StructureResult, assemble_plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
@@ -71,6 +72,7 @@ def plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, 
         raise PlanningError(_nothing_fits_message(cm, mode))
     best = min(results, key=lambda r: r.step_time_s)
     result = best.plan
+    _explain_idle(cm, result)
     if any(layer.moe for layer in workload.layers):
         result.experts = place_experts(cm, result)
     result.predicted = cm.score(result).to_dict()
@@ -87,8 +89,30 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= 0.1 * GiB else f"{num_bytes / 2**20:.1f} MiB"
 
 
+def _explain_idle(cm: CostModel, result: Plan) -> None:
+    """Give every idle device a reason (the dp planner gives its own; the other searches leave devices out of
+    the structures they try, so the reason says so, or that not even one layer fits)."""
+    used = set(result.used_devices)
+    reasons = {n: r for n, r in result.idle_reasons.items() if n not in used}
+    m = min(cm.settings.micro_batch_sizes)
+    for d in cm.cluster.devices:
+        if d.name in used or d.name in reasons:
+            continue
+        need = min(cm.stage_memory_bytes(i, i + 1, 1, m, 1, cm.cluster.num_devices)
+                   for i in range(cm.workload.num_layers))
+        have = cm.memory_capacity_bytes(d)
+        if need > have:
+            reasons[d.name] = f"does not fit: even its smallest layer needs {_size(need)}, it has {_size(have)}"
+        else:
+            reasons[d.name] = (f"left out by the {result.mode} search: the fastest plan it found has no stage on "
+                               "it")
+    result.idle_reasons = {d.name: reasons[d.name] for d in cm.cluster.devices if d.name in reasons}
+
+
 def _nothing_fits_message(cm: CostModel, mode: str) -> str:
     """Say what is missing: the memory the smallest feasible layout needs vs the largest device."""
+    if mode == "dp":
+        return _dp_does_not_fit_message(cm)
     largest = max(cm.cluster.devices, key=lambda d: d.memory_gb)
     m = min(cm.settings.micro_batch_sizes)
     L = cm.workload.num_layers
@@ -102,3 +126,20 @@ def _nothing_fits_message(cm: CostModel, mode: str) -> str:
             f"{largest.type}) has {largest.memory_gb:g} GiB; try ZeRO-3 (train.zero_stage=3), activation "
             f"checkpointing (train.activation_checkpointing=true), offload, or more stages "
             f"(train.max_stages) / devices")
+
+
+def _dp_does_not_fit_message(cm: CostModel) -> str:
+    """No device holds a whole replica: say which (need vs have) and what to change."""
+    m = min(cm.settings.micro_batch_sizes)
+    need, _ = replica_memory(cm, cm.cluster.devices[0].name)
+    by_type: dict[str, list[str]] = {}
+    for d in cm.cluster.devices:
+        by_type.setdefault(f"{d.type} ({d.memory_gb:g} GiB", []).append(d.name)
+    have = "; ".join(f"{len(v)}x {k}{', usable ' + _size(cm.memory_capacity_bytes(cm.cluster.device(v[0])))})"
+                     for k, v in by_type.items())
+    return (f"no dp plan fits in memory: data parallelism puts a whole replica of model `{cm.workload.name}` "
+            f"on every rank, which needs {_size(need)} at micro-batch {m} (weights, gradients, optimizer state, "
+            f"activations, train.memory_reserve_gb); no device holds it: {have}; use a smaller model or "
+            f"micro-batch (train.micro_batch_sizes), ZeRO (train.zero_stage=1..3), activation checkpointing "
+            f"(train.activation_checkpointing=true), or split the model: planner.mode=pipeline (or hybrid) and "
+            f"train with the hetero_deepspeed strategy")

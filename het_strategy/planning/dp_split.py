@@ -5,8 +5,10 @@ Its time on b samples, g_i(b), is the best over micro-batch sizes that fit its
 memory of (n - 1) micro-batches of size m plus one of the remainder — a
 non-decreasing function — so the exact min-max allocation in
 ``allocation.allocate_min_max`` gives the optimal integer shares (not
-proportional rounding).  Every rank gets at least one sample: DDP runs every
-rank every step.
+proportional rounding).  Every device that runs gets at least one sample; a
+device is left idle when the plan without it is faster or it cannot hold a
+replica (``idle.best_device_set``: the search over device sets and the reason
+recorded for each idle device in ``Plan.idle_reasons``).
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ from __future__ import annotations
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.planning.structure import StructureResult, assemble_plan, plan_from_pipelines
+from het_strategy.planning.idle import best_device_set
+from het_strategy.planning.structure import StructureResult, plan_from_pipelines
 
 __all__ = ["plan_data_parallel", "equal_split_plan"]
 
 
 def plan_data_parallel(cm: CostModel) -> StructureResult | None:
-    """Optimal uneven data-parallel plan over all devices (None if the model fits on none)."""
-    devices = [d.name for d in cm.cluster.devices]
-    if cm.settings.global_batch_size < len(devices):
-        raise field_error("train.global_batch_size", cm.settings.global_batch_size,
-                          f"be >= the number of data-parallel ranks ({len(devices)}): every rank needs a sample")
-    return assemble_plan(cm, [((d,),) for d in devices], "dp")
+    """Optimal uneven data-parallel plan over the devices worth using (None if the model fits on none).
+
+    Devices left idle (too slow, sync too dear, no memory for a replica, no sample left) carry their
+    reason in ``plan.idle_reasons``.
+    """
+    return best_device_set(cm)[0]
 
 
 def equal_split_plan(cm: CostModel) -> Plan:

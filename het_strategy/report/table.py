@@ -206,15 +206,29 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
     verdict = "fits" if score.fits else "DOES NOT FIT"
     lines.append(f"memory: {verdict}; least headroom on {dev} ({cluster.device(dev).type}): "
                  f"{need / GiB:.1f} of {cap / GiB:.1f} GiB ({(cap - need) / cap * 100:.0f}% free)")
-    idle = [d.name for d in cluster.devices if d.name not in used]
-    if idle:
-        lines.append(f"idle devices ({len(idle)}): {', '.join(_name_runs(idle))}")
+    lines += _idle_lines(plan, cluster, used)
     if plan.is_pure_dp:
         lines += _shares_lines(plan, cluster)
     if plan.experts:
         lines += _expert_lines(plan, cluster)
     lines += _dtype_rate_lines(plan, cluster, used)
     return "\n".join(lines)
+
+
+def _idle_lines(plan: "Plan", cluster: "ClusterSpec", used: Collection[str]) -> list[str]:
+    """Idle devices, those with the same reason on one line (``plan.idle_reasons``; older plans have none)."""
+    idle = [d.name for d in cluster.devices if d.name not in used]
+    if not idle:
+        return []
+    if not any(name in plan.idle_reasons for name in idle):  # a hand-made or older plan: no reasons recorded
+        return [f"idle devices ({len(idle)}): {', '.join(_name_runs(idle))}"]
+    by_reason: "OrderedDict[str, list[str]]" = OrderedDict()
+    for name in idle:
+        by_reason.setdefault(plan.idle_reasons.get(name, "no reason recorded in the plan"), []).append(name)
+    lines = [f"idle devices ({len(idle)}):"]
+    for reason, names in by_reason.items():
+        lines.append(f"  {compress_devices(names, cluster, width=60)}: {reason}")
+    return lines
 
 
 def _dtype_rate_lines(plan: "Plan", cluster: "ClusterSpec", used: Collection[str]) -> list[str]:

@@ -1,0 +1,196 @@
+"""Which devices a data-parallel plan leaves idle, and why.
+
+A very slow device beside fast ones (a CPU needing seconds per sample beside
+GPUs) sets the step time if it must take a sample; one on a slow link can cost
+more in gradient sync than its compute saves; one that cannot hold a model
+replica cannot take part at all.  So the data-parallel planner searches over
+the set of devices that run, not only over the shares:
+
+1. Devices whose replica (weights, gradients, optimizer state, one
+   micro-batch of the smallest size) exceeds their memory are idle: "does not
+   fit".
+2. Among the others, the set S minimising the step time of the exact uneven
+   split (``structure.assemble_plan``) over S:
+   * up to ``EXHAUSTIVE_DEVICES`` devices: every non-empty subset (exact);
+   * otherwise every union of device classes (a class: devices of equal cost
+     figures, ``CostModel.device_key``; up to ``EXHAUSTIVE_CLASSES`` classes),
+     then, per (class, node) group, drop it while that is faster
+     (``MAX_GROUPS`` groups at most);
+   * then every idle device is compared with the plan it would join: the best
+     plan over S plus that device.  If that is faster, it joins (and the
+     comparison repeats), so no single device left idle would make the step
+     faster.
+3. Each idle device gets its reason from that comparison: too slow (the step
+   with and without it), its sync over the slowest link costs more than its
+   compute saves, or no sample is left for it (global batch < devices).
+
+Tuning: the search costs at most ``2**EXHAUSTIVE_DEVICES`` assemblies on small
+clusters and a few dozen on large ones (one assembly of 512 devices is ~40 ms).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+from het_strategy.core.cost_model import GiB, CostModel, PlanScore
+from het_strategy.planning.structure import StructureResult, assemble_plan
+
+__all__ = ["EXHAUSTIVE_DEVICES", "EXHAUSTIVE_CLASSES", "MAX_GROUPS", "replica_memory", "best_device_set"]
+
+EXHAUSTIVE_DEVICES = 8
+EXHAUSTIVE_CLASSES = 6
+MAX_GROUPS = 16
+
+
+def replica_memory(cm: CostModel, device: str) -> tuple[float, float]:
+    """(bytes a full model replica needs at the smallest micro-batch, bytes the device has) in pure DP."""
+    dev = cm.cluster.device(device)
+    m = min(cm.settings.micro_batch_sizes)
+    dp = max(1, min(cm.cluster.num_devices, cm.settings.global_batch_size))  # most ranks ZeRO can shard over
+    need = cm.stage_memory_bytes(0, cm.workload.num_layers, 1, m, 1, dp)
+    return need, cm.memory_capacity_bytes(dev)
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+class _Search:
+    """Assemblies of the pure-DP plan over device sets, memoised by set."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self.order = {d.name: i for i, d in enumerate(cm.cluster.devices)}
+        self._memo: dict[frozenset, StructureResult | None] = {}
+
+    def run(self, names: Sequence[str]) -> StructureResult | None:
+        key = frozenset(names)
+        if key not in self._memo:
+            ranked = sorted(key, key=self.order.__getitem__)
+            ok = 0 < len(ranked) <= self.cm.settings.global_batch_size
+            self._memo[key] = assemble_plan(self.cm, [((d,),) for d in ranked], "dp") if ok else None
+        return self._memo[key]
+
+    def best_of(self, sets: Sequence[Sequence[str]]) -> StructureResult | None:
+        best = None
+        for names in sets:
+            res = self.run(names)
+            if res is not None and (best is None or res.step_time_s < best.step_time_s):
+                best = res
+        return best
+
+
+def _classes(cm: CostModel, names: Sequence[str], key: Callable) -> list[list[str]]:
+    out: dict[object, list[str]] = {}
+    for n in names:
+        out.setdefault(key(cm.cluster.device(n)), []).append(n)
+    return list(out.values())
+
+
+def _idle_groups(cm: CostModel, names: Sequence[str]) -> list[list[str]]:
+    """Idle devices alike for the comparison: same class and node; same class alone when that makes too many."""
+    groups = _classes(cm, names, lambda d: (cm.device_key(d), d.node))
+    return groups if len(groups) <= MAX_GROUPS else _classes(cm, names, cm.device_key)
+
+
+def _trimmed(cm: CostModel, search: _Search, names: list[str]) -> list[str]:
+    """At most global-batch devices: the slowest (one sample alone) dropped first."""
+    B = cm.settings.global_batch_size
+    if len(names) <= B:
+        return names
+    one = {n: cm.stage_compute_s(cm.cluster.device(n), 1, 1, 0, cm.workload.num_layers) for n in names}
+    keep = set(sorted(names, key=lambda n: (one[n], search.order[n]))[:B])
+    return [n for n in names if n in keep]
+
+
+def _search_sets(cm: CostModel, search: _Search, fitting: list[str]) -> StructureResult | None:
+    if len(fitting) <= EXHAUSTIVE_DEVICES:
+        subsets = [c for k in range(1, len(fitting) + 1) for c in itertools.combinations(fitting, k)]
+        return search.best_of(subsets)
+    classes = _classes(cm, fitting, cm.device_key)
+    if len(classes) <= EXHAUSTIVE_CLASSES:
+        unions = [[n for cl in combo for n in cl] for k in range(1, len(classes) + 1)
+                  for combo in itertools.combinations(classes, k)]
+    else:  # many kinds of device: drop the slowest kinds one by one
+        L = cm.workload.num_layers
+        speed = sorted(classes, key=lambda cl: cm.stage_compute_s(cm.cluster.device(cl[0]), 1, 1, 0, L))
+        unions = [[n for cl in speed[:k] for n in cl] for k in range(1, len(speed) + 1)]
+    best = search.best_of([_trimmed(cm, search, u) for u in unions])
+    if best is None:
+        return None
+    groups = _classes(cm, list(best.plan.used_devices), lambda d: (cm.device_key(d), d.node))
+    while 1 < len(groups) <= MAX_GROUPS:
+        cands = [[n for h in groups if h is not g for n in h] for g in groups]
+        trial = search.best_of(cands)
+        if trial is None or trial.step_time_s >= best.step_time_s:
+            break
+        best = trial
+        used = set(trial.plan.used_devices)
+        groups = [g for g in groups if g[0] in used]
+    return best
+
+
+def best_device_set(cm: CostModel) -> tuple[StructureResult | None, dict[str, str]]:
+    """The fastest pure-DP plan over a subset of the devices, and why each device left out is idle."""
+    reasons: dict[str, str] = {}
+    fitting = []
+    m = min(cm.settings.micro_batch_sizes)
+    for d in cm.cluster.devices:
+        need, have = replica_memory(cm, d.name)
+        if need > have:
+            reasons[d.name] = (f"does not fit: a model replica needs {need / GiB:.1f} GiB at micro-batch {m}, "
+                               f"it has {have / GiB:.1f} GiB")
+        else:
+            fitting.append(d.name)
+    search = _Search(cm)
+    best = _search_sets(cm, search, fitting) if fitting else None
+    if best is None:
+        return None, reasons
+    best = _add_back(cm, search, best, fitting)
+    used = set(best.plan.used_devices)
+    idle = [n for n in fitting if n not in used]
+    without = cm.score(best.plan)
+    for group in _idle_groups(cm, idle):
+        why = _reason(cm, search, best, without, group[0])
+        for n in group:
+            reasons[n] = why
+    best.plan.idle_reasons = {d.name: reasons[d.name] for d in cm.cluster.devices if d.name in reasons}
+    return best, best.plan.idle_reasons
+
+
+def _add_back(cm: CostModel, search: _Search, best: StructureResult, fitting: list[str]) -> StructureResult:
+    """Let an idle device join while one joining makes the step faster (one per (class, node) group tried)."""
+    while True:
+        used = list(best.plan.used_devices)
+        idle = [n for n in fitting if n not in set(used)]
+        reps = [g[0] for g in _idle_groups(cm, idle)]
+        trial = search.best_of([used + [r] for r in reps])
+        if trial is None or trial.step_time_s >= best.step_time_s * (1 - 1e-12):
+            return best
+        best = trial
+
+
+def _reason(cm: CostModel, search: _Search, best: StructureResult, s_without: PlanScore, device: str) -> str:
+    """Why ``device`` is idle: the plan with it against the plan without it."""
+    used = list(best.plan.used_devices)
+    B = cm.settings.global_batch_size
+    if len(used) + 1 > B:
+        return (f"no sample left for it: the global batch ({B}) already gives one sample to each of the "
+                f"{len(used)} faster devices")
+    with_it = search.run(used + [device])
+    if with_it is None:
+        return "no plan with it fits in memory"
+    s_with = cm.score(with_it.plan)
+    post_with = s_with.sync_time_s + s_with.update_time_s
+    post_without = s_without.sync_time_s + s_without.update_time_s
+    compute_with, compute_without = max(s_with.pipeline_times_s), max(s_without.pipeline_times_s)
+    steps = f"with it the step takes {_fmt_s(s_with.step_time_s)}, without {_fmt_s(s_without.step_time_s)}"
+    if compute_with < compute_without and post_with > post_without:
+        bw = cm.cluster.min_bandwidth(used + [device]) / 1e9
+        return (f"its gradient sync over the {bw:g} GB/s link costs more than its compute saves: {steps} "
+                f"(sync + update {_fmt_s(post_with)} against {_fmt_s(post_without)})")
+    k = with_it.plan.used_devices.index(device)
+    pipe = with_it.plan.pipelines[k]
+    return (f"too slow: {steps} (its share, {pipe.samples} sample{'s' if pipe.samples != 1 else ''}, takes it "
+            f"{_fmt_s(s_with.pipeline_times_s[k])})")
