@@ -18,6 +18,8 @@ from typing import Any, Mapping
 import yaml
 
 from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
+from het_strategy.core.cluster_limits import bounded_figure as _figure, check_count, check_figure, check_name, \
+    check_yaml_tree, devices_per_node as _devices_per_node
 from het_strategy.core.plain_data import plain
 from het_strategy.core.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
 from het_strategy.core.shipped import config_file, shipped_config_dir
@@ -69,6 +71,8 @@ class DeviceSpec:
                 raise field_error(f"{where}.tflops", key, f"name a dtype in {DTYPES}")
         if not is_positive(self.memory_gb):
             raise field_error(f"{where}.memory_gb", self.memory_gb, "be > 0 (GiB of device memory)")
+        for key, value in [*((f"tflops.{k}", v) for k, v in self.tflops.items()), ("memory_gb", self.memory_gb)]:
+            check_figure(value, f"{where}.{key}", key.split(".")[0])  # huge figures overflow the cost model
         if not is_positive(self.memory_bandwidth_gbs):
             raise field_error(f"{where}.memory_bandwidth_gbs", self.memory_bandwidth_gbs, "be > 0 (GB/s)")
         if not (is_positive(self.efficiency) and self.efficiency <= 1):
@@ -340,6 +344,7 @@ def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> Cluste
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"cluster file {path} is not valid YAML: {exc}", field="cluster", value=str(path)) from None
+    check_yaml_tree(raw, f"cluster file {path}")
     if not isinstance(raw, Mapping):
         raise field_error("cluster", type(raw).__name__, f"be a mapping at the top of {path}")
     raw = dict(raw)
@@ -349,21 +354,23 @@ def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> Cluste
 
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
     """Build a ClusterSpec from the YAML schema documented in README.md (an OmegaConf node works too)."""
+    check_yaml_tree(raw, "the cluster")
     raw = plain(raw)
     check_keys(raw, _CLUSTER_KEYS, "cluster")
-    name = str(raw.get("name", "cluster"))
+    name = check_name(raw.get("name", "cluster"), "name")
     nodes_raw = raw.get("nodes")
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise field_error("nodes", nodes_raw, "be a non-empty list of nodes")
-    inter = require_number(raw.get("inter_node_bandwidth_gbs", 12.5), "inter_node_bandwidth_gbs")
+    inter = _figure(raw.get("inter_node_bandwidth_gbs", 12.5), "inter_node_bandwidth_gbs", "bandwidth_gbs")
     nodes: list[NodeSpec] = []
     for i, node_raw in enumerate(nodes_raw):
         where = f"nodes[{i}]"
         if not isinstance(node_raw, Mapping):
             raise field_error(where, node_raw, "be a mapping with `devices`")
         check_keys(node_raw, _NODE_KEYS, where)
-        repeat = require_int(node_raw.get("count", 1), f"{where}.count", minimum=1)
-        base = str(node_raw.get("name", f"node{i}"))
+        per_node = _devices_per_node(node_raw, where, sum(len(n.devices) for n in nodes))
+        repeat = check_count(node_raw.get("count", 1), f"{where}.count", sum(len(n.devices) for n in nodes), per_node)
+        base = check_name(node_raw.get("name", f"node{i}"), f"{where}.name")
         for r in range(repeat):
             node_name = base if repeat == 1 else f"{base}{r}"
             nodes.append(_node_from_dict(node_raw, node_name, where, inter))
@@ -375,9 +382,10 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
         pair = link_raw.get("nodes")
         if not isinstance(pair, list) or len(pair) != 2:
             raise field_error(f"links[{i}].nodes", pair, "be a list of two node names")
-        links.append(LinkSpec((str(pair[0]), str(pair[1])),
-                              require_number(link_raw.get("bandwidth_gbs"), f"links[{i}].bandwidth_gbs")))
-    latency = require_number(raw.get("latency_us", 10.0), "latency_us", allow_zero=True)
+        links.append(LinkSpec((check_name(pair[0], f"links[{i}].nodes[0]"), check_name(pair[1], f"links[{i}].nodes[1]")),
+                              _figure(link_raw.get("bandwidth_gbs"), f"links[{i}].bandwidth_gbs", "bandwidth_gbs")))
+    latency = check_figure(require_number(raw.get("latency_us", 10.0), "latency_us", allow_zero=True), "latency_us",
+                           "latency_us")
     slowdowns = []
     for i, sd_raw in enumerate(raw.get("slowdowns") or []):
         if not isinstance(sd_raw, Mapping):
@@ -408,23 +416,24 @@ def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str, int
         if not isinstance(dev_raw, Mapping):
             raise field_error(dwhere, dev_raw, "be a device type name or a mapping with `type`")
         check_keys(dev_raw, _DEVICE_KEYS, dwhere)
-        count = require_int(dev_raw.get("count", 1), f"{dwhere}.count", minimum=1)
+        count = require_int(dev_raw.get("count", 1), f"{dwhere}.count", minimum=1)  # bounded: _devices_per_node
         catalog_type = _resolve_type(dev_raw, dwhere)
         first_type = first_type or catalog_type
         for _ in range(count):
             idx = len(devices)
-            name = dev_raw.get("name") if count == 1 and "name" in dev_raw else f"{node_name}/{idx}"
-            devices.append(_device_from_dict(dev_raw, str(name), node_name, catalog_type, dwhere))
+            name = check_name(dev_raw["name"], f"{dwhere}.name") if count == 1 and "name" in dev_raw \
+                else f"{node_name}/{idx}"
+            devices.append(_device_from_dict(dev_raw, name, node_name, catalog_type, dwhere))
     if "intra_bandwidth_gbs" in node_raw:
-        intra = require_number(node_raw["intra_bandwidth_gbs"], f"{where}.intra_bandwidth_gbs")
+        intra = _figure(node_raw["intra_bandwidth_gbs"], f"{where}.intra_bandwidth_gbs", "bandwidth_gbs")
     elif first_type is not None:
         intra = first_type.intra_node_bandwidth_gbs
     else:
         raise field_error(f"{where}.intra_bandwidth_gbs", None, "be given when the node's devices are not in the catalog")
-    nic = require_number(node_raw.get("inter_bandwidth_gbs", inter_default), f"{where}.inter_bandwidth_gbs")
+    nic = _figure(node_raw.get("inter_bandwidth_gbs", inter_default), f"{where}.inter_bandwidth_gbs", "bandwidth_gbs")
     flow = node_raw.get("inter_flow_bandwidth_gbs")
     if flow is not None:
-        flow = require_number(flow, f"{where}.inter_flow_bandwidth_gbs")
+        flow = _figure(flow, f"{where}.inter_flow_bandwidth_gbs", "bandwidth_gbs")
         if flow > nic:
             raise field_error(f"{where}.inter_flow_bandwidth_gbs", flow,
                               f"be <= the node's inter_bandwidth_gbs ({nic:g}): one flow cannot exceed the interface")
@@ -453,9 +462,9 @@ def _device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: Devi
     elif isinstance(tflops_raw, (int, float)) and not isinstance(tflops_raw, bool):
         # one measured figure: applies to every dtype the device supports
         base = dt.tflops if dt else {"fp32": 1.0}
-        tflops = {k: float(tflops_raw) for k in base}
+        tflops = {k: check_figure(float(tflops_raw), f"{where}.tflops", "tflops") for k in base}
     elif isinstance(tflops_raw, Mapping):
-        tflops = {str(k): require_number(v, f"{where}.tflops.{k}") for k, v in tflops_raw.items()}
+        tflops = {str(k): _figure(v, f"{where}.tflops.{k}", "tflops") for k, v in tflops_raw.items()}
     else:
         raise field_error(f"{where}.tflops", tflops_raw, "be a number or a mapping dtype -> TFLOPS")
     measured = tflops_raw is not None
@@ -466,11 +475,11 @@ def _device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: Devi
         type=dt.name if dt else str(dev_raw["type"]),
         node=node,
         tflops=tflops,
-        memory_gb=require_number(dev_raw.get("memory_gb", dt.memory_gb if dt else None), f"{where}.memory_gb"),
-        memory_bandwidth_gbs=require_number(dev_raw.get("memory_bandwidth_gbs", dt.memory_bandwidth_gbs if dt else None),
-                                        f"{where}.memory_bandwidth_gbs"),
+        memory_gb=_figure(dev_raw.get("memory_gb", dt.memory_gb if dt else None), f"{where}.memory_gb", "memory_gb"),
+        memory_bandwidth_gbs=_figure(dev_raw.get("memory_bandwidth_gbs", dt.memory_bandwidth_gbs if dt else None),
+                                     f"{where}.memory_bandwidth_gbs", "memory_bandwidth_gbs"),
         efficiency=require_number(dev_raw.get("efficiency", eff_default), f"{where}.efficiency"),
-        emulated_speed=None if speed is None else require_number(speed, f"{where}.emulated_speed"),
+        emulated_speed=None if speed is None else _figure(speed, f"{where}.emulated_speed", "emulated_speed"),
     )
 
 
