@@ -10,7 +10,13 @@ On every rank and training step ``StepTelemetry`` records
 * ``data_s`` — from the end of the previous step to this batch's start:
   fetching the batch (and the loop's own bookkeeping);
 * ``step_s`` — end of the previous step to the end of this one;
-* ``samples`` — the samples the rank really used (0 for a filler).
+* ``samples`` — the samples the rank really used (0 for a filler);
+* ``share`` — the rank's share of a full global batch in the plan being run;
+* ``raw_bytes`` / ``wire_bytes`` — the gradient bytes this rank's comm hook
+  handled in the step: what a plain ring allreduce of its buckets sends, and
+  what really went on the wire (compression; ``compression/wire_count.py``
+  counts both in the hook).  0 in a step DDP did not sync (accumulation);
+  ``wire_bytes`` is left out for a user's hook that does not count its bytes.
 
 Every ``every_n_steps`` steps the rows of all ranks are exchanged in one
 ``all_gather`` (no collective in the other steps), handed to ``on_window`` —
@@ -20,6 +26,7 @@ to the Trainer's loggers (wandb, CSV) as ``telemetry/rank{r}/<field>``.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -32,7 +39,7 @@ from het_strategy.strategy.protocol import HeteroRuntime
 
 __all__ = ["StepTelemetry", "FIELDS"]
 
-FIELDS = ("step", "samples", "compute_s", "comm_s", "data_s", "step_s")
+FIELDS = ("step", "samples", "compute_s", "comm_s", "data_s", "step_s", "share", "raw_bytes", "wire_bytes")
 
 
 class StepTelemetry(pl.Callback):
@@ -51,6 +58,7 @@ class StepTelemetry(pl.Callback):
         self._last_end: float | None = None
         self._start = 0.0
         self._after_backward = 0.0
+        self._wire_seen: tuple[int, int | None] = (0, 0)  # the comm hook's byte totals at the last step's end
         self.runtime: HeteroRuntime | None = None
         """The strategy, seen through what callbacks may use of it (set at setup)."""
 
@@ -62,6 +70,12 @@ class StepTelemetry(pl.Callback):
         elif stage == "fit":
             raise field_error("strategy", type(trainer.strategy).__name__,
                               "be `hetero` (it timestamps each rank's compute in its comm hook)")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        wire = getattr(self.runtime, "wire", None)
+        if wire is not None:  # bytes of an earlier fit with the same strategy are not this run's
+            self._wire_seen = wire.reading()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -81,7 +95,10 @@ class StepTelemetry(pl.Callback):
         data_s = self._start - self._last_end if self._last_end is not None else 0.0
         step_s = end - self._last_end if self._last_end is not None else end - self._start
         comm_s = max(self._after_backward - self._start - record.compute_s, 0.0)
-        self._rows.append([float(self.steps_seen), float(record.samples), record.compute_s, comm_s, data_s, step_s])
+        raw, sent = self._wire_step()
+        share = float(self.runtime.current_shares()[trainer.global_rank])
+        self._rows.append([float(self.steps_seen), float(record.samples), record.compute_s, comm_s, data_s, step_s,
+                           share, raw, sent])
         self._last_end = end
         self.steps_seen += 1
         if self.steps_seen % self.every_n_steps == 0:
@@ -89,6 +106,17 @@ class StepTelemetry(pl.Callback):
             if self.log and trainer.global_rank == 0:
                 self._log(trainer, window)
             self.on_window(trainer, pl_module, window, batch_idx)
+
+    def _wire_step(self) -> tuple[float, float]:
+        """This step's (raw, wire) gradient bytes from the strategy's counter (NaN where unknown)."""
+        wire = getattr(self.runtime, "wire", None)  # the hetero strategy's WireBytes; not part of HeteroRuntime
+        if wire is None:
+            return math.nan, math.nan
+        raw, sent = wire.reading()
+        last_raw, last_sent = self._wire_seen
+        self._wire_seen = (raw, sent)
+        step_sent = math.nan if sent is None or last_sent is None else float(sent - last_sent)
+        return float(raw - last_raw), step_sent
 
     def _exchange(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.Tensor:
         """[world, steps, len(FIELDS)] on every rank (float64, CPU)."""
@@ -103,7 +131,8 @@ class StepTelemetry(pl.Callback):
         for s in range(window.shape[1]):
             step = int(window[0, s, 0])
             metrics = {f"telemetry/rank{r}/{name}": float(window[r, s, i])
-                       for r in range(window.shape[0]) for i, name in enumerate(FIELDS) if name != "step"}
+                       for r in range(window.shape[0]) for i, name in enumerate(FIELDS)
+                       if name != "step" and not math.isnan(float(window[r, s, i]))}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
@@ -119,4 +148,5 @@ class StepTelemetry(pl.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_seen = int(state_dict["steps_seen"])
-        self._rows = [list(r) for r in state_dict["rows"]]
+        # rows saved before the share and byte fields existed get NaN for them
+        self._rows = [list(r) + [math.nan] * (len(FIELDS) - len(r)) for r in state_dict["rows"]]

@@ -4,7 +4,9 @@
 end of training it gathers, from every rank, the samples per step and — under
 the ``hetero`` strategy, which timestamps the moment a rank's last gradient is
 ready — the compute seconds per step without waiting for others.  Rank 0 gets
-a summary (``.summary``, optionally a JSON file) and a printed table:
+a summary (``.summary``, optionally a JSON file, added to a ``WandbLogger``'s
+run as a file) and a printed table, and logs its step time, samples/s and
+estimated speed-up as ``throughput/<figure>`` to every logger:
 
 * ``samples_per_s``: global batch / mean wall time of a step (after warm-up);
 * ``step_durations_s``: rank 0's wall time of every step (step i at index i);
@@ -31,9 +33,13 @@ from typing_extensions import override
 from het_strategy.core.errors import field_error
 from het_strategy.core.atomic_file import write_atomic
 from het_strategy.profiling.batch_contents import batch_length
+from het_strategy.report.wandb_view import save_file
 from het_strategy.strategy.protocol import HeteroRuntime
 
 __all__ = ["ThroughputMonitor"]
+
+_LOGGED = ("step_s", "samples_per_s", "equal_split_step_s", "speedup_vs_equal")
+"""Summary figures logged as ``throughput/<name>`` to every logger at the end of training."""
 
 
 class ThroughputMonitor(pl.Callback):
@@ -82,8 +88,12 @@ class ThroughputMonitor(pl.Callback):
         self.summary = self._summarise(trainer, gathered)
         if self.verbose:
             print(format_summary(self.summary), flush=True)
+        scalars = {f"throughput/{k}": float(self.summary[k]) for k in _LOGGED if self.summary.get(k) is not None}
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=trainer.global_step)
         if self.summary_path is not None:
             write_atomic(self.summary_path, json.dumps(self.summary, indent=2))
+            save_file(trainer.loggers, self.summary_path)  # a WandbLogger's run gets the file itself
 
     def _rank_stats(self, trainer: pl.Trainer) -> dict[str, Any]:
         w = self.warmup_steps

@@ -9,8 +9,9 @@
 - ``state.py``       ``CompressionState``: what the hook remembers between steps, owns the controller,
   checkpoints (``state_dict``)
 - ``hook.py``        ``compression_hook`` (register on any DDP model with a ``CompressionState``)
+- ``wire_count.py``  ``counted_comm_hook``: any hook's bytes on the wire per rank, into a ``WireBytes``
 
-Imports point one way: config, quantize, exchange, controller <- adaptive <- state <- hook.
+Imports point one way: config, quantize, exchange, controller <- adaptive <- state <- hook; wire_count alone.
 """
 
 from het_strategy.compression.config import METHODS, CompressionConfig, compression_config
@@ -18,7 +19,8 @@ from het_strategy.compression.controller import LayerOption, LinkModel, solve_la
 from het_strategy.compression.adaptive import AdaptiveController, format_decisions
 from het_strategy.compression.state import CompressionState
 from het_strategy.compression.hook import compression_hook
+from het_strategy.compression.wire_count import WireBytes, counted_comm_hook
 
 __all__ = ["METHODS", "CompressionConfig", "compression_config", "CompressionState", "compression_hook",
            "AdaptiveController", "format_decisions", "LayerOption", "LinkModel", "solve_layer_methods",
-           "wire_bytes"]
+           "wire_bytes", "WireBytes", "counted_comm_hook"]

@@ -182,18 +182,19 @@ class AdaptiveController:
         self.link = link
         candidates = list(cfg.candidates)
         budget = cfg.error_budget * float(errors[:, tokens.index(f"q{cfg.bits}")].sum())
+        # every rank prices the options with its own link (for the log's reasons); rank 0's decide
+        options = []
+        for li, name in enumerate(names):
+            shape = stats[name]["shape"]
+            row = []
+            for token in candidates:
+                ti = tokens.index(token)
+                codec = 0.0 if token == "none" else _CODEC_FACTOR * float(seconds[li, ti])
+                row.append(LayerOption(token, link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
+                                       float(errors[li, ti])))
+            options.append(row)
         choice = torch.zeros(len(names), dtype=torch.int64, device=device)
         if dist.get_rank(group) == 0:
-            options = []
-            for li, name in enumerate(names):
-                shape = stats[name]["shape"]
-                row = []
-                for token in candidates:
-                    ti = tokens.index(token)
-                    codec = 0.0 if token == "none" else _CODEC_FACTOR * float(seconds[li, ti])
-                    row.append(LayerOption(token, link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
-                                           float(errors[li, ti])))
-                options.append(row)
             chosen = solve_layer_methods(options, budget)
             if "none" in candidates:  # is it worth it at all? latency per collective and a margin decide
                 plain = [candidates.index("none")] * len(names)
@@ -224,10 +225,26 @@ class AdaptiveController:
             rows.append({"step": step, "layer": name, "method": token,
                          "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / math.prod(shape), 3),
                          "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
-                         "budget": budget})
+                         "budget": budget, "reason": _reason(options[li], candidates.index(token), link, budget)})
         if changed and cfg.verbose and dist.get_rank() == 0:
             print(format_decisions(rows, link, budget), flush=True)
         return Solution(new, rows)
+
+
+def _reason(options: list[LayerOption], chosen: int, link: LinkModel, budget: float) -> str:
+    """Why a layer got its method: the link, its predicted time against the uncompressed one, its error."""
+    pick = options[chosen]
+    text = (f"link {link.bytes_per_s * 8 / 1e6:.0f} Mbit/s, {link.latency_s * 1e3:.2f} ms latency: "
+            f"{pick.token} {pick.time_s * 1e3:.3g} ms")
+    plain = next((o for o in options if o.token == "none"), None)
+    if plain is not None and pick.token != "none":
+        text += f" vs {plain.time_s * 1e3:.3g} ms uncompressed"
+    elif plain is not None:
+        fastest = min(options, key=lambda o: o.time_s)
+        if fastest.token != "none":  # compressing this layer would have been faster alone: the budget or margin
+            text += (f" (fastest {fastest.token} {fastest.time_s * 1e3:.3g} ms; the error budget or min_saving "
+                     "kept it uncompressed)")
+    return text + f"; error {pick.error:.3g} of a budget of {budget:.3g} for all layers"
 
 
 def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, cfg: CompressionConfig,

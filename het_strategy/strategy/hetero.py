@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from het_strategy.compression import CompressionState, compression_config, compression_hook
+from het_strategy.compression import CompressionState, WireBytes, compression_config, compression_hook, counted_comm_hook
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import rank_debug
@@ -42,6 +42,7 @@ from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_s
     loader_at, split_loader
 from het_strategy.strategy.experts import MoERun
 from het_strategy.strategy.planned_run import PlannedRun
+from het_strategy.strategy.run_callbacks import attach_callbacks
 from het_strategy.strategy.sampler import HeteroBatchSampler
 from het_strategy.strategy.step_timing import StepClock
 
@@ -112,7 +113,7 @@ class HeteroLogic(MoERun, PlannedRun):
         self.compression_state: CompressionState | None = None
         self.cluster = self.plan = self._eval_plan = self.train_sampler = self.experts = None
         self.workload = self.profile = self.padding = None
-        self.clock = StepClock()
+        self.clock, self.wire = StepClock(), WireBytes()  # this rank's step times; its gradient bytes
         self._restored: dict[str, Any] | None = None
         self._counts: tuple[int, int] | None = None  # (this rank's samples, all ranks') of the current batch
         self._in_step = False
@@ -136,8 +137,7 @@ class HeteroLogic(MoERun, PlannedRun):
     def setup(self, trainer: Any) -> None:
         self.place_experts()  # before DDP wraps the model and the optimizer is built
         super().setup(trainer)
-        if self._rebalance is not None and self._rebalance not in trainer.callbacks:
-            trainer.callbacks.append(self._rebalance)
+        attach_callbacks(self, trainer, self._rebalance, self._telemetry)  # the rebalance and telemetry callbacks
         rank_debug(self.global_rank, "setup: %s", trainer.state.fn)
 
     @override
@@ -155,7 +155,7 @@ class HeteroLogic(MoERun, PlannedRun):
                     ckpt.restore_compression(self.compression_state, restored["ranks"], self.world_size,
                                              self.global_rank)
             inner, state = compression_hook, self.compression_state
-        hook = padded_comm_hook(inner, self._finish_padding, self.clock.gradients_ready)
+        hook = padded_comm_hook(counted_comm_hook(inner, self.wire), self._finish_padding, self.clock.gradients_ready)
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
         self.model.register_comm_hook(state=state, hook=hook)
