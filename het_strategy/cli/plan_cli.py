@@ -7,12 +7,16 @@ Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style)::
     het-plan cluster=./my_cluster.yaml cluster.inter_node_bandwidth_gbs=5 planner.mode=dp
     het-plan planner.profile=sailor output.ds_config=true output.plot=true
     het-plan score=plan.json                               # score a given plan, no search
+    het-plan model=my_models.py:make_net model_input.shape=[4,1,28,28]   # your own nn.Module
     het-plan --cfg                                         # print the composed config and stop
 
 Steps of one run:
 
 1. compose the config (Hydra compose API: no output folders, no change of cwd);
 2. build ClusterSpec, WorkloadSpec (activations in ``train.dtype``), TrainSettings;
+   with ``model=<python path>`` (``package.module:function`` or
+   ``file.py:function``) the workload is that model's profile
+   (``profiling.model_factory``), written next to the plan as ``<plan>.model.json``;
 3. plan with ``het_strategy.planning.plan`` — or, with ``score=<file>``, load that
    plan, check it belongs to this cluster and model, and score it with the same
    CostModel;
@@ -26,12 +30,13 @@ Bad input (cluster, model, batch, overrides, plan file) prints one line
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from het_strategy.cli._common import (
     compose_config,
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
     from het_strategy.core.cost_model import PlanScore, TrainSettings
     from het_strategy.core.plan import Plan
     from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
+    from het_strategy.profiling.module_profile import ProfileResult
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
 
@@ -57,6 +63,8 @@ CONFIG_NAME = "plan"
 _PROFILES = (None, "sailor")
 _OUTPUT_KEYS = {"dir", "plan", "ds_config", "plot"}
 _PLANNER_KEYS = {"mode", "profile", "runtime"}
+_MODEL_INPUT_KEYS = {"shape", "dtype", "blocks", "repeats", "measured_type"}
+_PYTHON_PATH = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*|.+\.py):[A-Za-z_]\w*$")
 
 _USAGE = f"""usage: {PROG} [--cfg] [key=value ...]
 
@@ -65,6 +73,9 @@ Plan training of a model on a heterogeneous cluster; print a table and write pla
 overrides (Hydra syntax; see configs/plan.yaml for every field):
   cluster=<name|file.yaml>      shipped: {{clusters}}
   model=<name|file.yaml>        shipped: {{models}}
+  model=<module:function>       your own nn.Module (package.module:function or file.py:function), profiled;
+                                model_input.shape=[4,1,28,28] model_input.dtype=float32 unless the
+                                function returns (module, sample_input)
   train.global_batch_size=N     train.dtype=bf16|fp16|fp32   train.zero_stage=0..3
   train.max_tp=1|2|4|8          train.micro_batch_sizes=[1,2,4,8]   train.activation_checkpointing=true
   planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed
@@ -81,8 +92,45 @@ Bad input exits with code 2 and one line naming the field, the value and the rul
 
 
 def compose_plan_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """The composed ``plan`` config with ``overrides`` (``cluster=<file.yaml>`` accepted)."""
-    return compose_config(CONFIG_NAME, overrides)
+    """The composed ``plan`` config with ``overrides`` (``cluster=<file.yaml>``, ``model=<python path>`` accepted).
+
+    ``model=<python path>`` becomes ``cfg.model = {name, factory}`` (Hydra would look for a group option).
+    """
+    overrides = [str(o) for o in overrides]
+    factories = [o.partition("=")[2] for o in overrides if _is_model_factory(o)]
+    rest = [o for o in overrides if not _is_model_factory(o)]
+    for ov in rest:
+        _check_cluster_yaml(ov)
+    cfg = compose_config(CONFIG_NAME, rest)
+    if factories:
+        with open_dict(cfg):
+            cfg["model"] = {"name": factories[-1].rpartition(":")[2], "factory": factories[-1]}
+    return cfg
+
+
+def _is_model_factory(override: str) -> bool:
+    key, sep, value = override.partition("=")
+    return bool(sep) and key == "model" and not value.lower().endswith((".yaml", ".yml")) \
+        and bool(_PYTHON_PATH.match(value))
+
+
+def _check_cluster_yaml(override: str) -> None:
+    """A ``cluster=<file.yaml>`` whose YAML has an alias loop is refused here (Hydra would recurse forever)."""
+    key, sep, value = override.partition("=")
+    if not sep or key.lstrip("+~") != "cluster" or not value.lower().endswith((".yaml", ".yml")):
+        return
+    path = Path(value).expanduser()
+    if not path.is_file():
+        return  # compose_config reports it
+    import yaml
+
+    from het_strategy.core.cluster_limits import check_yaml_tree
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return  # compose_config reports it
+    check_yaml_tree(raw, f"`cluster` file {path}")
 
 
 def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
@@ -99,8 +147,16 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     check_keys(planner, _PLANNER_KEYS, "planner")
     settings = train_settings_from_cfg(cfg)
     cluster = cluster_from_cfg(cfg)
-    workload = workload_from_cfg(cfg, dtype=settings.dtype)
-    profile = _load_profile(planner.get("profile"), workload)
+    made = _factory_model(cfg)
+    factory = made[0] if made is not None else None
+    if made is None:
+        workload = workload_from_cfg(cfg, dtype=settings.dtype)
+        profile = _load_profile(planner.get("profile"), workload)
+    else:
+        if planner.get("profile") is not None:
+            raise field_error("planner.profile", planner.get("profile"), "be null with model=<python path> (the "
+                              "model is profiled here; planner.profile names Sailor's profiles of shipped models)")
+        workload, profile = made[0].workload, made[0].profile if made[1] else None
 
     score_path = cfg.get("score")
     runtime_line = None
@@ -126,6 +182,11 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
 
     # files first: a closed stdout (``het-plan | head``) must not cost the user the plan
     written = _write_outputs(plan, score, cluster, settings, output)
+    if factory is not None and output["plan"] is not None:
+        from het_strategy.core.atomic_file import write_atomic
+
+        target = output["dir"] / f"{Path(output['plan']).stem}.model.json"
+        written.append(write_atomic(target, json.dumps(factory.to_dict(), indent=2) + "\n"))
     if echo:
         print(plan_table(plan, score, cluster))
         if runtime_line:
@@ -143,6 +204,11 @@ def _output_settings(cfg: DictConfig) -> dict[str, Any]:
             raise field_error(f"output.{key}", out[key], "be true or false")
     if not isinstance(out.get("dir", "."), str) or not str(out.get("dir", ".")).strip():
         raise field_error("output.dir", out.get("dir"), "be a folder path")
+    folder = Path(out.get("dir", ".")).expanduser()
+    for above in (folder, *folder.parents):
+        if above.exists() and not above.is_dir():
+            raise field_error("output.dir", str(out.get("dir")), f"be a folder path; {above} is an existing file",
+                              "name a folder (it is created when missing)")
     plan_name = out.get("plan", "plan.json")
     if plan_name is not None and (not isinstance(plan_name, str) or not plan_name.strip()):
         raise field_error("output.plan", plan_name, "be a file name (or null to not write the plan)")
@@ -179,6 +245,15 @@ def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSp
         raise field_error("score", path, "be the path of an existing plan JSON file")
     plan = Plan.load(Path(path).expanduser())
     plan.check_against(cluster, workload)
+    names = [d.name for d in cluster.devices]
+    if plan.cluster_devices and list(plan.cluster_devices) != names:  # as the strategy checks a given plan
+        raise field_error("plan.cluster_devices", _short(list(plan.cluster_devices)),
+                          f"equal the devices of cluster `{cluster.name}` in rank order ({_short(names)})",
+                          f"the plan was made for cluster `{plan.cluster}`; re-plan for this cluster or pass "
+                          "the cluster it was made for")
+    if plan.cluster != cluster.name:
+        raise field_error("plan.cluster", plan.cluster, f"be `{cluster.name}`, the cluster being scored",
+                          "the plan was made for another cluster; re-plan for this one, or pass that cluster")
     taken = {"global_batch_size": plan.global_batch_size, "dtype": plan.dtype, "zero_stage": plan.zero_stage}
     differing = {k: v for k, v in taken.items() if getattr(settings, k) != v}
     for key, value in differing.items():
@@ -187,12 +262,44 @@ def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSp
     return plan, dataclasses.replace(settings, **taken) if differing else settings
 
 
+def _short(names: list[str], keep: int = 6) -> str:
+    return ", ".join(names) if len(names) <= keep else f"{', '.join(names[:keep])}, ... ({len(names)} devices)"
+
+
+def _factory_model(cfg: DictConfig) -> "tuple[ProfileResult, bool] | None":
+    """The profile of ``model=<python path>`` (None for a model YAML), and whether its measured times price a
+    device type of the cluster (``model_input.measured_type``); ``model_input`` describes its input."""
+    node = cfg.get("model")
+    factory = node.get("factory") if isinstance(node, (DictConfig, dict)) else None
+    raw = cfg_to_dict(cfg.get("model_input") or {}, "model_input")
+    check_keys(raw, _MODEL_INPUT_KEYS, "model_input")
+    if factory is None:
+        return None
+    from het_strategy.core.errors import require_int
+    from het_strategy.profiling.model_factory import profile_factory
+
+    blocks = raw.get("blocks")
+    if blocks is not None and (not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks)):
+        raise field_error("model_input.blocks", blocks, "be null or a list of dotted module names")
+    measured = raw.get("measured_type")
+    if measured is not None and not isinstance(measured, str):
+        raise field_error("model_input.measured_type", measured, "be null or a device type name of the cluster")
+    result = profile_factory(str(factory), raw.get("shape"), str(raw.get("dtype", "float32")), blocks=blocks,
+                             repeats=require_int(raw.get("repeats", 3), "model_input.repeats", minimum=1),
+                             device_type=measured)
+    return result, measured is not None  # without measured_type: the counted FLOPs and the cluster's figures
+
+
 def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", settings: "TrainSettings",
                    output: dict[str, Any]) -> list[Path]:
     written: list[Path] = []
     out_dir: Path = output["dir"]
     if output["plan"] is not None:
-        written.append(plan.save(out_dir / output["plan"]))
+        try:
+            written.append(plan.save(out_dir / output["plan"]))
+        except OSError as exc:
+            raise field_error("output.dir", str(out_dir), f"be a folder het-plan can write into ({exc.strerror})") \
+                from None
     if output["ds_config"]:
         from het_strategy.ds_runtime.config import write_deepspeed_files
 
