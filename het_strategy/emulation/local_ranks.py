@@ -19,11 +19,16 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from het_strategy.core.errors import field_error
+
+if TYPE_CHECKING:
+    from het_strategy.emulation.node_network import EmulatedNodes
 
 __all__ = ["run_local_ranks", "run_script_ranks", "free_port"]
 
@@ -65,22 +70,36 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: f
 
 
 def run_script_ranks(cmd: list[str], world: int, log_dir: Path, timeout_s: float,
-                     env: dict[str, str] | None = None) -> list[int]:
+                     env: dict[str, str] | None = None, *, nodes: "EmulatedNodes | None" = None) -> list[int]:
     """Start ``cmd`` once per rank (output to ``log_dir/log{r}.txt``); their exit codes.
 
     When one rank fails the others are killed (they would stay blocked in a
     collective), and so are ranks still running after ``timeout_s``
-    (negative codes).  ``env`` is added to each rank's environment.
+    (negative codes).  ``env`` is added to each rank's environment.  With
+    ``nodes`` (``node_network.emulated_nodes``) the world is split evenly over
+    the emulated nodes, rank r on node ``r // (world / nodes)``, started in that
+    node's namespace (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE`` set).
     """
     import subprocess
 
+    per_node = world
+    if nodes is not None:
+        if world % len(nodes.nodes):
+            raise field_error("world", world, f"be a multiple of the emulated nodes ({len(nodes.nodes)})")
+        per_node = world // len(nodes.nodes)
     port = free_port()
     procs = []
     for rank in range(world):
+        node = rank // per_node
         rank_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **(env or {}))
+                        WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node), NODE_RANK=str(node),
+                        LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1", **(env or {}))
+        argv = cmd
+        if nodes is not None:
+            rank_env.update(nodes.rank_env(node))
+            argv = nodes.command(node, cmd)
         with open(Path(log_dir) / f"log{rank}.txt", "w") as log:
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

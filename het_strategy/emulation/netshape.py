@@ -22,8 +22,8 @@ What the shaping means (measure with this in mind):
   the namespace -- both directions, all pairs -- passes through it once, so
   ``rate_mbit`` is the *total* of all traffic inside the namespace, a shared
   half-duplex bus, not a per-link or per-direction rate.  Two opposite flows
-  each get about half.  (Per-link shaping would need veth pairs between
-  namespaces; not built here.)
+  each get about half.  (Per-link shaping between nodes: ``node_network.py``,
+  a namespace per node joined by veth pairs.)
 - The bucket starts full: the first ``LinkShape.burst_bytes`` (256 KiB up to
   ~500 Mbit/s) pass at full speed, so a short transfer measures a little fast
   (8 MiB at 50 Mbit/s: 1.03x the rate; 2 MiB at 10 Mbit/s: 1.10x).  Time
@@ -279,7 +279,7 @@ def shaped_namespace(shape: LinkShape | None, name: str | None = None) -> Iterat
     ns: ShapedNamespace | None = None
     try:
         _shape_loopback(created, shape)
-        _log.info("netshape: namespace %s, loopback %s", created,
+        _log.debug("netshape: namespace %s, loopback %s", created,
                   shape.describe() if shape is not None else "unshaped")
         ns = ShapedNamespace(created, shape)
         yield ns

@@ -1,0 +1,69 @@
+"""Emulated nodes: a namespace per node, joined by shaped veth links (``emulation/node_network.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from het_strategy.core.errors import ConfigError
+from het_strategy.emulation.local_ranks import run_script_ranks
+from het_strategy.emulation.netns import list_namespaces
+from het_strategy.emulation.netshape import LinkShape, netns_available
+from het_strategy.emulation.node_network import emulated_nodes
+
+WORKER = Path(__file__).parent / "_node_network_worker.py"
+_OK, _WHY = netns_available()
+needs_netns = pytest.mark.skipif(not _OK, reason=f"network namespaces unavailable here: {_WHY}")
+
+
+@pytest.mark.parametrize("kwargs, field", [({"num_nodes": 1, "inter_node": None}, "num_nodes"),
+                                           ({"num_nodes": 100, "inter_node": None}, "num_nodes"),
+                                           ({"num_nodes": 2, "inter_node": 100}, "inter_node"),
+                                           ({"num_nodes": 2, "inter_node": None, "pairs": {(0, 2): LinkShape(10)}},
+                                            r"pairs\[\(0, 2\)\]"),
+                                           ({"num_nodes": 2, "inter_node": None, "pairs": {(0, 1): 10}},
+                                            r"pairs\[\(0, 1\)\]"),
+                                           ({"num_nodes": 2, "inter_node": LinkShape(10, delay_ms=5)},
+                                            "inter_node.delay_ms")])
+def test_bad_input_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        with emulated_nodes(**kwargs):
+            pass
+
+
+@needs_netns
+def test_everything_is_deleted_when_the_block_fails() -> None:
+    before = set(list_namespaces())
+    with pytest.raises(RuntimeError, match="boom"):
+        with emulated_nodes(2, LinkShape(50)) as net:
+            assert {n.namespace for n in net.nodes} | {net.switch} <= set(list_namespaces())
+            raise RuntimeError("boom")
+    assert set(list_namespaces()) == before
+
+
+@needs_netns
+@pytest.mark.multiprocess
+def test_four_ranks_on_two_nodes_cross_only_the_shaped_link(tmp_path: Path) -> None:
+    """2 nodes x 2 gloo ranks, 100 Mbit/s between nodes: the allreduce is exact; 4 MiB to the rank on the same
+    node takes a fraction of what it takes to the other node, which runs at about the link's rate; the bytes
+    node 0 sent over its uplink are the inter-node part of the traffic (the 4 MiB to rank 2 and its share of
+    the allreduce), not the intra-node send."""
+    rate_mbit = 100
+    with emulated_nodes(2, LinkShape(rate_mbit)) as net:
+        tx_before = net.uplink_tx_bytes(0)
+        codes = run_script_ranks([sys.executable, str(WORKER), str(tmp_path)], 4, tmp_path, 120, nodes=net)
+        sent = net.uplink_tx_bytes(0) - tx_before
+    logs = "\n".join((tmp_path / f"log{r}.txt").read_text()[-1500:] for r in range(4))
+    assert codes == [0, 0, 0, 0], logs
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["node"] for r in rows] == [0, 0, 1, 1]
+    assert all(r["allreduce_exact"] and r["allreduce"] == 10 for r in rows)
+    assert rows[1]["received_ok"] and rows[2]["received_ok"]
+    payload_bits = 4 * 2**20 * 8
+    cross_mbit = payload_bits / rows[0]["other_node_s"] / 1e6
+    assert 0.6 * rate_mbit < cross_mbit < 1.15 * rate_mbit, rows[0]
+    assert rows[0]["same_node_s"] < 0.25 * rows[0]["other_node_s"], rows[0]
+    assert 4 * 2**20 < sent < 4 * 2**20 * 1.25 + 2**20, sent  # + headers + the allreduce's share (0.5 MiB)
