@@ -116,12 +116,12 @@ def test_score_refuses_another_clusters_plan_whose_device_names_overlap(tmp_path
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "`plan.cluster_devices` is" in err and "the plan was made for cluster `local_cpu4_mixed`" in err
-    # the same device list under another cluster name is refused too
+    # the same device list under another cluster name (a renamed copy of the file) is scored, with a note
     renamed = _plan_for("local_cpu4_mixed")
     renamed.cluster = "someone_else"
     renamed.save(tmp_path / "q.json")
-    assert main(["cluster=local_cpu4_mixed", "model=tiny_gpt", f"score={tmp_path / 'q.json'}"]) == 2
-    assert "`plan.cluster` is 'someone_else'" in capsys.readouterr().err
+    assert main(["cluster=local_cpu4_mixed", "model=tiny_gpt", f"score={tmp_path / 'q.json'}", "output.plan=null"]) == 0
+    assert "the plan was made for cluster `someone_else`" in capsys.readouterr().err
     # and the plan's own cluster is scored (into p.scored.json, never over its input)
     assert main(["cluster=local_cpu4_mixed", "model=tiny_gpt", f"score={tmp_path / 'p.json'}",
                  f"output.dir={tmp_path}", "output.plan=p.json"]) == 0

@@ -251,9 +251,9 @@ def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSp
                           f"equal the devices of cluster `{cluster.name}` in rank order ({_short(names)})",
                           f"the plan was made for cluster `{plan.cluster}`; re-plan for this cluster or pass "
                           "the cluster it was made for")
-    if plan.cluster != cluster.name:
-        raise field_error("plan.cluster", plan.cluster, f"be `{cluster.name}`, the cluster being scored",
-                          "the plan was made for another cluster; re-plan for this one, or pass that cluster")
+    if plan.cluster != cluster.name:  # same devices in the same order (a renamed copy of the file): say so only
+        print(f"{PROG}: note: the plan was made for cluster `{plan.cluster}`; scoring it on `{cluster.name}`, "
+              "which has the same device names in the same order", file=sys.stderr)
     taken = {"global_batch_size": plan.global_batch_size, "dtype": plan.dtype, "zero_stage": plan.zero_stage}
     differing = {k: v for k, v in taken.items() if getattr(settings, k) != v}
     for key, value in differing.items():
