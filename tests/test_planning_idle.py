@@ -131,3 +131,19 @@ def test_no_dp_plan_fits_names_the_replica_memory_and_the_way_out():
     msg = str(info.value)
     assert "no dp plan fits in memory" in msg and "whole replica" in msg and "stage" not in msg.split(";")[0]
     assert "2x T4 (16 GiB" in msg and "planner.mode=pipeline" in msg and "hetero_deepspeed" in msg
+
+
+def test_idle_devices_of_a_plan_with_pipelines_are_compared_with_one_more_replica():
+    cluster = cluster_from_dict({"name": "m", "nodes": [{"name": "n", "count": 2, "devices": [
+        {"type": "A100-80GB", "count": 3}, {"type": "V100-32GB", "count": 2}]}]})
+    from het_strategy.core.workload import load_workload
+
+    workload = load_workload("gpt_small", "bf16")
+    result = plan(cluster, workload, TrainSettings(global_batch_size=64, max_tp=2), mode="hybrid")
+    idle = {d.name for d in cluster.devices} - set(result.used_devices)
+    assert idle and set(result.idle_reasons) == idle
+    cm = CostModel(cluster, workload, TrainSettings(global_batch_size=64, max_tp=2))
+    without = cm.score(result).step_time_s
+    for reason in result.idle_reasons.values():
+        assert reason.startswith("too slow: with it as one more replica the step takes ")
+        assert reason.endswith(f"without {without * 1e3:.3g} ms")

@@ -21,7 +21,7 @@ from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.dp_split import equal_split_plan, plan_data_parallel
 from het_strategy.planning.experts import place_experts
 from het_strategy.planning.hybrid import plan_hybrid
-from het_strategy.planning.idle import replica_memory
+from het_strategy.planning.idle import replica_memory, structure_idle_reasons
 from het_strategy.planning.pipeline import plan_pipeline_stages
 from het_strategy.planning.structure import StructureResult, assemble_plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
@@ -90,22 +90,11 @@ def _size(num_bytes: float) -> str:
 
 
 def _explain_idle(cm: CostModel, result: Plan) -> None:
-    """Give every idle device a reason (the dp planner gives its own; the other searches leave devices out of
-    the structures they try, so the reason says so, or that not even one layer fits)."""
+    """Give every idle device a reason (the dp planner gives its own; plans with pipelines: ``idle``)."""
     used = set(result.used_devices)
     reasons = {n: r for n, r in result.idle_reasons.items() if n not in used}
-    m = min(cm.settings.micro_batch_sizes)
-    for d in cm.cluster.devices:
-        if d.name in used or d.name in reasons:
-            continue
-        need = min(cm.stage_memory_bytes(i, i + 1, 1, m, 1, cm.cluster.num_devices)
-                   for i in range(cm.workload.num_layers))
-        have = cm.memory_capacity_bytes(d)
-        if need > have:
-            reasons[d.name] = f"does not fit: even its smallest layer needs {_size(need)}, it has {_size(have)}"
-        else:
-            reasons[d.name] = (f"left out by the {result.mode} search: the fastest plan it found has no stage on "
-                               "it")
+    if any(d.name not in used and d.name not in reasons for d in cm.cluster.devices):
+        reasons = {**structure_idle_reasons(cm, result), **reasons}
     result.idle_reasons = {d.name: reasons[d.name] for d in cm.cluster.devices if d.name in reasons}
 
 

@@ -24,6 +24,10 @@ the set of devices that run, not only over the shares:
    with and without it), its sync over the slowest link costs more than its
    compute saves, or no sample is left for it (global batch < devices).
 
+Plans with pipelines (``structure_idle_reasons``) explain an idle device the
+same way: the plan's pipelines plus that device as one more replica, against
+the plan, or that it cannot hold a replica.
+
 Tuning: the search costs at most ``2**EXHAUSTIVE_DEVICES`` assemblies on small
 clusters and a few dozen on large ones (one assembly of 512 devices is ~40 ms).
 """
@@ -34,9 +38,11 @@ import itertools
 from typing import Callable, Sequence
 
 from het_strategy.core.cost_model import GiB, CostModel, PlanScore
+from het_strategy.core.plan import Plan
 from het_strategy.planning.structure import StructureResult, assemble_plan
 
-__all__ = ["EXHAUSTIVE_DEVICES", "EXHAUSTIVE_CLASSES", "MAX_GROUPS", "replica_memory", "best_device_set"]
+__all__ = ["EXHAUSTIVE_DEVICES", "EXHAUSTIVE_CLASSES", "MAX_GROUPS", "replica_memory", "best_device_set",
+           "structure_idle_reasons"]
 
 EXHAUSTIVE_DEVICES = 8
 EXHAUSTIVE_CLASSES = 6
@@ -194,3 +200,32 @@ def _reason(cm: CostModel, search: _Search, best: StructureResult, s_without: Pl
     pipe = with_it.plan.pipelines[k]
     return (f"too slow: {steps} (its share, {pipe.samples} sample{'s' if pipe.samples != 1 else ''}, takes it "
             f"{_fmt_s(s_with.pipeline_times_s[k])})")
+
+
+def structure_idle_reasons(cm: CostModel, plan: Plan) -> dict[str, str]:
+    """Reasons for the idle devices of a plan with pipelines: each compared with one more replica on it."""
+    used = set(plan.used_devices)
+    idle = [d.name for d in cm.cluster.devices if d.name not in used]
+    if not idle:
+        return {}
+    structure = [tuple(stage.devices for stage in pipe.stages) for pipe in plan.pipelines]
+    without = cm.score(plan).step_time_s
+    m = min(cm.settings.micro_batch_sizes)
+    reasons: dict[str, str] = {}
+    for group in _idle_groups(cm, idle):
+        need, have = replica_memory(cm, group[0])
+        if need > have:
+            why = (f"no stage of the {plan.mode} plan is on it, and a model replica does not fit: it needs "
+                   f"{need / GiB:.1f} GiB at micro-batch {m}, it has {have / GiB:.1f} GiB")
+        else:
+            res = assemble_plan(cm, [*structure, ((group[0],),)], plan.mode)
+            if res is None:
+                why = f"no stage of the {plan.mode} plan is on it, and no plan with it as one more replica fits"
+            else:
+                with_s = cm.score(res.plan).step_time_s
+                steps = f"with it as one more replica the step takes {_fmt_s(with_s)}, without {_fmt_s(without)}"
+                why = (f"too slow: {steps}" if with_s >= without else
+                       f"left out by the {plan.mode} search, which does not try it as one more replica ({steps})")
+        for n in group:
+            reasons[n] = why
+    return reasons
