@@ -6,9 +6,9 @@
    accepted for the ``cluster`` and ``model`` groups: the file is staged as an
    option of that group in a temporary search-path folder, so further overrides
    such as ``cluster.inter_node_bandwidth_gbs=5`` still apply to it.
-2. Hydra's own errors (unknown key, unknown group option, bad override syntax)
-   become ``ConfigError`` with a one-line message naming the field, the value
-   and the rule.
+2. Hydra's own errors (unknown key, unknown group option, bad override syntax,
+   a value a structured schema refuses: ``schema_error``) become ``ConfigError``
+   with a one-line message naming the full field, the value and the rule.
 3. ``cluster_from_cfg`` / ``workload_from_cfg`` / ``train_settings_from_cfg``
    turn the composed groups into the planning core's typed specs.
 4. ``run_cli`` runs a tool's body and turns every ``ConfigError`` into

@@ -6,12 +6,15 @@ Usage (every field of ``configs/train.yaml`` can be overridden Hydra-style)::
     het-train strategy=ddp                     # plain Lightning DDP on the same cluster, for comparison
     het-train cluster=local_cpu2 train.max_steps=30 model.num_layers=2 model.hidden_size=64
     het-train cluster=auto devices=2           # probe the real devices (cached) instead of a cluster file
+    het-train experiment=smoke                 # a preset (configs/experiment/): a few seconds on 2 ranks
+    het-train logger=csv strategy=ddp          # config groups (configs/logger/, configs/strategy/)
     het-train --cfg                            # print the composed config and stop
     het-train -m train.seed=0,1                # a sweep: two runs, summaries in het_train_runs/multirun/{0,1}
 
 Steps of one run:
 
-1. compose and check the config in the launching process (bad input: one line
+1. compose the config against its typed schema (``train_config.py``) and check
+   it in the launching process (``train_job.TrainJob``; bad input: one line
    ``het-train: error: ...`` and exit code 2, before any worker starts);
 2. build the corpus (stdlib source, split by file), the model and the strategy —
    ``hetero`` (planned uneven shares) or ``ddp`` (even split; on an emulated
@@ -231,7 +234,8 @@ def _loggers(job: TrainJob) -> Any:
             os.environ.setdefault("WANDB_SILENT", "true")
             extra["config"] = OmegaConf.to_container(job.cfg, resolve=True)
         try:
-            loggers.append(instantiate(node, **extra))
+            # instantiate's own first parameter is `config`: WandbLogger's `config=` goes through a partial
+            loggers.append(instantiate(node, _partial_=True)(**extra))
         except Exception as exc:  # Hydra wraps the logger's own TypeError/ValueError
             raise ConfigError(f"`logger.{name}` cannot be built: {str(exc).strip().splitlines()[-1]}",
                               field=f"logger.{name}") from None
