@@ -5,7 +5,10 @@ rank 0 (the hook's counters are this rank's; every rank sends the same number
 of bytes) and logs:
 
 - ``compression/wire_ratio`` — fp32-allreduce bytes over the bytes sent so far,
-  every ``every_n_steps`` steps and with every new decision;
+  every ``every_n_steps`` steps and with every new decision, with the two
+  totals behind it: ``compression/raw_bytes_total`` and
+  ``compression/wire_bytes_total`` (this rank's; per step and per rank they
+  are ``telemetry/rank{r}/raw_bytes`` and ``wire_bytes``, from ``StepTelemetry``);
 - ``compression/bits/<layer>`` — each eligible layer's bits per element on the
   wire (32 = uncompressed), at every re-solve of the adaptive controller (the
   same per-layer decisions the hook prints).
@@ -41,6 +44,8 @@ class CompressionMonitor(pl.Callback):
             self._logged_through = max(self._logged_through, state.decisions[-1]["step"])
         if out or step % self.every_n_steps == 0:
             out["compression/wire_ratio"] = float(state.wire_ratio)
+            out["compression/raw_bytes_total"] = float(state.bytes_fp32)
+            out["compression/wire_bytes_total"] = float(state.bytes_sent)
         return out
 
     @override

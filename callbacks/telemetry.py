@@ -19,7 +19,7 @@ On every rank and training step ``StepTelemetry`` records
   ``wire_bytes`` is left out for a user's hook that does not count its bytes.
 
 Every ``every_n_steps`` steps the rows of all ranks are exchanged in one
-``all_gather`` (no collective in the other steps), handed to ``on_window`` —
+tensor all-gather (no collective in the other steps), handed to ``on_window`` —
 which subclasses (the straggler callback) use to decide — and logged on rank 0
 to the Trainer's loggers (wandb, CSV) as ``telemetry/rank{r}/<field>``.
 """
@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from het_strategy.core.errors import field_error, require_int
@@ -122,10 +123,13 @@ class StepTelemetry(pl.Callback):
         """[world, steps, len(FIELDS)] on every rank (float64, CPU)."""
         mine = torch.tensor(self._rows, dtype=torch.float64, device=pl_module.device)
         self._rows = []
-        gathered = trainer.strategy.all_gather(mine)
-        if gathered.dim() == 2:  # a world of one
-            gathered = gathered.unsqueeze(0)
-        return gathered.cpu()
+        if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
+            return mine.unsqueeze(0).cpu()
+        # every rank has the same number of rows: all reach this exchange at the same step
+        gathered = torch.empty((trainer.world_size * mine.shape[0], mine.shape[1]), dtype=mine.dtype,
+                               device=mine.device)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)
+        return gathered.view(trainer.world_size, *mine.shape).cpu()
 
     def _log(self, trainer: pl.Trainer, window: torch.Tensor) -> None:
         for s in range(window.shape[1]):

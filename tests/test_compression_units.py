@@ -430,9 +430,10 @@ def test_compression_monitor_logs_the_saving_and_each_new_decision_once() -> Non
     state.bytes_fp32, state.bytes_sent = 800, 100
     state.decisions = [{"step": 10, "layer": "weight", "bits_per_element": 4.25}]
     monitor = CompressionMonitor(every_n_steps=5)
-    assert monitor.metrics(state, 10) == {"compression/wire_ratio": 8.0, "compression/bits/weight": 4.25}
+    totals = {"compression/raw_bytes_total": 800.0, "compression/wire_bytes_total": 100.0}
+    assert monitor.metrics(state, 10) == {"compression/wire_ratio": 8.0, "compression/bits/weight": 4.25, **totals}
     assert monitor.metrics(state, 11) == {}  # nothing due, nothing new
     state.decisions.append({"step": 60, "layer": "weight", "bits_per_element": 32.0})
-    assert monitor.metrics(state, 61) == {"compression/bits/weight": 32.0, "compression/wire_ratio": 8.0}
+    assert monitor.metrics(state, 61) == {"compression/bits/weight": 32.0, "compression/wire_ratio": 8.0, **totals}
     with pytest.raises(ConfigError, match="every_n_steps"):
         CompressionMonitor(every_n_steps=0)

@@ -110,6 +110,66 @@ def test_counted_hook_counts_raw_ring_bytes_and_what_the_hook_says_it_sent() -> 
     assert wire.reading() == (6030 + 400, None)
 
 
+class _Runtime:
+    """Stands in for the hetero strategy (``HeteroRuntime``) in ``attach_callbacks``."""
+
+    cluster = plan = current_local_samples = None
+    records: list = []
+    global_rank = 0
+
+    def __init__(self, compressing: bool) -> None:
+        self.compression_state = object() if compressing else None
+
+    def current_shares(self) -> list[int]:
+        return [1, 1]
+
+    def next_safe_step(self) -> int:
+        return 0
+
+    def apply_plan(self, plan: Any, first_step: int) -> None:
+        pass
+
+
+class _Trainer:
+    def __init__(self, callbacks: list[Any], loggers: list[Any], compressing: bool = True,
+                 loaded: dict | None = None) -> None:
+        from types import SimpleNamespace
+
+        self.callbacks, self.loggers = list(callbacks), loggers
+        self.strategy = _Runtime(compressing)
+        self.state = SimpleNamespace(fn="fit")
+        self.lightning_module, self.world_size = None, 2
+        self._checkpoint_connector = SimpleNamespace(_loaded_checkpoint=loaded)
+
+
+def test_the_strategy_adds_each_telemetry_callback_once_and_sets_it_up() -> None:
+    from het_strategy.callbacks.compression import CompressionMonitor
+    from het_strategy.callbacks.run_report import RunReport
+    from het_strategy.callbacks.straggler import StragglerMitigation
+    from het_strategy.callbacks.telemetry import StepTelemetry
+    from het_strategy.strategy.run_callbacks import attach_callbacks
+
+    def added(trainer: _Trainer, telemetry: bool = True, rebalance: Any = None) -> list[type]:
+        return [type(c) for c in attach_callbacks(trainer.strategy, trainer, rebalance, telemetry)]
+
+    trainer = _Trainer([], ["a logger"])
+    assert added(trainer) == [RunReport, StepTelemetry, CompressionMonitor]
+    assert trainer.callbacks[1].runtime is trainer.strategy  # its setup ran (Lightning's had already)
+    assert added(trainer) == []  # a second setup (validate after fit) adds nothing
+    present = [StragglerMitigation(verbose=False), CompressionMonitor()]  # what het-train brings
+    assert added(_Trainer(present, ["a logger"])) == [RunReport]
+    assert added(_Trainer([], ["a logger"], compressing=False)) == [RunReport, StepTelemetry]
+    assert added(_Trainer([], ["a logger"]), telemetry=False) == []
+    assert added(_Trainer([], [])) == []  # no logger: nothing to log to
+    rebalance = StragglerMitigation(verbose=False)
+    assert added(_Trainer([], []), telemetry=False, rebalance=rebalance) == [StragglerMitigation]
+    resumed = _Trainer([], ["a logger"], compressing=False,
+                       loaded={"callbacks": {StepTelemetry().state_key: {"steps_seen": 7, "rows": [[0.0] * 6]}}})
+    attach_callbacks(resumed.strategy, resumed, None, True)
+    telemetry = resumed.callbacks[1]
+    assert telemetry.steps_seen == 7 and len(telemetry._rows[0]) == 9  # old rows padded for the new fields
+
+
 # -- real runs: 2 gloo ranks ---------------------------------------------------------------------------------------
 
 class _Probe(pl.LightningModule):
@@ -210,8 +270,8 @@ def test_an_offline_wandb_run_shows_the_plan_bytes_and_every_decision(tmp_path: 
     cluster = {"name": "two_emulated", "inter_node_bandwidth_gbs": 1,
                "slowdowns": [{"device": "slow", "factor": 3.0, "start_step": 6}],
                "nodes": [{"name": "local", "intra_bandwidth_gbs": 1, "devices": [
-                   {"name": "fast", "type": "CPU", "tflops": {"fp32": 2e-5}, "efficiency": 1.0, "emulated_speed": 1.0},
-                   {"name": "slow", "type": "CPU", "tflops": {"fp32": 2e-5}, "efficiency": 1.0,
+                   {"name": "fast", "type": "CPU", "tflops": {"fp32": 5e-6}, "efficiency": 1.0, "emulated_speed": 1.0},
+                   {"name": "slow", "type": "CPU", "tflops": {"fp32": 5e-6}, "efficiency": 1.0,
                     "emulated_speed": 0.5}]}]}
     # a declared 1 Mbit/s link: the adaptive controller compresses the 64 x 32 layer from its first solve
     compression = {"method": "adaptive", "warmup_steps": 2, "resolve_every": 4, "link_mbit": 1.0, "verbose": False}
