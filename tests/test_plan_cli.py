@@ -122,6 +122,10 @@ def _bad_cases():
         _hand_plan("local_cpu4_mixed").save(tmp / "p.json")
         return ["cluster=local_cpu2", f"score={tmp / 'p.json'}"], ["rank2", "name a device of cluster `local_cpu2`"]
 
+    def batch_below_ranks(tmp):
+        return (["cluster=local_cpu4_mixed", "train.global_batch_size=2", "planner.mode=dp"],
+                ["`train.global_batch_size` is 2", "rank"])
+
     def unknown_runtime(tmp):
         return ["planner.runtime=fast"], ["`planner.runtime` is 'fast'", "any, deepspeed"]
 
@@ -134,6 +138,7 @@ def _bad_cases():
         pytest.param(unknown_key, id="unknown-override-key"),
         pytest.param(unknown_cluster, id="unknown-cluster-name"),
         pytest.param(other_cluster_plan, id="plan-for-another-cluster"),
+        pytest.param(batch_below_ranks, id="batch-below-ranks", marks=needs_planner),
     ]
 
 

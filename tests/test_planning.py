@@ -110,12 +110,14 @@ def test_dp_split_shares_sum_to_global_batch(speeds, extra, sizes):
     assert set(res.plan.idle_reasons) == {d for d, v in shares.items() if v == 0}
 
 
-def test_dp_batch_smaller_than_devices_gives_the_sample_to_the_fastest_and_says_why_the_other_idles():
+def test_dp_batch_smaller_than_devices_names_the_field():
     cluster = cluster_from_dict(_two_speed_cluster())
-    res = plan_data_parallel(CostModel(cluster, _tiny_model(), TrainSettings(global_batch_size=1)))
-    assert res is not None and res.plan.rank_shares() == {"fast": 1, "slow": 0}
-    assert res.plan.idle_reasons == {"slow": "no sample left for it: the global batch (1) already gives one sample "
-                                              "to each of the 1 faster devices"}
+    settings_ = TrainSettings(global_batch_size=1)
+    with pytest.raises(ConfigError) as info:
+        plan_data_parallel(CostModel(cluster, _tiny_model(), settings_))
+    assert info.value.field == "train.global_batch_size"
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        plan(cluster, _tiny_model(), settings_, mode="dp")
 
 
 # -- pipeline partition -----------------------------------------------------------------------

@@ -92,14 +92,6 @@ def test_a_device_too_small_for_a_replica_is_idle_and_the_rest_train():
     assert "it has 1.0 GiB" in result.idle_reasons["tiny"]
 
 
-def test_a_batch_smaller_than_the_cluster_idles_the_slowest_devices():
-    cluster = cluster_from_dict(_gpus_and_a_cpu())
-    result = plan(cluster, _workload(), TrainSettings(global_batch_size=1, micro_batch_sizes=(1,)), mode="dp")
-    assert sum(result.rank_shares().values()) == 1 and result.rank_shares()["cpu"] == 0
-    assert all(r.startswith(("no sample left for it", "too slow")) for r in result.idle_reasons.values())
-    assert set(result.idle_reasons) == {d for d, n in result.rank_shares().items() if n == 0}
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_dp_with_idle_devices_equals_brute_force_over_every_device_subset(seed):
     rng = random.Random(seed)
@@ -111,7 +103,8 @@ def test_dp_with_idle_devices_equals_brute_force_over_every_device_subset(seed):
     cluster = cluster_from_dict({"name": f"r{seed}", "inter_node_bandwidth_gbs": rng.choice([0.1, 1, 10]),
                                  "nodes": nodes})
     workload = _workload(hidden_size=rng.choice([256, 1024]))
-    s = TrainSettings(global_batch_size=rng.randint(2, 10), micro_batch_sizes=(1, 2), memory_reserve_gb=0.5)
+    n = cluster.num_devices  # every launched rank takes part in every step: the batch covers the cluster
+    s = TrainSettings(global_batch_size=rng.randint(n, n + 6), micro_batch_sizes=(1, 2), memory_reserve_gb=0.5)
     brute = _brute_dp(cluster, workload, s)
     if not math.isfinite(brute):
         with pytest.raises(PlanningError):

@@ -28,6 +28,11 @@ def plan_data_parallel(cm: CostModel) -> StructureResult | None:
     Devices left idle (too slow, sync too dear, no memory for a replica, no sample left) carry their
     reason in ``plan.idle_reasons``.
     """
+    n = cm.cluster.num_devices
+    if cm.settings.global_batch_size < n:
+        raise field_error("train.global_batch_size", cm.settings.global_batch_size,
+                          f"be >= the number of data-parallel ranks ({n}): every launched rank takes part in "
+                          "every step", "to use fewer devices, leave them out of the cluster")
     return best_device_set(cm)[0]
 
 

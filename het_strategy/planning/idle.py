@@ -21,8 +21,9 @@ the set of devices that run, not only over the shares:
      comparison repeats), so no single device left idle would make the step
      faster.
 3. Each idle device gets its reason from that comparison: too slow (the step
-   with and without it), its sync over the slowest link costs more than its
-   compute saves, or no sample is left for it (global batch < devices).
+   with and without it), or its sync over the slowest link costs more than its
+   compute saves.  (The global batch is at least the device count,
+   ``dp_split``: every launched rank takes part in every step.)
 
 Plans with pipelines (``structure_idle_reasons``) explain an idle device the
 same way: the plan's pipelines plus that device as one more replica, against
@@ -100,16 +101,6 @@ def _idle_groups(cm: CostModel, names: Sequence[str]) -> list[list[str]]:
     return groups if len(groups) <= MAX_GROUPS else _classes(cm, names, cm.device_key)
 
 
-def _trimmed(cm: CostModel, search: _Search, names: list[str]) -> list[str]:
-    """At most global-batch devices: the slowest (one sample alone) dropped first."""
-    B = cm.settings.global_batch_size
-    if len(names) <= B:
-        return names
-    one = {n: cm.stage_compute_s(cm.cluster.device(n), 1, 1, 0, cm.workload.num_layers) for n in names}
-    keep = set(sorted(names, key=lambda n: (one[n], search.order[n]))[:B])
-    return [n for n in names if n in keep]
-
-
 def _search_sets(cm: CostModel, search: _Search, fitting: list[str]) -> StructureResult | None:
     if len(fitting) <= EXHAUSTIVE_DEVICES:
         subsets = [c for k in range(1, len(fitting) + 1) for c in itertools.combinations(fitting, k)]
@@ -122,7 +113,7 @@ def _search_sets(cm: CostModel, search: _Search, fitting: list[str]) -> Structur
         L = cm.workload.num_layers
         speed = sorted(classes, key=lambda cl: cm.stage_compute_s(cm.cluster.device(cl[0]), 1, 1, 0, L))
         unions = [[n for cl in speed[:k] for n in cl] for k in range(1, len(speed) + 1)]
-    best = search.best_of([_trimmed(cm, search, u) for u in unions])
+    best = search.best_of(unions)
     if best is None:
         return None
     groups = _classes(cm, list(best.plan.used_devices), lambda d: (cm.device_key(d), d.node))
@@ -180,10 +171,6 @@ def _add_back(cm: CostModel, search: _Search, best: StructureResult, fitting: li
 def _reason(cm: CostModel, search: _Search, best: StructureResult, s_without: PlanScore, device: str) -> str:
     """Why ``device`` is idle: the plan with it against the plan without it."""
     used = list(best.plan.used_devices)
-    B = cm.settings.global_batch_size
-    if len(used) + 1 > B:
-        return (f"no sample left for it: the global batch ({B}) already gives one sample to each of the "
-                f"{len(used)} faster devices")
     with_it = search.run(used + [device])
     if with_it is None:
         return "no plan with it fits in memory"
