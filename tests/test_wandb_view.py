@@ -71,6 +71,57 @@ def test_decision_rows_take_dataclasses_with_extra_fields_and_mappings() -> None
     assert columns == ["step", "layer", "method"] and rows == [[3, "w", "q4"]]
 
 
+class WandbLogger:
+    """Stands in for Lightning's (recognised by its name): records what it is given."""
+
+    def __init__(self, folder: Path) -> None:
+        from types import SimpleNamespace
+
+        self.calls: list[tuple[str, Any]] = []
+        self.experiment = SimpleNamespace(dir=str(folder), save=lambda *a, **k: self.calls.append(("save", (a, k))))
+
+    def log_table(self, **kwargs: Any) -> None:
+        self.calls.append(("table", kwargs))
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.calls.append(("metrics", metrics))
+
+
+def test_wandb_view_feeds_only_wandb_loggers_and_skips_the_picture_without_matplotlib(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from het_strategy.report.wandb_view import log_picture, log_table, save_file
+
+    cluster = load_cluster("local_cpu2")
+    plan = data_parallel_plan(cluster, estimate_workload("probe", 100_000, 1, "fp32"), 24, "fp32")
+    wb, csv_like = WandbLogger(tmp_path), object()
+    assert log_table([csv_like, wb], "t", ["a"], [[1]], step=3) and wb.calls == [("table", {
+        "key": "t", "columns": ["a"], "data": [[1]], "step": 3})]
+    assert not log_table([csv_like], "t", ["a"], [[1]]) and log_picture([csv_like], "p", plan, cluster) is None
+    (tmp_path / "summary.json").write_text("{}")
+    assert save_file([wb], tmp_path / "summary.json")
+    assert wb.calls[-1][1][1] == {"base_path": str(tmp_path), "policy": "now"}
+    path = log_picture([wb], "p", plan, cluster)
+    assert path == tmp_path / "plan.png" and path.read_bytes()[:4] == b"\x89PNG"
+    assert wb.calls[-1][0] == "metrics" and type(wb.calls[-1][1]["p"]).__name__ == "Image"
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    het_logger = logging.getLogger("het_strategy")
+    level = het_logger.level
+    het_logger.setLevel(logging.DEBUG)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    het_logger.addHandler(handler)
+    try:
+        before = len(wb.calls)
+        assert log_picture([wb], "p", plan, cluster) is None and len(wb.calls) == before
+    finally:
+        het_logger.removeHandler(handler)
+        het_logger.setLevel(level)
+    assert seen == ["matplotlib is not installed: the plan picture is not logged"]
+
+
 class _Group:
     def __init__(self, world: int) -> None:
         self.world = world
