@@ -123,7 +123,7 @@ def test_no_dp_plan_fits_names_the_replica_memory_and_the_way_out():
         plan(cluster, workload, TrainSettings(global_batch_size=2), mode="dp")
     msg = str(info.value)
     assert "no dp plan fits in memory" in msg and "whole replica" in msg and "stage" not in msg.split(";")[0]
-    assert "2x T4 (16 GiB" in msg and "planner.mode=pipeline" in msg and "hetero_deepspeed" in msg
+    assert "2x T4 (16.0 GiB each)" in msg and "planner.mode=pipeline" in msg and "hetero_deepspeed" in msg
 
 
 def test_idle_devices_of_a_plan_with_pipelines_are_compared_with_one_more_replica():

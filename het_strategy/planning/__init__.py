@@ -121,11 +121,11 @@ def _dp_does_not_fit_message(cm: CostModel) -> str:
     """No device holds a whole replica: say which (need vs have) and what to change."""
     m = min(cm.settings.micro_batch_sizes)
     need, _ = replica_memory(cm, cm.cluster.devices[0].name)
-    by_type: dict[str, list[str]] = {}
+    by_type: dict[tuple[str, float], int] = {}
     for d in cm.cluster.devices:
-        by_type.setdefault(f"{d.type} ({d.memory_gb:g} GiB", []).append(d.name)
-    have = "; ".join(f"{len(v)}x {k}{', usable ' + _size(cm.memory_capacity_bytes(cm.cluster.device(v[0])))})"
-                     for k, v in by_type.items())
+        key = (d.type, cm.memory_capacity_bytes(d))
+        by_type[key] = by_type.get(key, 0) + 1
+    have = "; ".join(f"{n}x {t} ({_size(cap)} each)" for (t, cap), n in by_type.items())
     return (f"no dp plan fits in memory: data parallelism puts a whole replica of model `{cm.workload.name}` "
             f"on every rank, which needs {_size(need)} at micro-batch {m} (weights, gradients, optimizer state, "
             f"activations, train.memory_reserve_gb); no device holds it: {have}; use a smaller model or "
