@@ -82,7 +82,7 @@ class HeteroLogic(MoERun, PlannedRun):
         verbose: print the plan (and emulation) table on rank 0.
         moe_placement: ``HeteroMoE`` experts: ``"planned"``, ``"uniform"``, or per layer (``strategy/experts.py``).
         probe: with ``cluster="auto"``: ``"cached"`` reuses this host's measurements, ``"refresh"`` measures again.
-        telemetry: log the plan, per-rank step times, bytes and decisions to the Trainer's loggers.
+        telemetry: log the plan, per-rank step times, bytes and decisions to the Trainer's loggers (``run_callbacks.py``).
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``,
             ``find_unused_parameters``, ``timeout``, ...).
     """
