@@ -67,3 +67,33 @@ def test_four_ranks_on_two_nodes_cross_only_the_shaped_link(tmp_path: Path) -> N
     assert 0.6 * rate_mbit < cross_mbit < 1.15 * rate_mbit, rows[0]
     assert rows[0]["same_node_s"] < 0.25 * rows[0]["other_node_s"], rows[0]
     assert 4 * 2**20 < sent < 4 * 2**20 * 1.25 + 2**20, sent  # + headers + the allreduce's share (0.5 MiB)
+
+
+HIER_WORKER = Path(__file__).parent / "_hierarchical_worker.py"
+
+
+@needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("method", ["none", "q4"])
+def test_hierarchical_hook_on_two_nodes(tmp_path: Path, method: str) -> None:
+    """4 gloo ranks in 2 namespaces: the hierarchical hook's gradient is the mean of every rank's (exact for
+    none; within the two-phase quantizer's bound over the node sums for q4), identical on every rank; only
+    the leaders cross the link, and the bytes on node 0's veth are about what its leader's hook counted."""
+    steps = 10
+    with emulated_nodes(2, LinkShape(200)) as net:
+        codes = run_script_ranks([sys.executable, str(HIER_WORKER), str(tmp_path), method, str(steps)], 4,
+                                 tmp_path, 120, nodes=net)
+    logs = "\n".join((tmp_path / f"log{r}.txt").read_text()[-1500:] for r in range(4))
+    assert codes == [0, 0, 0, 0], logs
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["identical"] for r in rows)
+    if method == "none":
+        assert all(r["max_error"] <= 1e-6 * r["scale"] for r in rows), rows
+    else:
+        assert all(r["excess"] <= 0 for r in rows), rows
+        assert max(r["used_of_bound"] for r in rows) > 0.2  # the bound is not vacuous
+        assert rows[0]["hook_inter_bytes"] < steps * rows[0]["bucket_bytes"] / 4  # 4-bit codes + scales
+    leader, other = rows[0], rows[1]
+    assert other["hook_inter_bytes"] == 0  # the non-leader never crosses the link
+    # what crossed node 0's veth (TCP/IP headers and acks on top) is about what the leader's hook counted
+    assert leader["hook_inter_bytes"] <= leader["uplink_tx"] <= 1.2 * leader["hook_inter_bytes"] + 64 * 1024, rows

@@ -1,0 +1,131 @@
+"""Hierarchical gradient exchange: uncompressed within a node, compressed only across the slow inter-node hop.
+
+On a cluster whose nodes are joined by a slow link, flat compression squeezes
+every byte alike, though only the bytes that cross the link are slow.  The
+hierarchical hook sends only those compressed:
+
+1. **within the node**, an uncompressed allreduce (sum) of the bucket over the
+   node's ranks (the fast link);
+2. **across nodes**, each node's leader (its first rank) exchanges the node sum
+   with the other leaders through ``compression_hook`` on a
+   ``CompressionState`` over the leaders' group: per-layer methods, error
+   feedback, warm-up and, for ``adaptive``, the controller measure and price
+   the inter-node link only, since only leaders are in that group;
+3. **within the node**, the leader broadcasts the result; every rank divides
+   by the ranks per node, so all ranks hold ``sum / world`` — bitwise the
+   same tensor on every rank.
+
+Only step 2 crosses nodes: every node's uplink carries ``2 (N-1)/N`` of the
+*compressed* bucket from one rank, where a flat exchange carries that of every
+rank's share.  With ``method="none"`` the result equals the flat mean up to
+the order of the fp32 additions.  Every node must hold the same number of
+ranks (DDP's buckets are the same on every rank, so every rank runs the same
+collectives in the same order).
+
+Usage on any DDP model::
+
+    groups = node_groups(ranks_per_node=2)                  # every rank calls it (it makes process groups)
+    state = HierarchicalState(ddp_model, "adaptive", groups)
+    ddp_model.register_comm_hook(state, hierarchical_hook)
+"""
+
+# no ``from __future__ import annotations``: DDP checks the hook's annotations as objects, not strings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from het_strategy.compression.hook import compression_hook
+from het_strategy.compression.state import CompressionState
+from het_strategy.core.errors import field_error
+
+__all__ = ["NodeGroups", "node_groups", "HierarchicalState", "hierarchical_hook"]
+
+
+@dataclass
+class NodeGroups:
+    """This rank's place in the hierarchy, and the process groups of each level."""
+
+    node: int
+    """Index of this rank's node (``rank // ranks_per_node``)."""
+    ranks_per_node: int
+    num_nodes: int
+    intra: Any
+    """The process group of this rank's node."""
+    leaders: Any
+    """The process group of every node's first rank (a non-member handle on the other ranks)."""
+    leader: int
+    """Global rank of this node's leader."""
+
+    @property
+    def is_leader(self) -> bool:
+        return dist.get_rank() == self.leader
+
+
+def node_groups(ranks_per_node: int) -> NodeGroups:
+    """Split the default group into nodes of ``ranks_per_node`` consecutive ranks; a collective call (every rank
+    creates every group, in the same order, as ``torch.distributed.new_group`` requires)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+            or world % ranks_per_node:
+        raise field_error("ranks_per_node", ranks_per_node, f"be a positive divisor of the world size ({world})")
+    nodes = world // ranks_per_node
+    intra = None
+    for n in range(nodes):
+        group = dist.new_group(list(range(n * ranks_per_node, (n + 1) * ranks_per_node)))
+        if n == rank // ranks_per_node:
+            intra = group
+    leaders = dist.new_group([n * ranks_per_node for n in range(nodes)])
+    node = rank // ranks_per_node
+    return NodeGroups(node=node, ranks_per_node=ranks_per_node, num_nodes=nodes, intra=intra, leaders=leaders,
+                      leader=node * ranks_per_node)
+
+
+class HierarchicalState:
+    """The hook's state: the node groups and, on leaders, the inter-node ``CompressionState``.
+
+    ``bytes_inter`` counts what this rank sent to other nodes (leaders only: the
+    inter-node state's ``bytes_sent``); ``bytes_intra`` what it sent within its
+    node (allreduce and broadcast, ring-counted).
+    """
+
+    def __init__(self, module: torch.nn.Module, config: Any, groups: NodeGroups) -> None:
+        if not isinstance(groups, NodeGroups):
+            raise field_error("groups", type(groups).__name__, "be the NodeGroups of node_groups(...)")
+        self.groups = groups
+        self.inter: CompressionState | None = \
+            CompressionState(module, config, process_group=groups.leaders) if groups.is_leader else None
+        self.bytes_intra = 0
+
+    @property
+    def bytes_inter(self) -> int:
+        return 0 if self.inter is None else self.inter.bytes_sent
+
+    def state_dict(self) -> dict[str, Any]:
+        """The leader's inter-node compression state (error feedback, choices); empty on other ranks."""
+        return {} if self.inter is None else {"inter": self.inter.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.inter is not None and "inter" in state:
+            self.inter.load_state_dict(state["inter"])
+
+
+def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: node sum, compressed exchange among node leaders, broadcast (module docstring)."""
+    groups = state.groups
+    buffer = bucket.buffer()
+    local = groups.ranks_per_node
+    if local > 1:
+        dist.all_reduce(buffer, group=groups.intra)  # the node's sum, over the fast link
+        state.bytes_intra += 2 * (local - 1) * buffer.numel() * buffer.element_size() // local
+    if groups.num_nodes > 1 and state.inter is not None:
+        # the leaders' mean of node sums (compression_hook divides by the leaders' count), in place
+        compression_hook(state.inter, bucket).wait()
+    if local > 1:
+        dist.broadcast(buffer, src=groups.leader, group=groups.intra)
+        state.bytes_intra += buffer.numel() * buffer.element_size() * (local - 1) // local
+    buffer.div_(local)  # sum / world = (mean over nodes of node sums) / ranks per node
+    fut = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
