@@ -20,14 +20,18 @@ import torch.multiprocessing as mp  # noqa: E402
 from het_strategy import probe  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.emulation.local_ranks import free_port  # noqa: E402
+from het_strategy.profiling import device_probe, probe_cache  # noqa: E402
+from het_strategy.profiling.measurements import peak_noise  # noqa: E402
 from het_strategy.profiling.probe import (  # noqa: E402
     AllreduceTiming,
     DeviceMeasurement,
     LinkMeasurement,
     P2PTiming,
     ProbeResult,
+    SnappedFigures,
     cluster_from_measurements,
     measure_device,
+    snap_like_devices,
 )
 
 TIMEOUT_S = 60
@@ -36,9 +40,10 @@ SIZES = (4096, 65536)
 HOST_GIB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
-def _device(host: str, tflops: float = 1.0, mem: float = 8.0) -> DeviceMeasurement:
-    return DeviceMeasurement(host=host, device="cpu", raw_name="cpu", type="CPU", dtype="fp32", tflops=tflops,
-                             memory_gb=mem, memory_bandwidth_gbs=20.0)
+def _device(host: str, tflops: float = 1.0, mem: float = 8.0, rounds: tuple[float, ...] = (),
+            type_: str = "CPU", copy: float = 20.0) -> DeviceMeasurement:
+    return DeviceMeasurement(host=host, device="cpu", raw_name="cpu", type=type_, dtype="fp32", tflops=tflops,
+                             memory_gb=mem, memory_bandwidth_gbs=copy, tflops_rounds=rounds)
 
 
 def _links(pairs: dict[tuple[int, int], float], world: int, busbw: float = 3.0) -> LinkMeasurement:
@@ -160,7 +165,8 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 # -- two gloo ranks ------------------------------------------------------------------------------------
 def _summary(result: ProbeResult) -> dict:
     return {"cluster": result.cluster.to_dict(), "devices": [d.to_dict() for d in result.devices],
-            "links": result.links.to_dict(), "from_cache": result.from_cache}
+            "links": result.links.to_dict(), "from_cache": result.from_cache,
+            "snapped": [s.to_dict() for s in result.snapped], "cached": list(result.cached)}
 
 
 def _probe_worker(rank: int, port: int, cache_dir: str, out_dir: str) -> None:
@@ -170,7 +176,7 @@ def _probe_worker(rank: int, port: int, cache_dir: str, out_dir: str) -> None:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=TIMEOUT_S))
-        kw = dict(cache_dir=cache_dir, budget_s=BUDGET_S, sizes_bytes=SIZES, repeats=2, print_table=False)
+        kw = dict(cache_dir=cache_dir, budget_s=BUDGET_S, sizes_bytes=SIZES, repeats=2, rounds=3, print_table=False)
         runs = {"first": probe.probe_cluster("cpu", **kw), "second": probe.probe_cluster("cpu", **kw)}
         if rank == 0:
             for path in Path(cache_dir).glob("device-*cpu0of2*.json"):
@@ -235,10 +241,14 @@ def test_probe_cluster_measures_then_loads_from_cache(tmp_path):
     (node,) = cluster["nodes"]
     assert node["name"] == socket.gethostname()
     assert [d["name"] for d in node["devices"]] == ["rank0", "rank1"]
-    for spec, measured in zip(node["devices"], devices):
+    for spec, measured, snapped in zip(node["devices"], devices, first["snapped"]):
         assert spec["type"] == "CPU" and spec["efficiency"] == 1.0
-        assert spec["tflops"] == {"fp32": measured["tflops"]} and measured["tflops"] > 0
+        # the cluster carries the snapped figure; the raw one is the best of the rank's 3 rounds
+        assert spec["tflops"] == {"fp32": snapped["tflops"]} and measured["tflops"] > 0
+        assert len(measured["tflops_rounds"]) == 3 and measured["tflops"] == max(measured["tflops_rounds"])
         assert spec["memory_gb"] == measured["memory_gb"] == pytest.approx(HOST_GIB / 2)
+    raw_devices = tuple(DeviceMeasurement.from_dict(d) for d in devices)
+    assert first["snapped"] == [s.to_dict() for s in snap_like_devices(raw_devices)]
 
     links = first["links"]
     assert (links["backend"], links["world_size"]) == ("gloo", 2)
@@ -258,9 +268,17 @@ def test_probe_cluster_measures_then_loads_from_cache(tmp_path):
     assert corrupt["devices"] != first["devices"]
     assert rank0["refresh"]["from_cache"] is False and rank0["refresh"]["links"] != first["links"]
 
+    assert (first["cached"], second["cached"], corrupt["cached"]) == ([], ["devices", "links"], ["links"])
     assert rank0["table"].startswith("Probed cluster `auto` (cached; gloo, 2 ranks)")
+    note = rank0["table"].splitlines()[-1]
+    assert note.startswith("using measurements cached ") and " s ago (" in note
+    assert f"at {tmp_path / 'cache'}; probe=\"refresh\"" in note
     files = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
     assert files == ["device", "device", "links"]
+    # a device file holds the raw rounds, when it was written and the snapped figures the rank was given
+    raw = json.loads(next((tmp_path / "cache").glob("device-*cpu1of2*.json")).read_text())
+    assert raw["format"] == probe_cache.CACHE_FORMAT and raw["written_at"] > 0
+    assert len(raw["measurement"]["tflops_rounds"]) == 3 and set(raw["snapped"]) == {"tflops", "memory_bandwidth_gbs"}
 
 
 def test_probed_latency_is_the_alpha_of_an_alpha_beta_fit_over_the_measured_sizes():
@@ -272,3 +290,101 @@ def test_probed_latency_is_the_alpha_of_an_alpha_beta_fit_over_the_measured_size
     assert links.latency_us() == pytest.approx(50.0)
     cluster = cluster_from_measurements([_device("a"), _device("b")], links)
     assert cluster.latency_us == pytest.approx(50.0)
+
+
+# -- robust figures: best of rounds, snapping like devices, the cache's age -----------------------------
+def test_measure_device_keeps_every_round_and_reports_the_best(monkeypatch):
+    turns = []
+
+    def in_turn(round_):
+        turns.append(1)
+        return round_()
+
+    m = measure_device("cpu", budget_s=0.02, matmul_size=64, rounds=4, in_turn=in_turn)
+    assert len(turns) == 2 * (4 + 1)  # one sizing turn and 4 rounds per figure, the same count on every rank
+    assert len(m.tflops_rounds) == 4 == len(m.memory_bandwidth_rounds_gbs)
+    assert m.tflops == max(m.tflops_rounds) and m.memory_bandwidth_gbs == max(m.memory_bandwidth_rounds_gbs)
+    assert m.tflops_noise == pytest.approx(peak_noise(m.tflops_rounds))
+
+
+def test_a_cpu_round_leaves_out_the_time_its_thread_waited_for_a_core(monkeypatch):
+    # a stand-in schedstat: the round runs 30 ms of wall time, 20 ms of it waiting in the run queue
+    run_queue = {"waited_s": 5.0}
+
+    def round_with_a_wait() -> None:
+        time.sleep(0.030)
+        run_queue["waited_s"] += 0.020
+
+    monkeypatch.setattr(device_probe, "_runqueue_wait_s", lambda: run_queue["waited_s"])
+    clock = device_probe.round_clock(torch.device("cpu"))
+    seconds = clock(round_with_a_wait)
+    assert 0.009 < seconds < 0.02  # ~10 ms on the core, not the 30 ms the wall clock says
+    wall = device_probe.round_clock(torch.device("meta"))  # not a CPU: the wall clock
+    assert wall(lambda: time.sleep(0.01)) >= 0.01
+
+
+def test_peak_noise_is_how_far_the_median_round_falls_short_of_the_best():
+    assert peak_noise([1.0]) == 0.0
+    assert peak_noise([0.8, 1.0, 0.9]) == pytest.approx(0.1)
+
+
+def test_like_devices_within_ten_percent_are_snapped_to_their_median():
+    devices = [_device("a", 1.00), _device("a", 1.06), _device("a", 1.09), _device("b", 2.0)]
+    snapped = snap_like_devices(devices)
+    assert [s.tflops for s in snapped] == [1.06, 1.06, 1.06, 2.0]
+    assert [s.memory_bandwidth_gbs for s in snapped] == [20.0] * 4
+    cluster = cluster_from_measurements(devices, _links({(0, 1): 1.0, (1, 2): 1.0, (2, 3): 1.0, (3, 0): 1.0}, 4),
+                                        snapped=snapped)
+    assert [d.tflops["fp32"] for d in cluster.devices] == [1.06, 1.06, 1.06, 2.0]
+
+
+def test_a_real_difference_is_kept_unless_the_rounds_cannot_tell_it():
+    tight = [_device("a", 1.0, rounds=(1.0, 0.99, 0.995)), _device("a", 0.8, rounds=(0.8, 0.79, 0.795))]
+    assert [s.tflops for s in snap_like_devices(tight)] == [1.0, 0.8]  # a GPU throttled to 80% stays 80%
+    noisy = [_device("a", 1.0, rounds=(1.0, 0.7, 0.8)), _device("a", 0.85, rounds=(0.85, 0.6, 0.7))]
+    assert len({s.tflops for s in snap_like_devices(noisy)}) == 1  # rounds 18-20% below the best: noise
+    wild = [_device("a", 1.0, rounds=(1.0, 0.1, 0.2)), _device("a", 0.5, rounds=(0.5, 0.1, 0.2))]
+    assert [s.tflops for s in snap_like_devices(wild)] == [1.0, 0.5]  # noise counts up to 25%: 2x is real
+
+
+def test_snapping_never_mixes_device_types_and_can_be_turned_off():
+    devices = [_device("a", 1.0, type_="A100-40"), _device("a", 1.02, type_="A100-80")]
+    assert [s.tflops for s in snap_like_devices(devices)] == [1.0, 1.02]
+    same = [_device("a", 1.0), _device("a", 1.02)]
+    assert [s.tflops for s in snap_like_devices(same, tolerance=0)] == [1.0, 1.02]
+    with pytest.raises(ConfigError, match="`snap_tolerance` is 1.5"):
+        snap_like_devices(same, tolerance=1.5)
+
+
+def test_table_shows_raw_and_snapped_figures_and_the_cache_age(monkeypatch):
+    devices = (_device("a", 1.0, rounds=(1.0, 0.9)), _device("a", 1.05, rounds=(1.05, 1.0)))
+    links = _links({(0, 1): 2.0, (1, 0): 2.5}, world=2)
+    snapped = snap_like_devices(devices)
+    written = time.time() - 3 * 3600
+    result = ProbeResult(cluster_from_measurements(devices, links, snapped=snapped), devices, links,
+                         from_cache=True, snapped=snapped, cached=("devices", "links"), cached_at=written,
+                         cache_dir="/some/cache")
+    rows = [line.split() for line in result.table().splitlines()[3:5]]
+    assert [r[4:7] for r in rows] == [["1", "5%", "1.02"], ["1.05", "2%", "1.02"]]
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(written))
+    assert result.cache_note() == (f"using measurements cached 3 h ago ({stamp}) at /some/cache; "
+                                   'probe="refresh" (probe_cluster(refresh=True)) to measure again')
+    assert result.table().endswith(result.cache_note())
+    fresh = ProbeResult(result.cluster, devices, links, from_cache=False, snapped=snapped)
+    assert fresh.cache_note() is None and "cached" not in fresh.table()
+
+
+def test_cache_age_reads_in_the_unit_that_fits():
+    now = 1_000_000.0
+    assert probe_cache.cache_age(now - 5, now).startswith("5 s ago (")
+    assert probe_cache.cache_age(now - 600, now).startswith("10 min ago (")
+    assert probe_cache.cache_age(now - 3 * 86400, now).startswith("3 days ago (")
+
+
+def test_cache_files_of_the_old_format_are_measured_anew(tmp_path):
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({"format": 1, "measurement": _device("a").to_dict()}))
+    assert probe_cache.read_cache(path, DeviceMeasurement.from_dict) is None
+    probe_cache.write_cache(path, _device("a"), notes={"snapped": SnappedFigures(1.0, 20.0).to_dict()})
+    entry = probe_cache.read_cache(path, DeviceMeasurement.from_dict)
+    assert entry.measurement == _device("a") and time.time() - entry.written_at < 60

@@ -1,9 +1,31 @@
 """Measuring one device: sustained matmul TFLOPS in the training dtype, memory, copy bandwidth.
 
 ``measure_device`` is what every rank of ``probe_cluster`` runs on its own
-device (not collective).  Each figure is a loop of identical calls timed for
-about ``budget_s`` after a warm-up call and a sizing call, with the device
-synchronised around the timed region.
+device.  Each figure is the best of ``rounds`` timed rounds of identical
+calls (about ``budget_s`` of timed work in all, after a warm-up call and a
+sizing call), with the device synchronised around each round.  The best, not
+the mean nor the median: on a shared machine other processes take the core
+away for part of most rounds (a busy host measured rounds of one rank between
+0.014 and 0.074 TFLOPS), and interference only ever slows a round down, so
+the fastest round is the least disturbed one — the reason ``timeit`` reports
+the minimum time.  Every round's figure is kept in the measurement; how far
+the median round falls short of the best (``DeviceMeasurement.tflops_noise``)
+tells how well the figure is known.  Short rounds, many of them, give more chances of
+an undisturbed one: 10 rounds of 50 ms by default.
+
+On a CPU a round's time also leaves out the time the measuring thread spent
+*waiting for a core* (Linux's ``/proc/thread-self/schedstat``, the run-queue
+wait): a process that took the core away for part of a round does not count
+against the device.  Exact for a single-threaded rank; for a multi-threaded
+one only the main thread's waits are left out, so the figure stays on the
+safe side (never above the undisturbed speed).  Where the file is missing the
+wall time is used.  The figure is thus what the device does when it runs, not
+how much of the host a rank got while measuring: a load that lasts into
+training is the straggler callback's to see.
+
+Not collective by itself; ``in_turn`` lets the caller schedule each round
+(``probe_cluster`` makes the ranks of one host take turns, so that they do not
+compete for the same cores while each measures).
 """
 
 from __future__ import annotations
@@ -22,20 +44,70 @@ from het_strategy.core.errors import field_error, require_int, require_number
 from het_strategy.profiling.measurements import DeviceMeasurement
 from het_strategy.profiling.torch_device import TORCH_DTYPES, indexed_device, synchronizer
 
-__all__ = ["measure_device"]
+__all__ = ["measure_device", "round_clock", "InTurn"]
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 _MATMUL_SIZE = {"cpu": 512, "cuda": 4096}
 _COPY_BYTES = {"cpu": 32 * MiB, "cuda": 512 * MiB}
-_MIN_TIMED_CALLS = 3
 _MAX_TIMED_CALLS = 100_000
+"""The most calls one round times (a no-op stand-in matmul would otherwise loop for ever)."""
+
+InTurn = Callable[[Callable[[], float]], float]
+"""Runs a round when it is this rank's turn and returns its result (every rank calls it equally often)."""
+
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def _now(round_: Callable[[], float]) -> float:
+    return round_()
+
+
+def _runqueue_wait_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a core (2nd field of its schedstat, ns)."""
+    with open(_SCHEDSTAT) as fh:
+        return int(fh.read().split()[1]) / 1e9
+
+
+def round_clock(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """How a round is timed: ``clock(work) -> seconds``.  On a CPU, wall time less this thread's run-queue
+    waits (when Linux tells them); elsewhere (a GPU computes while its host thread waits) wall time.
+
+    The reads are ordered so that a preemption between two of them can only lengthen the time (the wait read
+    after the wall clock at the start, before it at the end): a round is never timed shorter than it ran.
+    """
+    if device.type == "cpu":
+        try:
+            _runqueue_wait_s()
+        except (OSError, ValueError, IndexError):
+            pass
+        else:
+            def on_cpu(work: Callable[[], None]) -> float:
+                start, waited = time.perf_counter(), _runqueue_wait_s()
+                work()
+                waited = _runqueue_wait_s() - waited
+                return time.perf_counter() - start - waited
+
+            return on_cpu
+
+    def wall(work: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+
+    return wall
 
 
 def measure_device(device: torch.device | str, dtype: str = "fp32", budget_s: float = 0.5,
-                   num_local_ranks: int | None = None, matmul_size: int | None = None) -> DeviceMeasurement:
+                   num_local_ranks: int | None = None, matmul_size: int | None = None, rounds: int = 10,
+                   in_turn: InTurn | None = None) -> DeviceMeasurement:
     """Measure one device: matmul TFLOPS in ``dtype``, memory, copy bandwidth.
 
-    ``budget_s`` is the timed work of each of the two figures (matmul, copy).
+    ``budget_s`` is the timed work of each of the two figures (matmul, copy),
+    split into ``rounds`` rounds whose best is the figure.  ``in_turn(round)``
+    runs each sizing call and each round (default: at once); it is called the
+    same number of times on every rank, ``2 x (rounds + 1)``, so a collective
+    scheduler can use it.
     The matmuls run under the current ``torch.backends`` settings (e.g. TF32
     for fp32 on NVIDIA GPUs), so set those as training will before probing.
     ``num_local_ranks`` ranks share a CPU host's memory (default:
@@ -49,20 +121,23 @@ def measure_device(device: torch.device | str, dtype: str = "fp32", budget_s: fl
     if dtype not in TORCH_DTYPES:
         raise field_error("dtype", dtype, f"be one of {tuple(TORCH_DTYPES)}")
     require_number(budget_s, "budget_s")
+    require_int(rounds, "rounds", minimum=1)
+    turn = in_turn if in_turn is not None else _now
     local = num_local_ranks if num_local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     require_int(local, "num_local_ranks", minimum=1)
     side = require_int(matmul_size, "matmul_size", minimum=1) if matmul_size is not None else _MATMUL_SIZE[device.type]
     sync = synchronizer(device)
+    clock = round_clock(device)
 
     with torch.inference_mode():
         a = torch.randn(side, side, device=device).to(TORCH_DTYPES[dtype])
         b = torch.randn(side, side, device=device).to(TORCH_DTYPES[dtype])
         c = torch.empty_like(a)
-        flops = _sustained_rate(lambda: torch.mm(a, b, out=c), 2.0 * side**3, budget_s, sync)
+        flops = _timed_rounds(lambda: torch.mm(a, b, out=c), 2.0 * side**3, budget_s, rounds, sync, turn, clock)
         del a, b, c
         src = torch.empty(_COPY_BYTES[device.type], dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
-        copy_bps = _sustained_rate(lambda: dst.copy_(src), 2.0 * src.numel(), budget_s, sync)
+        copy_bps = _timed_rounds(lambda: dst.copy_(src), 2.0 * src.numel(), budget_s, rounds, sync, turn, clock)
         del src, dst
 
     if device.type == "cuda":
@@ -74,24 +149,41 @@ def measure_device(device: torch.device | str, dtype: str = "fp32", budget_s: fl
         memory_gb = _host_memory_bytes() / local / GiB
         type_name = "CPU"  # every host CPU is the catalog's CPU type; the measured figures tell them apart
     return DeviceMeasurement(host=socket.gethostname(), device=str(device), raw_name=raw_name, type=type_name,
-                             dtype=dtype, tflops=flops / 1e12, memory_gb=memory_gb,
-                             memory_bandwidth_gbs=copy_bps / 1e9)
+                             dtype=dtype, tflops=max(flops) / 1e12, memory_gb=memory_gb,
+                             memory_bandwidth_gbs=max(copy_bps) / 1e9,
+                             tflops_rounds=tuple(f / 1e12 for f in flops),
+                             memory_bandwidth_rounds_gbs=tuple(b / 1e9 for b in copy_bps))
 
 
-def _sustained_rate(step: Callable[[], None], work: float, budget_s: float, sync: Callable[[], None]) -> float:
-    """``work`` units per second of ``step``: one warm-up call, one call to size the loop, then ~budget_s timed."""
-    step()
-    sync()
-    start = time.perf_counter()
-    step()
-    sync()
-    first = time.perf_counter() - start
-    calls = min(_MAX_TIMED_CALLS, max(_MIN_TIMED_CALLS, math.ceil(budget_s / max(first, 1e-9))))
-    start = time.perf_counter()
-    for _ in range(calls):
+def _timed_rounds(step: Callable[[], None], work: float, budget_s: float, rounds: int, sync: Callable[[], None],
+                  turn: InTurn, clock: Callable[[Callable[[], None]], float]) -> list[float]:
+    """``work`` units per second of ``step`` in each of ``rounds`` rounds of ~budget_s / rounds timed work.
+
+    The first turn warms up (one call) and sizes the rounds (one call, by the
+    wall clock: it bounds how long a round takes); every round then times the
+    same number of calls, at least one, with ``clock``.
+    """
+
+    def size() -> float:
         step()
-    sync()
-    return work * calls / (time.perf_counter() - start)
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - start
+
+    first = turn(size)
+    calls = min(_MAX_TIMED_CALLS, max(1, math.ceil(budget_s / rounds / max(first, 1e-9))))
+
+    def run_calls() -> None:
+        for _ in range(calls):
+            step()
+        sync()
+
+    def timed_round() -> float:
+        return work * calls / max(clock(run_calls), 1e-9)
+
+    return [turn(timed_round) for _ in range(rounds)]
 
 
 def _host_memory_bytes() -> int:

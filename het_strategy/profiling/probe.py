@@ -9,31 +9,50 @@ How ``probe_cluster`` works, in order (every step is collective over the
 default process group):
 
 1. Each rank's host name is gathered, so each rank knows how many ranks share
-   its host (a CPU rank's memory share) and which cache files belong to it.
+   its host (a CPU rank's memory share, the turns of step 2) and which cache
+   files belong to it.
 2. Devices: every rank looks for its device cache file; the "have it" flags are
-   gathered and the ranks load only when *all* have one, else all measure
-   together (concurrent measurement is what training sees on a shared host).
+   gathered and the ranks load only when *all* have one, else all measure.
    ``measure_device`` times square matmuls in the training dtype and a large
-   copy (memory bandwidth), and reads the device's memory.
+   copy (memory bandwidth), each figure the best of ``rounds`` short rounds
+   (interference only slows a round down), and reads the device's memory.  The ranks of one host take turns round by round
+   (rank a's round 1, rank b's round 1, ..., rank a's round 2, ...; a barrier
+   between turns), so they never compete for the host's cores while one
+   measures, and a load that comes and goes on the machine falls on every
+   rank's rounds alike.  Hosts measure at the same time.
 3. Links: rank 0 looks for the link cache and broadcasts what it found (or
    nothing), so all ranks take the same branch; otherwise ``measure_links``
-   times allreduce and ring send/recv at a few sizes, and rank 0 writes the
-   cache.  The collectives of both branches match on every rank.
-4. The device figures are gathered to all ranks and ``cluster_from_measurements``
-   builds the ``ClusterSpec``: one node per host, device ``rank{i}`` per rank,
-   measured TFLOPS with efficiency 1.0 (measured figures are already sustained),
-   intra-node bandwidth = the slowest measured pair inside the node, inter-node
-   bandwidth = the slowest pair across hosts.
+   times allreduce and ring send/recv at a few sizes (median of ``repeats``),
+   and rank 0 writes the cache.  The collectives of both branches match on
+   every rank.
+4. The device figures are gathered to all ranks; devices of one type whose
+   figures are equal within noise are read as one figure
+   (``snap_like_devices``: within ``snap_tolerance``, default 10%, or the
+   figures' own noise); freshly measured figures are cached now, the raw
+   rounds with the snapped figures beside them.  ``cluster_from_measurements``
+   builds the ``ClusterSpec`` from the snapped figures: one node per host,
+   device ``rank{i}`` per rank, TFLOPS with efficiency 1.0 (measured figures
+   are already sustained), intra-node bandwidth = the slowest measured pair
+   inside the node, inter-node bandwidth = the slowest pair across hosts.
+   The table shows raw and snapped figures and, when figures came from the
+   cache, how old they are and how to measure again.
 
-Tuning advice: ``budget_s`` is the timed work per device figure; 0.5 s is
-stable on an idle accelerator, raise it on a busy machine.  The link sizes
-default to 64 KiB, 1 MiB and 8 MiB; bandwidth figures are read at the largest
-size, so add a larger one (e.g. 64 MiB) for fast NVLink/InfiniBand fabrics where
-8 MiB does not yet saturate the link.  Pass ``refresh=True`` after hardware or
-driver changes; the cache does not notice them.
+Tuning advice: ``budget_s`` is the timed work per device figure (all
+``rounds`` together); 0.5 s in 10 rounds is stable on an idle accelerator and
+on a host shared with a busy process; on a heavily loaded one raise
+``rounds`` (more chances of an undisturbed round) with the budget.  Taking turns makes the device step take about
+``2 x budget_s x ranks per host``.  The figures are each rank's *alone* on its
+host; the planner needs their ratios, which concurrent measuring on an
+oversubscribed host gets wrong (three ranks on two cores measured 0.016 /
+0.022 / 0.027 TFLOPS at once).  The link sizes default to 64 KiB, 1 MiB and
+8 MiB; bandwidth figures are read at the largest size, so add a larger one
+(e.g. 64 MiB) for fast NVLink/InfiniBand fabrics where 8 MiB does not yet
+saturate the link.  Pass ``refresh=True`` (``HeteroStrategy(probe="refresh")``)
+after hardware or driver changes, or when the cached figures were measured on
+a loaded machine; the cache does not notice.
 
-Where the pieces are: what is measured, ``measurements.py``; one device,
-``device_probe.py``; the links, ``link_probe.py``; the cache files,
+Where the pieces are: what is measured and snapping, ``measurements.py``; one
+device, ``device_probe.py``; the links, ``link_probe.py``; the cache files,
 ``probe_cache.py``.  This module puts them together, and their public names
 are importable from here as before.  It is a runtime module: it imports torch
 (the planning core does not).
@@ -43,6 +62,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -52,10 +72,20 @@ import torch.distributed as dist
 
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict
 from het_strategy.core.errors import field_error
-from het_strategy.profiling.device_probe import measure_device
+from het_strategy.core.log import rank_debug, rank_zero_info
+from het_strategy.profiling.device_probe import InTurn, measure_device
 from het_strategy.profiling.link_probe import DEFAULT_LINK_SIZES, measure_links
-from het_strategy.profiling.measurements import AllreduceTiming, DeviceMeasurement, LinkMeasurement, P2PTiming
+from het_strategy.profiling.measurements import (
+    DEFAULT_SNAP_TOLERANCE,
+    AllreduceTiming,
+    DeviceMeasurement,
+    LinkMeasurement,
+    P2PTiming,
+    SnappedFigures,
+    snap_like_devices,
+)
 from het_strategy.profiling.probe_cache import (
+    cache_age,
     default_cache_dir,
     device_cache_path,
     links_cache_path,
@@ -71,6 +101,8 @@ __all__ = [
     "AllreduceTiming",
     "P2PTiming",
     "LinkMeasurement",
+    "SnappedFigures",
+    "snap_like_devices",
     "ProbeResult",
     "measure_device",
     "measure_links",
@@ -84,12 +116,13 @@ KiB, MiB = 2**10, 2**20
 
 # -- measurements -> ClusterSpec ------------------------------------------------------------------
 def cluster_from_measurements(devices: Sequence[DeviceMeasurement], links: LinkMeasurement,
-                              name: str = "auto") -> ClusterSpec:
+                              name: str = "auto", snapped: Sequence[SnappedFigures] | None = None) -> ClusterSpec:
     """The ClusterSpec the measurements describe (no process group needed).
 
     One node per host, in order of the host's first rank, named after the host;
     device ``rank{i}`` for rank i, with its measured TFLOPS (efficiency 1.0),
-    memory and copy bandwidth.  A node's intra-node bandwidth is its slowest
+    memory and copy bandwidth — the ``snapped`` figures where given (one per
+    device, from ``snap_like_devices``), else the raw ones.  A node's intra-node bandwidth is its slowest
     measured pair; a node with one rank (or no measured pair inside it) takes
     the allreduce bus bandwidth, and with a single rank in the whole group, where
     no link exists, its device's memory bandwidth.  Inter-node bandwidth is the
@@ -104,6 +137,10 @@ def cluster_from_measurements(devices: Sequence[DeviceMeasurement], links: LinkM
         raise field_error("devices", [], "list one measurement per rank")
     if len(devices) != links.world_size:
         raise field_error("devices", len(devices), f"hold one measurement per rank ({links.world_size})")
+    if snapped is not None and len(snapped) != len(devices):
+        raise field_error("snapped", len(snapped), f"hold one entry per device ({len(devices)})")
+    figures = (list(snapped) if snapped is not None else
+               [SnappedFigures(tflops=d.tflops, memory_bandwidth_gbs=d.memory_bandwidth_gbs) for d in devices])
     hosts = [d.host for d in devices]
     ranks_of: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
@@ -114,16 +151,16 @@ def cluster_from_measurements(devices: Sequence[DeviceMeasurement], links: LinkM
                       "devices host by host, so its device order differs from rank order (names rank{i} keep the rank)",
                       stacklevel=2)
     pairs = links.pair_gbs()
-    fallback = links.allreduce_busbw_gbs if links.world_size > 1 else devices[0].memory_bandwidth_gbs
+    fallback = links.allreduce_busbw_gbs if links.world_size > 1 else figures[0].memory_bandwidth_gbs
     nodes = []
     for host, ranks in ranks_of.items():
         inside = [gbs for (a, b), gbs in pairs.items() if hosts[a] == host and hosts[b] == host]
         nodes.append({
             "name": host,
             "intra_bandwidth_gbs": min(inside, default=fallback),
-            "devices": [{"name": f"rank{r}", "type": devices[r].type, "tflops": {devices[r].dtype: devices[r].tflops},
+            "devices": [{"name": f"rank{r}", "type": devices[r].type, "tflops": {devices[r].dtype: figures[r].tflops},
                          "efficiency": 1.0, "memory_gb": devices[r].memory_gb,
-                         "memory_bandwidth_gbs": devices[r].memory_bandwidth_gbs} for r in ranks],
+                         "memory_bandwidth_gbs": figures[r].memory_bandwidth_gbs} for r in ranks],
         })
     across = [gbs for (a, b), gbs in pairs.items() if hosts[a] != hosts[b]]
     inter = min(across, default=min(n["intra_bandwidth_gbs"] for n in nodes))
@@ -137,23 +174,49 @@ class ProbeResult:
     """What ``probe_cluster`` found; equal on every rank."""
 
     cluster: ClusterSpec
-    """The measured cluster, ready for the planner."""
+    """The measured cluster, ready for the planner (from the snapped figures)."""
     devices: tuple[DeviceMeasurement, ...]
-    """One measurement per rank, in rank order."""
+    """One raw measurement per rank, in rank order (with every round's figure)."""
     links: LinkMeasurement
     """The group's allreduce and point-to-point figures."""
     from_cache: bool
     """True when devices and links were all read from cache files (nothing measured)."""
+    snapped: tuple[SnappedFigures, ...] | None = None
+    """The figures the cluster gives each rank after like devices were read alike (None: the raw ones)."""
+    cached: tuple[str, ...] = ()
+    """The parts read from cache files: ``devices``, ``links``, both or none."""
+    cached_at: float | None = None
+    """When the oldest cache file read was written (seconds since the epoch); None when nothing was read."""
+    cache_dir: str | None = None
+    """The cache folder the probe read and wrote."""
+
+    def cache_note(self) -> str | None:
+        """``using measurements cached 3 h ago (2026-12-01 18:04) at <dir>; ...`` (None when all was measured now)."""
+        if not self.cached or self.cached_at is None:
+            return None
+        what, fresh = {("devices", "links"): ("measurements", ""), ("devices",): ("device measurements", " (links "
+                       "measured now)"), ("links",): ("link measurements", " (devices measured now)")}[self.cached]
+        return (f"using {what} cached {cache_age(self.cached_at)} at {self.cache_dir}{fresh}; probe=\"refresh\" "
+                "(probe_cluster(refresh=True)) to measure again")
 
     def table(self) -> str:
-        """A fixed-width table: one row per rank, then the link figures and the resulting bandwidths."""
+        """A fixed-width table: one row per rank (raw and snapped figures), the link figures, the bandwidths."""
         dtype = self.devices[0].dtype
-        header = ["rank", "host", "device", "type", f"{dtype} TFLOPS", "memory GiB", "copy GB/s"]
-        rows = [[str(r), d.host, d.raw_name, d.type, f"{d.tflops:.3g}", f"{d.memory_gb:.1f}",
-                 f"{d.memory_bandwidth_gbs:.1f}"] for r, d in enumerate(self.devices)]
+        snapped = self.snapped or tuple(SnappedFigures(d.tflops, d.memory_bandwidth_gbs) for d in self.devices)
+        header = ["rank", "host", "device", "type", f"{dtype} TFLOPS", "noise", "snapped", "memory GiB",
+                  "copy GB/s", "noise", "snapped"]
+        rows = [[str(r), d.host, d.raw_name, d.type, f"{d.tflops:.3g}", f"{d.tflops_noise:.0%}",
+                 f"{snapped[r].tflops:.3g}", f"{d.memory_gb:.1f}", f"{d.memory_bandwidth_gbs:.1f}",
+                 f"{d.memory_bandwidth_noise:.0%}", f"{snapped[r].memory_bandwidth_gbs:.1f}"]
+                for r, d in enumerate(self.devices)]
         source = "cached" if self.from_cache else "measured"
+        rounds = max((len(d.tflops_rounds) for d in self.devices), default=0)
         lines = [f"Probed cluster `{self.cluster.name}` ({source}; {self.links.backend}, "
-                 f"{self.links.world_size} ranks)", *format_table(header, rows, right={0, 4, 5, 6}), ""]
+                 f"{self.links.world_size} ranks)", *format_table(header, rows, right=set(range(4, 11)) | {0})]
+        if rounds:
+            lines.append(f"device figures: best of {rounds} rounds, the ranks of a host in turn (noise: best vs "
+                         "median round); snapped: devices of one type equal within noise read as one")
+        lines.append("")
         ar_rows = [[_fmt_bytes(t.size_bytes), "allreduce", f"{t.seconds * 1e6:.0f}", f"{t.algbw_gbs:.2f}",
                     f"{t.busbw_gbs:.2f}"] for t in self.links.allreduce]
         p2p_rows = [[_fmt_bytes(t.size_bytes), f"p2p {t.src}->{t.dst}", f"{t.seconds * 1e6:.0f}", f"{t.gbs:.2f}", ""]
@@ -162,6 +225,9 @@ class ProbeResult:
                                right={0, 2, 3, 4})
         intra = ", ".join(f"{n.name} {n.intra_bandwidth_gbs:.2f}" for n in self.cluster.nodes)
         lines.append(f"intra-node GB/s: {intra}; inter-node GB/s: {self.cluster.inter_node_bandwidth_gbs:.2f}")
+        note = self.cache_note()
+        if note:
+            lines.append(note)
         return "\n".join(lines)
 
 
@@ -172,38 +238,73 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _turns_of_host(hosts: Sequence[str], rank: int) -> InTurn:
+    """Each round of ``measure_device`` run by the ranks of one host one after another (collective).
+
+    Every rank passes through ``max ranks per host`` barriers per round, the
+    rank of local index t doing its round before the t-th; so on each host one
+    rank measures at a time, hosts in parallel, and every rank makes the same
+    barrier calls in the same order.  With one rank per host nobody waits.
+    """
+    turns = max(Counter(hosts).values())
+    if turns == 1:
+        return lambda round_: round_()
+    mine = [r for r, h in enumerate(hosts) if h == hosts[rank]].index(rank)
+
+    def in_turn(round_: Any) -> float:
+        result = 0.0
+        for turn in range(turns):
+            if turn == mine:
+                result = round_()
+            dist.barrier()  # the next rank of each host starts only when this turn's rounds are all done
+        return result
+
+    return in_turn
+
+
 def probe_cluster(device: torch.device | str, dtype: str = "fp32", cache_dir: str | Path | None = None,
                   name: str = "auto", refresh: bool = False, budget_s: float = 0.5,
                   sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int = 5,
-                  print_table: bool = True) -> ProbeResult:
+                  print_table: bool = True, rounds: int = 10,
+                  snap_tolerance: float = DEFAULT_SNAP_TOLERANCE) -> ProbeResult:
     """Measure (or load) every rank's device and the group's links; collective over the default group.
 
     Every rank must call it with the same arguments except ``device`` (its own).
     ``cache_dir`` defaults to ``default_cache_dir()``; ``refresh=True``
-    ignores the cache files (and overwrites them).  Rank 0 prints the table with
-    ``print`` (to stdout, flushed) unless ``print_table`` is False.  The steps
-    are in the module docstring.
+    ignores the cache files (and overwrites them).  Each device figure is the
+    best of ``rounds`` rounds; each link size's time the median of
+    ``repeats``.  ``snap_tolerance`` (0 turns it off) is how far apart devices
+    of one type may measure and still be read as equal.  Rank 0 prints the table with
+    ``print`` (to stdout, flushed) unless ``print_table`` is False; the cache
+    note (age, path, how to refresh) also goes to the ``het_strategy`` logger.
+    The steps are in the module docstring.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("probe_cluster needs an initialised torch.distributed default process group")
+    snap_like_devices([], snap_tolerance)  # a bad tolerance fails on every rank before any collective
     device = indexed_device(torch.device(device))
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    # 1. hosts of all ranks: the CPU memory share and the cache keys need them
+    # 1. hosts of all ranks: the CPU memory share, the turns and the cache keys need them
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     device_path = device_cache_path(cache, device, dtype, same_host.index(rank), len(same_host))
 
-    # 2. devices: load only if every rank can, so that all measure together or none does
-    mine = None if refresh else read_cache(device_path, DeviceMeasurement.from_dict)
+    # 2. devices: load only if every rank can, so that all measure (in turns) or none does
+    entry = None if refresh else read_cache(device_path, DeviceMeasurement.from_dict)
     have: list[Any] = [None] * world
-    dist.all_gather_object(have, mine is not None)
+    dist.all_gather_object(have, entry is not None)
     devices_cached = all(have)
-    if not devices_cached:
-        mine = measure_device(device, dtype, budget_s, num_local_ranks=len(same_host))
-        write_cache(device_path, mine)
+    if devices_cached:
+        mine, mine_at = entry.measurement, entry.written_at  # type: ignore[union-attr]
+    else:
+        rank_debug(rank, "probe: measuring %s (turn %d of %d on %s)", device, same_host.index(rank) + 1,
+                   len(same_host), hosts[rank])
+        mine = measure_device(device, dtype, budget_s, num_local_ranks=len(same_host), rounds=rounds,
+                              in_turn=_turns_of_host(hosts, rank))
+        mine_at = None
 
     # 3. links: rank 0's cache decides for everyone (other hosts do not have its file)
     backend = str(dist.get_backend())
@@ -211,22 +312,31 @@ def probe_cluster(device: torch.device | str, dtype: str = "fp32", cache_dir: st
     found: list[Any] = [None]
     if rank == 0 and not refresh:
         cached = read_cache(links_path, LinkMeasurement.from_dict)
-        found[0] = None if cached is None else cached.to_dict()
+        found[0] = None if cached is None else (cached.measurement.to_dict(), cached.written_at)
     dist.broadcast_object_list(found, src=0)
     links_cached = found[0] is not None
     if links_cached:
-        links = LinkMeasurement.from_dict(found[0])
+        links, links_at = LinkMeasurement.from_dict(found[0][0]), found[0][1]
     else:
-        links = measure_links(sizes_bytes, repeats, device)
+        links, links_at = measure_links(sizes_bytes, repeats, device), None
         if rank == 0:
             write_cache(links_path, links)
 
-    # 4. everyone gets every rank's figures and builds the same ClusterSpec
+    # 4. everyone gets every rank's figures, snaps them alike and builds the same ClusterSpec
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine.to_dict())  # type: ignore[union-attr]
-    devices = tuple(DeviceMeasurement.from_dict(d) for d in gathered)
-    result = ProbeResult(cluster=cluster_from_measurements(devices, links, name), devices=devices, links=links,
-                         from_cache=devices_cached and links_cached)
+    dist.all_gather_object(gathered, (mine.to_dict(), mine_at))
+    devices = tuple(DeviceMeasurement.from_dict(d) for d, _ in gathered)
+    snapped = snap_like_devices(devices, snap_tolerance)
+    if not devices_cached:
+        write_cache(device_path, mine, notes={"snapped": snapped[rank].to_dict(), "snap_tolerance": snap_tolerance})
+    times = [t for _, t in gathered if t is not None] + ([links_at] if links_at is not None else [])
+    parts = tuple(part for part, hit in (("devices", devices_cached), ("links", links_cached)) if hit)
+    result = ProbeResult(cluster=cluster_from_measurements(devices, links, name, snapped), devices=devices,
+                         links=links, from_cache=devices_cached and links_cached, snapped=snapped, cached=parts,
+                         cached_at=min(times, default=None), cache_dir=str(cache))
     if rank == 0 and print_table:
         print(result.table(), flush=True)
+    note = result.cache_note()
+    if note:
+        rank_zero_info(rank, "probe: %s", note)
     return result
