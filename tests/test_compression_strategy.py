@@ -92,3 +92,48 @@ def test_hetero_registers_compression_on_cpu_and_checkpoints_its_state(tmp_path:
         info = json.loads((second / f"rank{rank}.json").read_text())
         assert info["step"] == 5  # counting on from the checkpoint's 3, not from 0
         assert info["restored"]["module.net.0.weight"] == pytest.approx(norms[rank], rel=1e-6)  # its own
+
+
+TWO_NODES = {"name": "two_nodes", "inter_node_bandwidth_gbs": 0.0125,
+             "nodes": [{"name": f"node{n}", "devices": [{"name": f"n{n}r{i}", "type": "CPU"} for i in range(2)]}
+                       for n in range(2)]}
+
+
+class _ParamProbe(_Probe):
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        path = Path(self.out_dir) / f"rank{self.global_rank}.json"
+        info = json.loads(path.read_text())
+        info["params"] = [float(p.double().sum()) for p in self.parameters()]
+        info["hook"] = type(self.trainer.strategy._compression_run.hook_state).__name__
+        path.write_text(json.dumps(info))
+
+
+def test_inter_node_scope_compresses_only_the_leaders_exchange(tmp_path: Path) -> None:
+    """compression.scope=inter_node on 2 nodes x 2 ranks: the hierarchical hook is registered; only each node's
+    first rank sends compressed bytes to the other node; every rank ends with the same parameters."""
+    torch.set_num_threads(1)
+    strategy = HeteroStrategy(cluster=TWO_NODES, compression={"method": "quantize", "bits": 4, "warmup_steps": 1,
+                                                              "scope": "inter_node"},
+                              start_method="fork", verbose=False, timeout=__import__("datetime").timedelta(seconds=120))
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, max_steps=3,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(_ParamProbe(str(tmp_path)), DataLoader(_data(), batch_size=4))
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["hook"] == "HierarchicalState" for r in rows)
+    assert all(r["params"] == rows[0]["params"] for r in rows)  # bitwise the same model everywhere
+    assert rows[0]["step"] == rows[2]["step"] == 3 and rows[0]["wire_ratio"] > 1.5  # the leaders compressed
+    assert rows[1]["bytes_sent"] == rows[3]["bytes_sent"] == 0  # the others never crossed a node
+
+
+def test_inter_node_scope_needs_equal_nodes() -> None:
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.errors import ConfigError
+    from het_strategy.strategy.compression_run import ranks_per_node
+
+    uneven = {**TWO_NODES, "nodes": [TWO_NODES["nodes"][0], {"name": "node1", "devices": [{"name": "x",
+                                                                                         "type": "CPU"}]}]}
+    assert ranks_per_node(load_cluster(TWO_NODES), 4) == 2
+    with pytest.raises(ConfigError, match="compression.scope.*equal size.*\\[2, 1\\]"):
+        ranks_per_node(load_cluster(uneven), 3)

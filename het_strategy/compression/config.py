@@ -20,6 +20,7 @@ from het_strategy.core.errors import check_keys, field_error, require_int
 __all__ = ["CompressionConfig", "METHODS", "compression_config", "method_token_valid", "quantizer_for"]
 
 METHODS = ("adaptive", "none", "fp16", "bf16", "quantize", "powersgd", "topk")
+SCOPES = ("all", "inter_node")
 _TOKEN = re.compile(r"^(none|fp16|bf16|powersgd|topk|q([0-9]+))$")
 
 
@@ -60,6 +61,9 @@ class CompressionConfig:
     """adaptive: plan for a link of this many Mbit/s instead of timing allreduces (None: measure at each solve)."""
     verbose: bool = True
     """Print the per-layer decisions (rank 0) whenever they change."""
+    scope: str = "all"
+    """all: every rank's exchange is compressed (flat); inter_node: reduce within each node uncompressed and
+    compress only the exchange among nodes (``hierarchical.py``; the cluster's nodes, equal in size)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.candidates, list):  # a list from YAML or code: keep the config hashable and comparable
@@ -96,6 +100,8 @@ class CompressionConfig:
             link = self.link_mbit
             if isinstance(link, bool) or not isinstance(link, (int, float)) or not math.isfinite(link) or link <= 0:
                 raise field_error("compression.link_mbit", link, "be a number > 0 (Mbit/s) or null to measure")
+        if self.scope not in SCOPES:
+            raise field_error("compression.scope", self.scope, f"be one of {', '.join(SCOPES)}")
         if not self.candidates:
             raise field_error("compression.candidates", list(self.candidates), "name at least one method token")
         for i, token in enumerate(self.candidates):

@@ -94,21 +94,20 @@ class HierarchicalState:
         if not isinstance(groups, NodeGroups):
             raise field_error("groups", type(groups).__name__, "be the NodeGroups of node_groups(...)")
         self.groups = groups
-        self.inter: CompressionState | None = \
-            CompressionState(module, config, process_group=groups.leaders) if groups.is_leader else None
+        # on a leader, the inter-node exchange's state; on the others one that never exchanges, so that every
+        # rank holds a CompressionState (monitors read it, checkpoints gather it from every rank alike)
+        self.inter = CompressionState(module, config, process_group=groups.leaders if groups.is_leader else None)
         self.bytes_intra = 0
 
     @property
+    def bytes_sent(self) -> int:
+        """Everything this rank sent for the gradients, within its node and to other nodes (``wire_count.py``)."""
+        return self.bytes_intra + self.bytes_inter
+
+    @property
     def bytes_inter(self) -> int:
-        return 0 if self.inter is None else self.inter.bytes_sent
-
-    def state_dict(self) -> dict[str, Any]:
-        """The leader's inter-node compression state (error feedback, choices); empty on other ranks."""
-        return {} if self.inter is None else {"inter": self.inter.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.inter is not None and "inter" in state:
-            self.inter.load_state_dict(state["inter"])
+        """Bytes this rank sent to other nodes (0 unless it leads its node)."""
+        return self.inter.bytes_sent if self.groups.is_leader else 0
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -119,7 +118,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     if local > 1:
         dist.all_reduce(buffer, group=groups.intra)  # the node's sum, over the fast link
         state.bytes_intra += 2 * (local - 1) * buffer.numel() * buffer.element_size() // local
-    if groups.num_nodes > 1 and state.inter is not None:
+    if groups.num_nodes > 1 and groups.is_leader:
         # the leaders' mean of node sums (compression_hook divides by the leaders' count), in place
         compression_hook(state.inter, bucket).wait()
     if local > 1:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from het_strategy.compression import CompressionState, WireBytes, compression_config, compression_hook, counted_comm_hook
+from het_strategy.compression import CompressionState, WireBytes, compression_config, counted_comm_hook
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import rank_debug
@@ -38,6 +38,7 @@ from het_strategy.core.workload import WorkloadSpec
 from het_strategy.emulation.padding import padded_comm_hook
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import check_cluster_source, check_options, check_plan_source
+from het_strategy.strategy.compression_run import CompressionRun, build_compression
 from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_same_order, check_splittable, \
     loader_at, split_loader
 from het_strategy.strategy.experts import MoERun
@@ -111,6 +112,7 @@ class HeteroLogic(MoERun, PlannedRun):
         self._probe_refresh, self._telemetry = probe == "refresh", telemetry
         self._moe_placement = moe_placement
         self.compression_state: CompressionState | None = None
+        self._compression_run: CompressionRun | None = None
         self.cluster = self.plan = self._eval_plan = self.train_sampler = self.experts = None
         self.workload = self.profile = self.padding = None
         self.clock, self.wire = StepClock(), WireBytes()  # this rank's step times; its gradient bytes
@@ -148,13 +150,12 @@ class HeteroLogic(MoERun, PlannedRun):
         inner = self._ddp_comm_hook or allreduce_hook
         state = self._ddp_comm_state if self._ddp_comm_hook is not None else None
         if self._compression_config is not None and self._compression_config.method != "none":
-            if self.compression_state is None:  # a later trainer.validate/test keeps the fitted state
-                self.compression_state = CompressionState(self.model, self._compression_config)
-                restored = (self._restored or {}).get("compression")
-                if restored is not None:
-                    ckpt.restore_compression(self.compression_state, restored["ranks"], self.world_size,
-                                             self.global_rank)
-            inner, state = compression_hook, self.compression_state
+            if self._compression_run is None:  # a later trainer.validate/test keeps the fitted state
+                self._compression_run = build_compression(self.model, self._compression_config, self.cluster,
+                                                          self.world_size, self.global_rank,
+                                                          (self._restored or {}).get("compression"))
+                self.compression_state = self._compression_run.compression_state
+            inner, state = self._compression_run.hook, self._compression_run.hook_state
         hook = padded_comm_hook(counted_comm_hook(inner, self.wire), self._finish_padding, self.clock.gradients_ready)
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
