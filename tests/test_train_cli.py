@@ -97,7 +97,11 @@ def test_het_train_end_to_end_tiny(tmp_path: Path) -> None:
     assert summary["final_val_loss"] < 5.3 < 5.545  # ln(256) = 5.545 at initialisation
     assert summary["samples_per_s"] > 0 and summary["predicted_speedup_vs_equal"] > 1.2
     assert list(tmp_path.glob("csv/version_*/metrics.csv"))
-    assert list(tmp_path.glob("wandb/offline-run-*"))
+    runs = list(tmp_path.glob("wandb/offline-run-*"))
+    assert runs
+    # the wandb run holds the summary, the plan table and the plan picture
+    assert json.loads((runs[0] / "files" / "summary.json").read_text())["shares"] == [11, 5]
+    assert list(runs[0].glob("files/media/table/hetero/plan*.table.json"))
 
 
 @pytest.mark.multiprocess

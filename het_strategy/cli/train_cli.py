@@ -201,6 +201,9 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         from het_strategy.core.atomic_file import write_atomic
 
         write_atomic(summary_path, json.dumps(summary, indent=2, default=str))
+        from het_strategy.report.wandb_view import save_file
+
+        save_file(trainer.loggers, summary_path)  # into the wandb run's files (no-op without a WandbLogger)
     return summary
 
 
