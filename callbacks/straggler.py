@@ -2,7 +2,16 @@
 
 **Detection** (``ShiftDetector``, one per rank, on its per-sample compute time
 — the compute time of a step divided by the samples it used, so a change of
-share is not a change of speed).  The baseline is the median of the current
+share is not a change of speed — *relative to the median rank of the same
+step*).  A straggler is a rank slower than the others, not a step slower than
+the last: a load that slows every rank alike (another job on a shared host,
+a machine-wide frequency drop) leaves every rank's ratio to the median where
+it was, so it moves no work and raises no alarm; one rank 3x slower than the
+rest moves its ratio from 1 to 3.  (With two ranks each is compared with the
+other, and a decision names the rank whose own seconds moved.)  Each
+rank's absolute per-sample time is tracked beside it (``levels``: the same
+detector on seconds) for the re-plan, which needs seconds, not ratios.
+The baseline is the median of the current
 regime's recent values (up to ``window``) before the last ``consecutive``
 ones; its spread the scaled MAD.  A shift is declared when *every one* of the
 last ``consecutive`` values lies beyond both ``baseline x (1 + threshold)``
@@ -27,14 +36,18 @@ c. a rank slower than ``stop_ratio`` x the median: save a checkpoint and stop
    with a message naming it, so an elastic launcher can restart without it.
 
 Every decision is printed on rank 0, logged to the loggers and kept in
-``decisions`` (and in checkpoints, with the detectors' state).
+``decisions`` (and in checkpoints, with the detectors' state), naming each
+rank by its device's name in the cluster (``mid (rank1)``).  The steps run
+before a new plan takes effect (prefetched with the old shares) feed no
+detector, so the new regime is founded on the new shares' values only.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +57,7 @@ from typing_extensions import override
 
 from het_strategy.callbacks.telemetry import FIELDS, StepTelemetry
 from het_strategy.core.errors import field_error, require_int
+from het_strategy.core.log import rank_debug
 from het_strategy.planning.rebalance import rebalance
 from het_strategy.planning.run_plan import shares_in_rank_order
 
@@ -105,6 +119,17 @@ class ShiftDetector:
             return Shift(old=b, new=statistics.median(recent))
         return None
 
+    def adopt_recent(self) -> Shift:
+        """Make the last ``consecutive`` values the new regime, because another detector confirmed a change at
+        them; the Shift from the values before them (or the last known level) to them."""
+        values = list(self.history)
+        base, recent = values[:-self.consecutive], values[-self.consecutive:]
+        new = statistics.median(recent) if recent else (self._last_level or 0.0)
+        old = statistics.median(base) if base else (self._last_level if self._last_level is not None else new)
+        self.history = deque(recent, maxlen=self.window)
+        self._min_baseline = 0
+        return Shift(old=old, new=new)
+
     def restart(self) -> None:
         """Forget the regime (after this rank's share changed); the next ``consecutive`` values found the next."""
         self._last_level = self.level
@@ -133,9 +158,26 @@ class Decision:
     action: str
     """``rebalance``, ``minimum_share`` or ``stop``."""
     ranks: list[int]
+    """The ranks that moved against the median rank (``stop``: the ranks stopped for)."""
     shares_before: list[int]
+    """Samples per rank of a full global batch before, in rank order."""
     shares_after: list[int]
+    """... and from ``effective_step`` on."""
     reason: str
+    """What was measured, naming each rank by its device (``mid (rank1) per-sample compute ...``)."""
+    devices: list[str] = field(default_factory=list)
+    """The cluster's names of the devices ``ranks`` play, in the same order (empty in checkpoints made before
+    this field existed, until the callback is set up again)."""
+
+
+def _reference(per_sample: dict[int, float], rank: int) -> float | None:
+    """What rank ``rank``'s per-sample time is compared with: the median over the ranks of this step (the other
+    rank in a world of two, where a median of two would halve every ratio's move); None alone."""
+    if len(per_sample) < 2:
+        return None
+    if len(per_sample) == 2:
+        return next(t for r, t in per_sample.items() if r != rank)
+    return statistics.median(per_sample.values())
 
 
 class StragglerMitigation(StepTelemetry):
@@ -170,8 +212,13 @@ class StragglerMitigation(StepTelemetry):
         self.checkpoint_dir = checkpoint_dir
         self.verbose = verbose
         self.detectors: list[ShiftDetector] = []
+        """Per rank: its per-sample compute time / the step's median over ranks (decides)."""
+        self.levels: list[ShiftDetector] = []
+        """Per rank: its per-sample compute seconds (what the re-plan is priced with)."""
         self.decisions: list[Decision] = []
-        self._restored_detectors: list[dict[str, Any]] | None = None
+        self._settle_until = 0
+        """Rows of steps before this one ran with shares already replaced: they feed no detector."""
+        self._restored: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -182,38 +229,85 @@ class StragglerMitigation(StepTelemetry):
                               "keep more than an equal share)")
         if len(self.detectors) != world:
             self.detectors = [ShiftDetector(**self._detector_args) for _ in range(world)]
-        if self._restored_detectors is not None:
-            for det, state in zip(self.detectors, self._restored_detectors):
-                det.load_state_dict(state)
-            self._restored_detectors = None
+            self.levels = [ShiftDetector(**self._detector_args) for _ in range(world)]
+        if self._restored is not None:
+            self._load_detectors(self._restored)
+        self._name_decisions()
+
+    def _device_names(self) -> list[str] | None:
+        """Rank r's device name in the cluster (rank r plays ``cluster.devices[r]``), when the runtime is known."""
+        cluster = self.runtime.cluster if self.runtime is not None else None
+        return [d.name for d in cluster.devices] if cluster is not None else None
+
+    def _who(self, rank: int) -> str:
+        """``mid (rank1)``: the device's name, and the rank where the name is not already it."""
+        name = self._name(rank)
+        return name if name == f"rank{rank}" else f"{name} (rank{rank})"
+
+    def _name_decisions(self) -> None:
+        """Decisions restored from a checkpoint older than ``Decision.devices`` get the names now."""
+        names = self._device_names()
+        if names is None:
+            return
+        for d in self.decisions:
+            if not d.devices and d.ranks and max(d.ranks) < len(names):
+                d.devices = [names[r] for r in d.ranks]
 
     # -- deciding -------------------------------------------------------------------------------
     def on_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, window: torch.Tensor,
                   batch_idx: int) -> None:
-        samples_i, compute_i = FIELDS.index("samples"), FIELDS.index("compute_s")
-        shifted: dict[int, Shift] = {}
-        for s in range(window.shape[1]):
-            for r, det in enumerate(self.detectors):
-                n = float(window[r, s, samples_i])
-                if n > 0:
-                    shift = det.update(float(window[r, s, compute_i]) / n)
-                    if shift is not None:
-                        shifted[r] = shift
-        if shifted:
-            self._act(trainer, shifted, batch_idx)
+        """Feed each step of the gathered window to the detectors; act on ranks that moved against the median.
 
-    def _act(self, trainer: pl.Trainer, shifted: dict[int, Shift], batch_idx: int) -> None:
+        Every rank holds the same window and runs the same detectors, so every rank finds the same shifts.
+        """
+        step_i, samples_i, compute_i = FIELDS.index("step"), FIELDS.index("samples"), FIELDS.index("compute_s")
+        shifted: dict[int, tuple[Shift, Shift]] = {}
+        alike: set[int] = set()
+        for s in range(window.shape[1]):
+            if int(window[0, s, step_i]) < self._settle_until:
+                continue  # prefetched with the shares a decision already replaced
+            per_sample = {r: float(window[r, s, compute_i]) / float(window[r, s, samples_i])
+                          for r in range(window.shape[0]) if float(window[r, s, samples_i]) > 0}
+            for r, t in per_sample.items():
+                absolute = self.levels[r].update(t)
+                reference = _reference(per_sample, r)
+                if reference is None:
+                    continue  # no other rank to compare with this step
+                relative = self.detectors[r].update(t / reference)
+                if relative is not None:
+                    shifted[r] = (relative, absolute if absolute is not None else self.levels[r].adopt_recent())
+                elif absolute is not None:
+                    alike.add(r)
+        if alike - set(shifted):
+            rank_debug(trainer.global_rank, "straggler: per-sample compute of rank(s) %s shifted alike with the "
+                       "median rank (a machine-wide change): no straggler", sorted(alike - set(shifted)))
+        if shifted:
+            self._act(trainer, self._movers(shifted), batch_idx)
+
+    def _movers(self, shifted: dict[int, tuple[Shift, Shift]]) -> dict[int, tuple[Shift, Shift]]:
+        """The ranks to name among those whose ratio to the median moved: the ones whose own seconds moved too.
+
+        When one of two ranks slows 3x, both ratios move (3x up, 3x down) but only the slow one's seconds
+        did; when three of four slow alike, only the fast one's ratio moves, and it is named (all are named
+        when none's seconds moved beyond ``threshold``).
+        """
+        limit = math.log1p(self._detector_args["threshold"])
+        moved = {r: pair for r, pair in shifted.items() if abs(math.log(max(pair[1].ratio, 1e-12))) >= limit}
+        return moved or shifted
+
+    def _act(self, trainer: pl.Trainer, shifted: dict[int, tuple[Shift, Shift]], batch_idx: int) -> None:
         runtime = self.runtime
         assert runtime is not None and runtime.plan is not None and runtime.cluster is not None
         before = list(runtime.current_shares())
         total = sum(before)
-        levels = [det.level for det in self.detectors]
+        levels = [det.level for det in self.levels]
         if any(t is None for t in levels):
             return  # a rank has never computed a sample yet: nothing to compare
         t = [float(x) for x in levels if x is not None]
         median_t = statistics.median(t)
-        reasons = [f"rank{r} per-sample compute {s.old * 1e3:.2f} -> {s.new * 1e3:.2f} ms ({s.ratio - 1:+.0%} for "
-                   f"{self.detectors[r].consecutive} consecutive steps)" for r, s in sorted(shifted.items())]
+        reasons = [f"{self._who(r)} per-sample compute {a.old * 1e3:.2f} -> {a.new * 1e3:.2f} ms ({a.ratio - 1:+.0%}), "
+                   f"{rel.old:.2f}x -> {rel.new:.2f}x the median rank for {self.detectors[r].consecutive} "
+                   "consecutive steps" for r, (rel, a) in sorted(shifted.items())]
         if self.stop_ratio is not None:
             stop = [r for r in range(len(t)) if t[r] > self.stop_ratio * median_t]
             if stop:
@@ -230,28 +324,36 @@ class StragglerMitigation(StepTelemetry):
             return
         action = "minimum_share" if evicted else "rebalance"
         if evicted:
-            reasons.append(f"rank(s) {evicted} slower than {self.evict_ratio}x the median per-sample time "
-                           f"({median_t * 1e3:.2f} ms): minimum share {min_samples}")
+            reasons.append(f"{', '.join(self._who(r) for r in evicted)} slower than {self.evict_ratio}x the median "
+                           f"per-sample time ({median_t * 1e3:.2f} ms): minimum share {min_samples}")
         first_step = runtime.next_safe_step()
         runtime.apply_plan(plan, first_step)
         for r, (old, new) in enumerate(zip(before, after)):
             if old != new:
-                self.detectors[r].restart()
+                self.levels[r].restart()
+        for det in self.detectors:
+            det.restart()  # every ratio to the median moves when the median rank's share does
         done = self.steps_seen
-        self._record(trainer, Decision(step=done, effective_step=done + first_step - (batch_idx + 1), action=action,
-                                       ranks=sorted(shifted), shares_before=before, shares_after=after,
-                                       reason="; ".join(reasons)))
+        effective = done + first_step - (batch_idx + 1)
+        self._settle_until = effective
+        self._record(trainer, Decision(step=done, effective_step=effective, action=action, ranks=sorted(shifted),
+                                       shares_before=before, shares_after=after, reason="; ".join(reasons),
+                                       devices=[self._name(r) for r in sorted(shifted)]))
+
+    def _name(self, rank: int) -> str:
+        names = self._device_names()
+        return names[rank] if names is not None and rank < len(names) else f"rank{rank}"
 
     def _stop(self, trainer: pl.Trainer, ranks: list[int], before: list[int], t: list[float], median_t: float,
               reasons: list[str]) -> None:
         folder = Path(self.checkpoint_dir or trainer.default_root_dir)
         path = folder / f"straggler-stop-step{self.steps_seen}.ckpt"
-        reason = (f"rank(s) {ranks} slower than {self.stop_ratio}x the median per-sample time "
-                  f"({', '.join(f'{t[r] * 1e3:.2f}' for r in ranks)} vs {median_t * 1e3:.2f} ms): saved {path} and "
-                  "stopped; restart without them (e.g. an elastic launcher and a cluster without those devices)")
+        reason = (f"{', '.join(self._who(r) for r in ranks)} slower than {self.stop_ratio}x the median per-sample "
+                  f"time ({', '.join(f'{t[r] * 1e3:.2f}' for r in ranks)} vs {median_t * 1e3:.2f} ms): saved {path} "
+                  "and stopped; restart without them (e.g. an elastic launcher and a cluster without those devices)")
         self._record(trainer, Decision(step=self.steps_seen, effective_step=self.steps_seen, action="stop",
                                        ranks=ranks, shares_before=before, shares_after=before,
-                                       reason="; ".join(reasons + [reason])))
+                                       reason="; ".join(reasons + [reason]), devices=[self._name(r) for r in ranks]))
         trainer.save_checkpoint(path)
         trainer.should_stop = True
 
@@ -260,8 +362,10 @@ class StragglerMitigation(StepTelemetry):
         if trainer.global_rank != 0:
             return
         if self.verbose:
+            names = self._device_names()
+            order = f" (devices {', '.join(names)})" if names is not None else ""
             print(f"het_strategy straggler [{decision.action} after step {decision.step}, effective from step "
-                  f"{decision.effective_step}]: shares {decision.shares_before} -> {decision.shares_after}; "
+                  f"{decision.effective_step}]: shares {decision.shares_before} -> {decision.shares_after}{order}; "
                   f"{decision.reason}", flush=True)
         if self.log:
             for logger in trainer.loggers:
@@ -272,15 +376,32 @@ class StragglerMitigation(StepTelemetry):
     @override
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {"detectors": [d.state_dict() for d in self.detectors],
+                                       "levels": [d.state_dict() for d in self.levels],
+                                       "settle_until": self._settle_until,
                                        "decisions": [asdict(d) for d in self.decisions]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.decisions = [Decision(**d) for d in state_dict.get("decisions", [])]
-        detectors = state_dict.get("detectors", [])
-        if self.detectors and len(self.detectors) == len(detectors):
-            for det, state in zip(self.detectors, detectors):
-                det.load_state_dict(state)
+        self._settle_until = int(state_dict.get("settle_until", 0))
+        if "levels" in state_dict:
+            restored = {"relative": state_dict.get("detectors", []), "levels": state_dict["levels"]}
+        else:  # a checkpoint from before relative detection: its detectors tracked seconds, i.e. the levels
+            restored = {"relative": None, "levels": state_dict.get("detectors", [])}
+        if self.detectors and len(self.levels) == len(restored["levels"]):
+            self._load_detectors(restored)
         else:
-            self._restored_detectors = detectors
+            self._restored = restored  # loaded at setup, once the world size is known
+        self._name_decisions()
+
+    def _load_detectors(self, restored: dict[str, Any]) -> None:
+        for det, state in zip(self.levels, restored["levels"]):
+            det.load_state_dict(state)
+        if restored["relative"] is None:
+            for det in self.detectors:
+                det.restart()  # ratios were not kept: the next values found the regime
+        else:
+            for det, state in zip(self.detectors, restored["relative"]):
+                det.load_state_dict(state)
+        self._restored = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -136,8 +137,8 @@ def test_scheduled_slowdown_and_noise_in_a_cluster_config() -> None:
 class _FakeStrategy:
     """Stands in for the hetero strategy through what callbacks may use of it (``HeteroRuntime``)."""
 
-    def __init__(self, shares: list[int]) -> None:
-        self.cluster = load_cluster("local_cpu4_equal")
+    def __init__(self, shares: list[int], cluster: object = "local_cpu4_equal") -> None:
+        self.cluster = load_cluster(cluster)
         workload = estimate_workload("fake", 1000, 1, "fp32")
         self.plan = data_parallel_plan(self.cluster, workload, sum(shares), "fp32")
         self.records: list = []
@@ -145,12 +146,13 @@ class _FakeStrategy:
         self.compression_state = None
         self.calls: list[tuple[list[int], int]] = []
         self.shares = shares
+        self.safe_step = 3
 
     def current_shares(self) -> list[int]:
         return list(self.shares)
 
     def next_safe_step(self) -> int:
-        return 3
+        return self.safe_step
 
     def apply_plan(self, plan: Plan, first_step: int) -> None:
         self.plan = plan
@@ -164,8 +166,9 @@ class _FakeTrainer:
     loggers: list = []
     default_root_dir = "."
 
-    def __init__(self, shares: list[int]) -> None:
-        self.strategy = _FakeStrategy(shares)
+    def __init__(self, shares: list[int], cluster: object = "local_cpu4_equal") -> None:
+        self.strategy = _FakeStrategy(shares, cluster)
+        self.world_size = len(shares)
         self.should_stop = False
         self.saved: list[str] = []
 
@@ -173,8 +176,8 @@ class _FakeTrainer:
         self.saved.append(str(path))
 
 
-def _window(per_sample: list[list[float]], samples: list[int]):  # type: ignore[no-untyped-def]
-    """A gathered telemetry window: per_sample[r][s] seconds per sample of rank r in step s."""
+def _window(per_sample: list[list[float]], samples: list[int], first_step: int = 0):  # type: ignore[no-untyped-def]
+    """A gathered telemetry window: per_sample[r][s] seconds per sample of rank r in step first_step + s."""
     import torch
 
     from het_strategy.callbacks.telemetry import FIELDS
@@ -182,6 +185,7 @@ def _window(per_sample: list[list[float]], samples: list[int]):  # type: ignore[
     w = torch.zeros(len(per_sample), len(per_sample[0]), len(FIELDS), dtype=torch.float64)
     for r, series in enumerate(per_sample):
         for s, t in enumerate(series):
+            w[r, s, FIELDS.index("step")] = first_step + s
             w[r, s, FIELDS.index("samples")] = samples[r]
             w[r, s, FIELDS.index("compute_s")] = t * samples[r]
     return w
@@ -222,7 +226,7 @@ def test_ladder_stops_with_a_checkpoint_naming_the_rank() -> None:
     _feed(cb, trainer, slow=30.0)
     assert trainer.should_stop and trainer.saved and trainer.saved[0].endswith(".ckpt")
     assert trainer.strategy.calls == []
-    assert cb.decisions[0].action == "stop" and "rank(s) [2]" in cb.decisions[0].reason
+    assert cb.decisions[0].action == "stop" and "rank2 slower than 20.0x the median" in cb.decisions[0].reason
 
 
 def test_callback_state_round_trip() -> None:
@@ -233,3 +237,108 @@ def test_callback_state_round_trip() -> None:
     restored.setup(_FakeTrainer([10, 10, 2, 10]), None, "fit")  # type: ignore[arg-type]
     assert [d.state_dict() for d in restored.detectors] == [d.state_dict() for d in cb.detectors]
     assert restored.decisions == cb.decisions and restored.steps_seen == cb.steps_seen
+
+
+# -- relative detection: a straggler is slower than the other ranks, not than its own past ---------------------
+def _stream(cb: StragglerMitigation, trainer: _FakeTrainer, per_sample, every: int = 2) -> list[int]:  # type: ignore[no-untyped-def]
+    """Feed per_sample[r][s] window by window (as the telemetry exchange would, every ``every`` steps) with
+    each rank's current share; the steps after which a decision was taken."""
+    import lightning.pytorch as pl
+
+    cb.setup(trainer, pl.LightningModule(), "fit")  # type: ignore[arg-type]
+    steps = len(per_sample[0])
+    decided = []
+    for start in range(0, steps, every):
+        cb.steps_seen = start + every
+        shares = trainer.strategy.current_shares()
+        window = _window([row[start: start + every] for row in per_sample], shares, first_step=start)
+        before = len(cb.decisions)
+        trainer.strategy.safe_step = start + every + 1  # one step already prefetched with the current shares
+        cb.on_window(trainer, pl.LightningModule(), window, batch_idx=start + every - 1)  # type: ignore[arg-type]
+        decided += [start + every] * (len(cb.decisions) - before)
+    return decided
+
+
+def _cluster(names: list[str]) -> dict:
+    """local_cpu4_equal with its devices cut or renamed to ``names``."""
+    raw = load_cluster("local_cpu4_equal").to_dict()
+    devices = raw["nodes"][0]["devices"]
+    raw["nodes"][0]["devices"] = [dict(devices[i % len(devices)], name=n) for i, n in enumerate(names)]
+    return raw
+
+
+def _busy_machine(steps: int, world: int, rng: random.Random) -> list[list[float]]:
+    """Per-sample times on a shared, loaded host: each step a load factor common to all ranks (1x-3x, changing
+    in bursts of 5-60 steps) times +-10% noise of each rank's own."""
+    common, load = [], 1.0
+    while len(common) < steps:
+        load = rng.choice([1.0, 1.0, 1.5, 2.0, 3.0])
+        common += [load] * rng.randint(5, 60)
+    return [[0.01 * common[s] * (1 + 0.1 * (2 * rng.random() - 1)) for s in range(steps)] for _ in range(world)]
+
+
+def test_a_load_that_slows_every_rank_alike_is_no_straggler() -> None:
+    for seed in range(3):
+        cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8, 8, 8])
+        assert _stream(cb, trainer, _busy_machine(500, 4, random.Random(seed))) == []
+        assert trainer.strategy.calls == []
+    # the old rule (each rank against its own past) takes the same load for four stragglers
+    det = ShiftDetector()
+    assert [s for v in _busy_machine(500, 4, random.Random(0))[0] if (s := det.update(v)) is not None]
+
+
+def test_a_step_change_of_every_rank_moves_the_levels_but_no_work() -> None:
+    rng = random.Random(4)
+    per_sample = [_noisy(40, 0.01, 0.05, rng) + _noisy(40, 0.02, 0.05, rng) for _ in range(3)]
+    cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8, 8], _cluster(["a", "b", "c"]))
+    assert _stream(cb, trainer, per_sample) == []
+    assert all(lv.level == pytest.approx(0.02, rel=0.06) for lv in cb.levels)  # re-plans would price 20 ms
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_rank_three_times_slower_on_a_busy_machine_is_found_within_ten_steps(seed: int) -> None:
+    rng = random.Random(seed)
+    per_sample = _busy_machine(160, 4, rng)
+    for s in range(100, 160):
+        per_sample[2][s] *= 3.0
+    cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8, 8, 8])
+    decided = _stream(cb, trainer, per_sample)
+    assert decided and decided[0] - 100 <= 10, decided
+    d = cb.decisions[0]
+    assert d.ranks == [2] and d.shares_after[2] < 8 and d.effective_step == d.step + 1
+    ratio = float(re.search(r"-> ([0-9.]+)x the median rank", d.reason).group(1))
+    assert 2.4 < ratio < 3.6, d.reason
+
+
+def test_decisions_name_devices_as_the_cluster_does() -> None:
+    raw = _cluster(["fast", "mid", "slow", "spare"])
+    cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8, 8, 8], raw)
+    _feed(cb, trainer, slow=3.0)
+    (d,) = cb.decisions
+    assert d.ranks == [2] and d.devices == ["slow"]
+    assert d.reason.startswith("slow (rank2) per-sample compute 10.00 -> 30.00 ms (+200%), 1.00x -> 3.00x the "
+                               "median rank for 4 consecutive steps")
+    # a checkpoint from before Decision.devices and relative detection still loads, and its decisions get names
+    old = cb.state_dict()
+    old.pop("levels")
+    old["detectors"] = old["detectors"][:4]
+    for dec in old["decisions"]:
+        dec.pop("devices")
+    restored = StragglerMitigation(verbose=False, log=False)
+    restored.load_state_dict(old)
+    restored.setup(_FakeTrainer([10, 10, 2, 10], raw), None, "fit")  # type: ignore[arg-type]
+    assert restored.decisions[0].devices == ["slow"]
+    assert [lv.state_dict() for lv in restored.levels] == old["detectors"]  # the old detectors tracked seconds
+
+
+def test_steps_prefetched_with_the_old_shares_feed_no_detector() -> None:
+    cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8, 8, 8])
+    _feed(cb, trainer, slow=3.0)
+    (d,) = cb.decisions
+    assert d.effective_step == d.step + 1  # the fake's next safe step is one past this window
+    history = [list(det.history) for det in cb.detectors]
+    import lightning.pytorch as pl
+
+    stale = _window([[0.01], [0.01], [0.03], [0.01]], [8] * 4, first_step=d.step)  # old shares, old speeds
+    cb.on_window(trainer, pl.LightningModule(), stale, batch_idx=5)  # type: ignore[arg-type]
+    assert [list(det.history) for det in cb.detectors] == history
