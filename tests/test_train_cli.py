@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -63,6 +64,24 @@ def test_a_cluster_with_an_emulated_speed_of_zero_is_refused(tmp_path: Path,
                     "      - {name: b, type: CPU, emulated_speed: 0}\n")
     assert main([f"cluster={path}"]) == 2
     assert "emulated_speed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("nodes: &n [{name: n0, devices: *n}]\n", "YAML alias loop"),
+    ("nodes: [{name: n0, devices: [{type: CPU, count: 100000000}]}]\n", "within 4096 devices"),
+    ("nodes: [{name: n0, count: 100000000, devices: [{type: CPU}]}]\n", "within 4096 devices"),
+    ("nodes: [{name: [a, b], devices: [{type: CPU, count: 2}]}]\n", "nodes[0].name"),
+    ("nodes: [{name: n0, devices: [{type: CPU, count: 2, tflops: 1.0e+308}]}]\n", "tflops"),
+])
+def test_bad_cluster_files_are_one_line_and_exit_2_without_a_hang(text: str, needle: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    assert main([f"cluster={path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("het-train: error:") and "\n" not in err and needle in err, err
+    assert time.monotonic() - start < 30
 
 
 def test_an_eight_device_cluster_on_four_processes_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

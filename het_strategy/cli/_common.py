@@ -137,6 +137,9 @@ def _read_yaml(path: Path, group: str) -> dict[str, Any]:
         raise ConfigError(f"`{group}` file {path} is not valid YAML ({first}; line "
                           f"{getattr(getattr(exc, 'problem_mark', None), 'line', -1) + 1})",
                           field=group, value=str(path)) from None
+    from het_strategy.core.cluster_limits import check_yaml_tree
+
+    check_yaml_tree(raw, f"`{group}` file {path}")  # an alias loop would make Hydra recurse without end
     if not isinstance(raw, dict):
         raise field_error(group, f"{path} ({type(raw).__name__})", "be a YAML mapping (key: value) at the top level")
     return raw
