@@ -8,12 +8,13 @@ the last: a load that slows every rank alike (another job on a shared host,
 a machine-wide frequency drop) leaves every rank's ratio to the median where
 it was, so it moves no work and raises no alarm; one rank 3x slower than the
 rest moves its ratio from 1 to 3.  (With two ranks each is compared with the
-other, and a decision names the rank whose own seconds moved.)  Each
-rank's absolute per-sample time is tracked beside it (``levels``: the same
-detector on seconds) for the re-plan, which needs seconds, not ratios.
-The baseline is the median of the current
-regime's recent values (up to ``window``) before the last ``consecutive``
-ones; its spread the scaled MAD.  A shift is declared when *every one* of the
+other, and a decision names the rank whose own seconds moved.)  Each rank's
+absolute per-sample time is tracked beside it (``levels``: the same detector
+on seconds) for the re-plan, which needs seconds, not ratios.
+
+In each detector the baseline is the median of the current regime's recent
+values (up to ``window``) before the last ``consecutive`` ones; its spread the
+scaled MAD.  A shift is declared when *every one* of the
 last ``consecutive`` values lies beyond both ``baseline x (1 + threshold)``
 and ``baseline + z x MAD`` (or below ``baseline / (1 + threshold)`` and
 ``baseline - z x MAD`` for a recovery).  A spike shorter than ``consecutive``

@@ -342,3 +342,14 @@ def test_steps_prefetched_with_the_old_shares_feed_no_detector() -> None:
     stale = _window([[0.01], [0.01], [0.03], [0.01]], [8] * 4, first_step=d.step)  # old shares, old speeds
     cb.on_window(trainer, pl.LightningModule(), stale, batch_idx=5)  # type: ignore[arg-type]
     assert [list(det.history) for det in cb.detectors] == history
+
+
+def test_of_two_ranks_the_one_whose_seconds_moved_is_named() -> None:
+    rng = random.Random(5)
+    per_sample = [_noisy(60, 0.01, 0.05, rng), _noisy(30, 0.02, 0.05, rng) + _noisy(30, 0.06, 0.05, rng)]
+    cb, trainer = StragglerMitigation(verbose=False, log=False), _FakeTrainer([8, 8], _cluster(["fast", "slow"]))
+    decided = _stream(cb, trainer, per_sample)
+    assert decided and decided[0] - 30 <= 10
+    d = cb.decisions[0]
+    assert d.ranks == [1] and d.devices == ["slow"] and d.shares_after[1] < d.shares_after[0]
+    assert d.reason.startswith("slow (rank1) per-sample compute 20.")
