@@ -41,12 +41,14 @@ over the data-parallel degree) + activations of the micro-batches in flight
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec
+from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync_s, wire_fraction
 from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings  # also importable from here, as in 0.1.0
@@ -137,6 +139,11 @@ class CostModel:
         self._representative: dict[tuple, DeviceSpec] = {}
         self._prefix_cache: dict[tuple, tuple[list[float], list[float]]] = {}
         self._replicated_prefix_cache: dict[tuple, np.ndarray] = {}
+
+    def with_compression(self, token: str) -> "CostModel":
+        """The same model, pricing the inter-node hop of gradient syncs in ``token`` (``compressed_sync``)."""
+        settings = dataclasses.replace(self.settings, inter_node_compression=token)
+        return CostModel(self.cluster, self.workload, settings, self.profile, self.network)
 
     # -- per-layer times ------------------------------------------------------------------------
     def device_key(self, device: DeviceSpec) -> tuple:
@@ -275,7 +282,22 @@ class CostModel:
         if route.members != group_size:
             route = SyncRoute(group_size, route.nodes, route.flows, route.send_flows)
         factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
+        token = self.settings.inter_node_compression
+        if route.inter_node and token != "none":
+            return factor * self._hierarchical_sync_s(num_bytes, route, token)
         return factor * self.network.ring_allreduce_s(num_bytes, route)
+
+    def _hierarchical_sync_s(self, num_bytes: Any, route: SyncRoute, token: str) -> Any:
+        """The inter-node hop compressed: node sums, the leaders' ring in ``token``, broadcasts (compressed_sync)."""
+        leaders = SyncRoute(len(route.nodes), route.nodes, route.flows, route.send_flows)
+        wire = np.asarray(num_bytes, dtype=float) * wire_fraction(token)
+        local = -(-route.members // len(route.nodes))
+        intra_bw = min(self.network.intra_bandwidth(n, local, num_bytes) for n in route.nodes)
+        codec_bw = min(codec_bandwidth(d.memory_bandwidth_gbs, d.type.upper().startswith("CPU"))
+                       for d in self.cluster.devices if d.node in route.nodes)
+        return hierarchical_sync_s(num_bytes, route.members, len(route.nodes), intra_bw,
+                                   self.network.ring_allreduce_s(wire, leaders), self.network.latency_s, codec_bw,
+                                   token)
 
     # -- MoE ----------------------------------------------------------------------------------
     def _experts_by_device(self, plan: Plan) -> dict[str, dict[int, int]]:
@@ -309,7 +331,11 @@ class CostModel:
 
     # -- scoring ------------------------------------------------------------------------------
     def score(self, plan: Plan) -> PlanScore:
-        """Predicted step time, throughput and per-device memory of ``plan``."""
+        """Predicted step time, throughput and per-device memory of ``plan`` (in the compression it carries, if it
+        carries one; else in the settings')."""
+        token = plan.compression.get("inter_node")
+        if token is not None and token != self.settings.inter_node_compression:
+            return self.with_compression(token).score(plan)
         plan.check_against(self.cluster, self.workload)
         dp = plan.num_pipelines
         experts_by_dev = self._experts_by_device(plan)

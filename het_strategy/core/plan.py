@@ -109,6 +109,9 @@ class Plan:
     """Cost-model figures: step_time_s, samples_per_s, memory_gb per device, ..."""
     idle_reasons: dict[str, str] = field(default_factory=dict)
     """Why each device of ``cluster_devices`` the plan leaves idle is idle (optional; absent in older plans)."""
+    compression: dict[str, str] = field(default_factory=dict)
+    """Gradient compression per link class the plan was priced with: ``{"inter_node": "q4"}`` runs the
+    hierarchical exchange (``compression.scope=inter_node``); empty: uncompressed (optional)."""
 
     def __post_init__(self) -> None:
         self.pipelines = tuple(self.pipelines)
@@ -215,6 +218,8 @@ class Plan:
             out["predicted"] = self.predicted
         if self.idle_reasons:
             out["idle_reasons"] = dict(self.idle_reasons)
+        if self.compression:
+            out["compression"] = dict(self.compression)
         return out
 
     def to_json(self) -> str:
@@ -253,6 +258,7 @@ class Plan:
                 experts=experts,
                 predicted=dict(raw.get("predicted") or {}),
                 idle_reasons=_idle_reasons(raw.get("idle_reasons")),
+                compression=_compression(raw.get("compression")),
             )
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -278,9 +284,21 @@ class Plan:
 
 
 _PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",
-              "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons"}
+              "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons", "compression"}
 _PIPELINE_KEYS = {"micro_batch_size", "num_micro_batches", "samples", "stages"}
 _STAGE_KEYS = {"devices", "layers", "tp"}
+
+
+def _compression(raw: Any) -> dict[str, str]:
+    """``compression`` of a plan file: link class -> method token (optional; only ``inter_node`` in this version)."""
+    if raw is None:
+        return {}
+    from het_strategy.core.compressed_sync import check_token
+
+    if not isinstance(raw, Mapping):
+        raise field_error("plan.compression", raw, "be a mapping link class -> method token")
+    check_keys(raw, {"inter_node"}, "plan.compression")
+    return {"inter_node": check_token(raw["inter_node"], "plan.compression.inter_node")} if raw else {}
 
 
 def _idle_reasons(raw: Any) -> dict[str, str]:

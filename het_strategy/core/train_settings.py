@@ -58,8 +58,16 @@ class TrainSettings:
     where the runtime reduces in half precision (DeepSpeed fp16 or its ``communication_data_type``,
     parameters held in bf16)."""
 
+    inter_node_compression: str = "none"
+    """The method token the gradient sync between nodes runs in: ``none``, or a compressed hierarchical exchange
+    (node sums uncompressed, the node leaders' exchange in ``fp16``/``bf16``/``q2``...``q8``;
+    ``core/compressed_sync.py`` prices it).  The joint planner chooses it; plans carry it in ``compression``."""
+
     def __post_init__(self) -> None:
         require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
+        from het_strategy.core.compressed_sync import check_token
+
+        check_token(self.inter_node_compression, "train.inter_node_compression")
         if self.dtype not in DTYPE_BYTES:
             raise field_error("train.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
         if self.zero_stage not in (0, 1, 2, 3):

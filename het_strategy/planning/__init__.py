@@ -72,6 +72,8 @@ def plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, 
         raise PlanningError(_nothing_fits_message(cm, mode))
     best = min(results, key=lambda r: r.step_time_s)
     result = best.plan
+    if settings.inter_node_compression != "none" and len({cluster.device(d).node for d in result.used_devices}) > 1:
+        result.compression = {"inter_node": settings.inter_node_compression}  # what its syncs were priced with
     _explain_idle(cm, result)
     if any(layer.moe for layer in workload.layers):
         result.experts = place_experts(cm, result)

@@ -1,0 +1,139 @@
+"""Placement and compression planned together (planning/joint.py, core/compressed_sync.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from het_strategy.core.cluster import cluster_from_dict
+from het_strategy.core.compressed_sync import JOINT_CHOICES, hierarchical_sync_s, wire_fraction
+from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.network import SyncRoute
+from het_strategy.core.plan import Plan
+from het_strategy.core.workload import TransformerConfig, transformer_workload
+from het_strategy.planning import plan
+from het_strategy.planning.joint import plan_jointly
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from plan_optimality import brute_force_plan  # noqa: E402
+
+_MODEL = {"num_layers": 2, "hidden_size": 512, "num_heads": 8, "seq_len": 128, "vocab_size": 4096}
+
+
+def _workload(**over):
+    return transformer_workload(TransformerConfig(name="m", **{**_MODEL, **over}))
+
+
+def _dev(name: str, tflops: float, memory_gb: float = 40.0) -> dict:
+    return {"name": name, "type": f"t{tflops:g}", "tflops": tflops, "memory_gb": memory_gb,
+            "memory_bandwidth_gbs": 1000, "efficiency": 1.0}
+
+
+def _two_nodes(link_gbs: float) -> dict:
+    return {"name": "fast+slow", "inter_node_bandwidth_gbs": link_gbs, "nodes": [
+        {"name": "a", "intra_bandwidth_gbs": 100, "devices": [_dev("a0", 50), _dev("a1", 50)]},
+        {"name": "b", "intra_bandwidth_gbs": 100, "devices": [_dev("b0", 20), _dev("b1", 20)]}]}
+
+
+def test_wire_fractions() -> None:
+    assert wire_fraction("none") == 1 and wire_fraction("bf16") == 0.5
+    assert wire_fraction("q4") == pytest.approx((4 + 0.25) / 32) and wire_fraction("q8") == pytest.approx(8.25 / 32)
+    with pytest.raises(ConfigError):
+        wire_fraction("q9")
+
+
+def test_the_hierarchical_price_by_hand() -> None:
+    """1 GB over 4 replicas on 2 nodes: node allreduce + broadcast at 100 GB/s, the leaders' ring (given), two
+    codec passes at 10 GB/s."""
+    got = hierarchical_sync_s(1e9, 4, 2, 100e9, 0.05, 1e-5, 10e9, "q4")
+    intra = 3 * (1 / 2) * 1e9 / 100e9 + 2 * 1 * 1e-5 + 1e-5
+    assert got == pytest.approx(intra + 0.05 + 2 * 1e9 / 10e9)
+    assert hierarchical_sync_s(1e9, 4, 2, 100e9, 0.05, 1e-5, 10e9, "bf16") == pytest.approx(intra + 0.05)
+
+
+def test_the_cost_model_prices_the_compressed_inter_node_hop() -> None:
+    cluster, workload = cluster_from_dict(_two_nodes(0.5)), _workload()
+    s = TrainSettings(global_batch_size=8, micro_batch_sizes=(1, 2))
+    cm, cm4 = CostModel(cluster, workload, s), CostModel(cluster, workload, dataclasses.replace(
+        s, inter_node_compression="q4"))
+    route = SyncRoute(4, ("a", "b"), (1, 1))
+    grad = 4e8
+    leaders = SyncRoute(2, ("a", "b"), (1, 1))
+    expected = hierarchical_sync_s(grad, 4, 2, 100e9, cm.network.ring_allreduce_s(grad * wire_fraction("q4"), leaders),
+                                   cm.network.latency_s, 1000e9 / 8, "q4")
+    assert cm4.allreduce_s(grad, 4, route) == pytest.approx(expected)
+    assert cm4.allreduce_s(grad, 4, route) < 0.3 * cm.allreduce_s(grad, 4, route)
+    intra = SyncRoute(2, ("a",), (1,))
+    assert cm4.allreduce_s(grad, 2, intra) == cm.allreduce_s(grad, 2, intra)  # inside a node: never compressed
+
+
+def test_a_slow_link_idles_a_node_unless_the_sync_is_compressed() -> None:
+    """The issue's case in small: the blind plan leaves node b idle behind a slow link; compressed, it pays."""
+    cluster, workload = cluster_from_dict(_two_nodes(1.0)), _workload(hidden_size=1024, seq_len=1024)
+    s = TrainSettings(global_batch_size=256, micro_batch_sizes=(1, 2))
+    joint = plan_jointly(cluster, workload, s, mode="dp")
+    blind = joint.blind
+    assert set(blind.used_devices) == {"a0", "a1"} and joint.plan.compression == {"inter_node": "q4"}
+    assert joint.brought_back() == ["b0", "b1"]
+    assert joint.plan.predicted["step_time_s"] < 0.8 * blind.predicted["step_time_s"]  # 0.403 s against 0.530 s
+    again = Plan.from_dict(json.loads(joint.plan.to_json()))  # the choice travels in plan.json
+    assert again.compression == {"inter_node": "q4"}
+    cm = CostModel(cluster, workload, s)  # a plan is scored in the compression it carries
+    assert cm.score(again).step_time_s == pytest.approx(joint.plan.predicted["step_time_s"])
+
+
+def _brute_joint(cluster, workload, settings) -> float:
+    one_stage = dataclasses.replace(settings, max_stages=1, max_tp=1)
+    return min(brute_force_plan(cluster, workload, dataclasses.replace(one_stage, inter_node_compression=t)
+                                ).step_time_s for t in JOINT_CHOICES)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_joint_dp_plans_equal_brute_force_over_placement_and_compression(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    nodes = []
+    for n in range(rng.randint(2, 3)):
+        devs = [_dev(f"n{n}d{i}", rng.choice([1, 5, 20, 100])) for i in range(rng.randint(1, 2))]
+        nodes.append({"name": f"n{n}", "intra_bandwidth_gbs": rng.choice([10, 100]), "devices": devs})
+    cluster = cluster_from_dict({"name": f"r{seed}", "inter_node_bandwidth_gbs": rng.choice([0.05, 0.3, 3]),
+                                 "nodes": nodes})
+    workload = _workload(hidden_size=rng.choice([256, 1024]))
+    n = cluster.num_devices
+    s = TrainSettings(global_batch_size=rng.randint(n, n + 8), micro_batch_sizes=(1, 2), memory_reserve_gb=0.5)
+    brute = _brute_joint(cluster, workload, s)
+    assert math.isfinite(brute)
+    joint = plan_jointly(cluster, workload, s, mode="dp")
+    assert joint.plan.predicted["step_time_s"] == pytest.approx(brute, rel=1e-9)
+    assert joint.plan.predicted["step_time_s"] <= joint.blind.predicted["step_time_s"]
+
+
+def test_one_node_has_no_inter_node_hop() -> None:
+    cluster = cluster_from_dict({"name": "one", "nodes": [{"name": "a", "intra_bandwidth_gbs": 100,
+                                                        "devices": [_dev("a0", 5), _dev("a1", 5)]}]})
+    joint = plan_jointly(cluster, _workload(), TrainSettings(global_batch_size=4), mode="dp")
+    assert list(joint.by_choice) == ["none"] and joint.plan.compression == {}
+
+
+@pytest.mark.parametrize("raw, field", [({"inter_node": "q9"}, "plan.compression.inter_node"),
+                                        ({"intra_node": "q4"}, "plan.compression.intra_node"),
+                                        ("q4", "plan.compression")])
+def test_bad_plan_compression_names_the_field(raw, field) -> None:
+    cluster, workload = cluster_from_dict(_two_nodes(3)), _workload()
+    good = json.loads(plan(cluster, workload, TrainSettings(global_batch_size=8), mode="dp").to_json())
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        Plan.from_dict({**good, "compression": raw})
+
+
+def test_bad_choices_and_settings_name_the_field() -> None:
+    cluster, workload = cluster_from_dict(_two_nodes(3)), _workload()
+    with pytest.raises(ConfigError, match=r"planner\.compression_choices\[1\]"):
+        plan_jointly(cluster, workload, TrainSettings(global_batch_size=8), choices=("none", "zip"))
+    with pytest.raises(ConfigError, match="train.inter_node_compression"):
+        TrainSettings(global_batch_size=8, inter_node_compression="gzip")
