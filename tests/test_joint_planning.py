@@ -137,3 +137,38 @@ def test_bad_choices_and_settings_name_the_field() -> None:
         plan_jointly(cluster, workload, TrainSettings(global_batch_size=8), choices=("none", "zip"))
     with pytest.raises(ConfigError, match="train.inter_node_compression"):
         TrainSettings(global_batch_size=8, inter_node_compression="gzip")
+
+
+def test_compression_planned_runs_the_plans_inter_node_choice() -> None:
+    pytest.importorskip("lightning")
+    import het_strategy
+    from het_strategy.compression import CompressionConfig
+
+    cluster, workload = cluster_from_dict(_two_nodes(1.0)), _workload(hidden_size=1024, seq_len=1024)
+    joint = plan_jointly(cluster, workload, TrainSettings(global_batch_size=256, micro_batch_sizes=(1, 2)))
+    strategy = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.plan, compression="planned")
+    assert strategy._compression_config == CompressionConfig(method="quantize", bits=4, scope="inter_node")
+    blind = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.blind, compression="planned")
+    assert blind._compression_config.method == "none"
+    with pytest.raises(ConfigError, match="`compression` is 'planned'; it must go with plan="):
+        het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), compression="planned")
+
+
+def test_het_plan_joint_prints_both_plans_and_writes_the_choice(tmp_path: Path, capsys) -> None:
+    from het_strategy.cli.plan_cli import main
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(json.dumps(_two_nodes(1.0)))
+    big = ["model.hidden_size=1024", "model.seq_len=1024", "model.num_layers=2", "model.num_heads=8",
+           "model.vocab_size=4096", "train.global_batch_size=256", "train.micro_batch_sizes=[1,2]", "train.dtype=fp32"]
+    assert main([f"cluster={path}", *big, "planner.mode=dp", "planner.compression=joint",
+                 f"output.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient compression: q4 between nodes" in out
+    assert "joint plan: q4 between nodes" in out and "devices brought back into use: b0, b1" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["compression"] == {"inter_node": "q4"}
+    for bad, needle in ((["planner.compression=zip"], "`planner.compression` is 'zip'"),
+                        (["planner.compression=joint", "planner.mode=pipeline"], "go with planner.mode=dp")):
+        assert main([f"cluster={path}", *big, *bad, f"output.dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err, err

@@ -62,7 +62,7 @@ PROG = "het-plan"
 CONFIG_NAME = "plan"
 _PROFILES = (None, "sailor")
 _OUTPUT_KEYS = {"dir", "plan", "ds_config", "plot"}
-_PLANNER_KEYS = {"mode", "profile", "runtime"}
+_PLANNER_KEYS = {"mode", "profile", "runtime", "compression"}
 _MODEL_INPUT_KEYS = {"shape", "dtype", "blocks", "repeats", "measured_type"}
 _PYTHON_PATH = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*|.+\.py):[A-Za-z_]\w*$")
 
@@ -172,10 +172,17 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
         mode = planner.get("mode", "auto")
         if not isinstance(mode, str):
             raise field_error("planner.mode", mode, "be a planner name (auto, dp, pipeline, hybrid)")
-        choice = plan_for_runtime(cluster, workload, settings, mode=mode, profile=profile,
-                                  runtime=planner.get("runtime", "any"))
-        plan = choice.plan
-        runtime_line = choice.summary() if choice.runtime != "any" else None
+        joint = planner.get("compression", "none")
+        if joint not in ("none", "joint"):
+            raise field_error("planner.compression", joint, "be none (compression-blind) or joint (placement and "
+                              "inter-node compression planned together)")
+        if joint == "joint":
+            plan, runtime_line = _plan_jointly(cluster, workload, settings, mode, profile, planner)
+        else:
+            choice = plan_for_runtime(cluster, workload, settings, mode=mode, profile=profile,
+                                      runtime=planner.get("runtime", "any"))
+            plan = choice.plan
+            runtime_line = choice.summary() if choice.runtime != "any" else None
         score = CostModel(cluster, workload, settings, profile).score(plan)
         if not plan.predicted:
             plan.predicted = score.to_dict()
@@ -194,6 +201,27 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
         if written:
             print("\nwrote " + ", ".join(str(p) for p in written))
     return plan, score
+
+
+def _plan_jointly(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSettings", mode: str,
+                  profile: Any, planner: dict[str, Any]) -> "tuple[Plan, str]":
+    """``planner.compression=joint``: the fastest of placement x inter-node compression (``planning/joint.py``), and
+    a line comparing it with the compression-blind plan."""
+    from het_strategy.planning.joint import plan_jointly
+
+    if mode not in ("dp", "auto") or planner.get("runtime", "any") != "any":
+        raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and planner.runtime=any: "
+                          "the hetero strategy runs the hierarchical exchange for data-parallel plans")
+    result = plan_jointly(cluster, workload, settings, mode="dp", profile=profile)
+    blind = result.blind
+    token = result.plan.compression.get("inter_node", "none")
+    line = f"joint plan: {token} between nodes, {result.plan.predicted['step_time_s'] * 1e3:.1f} ms/step"
+    if blind is not None:
+        line += (f"; compression-blind plan {blind.predicted['step_time_s'] * 1e3:.1f} ms/step "
+                 f"({blind.predicted['step_time_s'] / result.plan.predicted['step_time_s']:.2f}x slower)")
+        back = result.brought_back()
+        line += f"; devices brought back into use: {', '.join(back)}" if back else "; no device brought back"
+    return result.plan, line
 
 
 def _output_settings(cfg: DictConfig) -> dict[str, Any]:

@@ -202,6 +202,9 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
     ]
     if score.network:
         lines.append(f"  communication priced by: {score.network}")
+    if plan.compression.get("inter_node"):
+        lines.append(f"  gradient compression: {plan.compression['inter_node']} between nodes (hierarchical: node sums "
+                     "uncompressed, the node leaders' exchange compressed; compression=planned runs it)")
     dev, need, cap = score.worst_memory()
     verdict = "fits" if score.fits else "DOES NOT FIT"
     lines.append(f"memory: {verdict}; least headroom on {dev} ({cluster.device(dev).type}): "

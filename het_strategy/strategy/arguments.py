@@ -15,7 +15,7 @@ from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 
-__all__ = ["PROBE_MODES", "check_cluster_source", "check_plan_source", "check_options"]
+__all__ = ["PROBE_MODES", "check_cluster_source", "check_plan_source", "check_options", "planned_compression"]
 
 PROBE_MODES = ("cached", "refresh")
 """``cluster="auto"``: reuse this host's cached measurements, or measure again (and re-cache)."""
@@ -63,3 +63,19 @@ def check_options(cluster: ClusterSpec | str, global_batch_size: Any, emulation:
                               "go with cluster=\"auto\": the model's blocks are timed on the probed devices; a "
                               "cluster file's figures and the workload are used as given",
                               "drop profile_input, or pass cluster=\"auto\"")
+
+
+def planned_compression(compression: Any, plan: Plan | None) -> Any:
+    """``compression="planned"``: the plan's choice (``plan.compression``, from ``het-plan
+    planner.compression=joint``) as the hierarchical exchange's config; anything else as given."""
+    if not (isinstance(compression, str) and compression == "planned"):
+        return compression
+    if plan is None:
+        raise field_error("compression", "planned", "go with plan= (a plan made with `het-plan "
+                          "planner.compression=joint`, which carries the inter-node compression)")
+    token = plan.compression.get("inter_node", "none")
+    if token == "none":
+        return "none"
+    if token in ("fp16", "bf16"):
+        return {"method": token, "scope": "inter_node"}
+    return {"method": "quantize", "bits": int(token[1:]), "scope": "inter_node"}

@@ -37,7 +37,8 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.emulation.padding import padded_comm_hook
 from het_strategy.strategy import checkpoint as ckpt
-from het_strategy.strategy.arguments import check_cluster_source, check_options, check_plan_source
+from het_strategy.strategy.arguments import check_cluster_source, check_options, check_plan_source, \
+    planned_compression
 from het_strategy.strategy.compression_run import CompressionRun, build_compression
 from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_same_order, check_splittable, \
     loader_at, split_loader
@@ -65,13 +66,11 @@ class HeteroLogic(MoERun, PlannedRun):
             (2 x parameters x tokens FLOPs per sample).
         global_batch_size: samples per optimizer step over all ranks; ``None``
             takes the training DataLoader's ``batch_size x world size``.
-        compression: gradient compression, registered on CPU/gloo as well as
-            CUDA: a method name (``"adaptive"``, ``"quantize"``/``"q4"``,
-            ``"powersgd"``, ``"topk"``, ``"fp16"``, ``"bf16"``, ``"none"``), a
-            mapping of ``CompressionConfig`` fields (Hydra ``compression=<group>``)
-            or a ``CompressionConfig`` (its state then travels in checkpoints);
-            or any DDP comm hook ``(state, bucket) -> Future`` with its
-            ``compression_state``.
+        compression: gradient compression, registered on CPU/gloo as well as CUDA: a method name
+            (``"adaptive"``, ``"q4"``, ``"powersgd"``, ``"topk"``, ``"fp16"``, ``"bf16"``, ``"none"``;
+            ``"planned"``: the given plan's inter-node choice), a mapping of ``CompressionConfig`` fields
+            (Hydra ``compression=<group>``) or a ``CompressionConfig`` (its state travels in checkpoints);
+            or any DDP comm hook ``(state, bucket) -> Future`` with its ``compression_state``.
         rebalance: a callback (straggler mitigation) added to the Trainer's.
         emulation: honour the cluster's emulated speeds (pad compute); ``False``
             drops them (every rank plans and runs at its real speed).
@@ -100,7 +99,8 @@ class HeteroLogic(MoERun, PlannedRun):
         cluster = check_cluster_source(cluster)  # bad input fails here, in the user's script, before any rank starts
         plan = check_plan_source(plan)
         check_options(cluster, global_batch_size, emulation, profile_input, probe, telemetry)
-        self._compression_config = None if callable(compression) else compression_config(compression)
+        self._compression_config = None if callable(compression) else compression_config(planned_compression(
+            compression, plan))
         if self._compression_config is not None and compression_state is not None:
             raise field_error("compression_state", type(compression_state).__name__,
                               "be None when `compression` names a method (the strategy builds the state)")
