@@ -240,7 +240,8 @@ def test_callback_state_round_trip() -> None:
 
 
 # -- relative detection: a straggler is slower than the other ranks, not than its own past ---------------------
-def _stream(cb: StragglerMitigation, trainer: _FakeTrainer, per_sample, every: int = 2) -> list[int]:  # type: ignore[no-untyped-def]
+def _stream(cb: StragglerMitigation, trainer: _FakeTrainer, per_sample: list[list[float]],
+            every: int = 2) -> list[int]:
     """Feed per_sample[r][s] window by window (as the telemetry exchange would, every ``every`` steps) with
     each rank's current share; the steps after which a decision was taken."""
     import lightning.pytorch as pl

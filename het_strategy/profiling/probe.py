@@ -15,11 +15,12 @@ default process group):
    gathered and the ranks load only when *all* have one, else all measure.
    ``measure_device`` times square matmuls in the training dtype and a large
    copy (memory bandwidth), each figure the best of ``rounds`` short rounds
-   (interference only slows a round down), and reads the device's memory.  The ranks of one host take turns round by round
-   (rank a's round 1, rank b's round 1, ..., rank a's round 2, ...; a barrier
-   between turns), so they never compete for the host's cores while one
-   measures, and a load that comes and goes on the machine falls on every
-   rank's rounds alike.  Hosts measure at the same time.
+   (interference only slows a round down), and reads the device's memory.
+   The ranks of one host take turns round by round (rank a's round 1, rank
+   b's round 1, ..., rank a's round 2, ...; a barrier between turns), so they
+   never compete for the host's cores while one measures, and a load that
+   comes and goes on the machine falls on every rank's rounds alike.  Hosts
+   measure at the same time.
 3. Links: rank 0 looks for the link cache and broadcasts what it found (or
    nothing), so all ranks take the same branch; otherwise ``measure_links``
    times allreduce and ring send/recv at a few sizes (median of ``repeats``),
@@ -274,9 +275,10 @@ def probe_cluster(device: torch.device | str, dtype: str = "fp32", cache_dir: st
     ignores the cache files (and overwrites them).  Each device figure is the
     best of ``rounds`` rounds; each link size's time the median of
     ``repeats``.  ``snap_tolerance`` (0 turns it off) is how far apart devices
-    of one type may measure and still be read as equal.  Rank 0 prints the table with
-    ``print`` (to stdout, flushed) unless ``print_table`` is False; the cache
-    note (age, path, how to refresh) also goes to the ``het_strategy`` logger.
+    of one type may measure and still be read as equal.  Rank 0 prints the
+    table with ``print`` (to stdout, flushed) unless ``print_table`` is False;
+    the cache note (age, path, how to refresh) also goes to the
+    ``het_strategy`` logger.
     The steps are in the module docstring.
     """
     if not dist.is_available() or not dist.is_initialized():
