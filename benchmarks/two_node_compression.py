@@ -8,8 +8,9 @@ talk over its loopback (fast, unshaped), ranks of different nodes cross a veth l
 - ``none``: plain DDP (its built-in fp32 allreduce, no hook);
 - ``flat``: ``compression_hook`` in ``adaptive`` mode over all four ranks (every rank's bytes compressed,
   the controller measuring the whole ring);
-- ``hier``: ``hierarchical_hook``: node sum uncompressed, ``adaptive`` among the two node leaders (the
-  controller measuring the inter-node link only), broadcast within the node.
+- ``hier``: ``hierarchical_hook``: node sum uncompressed, ``adaptive`` (or ``--hier-method q4``: one
+  quantizer) among the two node leaders (the controller measuring the inter-node link only), broadcast
+  within the node.
 
 Steps alternate between the replicas (and their order), so machine noise falls on all alike; each step
 starts after a barrier and its time is the slowest rank's.  Means leave out the first ``--skip`` steps
@@ -40,7 +41,7 @@ from _compression_common import char_batches, char_gpt, lm_loss, wrap  # noqa: E
 LABELS = ("none", "flat", "hier")
 
 
-def _replicas(rank: int, seed: int) -> dict:
+def _replicas(rank: int, seed: int, hier_method: str) -> dict:
     from het_strategy.compression import CompressionConfig
     from het_strategy.compression.hierarchical import HierarchicalState, hierarchical_hook, node_groups
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,7 +55,9 @@ def _replicas(rank: int, seed: int) -> dict:
         module.load_state_dict(base.state_dict())
         if label == "hier":
             model = DDP(module)
-            state = HierarchicalState(model, CompressionConfig(method="adaptive", verbose=False), groups)
+            config = CompressionConfig(method="adaptive", verbose=False) if hier_method == "adaptive" else \
+                CompressionConfig(method="quantize", bits=int(hier_method[1:]))
+            state = HierarchicalState(model, config, groups)
             model.register_comm_hook(state, hierarchical_hook)
         else:
             model, state = wrap(module, None if label == "none" else {"method": "adaptive", "verbose": False})
@@ -62,12 +65,12 @@ def _replicas(rank: int, seed: int) -> dict:
     return out
 
 
-def _worker(out_path: str, steps: int, seed: int, val_batches: int) -> None:
+def _worker(out_path: str, steps: int, seed: int, val_batches: int, batch: int, hier_method: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    replicas = _replicas(rank, seed)
-    batches = char_batches(64, 4, rank, world, steps, seed)
+    replicas = _replicas(rank, seed, hier_method)
+    batches = char_batches(64, batch, rank, world, steps, seed)
     times: dict[str, list[float]] = {k: [] for k in replicas}
     for step in range(steps):
         order = list(replicas) if step % 2 == 0 else list(replicas)[::-1]
@@ -110,11 +113,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="training steps per replica")
     parser.add_argument("--skip", type=int, default=15, help="steps left out of the means (warm-up)")
     parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4, help="sequences of 64 bytes per rank per step")
+    parser.add_argument("--hier-method", default="adaptive", help="the hierarchical replica's method: adaptive "
+                        "or q<bits> (one quantizer everywhere)")
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.worker:
-        _worker(args.out, args.steps, args.seed, args.val_batches)
+        _worker(args.out, args.steps, args.seed, args.val_batches, args.batch, args.hier_method)
         return
     from het_strategy.emulation.local_ranks import run_script_ranks
     from het_strategy.emulation.netshape import LinkShape, netns_available
@@ -124,11 +130,12 @@ def main() -> None:
     if not ok:
         raise SystemExit(f"two_node_compression needs network namespaces with tc: {reason}")
     print(f"2 nodes x 2 ranks, char GPT, {args.rate_mbit:g} Mbit/s between nodes (each way), loopback within; "
-          f"{args.steps} steps per replica", flush=True)
+          f"{args.steps} steps per replica, {args.batch} sequences per rank per step", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-               "--seed", str(args.seed), "--val-batches", str(args.val_batches)]
+               "--seed", str(args.seed), "--val-batches", str(args.val_batches), "--batch", str(args.batch),
+               "--hier-method", args.hier_method]
         with emulated_nodes(2, LinkShape(args.rate_mbit)) as net:
             tx0 = [net.uplink_tx_bytes(n) for n in range(2)]
             codes = run_script_ranks(cmd, 4, Path(tmp), 3000, nodes=net)
