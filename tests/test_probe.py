@@ -21,7 +21,7 @@ from het_strategy import probe  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.emulation.local_ranks import free_port  # noqa: E402
 from het_strategy.profiling import device_probe, probe_cache  # noqa: E402
-from het_strategy.profiling.measurements import peak_noise  # noqa: E402
+from het_strategy.profiling.measurements import best_rounds_figure, peak_noise  # noqa: E402
 from het_strategy.profiling.probe import (  # noqa: E402
     AllreduceTiming,
     DeviceMeasurement,
@@ -42,8 +42,10 @@ HOST_GIB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 def _device(host: str, tflops: float = 1.0, mem: float = 8.0, rounds: tuple[float, ...] = (),
             type_: str = "CPU", copy: float = 20.0) -> DeviceMeasurement:
-    return DeviceMeasurement(host=host, device="cpu", raw_name="cpu", type=type_, dtype="fp32", tflops=tflops,
-                             memory_gb=mem, memory_bandwidth_gbs=copy, tflops_rounds=rounds)
+    """A measurement; with ``rounds``, its TFLOPS is their figure (the median of the best three)."""
+    return DeviceMeasurement(host=host, device="cpu", raw_name="cpu", type=type_, dtype="fp32",
+                             tflops=best_rounds_figure(rounds) if rounds else tflops, memory_gb=mem,
+                             memory_bandwidth_gbs=copy, tflops_rounds=rounds)
 
 
 def _links(pairs: dict[tuple[int, int], float], world: int, busbw: float = 3.0) -> LinkMeasurement:
@@ -243,9 +245,9 @@ def test_probe_cluster_measures_then_loads_from_cache(tmp_path):
     assert [d["name"] for d in node["devices"]] == ["rank0", "rank1"]
     for spec, measured, snapped in zip(node["devices"], devices, first["snapped"]):
         assert spec["type"] == "CPU" and spec["efficiency"] == 1.0
-        # the cluster carries the snapped figure; the raw one is the best of the rank's 3 rounds
+        # the cluster carries the snapped figure; the raw one is the median of the rank's 3 rounds (all its best)
         assert spec["tflops"] == {"fp32": snapped["tflops"]} and measured["tflops"] > 0
-        assert len(measured["tflops_rounds"]) == 3 and measured["tflops"] == max(measured["tflops_rounds"])
+        assert len(measured["tflops_rounds"]) == 3 and measured["tflops"] == best_rounds_figure(measured["tflops_rounds"])
         assert spec["memory_gb"] == measured["memory_gb"] == pytest.approx(HOST_GIB / 2)
     raw_devices = tuple(DeviceMeasurement.from_dict(d) for d in devices)
     assert first["snapped"] == [s.to_dict() for s in snap_like_devices(raw_devices)]
@@ -293,7 +295,7 @@ def test_probed_latency_is_the_alpha_of_an_alpha_beta_fit_over_the_measured_size
 
 
 # -- robust figures: best of rounds, snapping like devices, the cache's age -----------------------------
-def test_measure_device_keeps_every_round_and_reports_the_best(monkeypatch):
+def test_measure_device_keeps_every_round_and_reports_the_best_three(monkeypatch):
     turns = []
 
     def in_turn(round_):
@@ -303,7 +305,8 @@ def test_measure_device_keeps_every_round_and_reports_the_best(monkeypatch):
     m = measure_device("cpu", budget_s=0.02, matmul_size=64, rounds=4, in_turn=in_turn)
     assert len(turns) == 2 * (4 + 1)  # one sizing turn and 4 rounds per figure, the same count on every rank
     assert len(m.tflops_rounds) == 4 == len(m.memory_bandwidth_rounds_gbs)
-    assert m.tflops == max(m.tflops_rounds) and m.memory_bandwidth_gbs == max(m.memory_bandwidth_rounds_gbs)
+    assert m.tflops == sorted(m.tflops_rounds)[2]  # the median of the best three of four: the second best
+    assert m.memory_bandwidth_gbs == best_rounds_figure(m.memory_bandwidth_rounds_gbs)
     assert m.tflops_noise == pytest.approx(peak_noise(m.tflops_rounds))
 
 
@@ -323,9 +326,11 @@ def test_a_cpu_round_leaves_out_the_time_its_thread_waited_for_a_core(monkeypatc
     assert wall(lambda: time.sleep(0.01)) >= 0.01
 
 
-def test_peak_noise_is_how_far_the_median_round_falls_short_of_the_best():
+def test_a_figure_is_the_median_of_the_best_three_rounds_and_its_noise_how_far_the_median_falls_short():
+    rounds = [0.5, 1.3, 0.9, 1.0, 0.6, 0.95, 0.4]  # one lucky round (1.3) does not set the figure
+    assert best_rounds_figure(rounds) == 1.0 and best_rounds_figure([0.7, 0.8]) == pytest.approx(0.75)
+    assert peak_noise(rounds) == pytest.approx((1.0 - 0.9) / 1.0)
     assert peak_noise([1.0]) == 0.0
-    assert peak_noise([0.8, 1.0, 0.9]) == pytest.approx(0.1)
 
 
 def test_like_devices_within_ten_percent_are_snapped_to_their_median():
@@ -339,11 +344,11 @@ def test_like_devices_within_ten_percent_are_snapped_to_their_median():
 
 
 def test_a_real_difference_is_kept_unless_the_rounds_cannot_tell_it():
-    tight = [_device("a", 1.0, rounds=(1.0, 0.99, 0.995)), _device("a", 0.8, rounds=(0.8, 0.79, 0.795))]
-    assert [s.tflops for s in snap_like_devices(tight)] == [1.0, 0.8]  # a GPU throttled to 80% stays 80%
-    noisy = [_device("a", 1.0, rounds=(1.0, 0.7, 0.8)), _device("a", 0.85, rounds=(0.85, 0.6, 0.7))]
-    assert len({s.tflops for s in snap_like_devices(noisy)}) == 1  # rounds 18-20% below the best: noise
-    wild = [_device("a", 1.0, rounds=(1.0, 0.1, 0.2)), _device("a", 0.5, rounds=(0.5, 0.1, 0.2))]
+    tight = [_device("a", rounds=(1.0, 0.99, 0.995)), _device("a", rounds=(0.8, 0.79, 0.795))]
+    assert [s.tflops for s in snap_like_devices(tight)] == [0.995, 0.795]  # a GPU throttled to 80% stays 80%
+    noisy = [_device("a", rounds=(1.0,) * 3 + (0.9,) * 4), _device("a", rounds=(0.87,) * 3 + (0.8,) * 4)]
+    assert len({s.tflops for s in snap_like_devices(noisy)}) == 1  # 15% apart, noise 10% + 8%: noise
+    wild = [_device("a", rounds=(1.0, 1.0, 1.0, 0.1, 0.2)), _device("a", rounds=(0.5, 0.5, 0.5, 0.1, 0.2))]
     assert [s.tflops for s in snap_like_devices(wild)] == [1.0, 0.5]  # noise counts up to 25%: 2x is real
 
 
@@ -357,7 +362,7 @@ def test_snapping_never_mixes_device_types_and_can_be_turned_off():
 
 
 def test_table_shows_raw_and_snapped_figures_and_the_cache_age(monkeypatch):
-    devices = (_device("a", 1.0, rounds=(1.0, 0.9)), _device("a", 1.05, rounds=(1.05, 1.0)))
+    devices = (_device("a", rounds=(1.1, 1.0, 0.9)), _device("a", rounds=(1.1, 1.05, 1.0)))
     links = _links({(0, 1): 2.0, (1, 0): 2.5}, world=2)
     snapped = snap_like_devices(devices)
     written = time.time() - 3 * 3600
@@ -365,7 +370,7 @@ def test_table_shows_raw_and_snapped_figures_and_the_cache_age(monkeypatch):
                          from_cache=True, snapped=snapped, cached=("devices", "links"), cached_at=written,
                          cache_dir="/some/cache")
     rows = [line.split() for line in result.table().splitlines()[3:5]]
-    assert [r[4:7] for r in rows] == [["1", "5%", "1.02"], ["1.05", "2%", "1.02"]]
+    assert [r[4:7] for r in rows] == [["1", "0%", "1.02"], ["1.05", "0%", "1.02"]]
     stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(written))
     assert result.cache_note() == (f"using measurements cached 3 h ago ({stamp}) at /some/cache; "
                                    'probe="refresh" (probe_cluster(refresh=True)) to measure again')

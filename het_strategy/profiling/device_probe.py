@@ -1,16 +1,18 @@
 """Measuring one device: sustained matmul TFLOPS in the training dtype, memory, copy bandwidth.
 
 ``measure_device`` is what every rank of ``probe_cluster`` runs on its own
-device.  Each figure is the best of ``rounds`` timed rounds of identical
-calls (about ``budget_s`` of timed work in all, after a warm-up call and a
-sizing call), with the device synchronised around each round.  The best, not
-the mean nor the median: on a shared machine other processes take the core
-away for part of most rounds (a busy host measured rounds of one rank between
-0.014 and 0.074 TFLOPS), and interference only ever slows a round down, so
-the fastest round is the least disturbed one — the reason ``timeit`` reports
-the minimum time.  Every round's figure is kept in the measurement; how far
-the median round falls short of the best (``DeviceMeasurement.tflops_noise``)
-tells how well the figure is known.  Short rounds, many of them, give more chances of
+device.  Each figure is the median of the best three of ``rounds`` timed
+rounds of identical calls (about ``budget_s`` of timed work in all, after a
+warm-up call and a sizing call), with the device synchronised around each
+round.  The best rounds, not the mean nor the median of all: on a shared
+machine other processes take the core away for part of most rounds (a busy
+host measured rounds of one rank between 0.014 and 0.074 TFLOPS), and
+interference only ever slows a round down, so the fastest rounds are the
+least disturbed — the reason ``timeit`` reports the minimum time; three of
+them, so that one lucky round does not set the figure
+(``measurements.best_rounds_figure``).  Every round's figure is kept in the
+measurement; how far the median round falls short of the figure
+(``DeviceMeasurement.tflops_noise``) tells how well the figure is known.  Short rounds, many of them, give more chances of
 an undisturbed one: 10 rounds of 50 ms by default.
 
 On a CPU a round's time also leaves out the time the measuring thread spent
@@ -41,7 +43,7 @@ import torch
 
 from het_strategy.core.catalog import catalog_device_name
 from het_strategy.core.errors import field_error, require_int, require_number
-from het_strategy.profiling.measurements import DeviceMeasurement
+from het_strategy.profiling.measurements import DeviceMeasurement, best_rounds_figure
 from het_strategy.profiling.torch_device import TORCH_DTYPES, indexed_device, synchronizer
 
 __all__ = ["measure_device", "round_clock", "InTurn"]
@@ -104,7 +106,7 @@ def measure_device(device: torch.device | str, dtype: str = "fp32", budget_s: fl
     """Measure one device: matmul TFLOPS in ``dtype``, memory, copy bandwidth.
 
     ``budget_s`` is the timed work of each of the two figures (matmul, copy),
-    split into ``rounds`` rounds whose best is the figure.  ``in_turn(round)``
+    split into ``rounds`` rounds (``best_rounds_figure`` of them is the figure).  ``in_turn(round)``
     runs each sizing call and each round (default: at once); it is called the
     same number of times on every rank, ``2 x (rounds + 1)``, so a collective
     scheduler can use it.
@@ -149,8 +151,8 @@ def measure_device(device: torch.device | str, dtype: str = "fp32", budget_s: fl
         memory_gb = _host_memory_bytes() / local / GiB
         type_name = "CPU"  # every host CPU is the catalog's CPU type; the measured figures tell them apart
     return DeviceMeasurement(host=socket.gethostname(), device=str(device), raw_name=raw_name, type=type_name,
-                             dtype=dtype, tflops=max(flops) / 1e12, memory_gb=memory_gb,
-                             memory_bandwidth_gbs=max(copy_bps) / 1e9,
+                             dtype=dtype, tflops=best_rounds_figure(flops) / 1e12, memory_gb=memory_gb,
+                             memory_bandwidth_gbs=best_rounds_figure(copy_bps) / 1e9,
                              tflops_rounds=tuple(f / 1e12 for f in flops),
                              memory_bandwidth_rounds_gbs=tuple(b / 1e9 for b in copy_bps))
 

@@ -21,10 +21,12 @@ from het_strategy.core.catalog import DTYPES
 from het_strategy.core.errors import field_error, require_number
 
 __all__ = ["DeviceMeasurement", "AllreduceTiming", "P2PTiming", "LinkMeasurement", "SnappedFigures",
-           "snap_like_devices", "peak_noise", "DEFAULT_SNAP_TOLERANCE"]
+           "snap_like_devices", "peak_noise", "best_rounds_figure", "DEFAULT_SNAP_TOLERANCE"]
 
 DEFAULT_SNAP_TOLERANCE = 0.1
 """Devices of one type whose figures differ by at most this fraction (or their own noise) are read as equal."""
+_BEST_ROUNDS = 3
+"""A figure is the median of this many best rounds."""
 _MAX_NOISE = 0.25
 """The most a figure's own noise may widen the snapping tolerance."""
 
@@ -44,11 +46,11 @@ class DeviceMeasurement:
     dtype: str
     """Training dtype the matmuls ran in (``fp32``, ``fp16``, ``bf16``)."""
     tflops: float
-    """Sustained square-matmul TFLOPS in ``dtype``: the best of ``tflops_rounds`` (when there are rounds)."""
+    """Sustained square-matmul TFLOPS in ``dtype``: ``best_rounds_figure(tflops_rounds)`` (when there are rounds)."""
     memory_gb: float
     """Memory this rank may use, GiB (a CPU rank gets its share of the host's memory)."""
     memory_bandwidth_gbs: float
-    """Sustained copy bandwidth (bytes read + written), GB/s: the best of ``memory_bandwidth_rounds_gbs``."""
+    """Sustained copy bandwidth (bytes read + written), GB/s: the same figure of its rounds."""
     tflops_rounds: tuple[float, ...] = ()
     """TFLOPS of each timed round, in the order they ran (empty for figures given by hand)."""
     memory_bandwidth_rounds_gbs: tuple[float, ...] = ()
@@ -67,7 +69,7 @@ class DeviceMeasurement:
 
     @property
     def tflops_noise(self) -> float:
-        """How reproducible the best round is: ``peak_noise(tflops_rounds)``."""
+        """How well the figure is known: ``peak_noise(tflops_rounds)``."""
         return peak_noise(self.tflops_rounds)
 
     @property
@@ -89,13 +91,27 @@ class DeviceMeasurement:
         return cls(**_fields_of(cls, raw, "device measurement"))
 
 
+def best_rounds_figure(values: Sequence[float]) -> float:
+    """The figure of a set of timed rounds: the median of the best three (of all, with fewer).
+
+    Interference only slows a round down, so the fastest rounds are the least
+    disturbed; the median of three of them rather than the single best, so
+    that one lucky round does not set the figure (on a loaded host the best
+    of ten rounds differed by up to 13% between identical ranks, the median of
+    the best three by about half that).
+    """
+    if not values:
+        raise field_error("rounds", [], "hold at least one timed round")
+    return statistics.median(sorted(values, reverse=True)[:_BEST_ROUNDS])
+
+
 def peak_noise(values: Sequence[float]) -> float:
-    """(best - median) / best of ``values``: how far a typical round falls short of the best one, i.e. how well
-    a best-of figure is known (0 with fewer than two values)."""
+    """(figure - median) / figure of ``values``, the figure being ``best_rounds_figure``: how far a typical round
+    falls short of the figure, i.e. how well it is known (0 with fewer than two values)."""
     if len(values) < 2:
         return 0.0
-    best = max(values)
-    return (best - statistics.median(values)) / best if best > 0 else 0.0
+    top = best_rounds_figure(values)
+    return max(0.0, (top - statistics.median(values)) / top) if top > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -120,8 +136,9 @@ def snap_like_devices(devices: Sequence[DeviceMeasurement],
     2. Within a group, each figure (TFLOPS; copy bandwidth) is sorted; starting
        from the smallest, the devices within ``anchor x (1 + tol)`` form one
        snap group, where ``tol`` is the larger of ``tolerance`` and the two
-       devices' own noise (``tflops_noise``: how far each one's median round
-       falls short of its best), the noise counting up to 25% at most.  The
+       devices' noise added up (``tflops_noise``: how far each one's median
+       round falls short of its figure; two such figures can differ by about
+       both), the noise counting up to 25% at most.  The
        rest repeat step 2.
     3. Every device of a snap group gets the group's median.
 
@@ -160,7 +177,7 @@ def _snap(values: list[float], spreads: list[float], keys: list[tuple], toleranc
 
 def _tolerance(tolerance: float, spread_a: float, spread_b: float) -> float:
     """The snapping tolerance of a pair: ``tolerance``, widened to the pair's noise (at most ``_MAX_NOISE``)."""
-    return max(tolerance, min(_MAX_NOISE, max(spread_a, spread_b)))
+    return max(tolerance, min(_MAX_NOISE, spread_a + spread_b))
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ default process group):
 2. Devices: every rank looks for its device cache file; the "have it" flags are
    gathered and the ranks load only when *all* have one, else all measure.
    ``measure_device`` times square matmuls in the training dtype and a large
-   copy (memory bandwidth), each figure the best of ``rounds`` short rounds
-   (interference only slows a round down), and reads the device's memory.
+   copy (memory bandwidth), each figure the median of the best three of
+   ``rounds`` short rounds (interference only slows a round down), and reads
+   the device's memory.
    The ranks of one host take turns round by round (rank a's round 1, rank
    b's round 1, ..., rank a's round 2, ...; a barrier between turns), so they
    never compete for the host's cores while one measures, and a load that
@@ -215,8 +216,8 @@ class ProbeResult:
         lines = [f"Probed cluster `{self.cluster.name}` ({source}; {self.links.backend}, "
                  f"{self.links.world_size} ranks)", *format_table(header, rows, right=set(range(4, 11)) | {0})]
         if rounds:
-            lines.append(f"device figures: best of {rounds} rounds, the ranks of a host in turn (noise: best vs "
-                         "median round); snapped: devices of one type equal within noise read as one")
+            lines.append(f"device figures: median of the best 3 of {rounds} rounds, the ranks of a host in turn "
+                         "(noise: figure vs median round); snapped: devices of one type equal within noise read as one")
         lines.append("")
         ar_rows = [[_fmt_bytes(t.size_bytes), "allreduce", f"{t.seconds * 1e6:.0f}", f"{t.algbw_gbs:.2f}",
                     f"{t.busbw_gbs:.2f}"] for t in self.links.allreduce]
@@ -273,7 +274,7 @@ def probe_cluster(device: torch.device | str, dtype: str = "fp32", cache_dir: st
     Every rank must call it with the same arguments except ``device`` (its own).
     ``cache_dir`` defaults to ``default_cache_dir()``; ``refresh=True``
     ignores the cache files (and overwrites them).  Each device figure is the
-    best of ``rounds`` rounds; each link size's time the median of
+    median of the best three of ``rounds`` rounds; each link size's time the median of
     ``repeats``.  ``snap_tolerance`` (0 turns it off) is how far apart devices
     of one type may measure and still be read as equal.  Rank 0 prints the
     table with ``print`` (to stdout, flushed) unless ``print_table`` is False;
