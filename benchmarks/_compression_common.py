@@ -64,6 +64,30 @@ def char_batches(seq_len: int, batch: int, rank: int, world: int, steps: int, se
     return out
 
 
+def interleaved_steps(replicas: dict[str, tuple], batches: list) -> dict[str, list[float]]:
+    """Train every replica (``label -> (model, state, optimizer)``) one step per batch, alternating their order
+    each step so machine noise falls on all alike; each step starts after a barrier and its time is the slowest
+    rank's.  Returns the step times per label."""
+    import time
+
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {k: [] for k in replicas}
+    for step, batch in enumerate(batches):
+        order = list(replicas) if step % 2 == 0 else list(replicas)[::-1]
+        for label in order:
+            model, _, opt = replicas[label]
+            dist.barrier()
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            lm_loss(model, batch).backward()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+            times[label].append(float(elapsed))
+    return times
+
+
 def run_worker_in_namespace(script: str, shape: Any, worker_args: list[str], out: Path) -> dict:
     """Run ``script --worker --out OUT <worker_args>`` inside a private network namespace (shaped by ``shape``,
     a ``LinkShape``, or unshaped for None); return the JSON it wrote to OUT.  The namespace is always removed."""

@@ -27,14 +27,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compression_common import char_batches, char_gpt, lm_loss, run_worker_in_namespace, wrap  # noqa: E402
+from _compression_common import char_batches, char_gpt, interleaved_steps, run_worker_in_namespace, wrap  # noqa: E402
 
 
 def _rank_main(rank: int, world: int, steps: int, seed: int) -> dict:
@@ -47,19 +45,7 @@ def _rank_main(rank: int, world: int, steps: int, seed: int) -> dict:
         model, state = wrap(module, compression)
         replicas[label] = (model, state, torch.optim.AdamW(model.parameters(), lr=1e-3))
     batches = char_batches(64, 4, rank, world, steps, seed)
-    times: dict[str, list[float]] = {k: [] for k in replicas}
-    for step in range(steps):
-        order = list(replicas) if step % 2 == 0 else list(replicas)[::-1]
-        for label in order:
-            model, state, opt = replicas[label]
-            dist.barrier()
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            lm_loss(model, batches[step]).backward()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
-            times[label].append(float(elapsed))
+    times = interleaved_steps(replicas, batches)
     state = replicas["adaptive"][1]
     return {"times": times, "wire_ratio": state.wire_ratio, "choices": dict(state.choices),
             "link": None if state.link is None else [state.link.latency_s, state.link.bytes_per_s]}

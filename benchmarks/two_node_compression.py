@@ -29,14 +29,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compression_common import char_batches, char_gpt, lm_loss, wrap  # noqa: E402
+from _compression_common import char_batches, char_gpt, interleaved_steps, lm_loss, wrap  # noqa: E402
 
 LABELS = ("none", "flat", "hier")
 
@@ -71,19 +70,7 @@ def _worker(out_path: str, steps: int, seed: int, val_batches: int, batch: int, 
     rank, world = dist.get_rank(), dist.get_world_size()
     replicas = _replicas(rank, seed, hier_method)
     batches = char_batches(64, batch, rank, world, steps, seed)
-    times: dict[str, list[float]] = {k: [] for k in replicas}
-    for step in range(steps):
-        order = list(replicas) if step % 2 == 0 else list(replicas)[::-1]
-        for label in order:
-            model, _, opt = replicas[label]
-            dist.barrier()
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            lm_loss(model, batches[step]).backward()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[label].append(float(elapsed))
+    times = interleaved_steps(replicas, batches)
     val = char_batches(64, 8, rank, world, val_batches, seed + 1000, split="val")
     losses = {}
     for label, (model, _, _) in replicas.items():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -24,27 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from het_strategy.compression import CompressionConfig
 from het_strategy.compression.config import quantizer_for
 from het_strategy.compression.hierarchical import HierarchicalState, hierarchical_hook, node_groups
-from het_strategy.compression.quantize import error_bound
 from het_strategy.emulation.node_network import UPLINK
 
-
-def two_phase_bound(inputs: list[torch.Tensor], spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean of ``inputs`` over the exchanging ranks and the per-element bound of the two-phase quantized
-    exchange (each input's rounding / W, plus re-quantizing the chunk mean, whose bucket range widens by
-    twice the first phase's error), as tests/test_compression_hooks.py derives it."""
-    world, n = len(inputs), inputs[0].numel()
-    chunk = math.ceil(n / (world * spec.bucket_size)) * spec.bucket_size
-    padded = [torch.cat([x, torch.zeros(chunk * world - n)]) for x in inputs]
-    true = sum(padded) / world
-    first = sum(error_bound(x, spec) for x in padded) / world
-    rows = true.reshape(-1, spec.bucket_size)
-    widen = first.reshape(-1, spec.bucket_size).amax(dim=1, keepdim=True)
-    if spec.scaling == "maxmin":
-        step = (rows.amax(1, keepdim=True) - rows.amin(1, keepdim=True) + 2 * widen) / (2 ** spec.bits - 1)
-    else:
-        step = (rows.abs().amax(1, keepdim=True) + widen) / (2 ** (spec.bits - 1) - 1)
-    second = (step * (1.0 if spec.stochastic else 0.5)).expand_as(rows).reshape(-1)
-    return true[:n], (first + second + 1e-6)[:n]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _quantizer_bounds import two_phase_bound  # noqa: E402
 
 
 def uplink_tx() -> int:

@@ -2,7 +2,6 @@
 feedback, checkpoint round trips, the adaptive choice agreed by every rank."""
 
 import io
-import math
 import warnings
 
 import pytest
@@ -12,9 +11,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from het_strategy.compression import CompressionState, LinkModel, compression_hook
 from het_strategy.compression.exchange import quantized_mean
-from het_strategy.compression.quantize import QuantizerSpec, error_bound
+from het_strategy.compression.quantize import QuantizerSpec
 from het_strategy.emulation.local_ranks import run_local_ranks
 from tests._compression_worker import MixedNet
+from tests._quantizer_bounds import two_phase_bound
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,22 +35,8 @@ def _quantized_means(rank: int, world: int) -> list[torch.Tensor]:
 
 
 def _sum_bound(spec: QuantizerSpec, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """True mean and the per-element bound of the two-phase exchange: each rank's rounding (divided by W),
-    plus the re-quantization of the chunk mean, whose per-bucket range is at most the true mean's range plus
-    twice the first-phase error."""
-    n = 1000
-    chunk = math.ceil(n / (world * spec.bucket_size)) * spec.bucket_size
-    inputs = [torch.cat([_rank_input(r), torch.zeros(chunk * world - n)]) for r in range(world)]
-    true = sum(inputs) / world
-    first = sum(error_bound(x, spec) for x in inputs) / world
-    rows = true.reshape(-1, spec.bucket_size)
-    widen = first.reshape(-1, spec.bucket_size).amax(dim=1, keepdim=True)
-    if spec.scaling == "maxmin":
-        step = (rows.amax(1, keepdim=True) - rows.amin(1, keepdim=True) + 2 * widen) / (2 ** spec.bits - 1)
-    else:
-        step = (rows.abs().amax(1, keepdim=True) + widen) / (2 ** (spec.bits - 1) - 1)
-    second = (step * (1.0 if spec.stochastic else 0.5)).expand_as(rows).reshape(-1)
-    return true[:n], (first + second + 1e-6)[:n]
+    """True mean of the ranks' inputs and the two-phase exchange's per-element bound (tests/_quantizer_bounds.py)."""
+    return two_phase_bound([_rank_input(r) for r in range(world)], spec)
 
 
 @pytest.mark.parametrize("world", [3, 4])

@@ -18,23 +18,15 @@ import pytest
 from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.plan import Plan
-from het_strategy.core.workload import TransformerConfig, transformer_workload
 from het_strategy.planning import PlanningError, plan
 from het_strategy.report.table import plan_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plan_optimality import brute_force_plan  # noqa: E402
 
-_MODEL = {"num_layers": 2, "hidden_size": 512, "num_heads": 8, "seq_len": 128, "vocab_size": 4096}
+from tests._planning_cases import device, small_workload  # noqa: E402
 
-
-def _workload(**over):
-    return transformer_workload(TransformerConfig(name="m", **{**_MODEL, **over}))
-
-
-def _dev(name: str, tflops: float, memory_gb: float = 40.0) -> dict:
-    return {"name": name, "type": f"t{tflops:g}", "tflops": tflops, "memory_gb": memory_gb,
-            "memory_bandwidth_gbs": 1000, "efficiency": 1.0}
+_workload, _dev = small_workload, device
 
 
 def _gpus_and_a_cpu() -> dict:
