@@ -17,6 +17,7 @@ import pytest
 
 from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Plan
 from het_strategy.planning import PlanningError, plan
 from het_strategy.report.table import plan_table
@@ -132,3 +133,16 @@ def test_idle_devices_of_a_plan_with_pipelines_are_compared_with_one_more_replic
     for reason in result.idle_reasons.values():
         assert reason.startswith("too slow: with it as one more replica the step takes ")
         assert reason.endswith(f"without {without * 1e3:.3g} ms")
+
+
+def test_the_hetero_strategys_plans_give_every_rank_a_share():
+    """idle_devices=False (data_parallel_plan, the hetero strategy's planner): an idle rank would still run a filler
+    sample and the sync, so every device gets a share, the slow CPU included."""
+    from het_strategy.planning.run_plan import data_parallel_plan
+
+    cluster, workload = cluster_from_dict(_gpus_and_a_cpu()), _workload(seq_len=512)
+    s = TrainSettings(global_batch_size=6, micro_batch_sizes=(1, 2), idle_devices=False)
+    assert min(plan(cluster, workload, s, mode="dp").rank_shares().values()) >= 1
+    assert min(data_parallel_plan(cluster, workload, 6, "bf16").rank_shares().values()) >= 1
+    with pytest.raises(ConfigError, match="train.idle_devices"):
+        TrainSettings(global_batch_size=6, idle_devices="no")

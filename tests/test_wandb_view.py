@@ -58,15 +58,17 @@ def test_decision_rows_take_dataclasses_with_extra_fields_and_mappings() -> None
     from het_strategy.callbacks.straggler import Decision
 
     @dataclasses.dataclass
-    class WithDevices(Decision):
-        devices: list[str] = dataclasses.field(default_factory=list)
+    class WithCause(Decision):  # a field a later version may add
+        cause: str = ""
 
     first = ("step", "action", "reason")
-    columns, rows = decision_rows([Decision(4, 6, "rebalance", [1], [8, 8], [11, 5], "rank1 slower"),
-                                   WithDevices(9, 9, "stop", [1], [11, 5], [11, 5], "far slower", ["rank1"])], first)
-    assert columns[:3] == list(first) and columns[-1] == "devices"
+    columns, rows = decision_rows([Decision(4, 6, "rebalance", [1], [8, 8], [11, 5], "rank1 slower", ["mid"]),
+                                   WithCause(9, 9, "stop", [1], [11, 5], [11, 5], "far slower", ["mid"], "load")],
+                                  first)
+    assert columns[:3] == list(first) and columns[-1] == "cause" and "devices" in columns
     assert rows[0][:3] == [4, "rebalance", "rank1 slower"] and rows[0][-1] is None
-    assert rows[1][columns.index("shares_after")] == "[11,5]" and rows[1][-1] == '["rank1"]'
+    assert rows[0][columns.index("devices")] == '["mid"]'
+    assert rows[1][columns.index("shares_after")] == "[11,5]" and rows[1][-1] == "load"
     columns, rows = decision_rows([{"step": 3, "layer": "w", "method": "q4"}])
     assert columns == ["step", "layer", "method"] and rows == [[3, "w", "q4"]]
 

@@ -58,6 +58,10 @@ class TrainSettings:
     where the runtime reduces in half precision (DeepSpeed fp16 or its ``communication_data_type``,
     parameters held in bf16)."""
 
+    idle_devices: bool = True
+    """dp plans may leave a device out when the step is faster without it.  False for a runtime whose every
+    launched rank takes part in every step (the ``hetero`` strategy: a rank with no share still runs a
+    weight-0 filler sample and the gradient sync, so idling it saves nothing): every device gets a share."""
     inter_node_compression: str = "none"
     """The method token the gradient sync between nodes runs in: ``none``, or a compressed hierarchical exchange
     (node sums uncompressed, the node leaders' exchange in ``fp16``/``bf16``/``q2``...``q8``;
@@ -84,6 +88,8 @@ class TrainSettings:
         require_int(self.max_stages, "train.max_stages", minimum=1)
         if not isinstance(self.equal_shares, bool):
             raise field_error("train.equal_shares", self.equal_shares, "be true or false")
+        if not isinstance(self.idle_devices, bool):
+            raise field_error("train.idle_devices", self.idle_devices, "be true or false")
         if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
             raise field_error("train.grad_dtype", self.grad_dtype, f"be null or one of {sorted(DTYPE_BYTES)}")
 

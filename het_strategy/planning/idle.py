@@ -141,6 +141,8 @@ def best_device_set(cm: CostModel) -> tuple[StructureResult | None, dict[str, st
         else:
             fitting.append(d.name)
     search = _Search(cm)
+    if not cm.settings.idle_devices:  # every launched rank runs each step: all of them, or no plan
+        return (search.best_of([fitting]) if not reasons else None), reasons
     best = _search_sets(cm, search, fitting) if fitting else None
     if best is None:
         return None, reasons

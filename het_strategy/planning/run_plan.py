@@ -68,7 +68,8 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
     datasheet throughput where it covers a device type.
     """
     if given is None:
-        settings = TrainSettings(global_batch_size=global_batch_size, dtype=dtype,
+        # idle_devices=False: a hetero rank with no share still runs a filler sample and the sync every step
+        settings = TrainSettings(global_batch_size=global_batch_size, dtype=dtype, idle_devices=False,
                                  micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})))
         return search_plan(cluster, workload, settings, mode="dp", profile=profile)
     plan = given if isinstance(given, Plan) else Plan.load(given)
