@@ -58,7 +58,7 @@ from typing_extensions import override
 
 from het_strategy.callbacks.telemetry import FIELDS, StepTelemetry
 from het_strategy.core.errors import field_error, require_int
-from het_strategy.core.log import rank_debug
+from het_strategy.core.log import logger as het_logger, rank_debug
 from het_strategy.planning.rebalance import rebalance
 from het_strategy.planning.run_plan import shares_in_rank_order
 
@@ -365,9 +365,10 @@ class StragglerMitigation(StepTelemetry):
         if self.verbose:
             names = self._device_names()
             order = f" (devices {', '.join(names)})" if names is not None else ""
-            print(f"het_strategy straggler [{decision.action} after step {decision.step}, effective from step "
-                  f"{decision.effective_step}]: shares {decision.shares_before} -> {decision.shares_after}{order}; "
-                  f"{decision.reason}", flush=True)
+            # through the het_strategy logger: a line of its own, above the progress bar
+            het_logger.info("het_strategy straggler [%s after step %d, effective from step %d]: shares %s -> %s%s; %s",
+                            decision.action, decision.step, decision.effective_step, decision.shares_before,
+                            decision.shares_after, order, decision.reason)
         if self.log:
             for logger in trainer.loggers:
                 logger.log_metrics({f"straggler/share_rank{r}": float(s) for r, s in

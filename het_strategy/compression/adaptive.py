@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.compression.config import CompressionConfig, quantizer_for
+from het_strategy.core.log import logger
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods, wire_bytes
 from het_strategy.compression.exchange import HALF_DTYPES
@@ -227,7 +228,7 @@ class AdaptiveController:
                          "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
                          "budget": budget, "reason": _reason(options[li], candidates.index(token), link, budget)})
         if changed and cfg.verbose and dist.get_rank() == 0:
-            print(format_decisions(rows, link, budget), flush=True)
+            logger.info("%s", format_decisions(rows, link, budget))  # a line of its own, above a progress bar
         return Solution(new, rows)
 
 
