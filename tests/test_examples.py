@@ -79,3 +79,14 @@ def test_own_model_as_a_deepspeed_pipeline_over_unequal_devices() -> None:
     fast_blocks, slow_blocks = int(found.group(1)) + 1, 8 - int(found.group(2))
     assert int(found.group(2)) == fast_blocks and fast_blocks > slow_blocks >= 1  # speeds 1 : 0.4
     assert float(loss.group(1)) < 2.2  # 10 classes: chance is ln 10 = 2.30
+
+
+def test_own_model_with_compression_and_straggler_mitigation() -> None:
+    out = _run("compression_and_stragglers.py", "--epochs", "1")
+    found = re.search(r"shares \[(\d+), (\d+), (\d+)\] -> \[(\d+), (\d+), (\d+)\]; (\d+) decision\(s\); gradients "
+                      r"([0-9.]+)x fewer bytes on the wire; final validation accuracy ([0-9.]+)", out)
+    assert found, out[-2000:]
+    before, after = [int(found.group(i)) for i in (1, 2, 3)], [int(found.group(i)) for i in (4, 5, 6)]
+    assert before == [24, 12, 12] and after[2] < 12 and sum(after) == 48  # slow_b, 3x slower, gave work away
+    assert int(found.group(7)) >= 1 and "slow_b (rank2)" in out  # the decision names the device as the YAML does
+    assert float(found.group(8)) > 2.0 and float(found.group(9)) > 0.5
