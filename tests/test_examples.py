@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+from tests._example_runner import EXAMPLES, run_example
+
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def _run(script: str, *args: str, timeout: float = 300) -> str:
-    """The script's stdout and stderr (it must exit 0)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+_run = run_example
 
 
 def test_every_example_has_a_test_and_a_run_line_in_its_docstring() -> None:

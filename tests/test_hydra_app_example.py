@@ -3,25 +3,16 @@ with hydra.utils.instantiate from `_target_` nodes, the cluster inline; small se
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+from tests._example_runner import run_example
 
 
-def _run(script: str, *args: str, timeout: float = 300) -> str:
-    """The script's stdout and stderr (it must exit 0)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+
+_run = run_example
 
 
 def test_the_config_composes_with_a_shipped_cluster_name_instead() -> None:

@@ -6,25 +6,18 @@ Pattern of tests/test_examples.py: the script in a subprocess, small settings, i
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "plan_own_model.py"
+from tests._example_runner import EXAMPLES, run_example
+
+SCRIPT = EXAMPLES / "plan_own_model.py"
 
 
 def _run(*args: str, timeout: float = 400) -> str:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    env.pop("HET_EXAMPLE_PLAN_DIR", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+    return run_example(SCRIPT.name, *args, timeout=timeout)
 
 
 def test_docstring_has_the_run_line_and_the_het_plan_command():

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests._spawned_ranks import run_spawned_ranks
+
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from het_strategy import probe  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
-from het_strategy.emulation.local_ranks import free_port  # noqa: E402
 from het_strategy.profiling import device_probe, probe_cache  # noqa: E402
 from het_strategy.profiling.measurements import best_rounds_figure, peak_noise  # noqa: E402
 from het_strategy.profiling.probe import (  # noqa: E402
@@ -200,30 +200,7 @@ def _probe_worker(rank: int, port: int, cache_dir: str, out_dir: str) -> None:
 
 
 def _run_two_ranks(tmp_path: Path) -> list[dict]:
-    """Start both ranks; kill both when one fails (its peer would block in a collective) or after TIMEOUT_S."""
-    ctx = mp.get_context("spawn")
-    port, cache, out = free_port(), tmp_path / "cache", tmp_path / "out"
-    out.mkdir()
-    procs = [ctx.Process(target=_probe_worker, args=(r, port, str(cache), str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while time.monotonic() < deadline:
-            codes = [p.exitcode for p in procs]
-            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-    codes = [p.exitcode for p in procs]
-    if codes != [0, 0]:
-        errors = "\n----\n".join(f.read_text() for f in sorted(out.glob("*.err")))
-        pytest.fail(f"ranks exited {codes} (negative: killed after {TIMEOUT_S} s or on a peer's failure):\n{errors}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_spawned_ranks(_probe_worker, 2, tmp_path, TIMEOUT_S)
 
 
 @pytest.mark.multiprocess

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._spawned_ranks import run_spawned_ranks
+
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from het_strategy.core.cluster import cluster_from_dict  # noqa: E402
-from het_strategy.emulation.local_ranks import free_port  # noqa: E402
 from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, shares_in_rank_order  # noqa: E402
 
 WORLD = 3
@@ -55,29 +55,7 @@ def _worker(rank: int, port: int, cache_dir: str, out_dir: str) -> None:
 
 
 def _probe_three_ranks(tmp_path: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port, cache, out = free_port(), tmp_path / "cache", tmp_path / "out"
-    out.mkdir()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(cache), str(out))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while time.monotonic() < deadline:
-            codes = [p.exitcode for p in procs]
-            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-    codes = [p.exitcode for p in procs]
-    if codes != [0] * WORLD:
-        errors = "\n----\n".join(f.read_text() for f in sorted(out.glob("*.err")))
-        pytest.fail(f"ranks exited {codes} (negative: killed after {TIMEOUT_S} s or on a peer's failure):\n{errors}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_spawned_ranks(_worker, WORLD, tmp_path, TIMEOUT_S)
 
 
 @pytest.mark.multiprocess
