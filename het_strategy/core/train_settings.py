@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from het_strategy.core.compressed_sync import check_token
 from het_strategy.core.errors import field_error, require_int, require_number
 from het_strategy.core.workload import DTYPE_BYTES
 
@@ -69,8 +70,6 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
-        from het_strategy.core.compressed_sync import check_token
-
         check_token(self.inter_node_compression, "train.inter_node_compression")
         if self.dtype not in DTYPE_BYTES:
             raise field_error("train.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")

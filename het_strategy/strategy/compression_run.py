@@ -31,20 +31,17 @@ class CompressionRun:
 
 def ranks_per_node(cluster: ClusterSpec, world: int) -> int:
     """The ranks of each node of ``cluster`` (equal for every node, consecutive ranks), or ConfigError."""
-    counts: list[int] = []
-    last = None
+    counts: dict[str, int] = {}  # node -> its ranks, in rank order
     for device in cluster.devices[:world]:
-        if device.node != last:
-            if device.node in [d.node for d in cluster.devices[:sum(counts)]]:
-                raise field_error("compression.scope", "inter_node", f"go with a cluster whose nodes hold "
-                                  f"consecutive ranks; node `{device.node}`'s devices are not contiguous")
-            counts.append(0)
-            last = device.node
-        counts[-1] += 1
-    if len(set(counts)) != 1:
+        if device.node in counts and device.node != next(reversed(counts)):
+            raise field_error("compression.scope", "inter_node", f"go with a cluster whose nodes hold "
+                              f"consecutive ranks; node `{device.node}`'s devices are not contiguous")
+        counts[device.node] = counts.get(device.node, 0) + 1
+    sizes = list(counts.values())
+    if len(set(sizes)) != 1:
         raise field_error("compression.scope", "inter_node", f"go with nodes of equal size (cluster "
-                          f"`{cluster.name}` has {counts} ranks per node)", "use scope=all")
-    return counts[0]
+                          f"`{cluster.name}` has {sizes} ranks per node)", "use scope=all")
+    return sizes[0]
 
 
 def build_compression(model: Any, config: CompressionConfig, cluster: ClusterSpec | None, world: int, rank: int,
