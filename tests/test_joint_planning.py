@@ -164,3 +164,26 @@ def test_het_plan_joint_prints_both_plans_and_writes_the_choice(tmp_path: Path, 
         assert main([f"cluster={path}", *big, *bad, f"output.dir={tmp_path}"]) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and needle in err, err
+
+
+def test_the_benchmark_shows_the_v100s_a_compressed_sync_brings_back() -> None:
+    """benchmarks/plan_uneven_dp.py's joint row for sailor_a100_v100_32_96 (gpt_small, fp16, batch 1024): the
+    blind plan trains on the 32 A100s only; with q4 between the nodes the 96 V100s pay for their sync."""
+    from plan_uneven_dp import brought_back_text, joint_row, joint_speedup
+
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.workload import load_workload
+
+    cluster = load_cluster("sailor_a100_v100_32_96")
+    settings = TrainSettings(global_batch_size=1024, dtype="fp16")
+    joint = plan_jointly(cluster, load_workload("gpt_small", dtype="fp16"), settings, mode="dp")
+    v100 = sorted(d.name for d in cluster.devices if d.type == "V100-16GB")
+    assert {cluster.device(d).type for d in joint.blind.used_devices} == {"A100-40GB"}
+    assert joint.plan.compression == {"inter_node": "q4"} and joint.brought_back() == v100
+    assert joint_speedup(joint) > 2.5  # 0.724 s against 0.240 s
+    assert brought_back_text(joint, cluster) == "96 x V100-16GB"
+    row = joint_row("sailor_a100_v100_32_96", joint, cluster)
+    assert row.split()[5:7] == ["q4", f"{joint_speedup(joint):.2f}"]
+    fast = cluster_from_dict(_two_nodes(100.0))  # a fast link: compression does not pay, the blind plan wins
+    same = plan_jointly(fast, _workload(), TrainSettings(global_batch_size=8), mode="dp")
+    assert same.plan is same.blind and brought_back_text(same, fast) == "none (the same 2 devices)"

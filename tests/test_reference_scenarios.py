@@ -52,3 +52,17 @@ def test_sailor_scenario_uses_measured_profiles(name):
     # uses both device types, as a heterogeneity-aware plan should on this cluster
     types = {cluster.device(d).type for p in plan.pipelines for d in p.devices}
     assert types == {"A100-40GB", "V100-16GB"}
+
+
+def test_metis_planned_jointly_brings_the_t4s_back_beside_ours():
+    """The joint plan (placement x inter-node compression, same mode as ours) beside ours, its blind plan."""
+    res = scen.run_metis()
+    joint = res["joint"]
+    assert joint.blind.predicted["step_time_s"] == pytest.approx(res["ours_s"])  # ours is the blind plan
+    assert joint.plan.compression == {"inter_node": "q4"}
+    assert joint.plan.predicted["step_time_s"] < 0.95 * res["ours_s"]  # 1.060 s against 1.163 s
+    cluster = load_cluster("metis_t4_a100")
+    assert joint.brought_back() == [d.name for d in cluster.devices if d.type == "T4"]
+    lines = scen._joint_lines(joint, cluster).splitlines()
+    assert lines[0].startswith("  compression-blind (ours)") and "samples/s" in lines[0]
+    assert "joint: q4 between nodes" in lines[1] and "brought back into use: 4 x T4 (t4_node/0" in lines[1]
