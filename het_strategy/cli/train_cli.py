@@ -17,8 +17,10 @@ Steps of one run:
    it in the launching process (``train_job.TrainJob``; bad input: one line
    ``het-train: error: ...`` and exit code 2, before any worker starts);
 2. build the corpus (stdlib source, split by file), the model and the strategy —
-   ``hetero`` (planned uneven shares) or ``ddp`` (even split; on an emulated
-   cluster the same emulation callback pads its compute);
+   ``hetero`` (planned uneven shares; with ``compression=planned`` the joint
+   plan of placement and inter-node compression, its method run by the
+   hierarchical hook) or ``ddp`` (even split; on an emulated cluster the same
+   emulation callback pads its compute);
 3. ``Trainer.fit`` on ``devices`` processes (Lightning re-runs this command for
    ranks 1..n-1), then a full validation pass;
 4. rank 0 prints the plan, per-rank throughput, the losses and the speed-up
@@ -38,11 +40,13 @@ from omegaconf import DictConfig, OmegaConf
 from het_strategy.cli._common import compose_config, run_cli
 from het_strategy.cli.multirun import MULTIRUN_FLAGS, run_sweep
 from het_strategy.cli.train_config import register_train_schema
-from het_strategy.cli.train_job import TrainJob
+from het_strategy.cli.train_job import PLANNED, TrainJob
 from het_strategy.core.errors import ConfigError
+from het_strategy.core.log import rank_zero_info
 from het_strategy.core.shipped import shipped_names
 
-__all__ = ["PROG", "CONFIG_NAME", "TrainJob", "compose_train_config", "run_train", "main"]
+__all__ = ["PROG", "CONFIG_NAME", "TrainJob", "compose_train_config", "build_strategy", "log_planned_compression",
+           "run_train", "main"]
 
 PROG = "het-train"
 CONFIG_NAME = "train"
@@ -64,6 +68,7 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   output.dir=DIR  output.summary=summary.json  checkpoint.every_n_steps=N  resume=<ckpt>
   straggler.enabled=true  straggler.threshold=X  straggler.consecutive=N  straggler.min_share=X
   compression=none|adaptive|quantize4|powersgd|topk|fp16|bf16   compression.bits=N  compression.error_budget=X
+  compression=hierarchical|planned   the inter-node hop only: adaptive, or planned with the placement (joint plan)
   model=moe_gpt_tiny  moe.placement=planned|uniform  moe.capacity_factor=X  moe.drop_tokens=true|false
 
 options:
@@ -98,9 +103,6 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     import het_strategy  # noqa: F401  (registers the strategy)
     from het_strategy.callbacks.throughput import ThroughputMonitor
     from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
-    from het_strategy import HeteroStrategy
-    from het_strategy.callbacks.emulation import EmulatedDeviceCallback
-    from het_strategy.emulation.speeds import cluster_is_emulated
     from het_strategy.demo.moe_gpt import build_char_model
 
     started = time.perf_counter()
@@ -124,25 +126,8 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     throughput = ThroughputMonitor(warmup_steps=min(3, max(0, job.train.max_steps - 2)),
                                    summary_path=None, verbose=False)
     callbacks: list[Any] = [throughput]
-    cluster_source: Any = "auto" if job.auto_cluster else job.cluster
-    if job.strategy == "hetero":
-        # with cluster=auto the strategy profiles the model itself (per block, on every device type)
-        strategy: Any = HeteroStrategy(cluster=cluster_source, workload=None if job.auto_cluster else job.workload,
-                                       global_batch_size=job.global_batch_size,
-                                       profile_input=model_input if job.auto_cluster else None,
-                                       compression=job.compression,
-                                       moe_placement=job.moe.placement)
-    elif job.strategy == "hetero_deepspeed":
-        from het_strategy import HeteroDeepSpeedStrategy
-
-        # rank 0 plans (planner.runtime=deepspeed) and broadcasts; emulated stages are padded per micro-batch
-        strategy = HeteroDeepSpeedStrategy(cluster=job.cluster, workload=job.workload,
-                                           global_batch_size=job.global_batch_size,
-                                           planner_mode=job.planner.mode)
-    else:
-        strategy = "ddp"
-        if job.cluster is not None and cluster_is_emulated(job.cluster):
-            callbacks.append(EmulatedDeviceCallback(cluster=job.cluster, workload=job.workload, dtype=job.dtype))
+    strategy, emulation = build_strategy(job)
+    callbacks.extend(emulation)
     straggler = None
     if job.straggler.enabled:
         from het_strategy.callbacks.straggler import StragglerMitigation
@@ -169,6 +154,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         limit_val_batches=job.train.val_batches, num_sanity_val_steps=0,
         logger=_loggers(job), callbacks=callbacks, enable_checkpointing=every is not None,
         enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1)
+    log_planned_compression(job, trainer.global_rank)
     trainer.fit(model, train_loader, val_loader, ckpt_path=job.resume)
     train_loss = trainer.callback_metrics.get("train_loss")
     trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
@@ -207,10 +193,47 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     return summary
 
 
+def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:
+    """The Lightning strategy of ``job`` (an instance, or ``"ddp"``) and the callbacks it needs (the emulation
+    padding of plain DDP); nothing is launched."""
+    from het_strategy import HeteroStrategy
+    from het_strategy.callbacks.emulation import EmulatedDeviceCallback
+    from het_strategy.emulation.speeds import cluster_is_emulated
+
+    if job.strategy == "hetero":
+        cluster_source: Any = "auto" if job.auto_cluster else job.cluster
+        # compression=planned: the joint plan made in TrainJob, its inter-node choice run by the hierarchical
+        # hook; otherwise rank 0 plans at setup (with cluster=auto the strategy profiles the model itself, per
+        # block, on every device type)
+        strategy = HeteroStrategy(cluster=cluster_source, workload=None if job.auto_cluster else job.workload,
+                                  global_batch_size=job.global_batch_size, plan=job.plan,
+                                  profile_input=model_input if job.auto_cluster else None,
+                                  compression=PLANNED if job.plan is not None else job.compression,
+                                  moe_placement=job.moe.placement)
+        return strategy, []
+    if job.strategy == "hetero_deepspeed":
+        from het_strategy import HeteroDeepSpeedStrategy
+
+        # rank 0 plans (planner.runtime=deepspeed) and broadcasts; emulated stages are padded per micro-batch
+        return HeteroDeepSpeedStrategy(cluster=job.cluster, workload=job.workload,
+                                       global_batch_size=job.global_batch_size, planner_mode=job.planner.mode), []
+    if job.cluster is not None and cluster_is_emulated(job.cluster):
+        return "ddp", [EmulatedDeviceCallback(cluster=job.cluster, workload=job.workload, dtype=job.dtype)]
+    return "ddp", []
+
+
+def log_planned_compression(job: TrainJob, rank: int) -> None:
+    """``compression=planned``: one line on the inter-node method the joint plan chose (rank 0 only)."""
+    if job.planned_note is not None:
+        rank_zero_info(rank, "%s", job.planned_note)
+
+
 def _compression_summary(strategy: Any, job: TrainJob) -> dict[str, Any]:
     """The compression config, the wire saving on rank 0 and the last per-layer decisions."""
     state = getattr(strategy, "compression_state", None)
     out: dict[str, Any] = {"compression": job.compression.to_dict() if job.compression else None}
+    if job.plan is not None:  # compression=planned: what the joint plan chose for the inter-node hop
+        out["compression_planned"] = dict(job.plan.compression)
     if state is not None:
         last = max((d["step"] for d in state.decisions), default=None)
         out.update({"compression_wire_ratio": state.wire_ratio, "compression_bytes_sent": state.bytes_sent,

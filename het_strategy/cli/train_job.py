@@ -6,7 +6,8 @@
    against the cluster, the batch against the devices, the strategy and logger
    ``_target_`` nodes, CUDA being there for ``accelerator=cuda``, the output
    folder, the resume checkpoint, the straggler callback's settings, MoE and
-   DeepSpeed limits.
+   DeepSpeed limits.  ``compression=planned`` plans here (placement and the
+   inter-node compression together), so a plan that cannot run is refused too.
 3. Every failure is a ``ConfigError`` (``het-train: error: ...``, exit 2): the
    Lightning launcher re-runs the command for ranks 1..n-1, so anything left to
    the run would fail once per rank, after the processes started.
@@ -25,8 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
 from het_strategy.cli.train_config import WANDB_MODES, HetTrainConfig, typed_config
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.plan import Plan
+from het_strategy.core.train_settings import TrainSettings
 
-__all__ = ["STRATEGY_TARGETS", "TrainJob"]
+__all__ = ["PLANNED", "STRATEGY_TARGETS", "TrainJob"]
+
+PLANNED = "planned"
+"""``compression.method`` of ``compression=planned``: the joint plan's inter-node choice (``_plan_compression``)."""
 
 STRATEGY_TARGETS = {
     "het_strategy.HeteroStrategy": "hetero",
@@ -74,7 +80,15 @@ class TrainJob:
         self._check_straggler()
         from het_strategy.compression import compression_config
 
-        self.compression = compression_config(cfg_to_dict(cfg.compression, "compression"))
+        raw_compression = cfg_to_dict(cfg.compression, "compression")
+        self.plan: Plan | None = None
+        """``compression=planned``: the joint plan handed to the strategy; else None (the strategy plans)."""
+        self.planned_note: str | None = None
+        """``compression=planned``: the one line the run logs about the planned inter-node method."""
+        planned = raw_compression.get("method") == PLANNED
+        if planned:
+            self._check_planned(raw_compression)
+        self.compression = None if planned else compression_config(raw_compression)
         if self.compression is not None and self.compression.method != "none" and self.strategy != "hetero":
             why = ("Lightning's DDP registers comm hooks on CUDA only" if self.strategy == "ddp" else
                    "DeepSpeed reduces the gradients itself")
@@ -90,6 +104,75 @@ class TrainJob:
         if self.strategy == "hetero_deepspeed":
             self._check_deepspeed_job()
         self._check_model()
+        if planned:
+            self._plan_jointly()  # last: every other field is checked, and named, before the search
+
+    def _check_planned(self, raw: dict[str, Any]) -> None:
+        """What ``compression=planned`` goes with (the group file holds only its method and description)."""
+        for key in raw:
+            if key not in ("method", "description"):
+                raise field_error(f"compression.{key}", raw[key], "not be there with compression=planned (the "
+                                  "joint plan chooses the inter-node method)", "drop it, or pick another "
+                                  "compression group option")
+        if self.strategy != "hetero":
+            why = ("plain DDP splits the batch evenly and runs no plan" if self.strategy == "ddp" else
+                   "DeepSpeed reduces the gradients itself")
+            raise field_error("compression", PLANNED, f"go with strategy=hetero, not strategy={self.strategy} "
+                              f"({why})", "use strategy=hetero")
+        if self.cluster is None:
+            raise field_error("compression", PLANNED, "go with a cluster file, not cluster=auto (the plan is made "
+                              "from the cluster's figures before the workers start)",
+                              "name a cluster, or use compression=hierarchical, which measures the link")
+
+    def _plan_jointly(self) -> None:
+        """``compression=planned``: placement and the inter-node compression planned together here, before any
+        worker starts (``planning/joint.py``; ``het-plan planner.compression=joint``), the plan handed to the
+        hetero strategy with ``compression="planned"``, which runs the choice as the hierarchical exchange.
+
+        Every rank re-runs this command (Lightning's launcher) and plans the same: the search is deterministic
+        over the same cluster, model and batch, and rank 0 checks the given plan again at setup and broadcasts it.
+        """
+        from het_strategy.compression import compression_config
+        from het_strategy.planning.joint import plan_jointly
+        from het_strategy.planning.run_plan import data_parallel_plan
+        from het_strategy.strategy.arguments import planned_compression
+        from het_strategy.strategy.compression_run import ranks_per_node
+
+        cluster = self.cluster
+        assert cluster is not None  # _check_planned refused cluster=auto
+        # the settings the strategy's own data-parallel planning uses (planning/run_plan.data_parallel_plan)
+        gb = self.config.train.global_batch_size
+        settings = TrainSettings(global_batch_size=gb, dtype=self.dtype, idle_devices=False,
+                                 micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, gb})))
+        joint = plan_jointly(cluster, self.workload, settings, mode="dp")
+        plan = data_parallel_plan(cluster, self.workload, gb, self.dtype, joint.plan)  # what setup checks
+        token = plan.compression.get("inter_node", "none")
+        if token != "none":
+            try:
+                ranks_per_node(cluster, self.devices)  # the hierarchical exchange's node groups
+            except ConfigError:
+                sizes = [len(node.devices) for node in cluster.nodes]
+                raise field_error("compression", PLANNED, f"go with nodes of equal size for the planned {token} "
+                                  f"exchange between nodes (cluster `{cluster.name}` has {sizes} devices per node; "
+                                  "the hierarchical exchange sums each node first)",
+                                  "use compression=none or compression=adaptive") from None
+        self.plan, self.compression = plan, compression_config(planned_compression(PLANNED, plan))
+        blind = joint.blind
+        step_ms = plan.predicted["step_time_s"] * 1e3
+        if len(cluster.nodes) < 2:
+            self.planned_note = (f"compression=planned: cluster `{cluster.name}` has one node, so the plan has no "
+                                 f"inter-node hop to compress; the gradient sync runs uncompressed "
+                                 f"({step_ms:.1f} ms/step predicted)")
+        elif token == "none":
+            self.planned_note = (f"compression=planned: compressing the inter-node hop does not pay on cluster "
+                                 f"`{cluster.name}`; the gradient sync runs uncompressed "
+                                 f"({step_ms:.1f} ms/step predicted)")
+        else:
+            assert blind is not None
+            blind_s = blind.predicted["step_time_s"]
+            self.planned_note = (f"compression=planned: {token} between nodes (the hierarchical exchange), "
+                                 f"{step_ms:.1f} ms/step predicted; compression-blind plan {blind_s * 1e3:.1f} "
+                                 f"ms/step ({blind_s / plan.predicted['step_time_s']:.2f}x slower)")
 
     def _check_devices(self, devices: int | None) -> int:
         if devices is None:
