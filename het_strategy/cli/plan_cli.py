@@ -6,6 +6,8 @@ Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style)::
     het-plan cluster=sailor_a100_v100_32_96 model=opt350 train.global_batch_size=256
     het-plan cluster=./my_cluster.yaml cluster.inter_node_bandwidth_gbs=5 planner.mode=dp
     het-plan planner.profile=sailor output.ds_config=true output.plot=true
+    het-plan planner.objective=cost planner.min_throughput=200   # least $/iteration at >= 200 samples/s
+    het-plan planner.budget_per_hour=8                     # the fastest plan whose devices cost <= $8/hour
     het-plan score=plan.json                               # score a given plan, no search
     het-plan model=my_models.py:make_net model_input.shape=[4,1,28,28]   # your own nn.Module
     het-plan --cfg                                         # print the composed config and stop
@@ -17,9 +19,11 @@ Steps of one run:
    with ``model=<python path>`` (``package.module:function`` or
    ``file.py:function``) the workload is that model's profile
    (``profiling.model_factory``), written next to the plan as ``<plan>.model.json``;
-3. plan with ``het_strategy.planning.plan`` — or, with ``score=<file>``, load that
-   plan, check it belongs to this cluster and model, and score it with the same
-   CostModel;
+3. plan with ``het_strategy.planning.plan`` (``planner.objective=cost``, a
+   ``planner.budget_per_hour`` or a ``planner.min_throughput``: over sub-clusters,
+   ``planning.objective``) — or, with ``score=<file>``, load that plan, check it
+   belongs to this cluster and model, and score it with the same CostModel; the
+   plan's money figures (its used devices' $/hour, $/iteration) join ``predicted``;
 4. print the table; write ``output.dir/output.plan`` atomically, and, when asked,
    the DeepSpeed files and a PNG picture.
 
@@ -62,7 +66,7 @@ PROG = "het-plan"
 CONFIG_NAME = "plan"
 _PROFILES = (None, "sailor")
 _OUTPUT_KEYS = {"dir", "plan", "ds_config", "plot"}
-_PLANNER_KEYS = {"mode", "profile", "runtime", "compression"}
+_PLANNER_KEYS = {"mode", "profile", "runtime", "compression", "objective", "budget_per_hour", "min_throughput"}
 _MODEL_INPUT_KEYS = {"shape", "dtype", "blocks", "repeats", "measured_type"}
 _PYTHON_PATH = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*|.+\.py):[A-Za-z_]\w*$")
 
@@ -79,6 +83,9 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
   train.global_batch_size=N     train.dtype=bf16|fp16|fp32   train.zero_stage=0..3
   train.max_tp=1|2|4|8          train.micro_batch_sizes=[1,2,4,8]   train.activation_checkpointing=true
   planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed
+  planner.objective=time|cost   planner.budget_per_hour=USD   planner.min_throughput=samples/s
+                                cost: least $/iteration (idle devices not rented); budget: cap on the used
+                                devices' $/hour; min_throughput: floor on samples/s
   score=<plan.json>             score this plan with the same cost model instead of searching
                                 (written as <name>.scored.json when output.plan would overwrite it)
   output.dir=.  output.plan=plan.json  output.ds_config=true  output.plot=true
@@ -140,6 +147,8 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     Raises ``ConfigError`` for every bad input.
     """
     from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.pricing import plan_price
+    from het_strategy.planning.objective import ObjectiveSettings
     from het_strategy.report.table import plan_table
 
     output = _output_settings(cfg)
@@ -160,10 +169,16 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
 
     score_path = cfg.get("score")
     runtime_line = None
+    goal = ObjectiveSettings(planner.get("objective", "time"), planner.get("budget_per_hour"),
+                             planner.get("min_throughput"))
     if score_path is not None:
+        if not goal.is_default:
+            raise field_error("planner.objective", goal.objective, "stay time, with no budget_per_hour or "
+                              "min_throughput, when score= is given (a given plan is scored, not searched)")
         plan, settings = _load_plan_to_score(str(score_path), cluster, workload, settings)
         score = CostModel(cluster, workload, settings, profile).score(plan)
-        plan.predicted = score.to_dict()
+        made_for = plan.predicted.get("objective")  # the objective the plan was searched for, if it says
+        plan.predicted = score.to_dict() | ({"objective": made_for} if isinstance(made_for, dict) else {})
         if output["plan"] is not None and (output["dir"] / output["plan"]).resolve() == Path(score_path).resolve():
             output["plan"] = f"{Path(output['plan']).stem}.scored.json"  # the scored plan never overwrites its input
     else:
@@ -177,6 +192,15 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
             raise field_error("planner.compression", joint, "be none (compression-blind) or joint (placement and "
                               "inter-node compression planned together)")
         if joint == "joint":
+            _check_joint(mode, planner)
+        if not goal.is_default:
+            from het_strategy.planning.objective import plan_for_objective
+
+            result = plan_for_objective(cluster, workload, settings, "dp" if joint == "joint" else mode, profile,
+                                        goal.objective, goal.budget_per_hour, goal.min_throughput,
+                                        compression=joint, runtime=planner.get("runtime", "any"))
+            plan, runtime_line = result.plan, result.summary()
+        elif joint == "joint":
             plan, runtime_line = _plan_jointly(cluster, workload, settings, mode, profile, planner)
         else:
             choice = plan_for_runtime(cluster, workload, settings, mode=mode, profile=profile,
@@ -186,6 +210,7 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
         score = CostModel(cluster, workload, settings, profile).score(plan)
         if not plan.predicted:
             plan.predicted = score.to_dict()
+    plan.predicted.update(plan_price(plan, cluster, score.step_time_s).to_dict())  # what the used devices cost
 
     # files first: a closed stdout (``het-plan | head``) must not cost the user the plan
     written = _write_outputs(plan, score, cluster, settings, output)
@@ -209,9 +234,7 @@ def _plan_jointly(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "T
     a line comparing it with the compression-blind plan."""
     from het_strategy.planning.joint import plan_jointly
 
-    if mode not in ("dp", "auto") or planner.get("runtime", "any") != "any":
-        raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and planner.runtime=any: "
-                          "the hetero strategy runs the hierarchical exchange for data-parallel plans")
+    _check_joint(mode, planner)
     result = plan_jointly(cluster, workload, settings, mode="dp", profile=profile)
     blind = result.blind
     token = result.plan.compression.get("inter_node", "none")
@@ -222,6 +245,12 @@ def _plan_jointly(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "T
         back = result.brought_back()
         line += f"; devices brought back into use: {', '.join(back)}" if back else "; no device brought back"
     return result.plan, line
+
+
+def _check_joint(mode: str, planner: dict[str, Any]) -> None:
+    if mode not in ("dp", "auto") or planner.get("runtime", "any") != "any":
+        raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and planner.runtime=any: "
+                          "the hetero strategy runs the hierarchical exchange for data-parallel plans")
 
 
 def _output_settings(cfg: DictConfig) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 - ``errors.py``              ``ConfigError`` and the field/value/rule messages
 - ``shipped.py``             finding a config shipped in ``het_strategy.configs``
 - ``atomic_file.py``         write a file whole or not at all
-- ``catalog.py`` + ``catalog.yaml``  device types and their datasheet figures
+- ``catalog.py`` + ``catalog.yaml``  device types, their datasheet figures and list prices
+- ``device_spec.py``         ``DeviceSpec``: one device, and the cluster YAML's device entry that builds it
 - ``cluster.py``             ``ClusterSpec``: nodes, devices, links (YAML schema)
+- ``pricing.py``             a plan's money: its used devices' $/hour and $/iteration
 - ``workload.py``            ``WorkloadSpec``: per-layer FLOPs, parameters, activations; measured profiles
 - ``reference_profiles.py``  Sailor's published profiles as workloads
 - ``plan.py``                ``Plan``: pipelines, stages, shares, experts (JSON schema)

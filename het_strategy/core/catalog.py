@@ -1,7 +1,8 @@
 """The device catalog: datasheet figures of accelerator models, from the shipped ``catalog.yaml``.
 
 A cluster file names a device by its type (``A100-40GB``, or an alias such as
-Sailor's ``A100-40``); ``lookup_device_type`` finds the entry, and
+Sailor's ``A100-40``); ``lookup_device_type`` finds the entry (datasheet
+figures and an approximate on-demand price per device-hour), and
 ``catalog_device_name`` maps the name a runtime reports
 (``torch.cuda.get_device_name()``) to an entry.  Nothing here imports torch.
 """
@@ -44,6 +45,8 @@ class DeviceType:
     """Fraction of peak a transformer layer reaches in training."""
     intra_node_bandwidth_gbs: float
     """Typical device-to-device bandwidth inside one node, GB/s."""
+    price_per_hour: float
+    """Approximate on-demand list price, USD per device-hour (2024; see ``catalog.yaml``)."""
     aliases: tuple[str, ...] = ()
     """Other names accepted in cluster files (Sailor's ``A100-40``, ...)."""
 
@@ -61,6 +64,7 @@ def device_catalog() -> dict[str, DeviceType]:
             memory_bandwidth_gbs=float(e["memory_bandwidth_gbs"]),
             efficiency=float(e["efficiency"]),
             intra_node_bandwidth_gbs=float(e["intra_node_bandwidth_gbs"]),
+            price_per_hour=float(e["price_per_hour"]),
             aliases=tuple(e.get("aliases", ())),
         )
         for name, e in raw.items()

@@ -1,7 +1,8 @@
 """Clusters: devices grouped into nodes, the links between them, and the YAML form that describes them.
 
-A device's datasheet figures come from the catalog (``catalog.py``, whose
-names are re-exported here).  A cluster YAML (schema in README.md) is loaded into ``ClusterSpec``; every
+A device's datasheet figures and list price come from the catalog (``catalog.py``)
+and one device entry is parsed in ``device_spec.py`` (both modules' public names are
+re-exported here).  A cluster YAML (schema in README.md) is loaded into ``ClusterSpec``; every
 field is checked on construction and a bad one raises ``ConfigError`` naming
 the field, the value and the rule.  Nothing here imports torch.
 """
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
+from het_strategy.core.device_spec import DEVICE_KEYS, DeviceSpec, device_from_dict, resolve_device_type
 from het_strategy.core.cluster_limits import bounded_figure as _figure, check_count, check_figure, check_name, \
     check_yaml_tree, devices_per_node as _devices_per_node
 from het_strategy.core.plain_data import plain
@@ -30,8 +32,9 @@ __all__ = [
     "DeviceType",
     "device_catalog",
     "lookup_device_type",
-    # clusters
+    # one device (device_spec.py), importable from here as before
     "DeviceSpec",
+    # clusters
     "NodeSpec",
     "LinkSpec",
     "Slowdown",
@@ -39,55 +42,6 @@ __all__ = [
     "load_cluster",
     "cluster_from_dict",
 ]
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator in the cluster, its datasheet figures resolved and overridden."""
-
-    name: str
-    """Unique device name, ``<node>/<index>`` unless given."""
-    type: str
-    """Device type name (catalog name or a custom one)."""
-    node: str
-    """Name of the node that holds it."""
-    tflops: Mapping[str, float]
-    """Peak dense TFLOPS per dtype (measured figures replace datasheet ones)."""
-    memory_gb: float
-    """Usable memory, GiB."""
-    memory_bandwidth_gbs: float
-    """Memory bandwidth, GB/s."""
-    efficiency: float
-    """Fraction of peak reached in training; 1.0 when ``tflops`` was measured."""
-    emulated_speed: float | None = None
-    """Relative speed when a local process emulates this device (tests, benchmarks)."""
-
-    def __post_init__(self) -> None:
-        where = f"device `{self.name}`"
-        if not self.tflops or any(not is_positive(v) for v in self.tflops.values()):
-            raise field_error(f"{where}.tflops", dict(self.tflops), "hold positive numbers (TFLOPS)")
-        for key in self.tflops:
-            if key not in DTYPES:
-                raise field_error(f"{where}.tflops", key, f"name a dtype in {DTYPES}")
-        if not is_positive(self.memory_gb):
-            raise field_error(f"{where}.memory_gb", self.memory_gb, "be > 0 (GiB of device memory)")
-        for key, value in [*((f"tflops.{k}", v) for k, v in self.tflops.items()), ("memory_gb", self.memory_gb)]:
-            check_figure(value, f"{where}.{key}", key.split(".")[0])  # huge figures overflow the cost model
-        if not is_positive(self.memory_bandwidth_gbs):
-            raise field_error(f"{where}.memory_bandwidth_gbs", self.memory_bandwidth_gbs, "be > 0 (GB/s)")
-        if not (is_positive(self.efficiency) and self.efficiency <= 1):
-            raise field_error(f"{where}.efficiency", self.efficiency, "be in (0, 1]")
-        if self.emulated_speed is not None and not is_positive(self.emulated_speed):
-            raise field_error(f"{where}.emulated_speed", self.emulated_speed, "be > 0 (relative speed)")
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.memory_gb * 2**30
-
-    def flops_per_second(self, dtype: str) -> float:
-        """Sustained FLOP/s for ``dtype`` (x the emulated speed, if any); unsupported dtypes run at fp32 rate."""
-        peak = self.tflops.get(dtype, self.tflops.get("fp32", min(self.tflops.values())))
-        return peak * 1e12 * self.efficiency * (self.emulated_speed or 1.0)
 
 
 @dataclass(frozen=True)
@@ -308,7 +262,8 @@ class ClusterSpec:
                         {k: v for k, v in {
                             "name": d.name, "type": d.type, "tflops": dict(d.tflops), "memory_gb": d.memory_gb,
                             "memory_bandwidth_gbs": d.memory_bandwidth_gbs, "efficiency": d.efficiency,
-                            "emulated_speed": d.emulated_speed}.items() if v is not None}
+                            "emulated_speed": d.emulated_speed, "price_per_hour": d.price_per_hour}.items()
+                            if v is not None}
                         for d in n.devices
                     ],
                 }
@@ -323,8 +278,6 @@ _CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_
                  "emulation_noise"}
 _SLOWDOWN_KEYS = {"device", "factor", "start_step", "end_step"}
 _NODE_KEYS = {"name", "devices", "intra_bandwidth_gbs", "inter_bandwidth_gbs", "inter_flow_bandwidth_gbs", "count"}
-_DEVICE_KEYS = {"name", "type", "count", "tflops", "memory_gb", "memory_bandwidth_gbs", "efficiency",
-                "emulated_speed"}
 _LINK_KEYS = {"nodes", "bandwidth_gbs"}
 
 
@@ -415,15 +368,15 @@ def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str, int
             dev_raw = {"type": dev_raw}
         if not isinstance(dev_raw, Mapping):
             raise field_error(dwhere, dev_raw, "be a device type name or a mapping with `type`")
-        check_keys(dev_raw, _DEVICE_KEYS, dwhere)
+        check_keys(dev_raw, DEVICE_KEYS, dwhere)
         count = require_int(dev_raw.get("count", 1), f"{dwhere}.count", minimum=1)  # bounded: _devices_per_node
-        catalog_type = _resolve_type(dev_raw, dwhere)
+        catalog_type = resolve_device_type(dev_raw, dwhere)
         first_type = first_type or catalog_type
         for _ in range(count):
             idx = len(devices)
             name = check_name(dev_raw["name"], f"{dwhere}.name") if count == 1 and "name" in dev_raw \
                 else f"{node_name}/{idx}"
-            devices.append(_device_from_dict(dev_raw, name, node_name, catalog_type, dwhere))
+            devices.append(device_from_dict(dev_raw, name, node_name, catalog_type, dwhere))
     if "intra_bandwidth_gbs" in node_raw:
         intra = _figure(node_raw["intra_bandwidth_gbs"], f"{where}.intra_bandwidth_gbs", "bandwidth_gbs")
     elif first_type is not None:
@@ -439,48 +392,6 @@ def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str, int
                               f"be <= the node's inter_bandwidth_gbs ({nic:g}): one flow cannot exceed the interface")
     return NodeSpec(name=node_name, devices=tuple(devices), intra_bandwidth_gbs=intra, inter_bandwidth_gbs=nic,
                     inter_flow_bandwidth_gbs=flow)
-
-
-def _resolve_type(dev_raw: Mapping[str, Any], where: str) -> DeviceType | None:
-    type_name = dev_raw.get("type")
-    if not isinstance(type_name, str) or not type_name:
-        raise field_error(f"{where}.type", type_name, "be a device type name (string)")
-    explicit = all(k in dev_raw for k in ("tflops", "memory_gb", "memory_bandwidth_gbs"))
-    try:
-        return lookup_device_type(type_name, f"{where}.type")
-    except ConfigError:
-        if explicit:
-            return None  # a custom device described by its own figures
-        raise
-
-
-def _device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: DeviceType | None,
-                      where: str) -> DeviceSpec:
-    tflops_raw = dev_raw.get("tflops")
-    if tflops_raw is None:
-        tflops = dict(dt.tflops)  # type: ignore[union-attr]
-    elif isinstance(tflops_raw, (int, float)) and not isinstance(tflops_raw, bool):
-        # one measured figure: applies to every dtype the device supports
-        base = dt.tflops if dt else {"fp32": 1.0}
-        tflops = {k: check_figure(float(tflops_raw), f"{where}.tflops", "tflops") for k in base}
-    elif isinstance(tflops_raw, Mapping):
-        tflops = {str(k): _figure(v, f"{where}.tflops.{k}", "tflops") for k, v in tflops_raw.items()}
-    else:
-        raise field_error(f"{where}.tflops", tflops_raw, "be a number or a mapping dtype -> TFLOPS")
-    measured = tflops_raw is not None
-    eff_default = 1.0 if (measured and "efficiency" not in dev_raw) else (dt.efficiency if dt else 1.0)
-    speed = dev_raw.get("emulated_speed")
-    return DeviceSpec(
-        name=name,
-        type=dt.name if dt else str(dev_raw["type"]),
-        node=node,
-        tflops=tflops,
-        memory_gb=_figure(dev_raw.get("memory_gb", dt.memory_gb if dt else None), f"{where}.memory_gb", "memory_gb"),
-        memory_bandwidth_gbs=_figure(dev_raw.get("memory_bandwidth_gbs", dt.memory_bandwidth_gbs if dt else None),
-                                     f"{where}.memory_bandwidth_gbs", "memory_bandwidth_gbs"),
-        efficiency=require_number(dev_raw.get("efficiency", eff_default), f"{where}.efficiency"),
-        emulated_speed=None if speed is None else _figure(speed, f"{where}.emulated_speed", "emulated_speed"),
-    )
 
 
 def _require_unique(names: list[str], field_name: str) -> None:

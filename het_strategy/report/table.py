@@ -205,6 +205,7 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
     if plan.compression.get("inter_node"):
         lines.append(f"  gradient compression: {plan.compression['inter_node']} between nodes (hierarchical: node sums "
                      "uncompressed, the node leaders' exchange compressed; compression=planned runs it)")
+    lines += _money_lines(plan, score, cluster)
     dev, need, cap = score.worst_memory()
     verdict = "fits" if score.fits else "DOES NOT FIT"
     lines.append(f"memory: {verdict}; least headroom on {dev} ({cluster.device(dev).type}): "
@@ -216,6 +217,30 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
         lines += _expert_lines(plan, cluster)
     lines += _dtype_rate_lines(plan, cluster, used)
     return "\n".join(lines)
+
+
+def _money_lines(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> list[str]:
+    """The used devices' price ($/hour: idle devices are not rented) and $/iteration, and the objective."""
+    from het_strategy.core.pricing import plan_price
+
+    price = plan_price(plan, cluster, score.step_time_s)
+    goal = plan.predicted.get("objective")
+    goal = goal if isinstance(goal, dict) else {"objective": "time"}
+    limits = []
+    if goal.get("budget_per_hour"):
+        limits.append(f"budget ${goal['budget_per_hour']:g}/hour")
+    if goal.get("min_throughput"):
+        limits.append(f"floor {goal['min_throughput']:g} samples/s")
+    objective = f"objective: {goal.get('objective', 'time')}" + (f" ({', '.join(limits)})" if limits else "")
+    if price.dollars_per_hour is None or price.dollars_per_iteration is None:
+        return [f"cost: unknown (no price_per_hour for {', '.join(price.unpriced_types)}); {objective}"]
+    return [f"cost: ${price.dollars_per_hour:.2f}/hour for the {price.num_used} used device"
+            f"{'s' if price.num_used != 1 else ''} (list prices), ${_fmt_money(price.dollars_per_iteration)}"
+            f"/iteration; {objective}"]
+
+
+def _fmt_money(dollars: float) -> str:
+    return f"{dollars:.2f}" if dollars >= 1 else f"{dollars:.3g}"
 
 
 def _idle_lines(plan: "Plan", cluster: "ClusterSpec", used: Collection[str]) -> list[str]:
