@@ -15,11 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from het_strategy.compression import CompressionState, compression_hook
 
 
-def char_gpt(seq_len: int = 64) -> torch.nn.Module:
-    """The main job's char GPT (4 blocks, hidden 128), as a plain module."""
+def char_gpt(seq_len: int = 64, hidden: int = 128) -> torch.nn.Module:
+    """The main job's char GPT (4 blocks, hidden 128 unless ``hidden``), as a plain module."""
     from het_strategy.demo.char_gpt import CharGPT
 
-    return CharGPT(num_layers=4, hidden_size=128, num_heads=4, seq_len=seq_len)
+    return CharGPT(num_layers=4, hidden_size=hidden, num_heads=4, seq_len=seq_len)
 
 
 def mlp(inputs: int = 64, hidden: int = 512, classes: int = 10, depth: int = 3) -> torch.nn.Module:

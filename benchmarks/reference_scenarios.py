@@ -41,17 +41,9 @@ def _manual(cluster: ClusterSpec, workload: WorkloadSpec, batch: int, pipelines:
 
 
 def run_joint(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
-              profile: MeasuredProfile | None = None) -> JointResult | str:
-    """Ours planned jointly with the inter-node compression (``plan``'s default mode, like ours), or why not."""
-    try:
-        return plan_jointly(cluster, workload, settings, mode="auto", profile=profile)
-    except ValueError:
-        # Sailor's measured network gives size-dependent (array) link bandwidths, which the compressed-sync price
-        # (core/cost_model.py, CostModel._hierarchical_sync_s) does not take yet; drop this once it does
-        if profile is None or profile.network is None:
-            raise
-        return ("not priced yet (the compressed inter-node sync's price does not take the size-dependent link "
-                "bandwidths of Sailor's measured network)")
+              profile: MeasuredProfile | None = None) -> JointResult:
+    """Ours planned jointly with the inter-node compression (``plan``'s default mode, like ours)."""
+    return plan_jointly(cluster, workload, settings, mode="auto", profile=profile)
 
 
 def metis_plan(cluster: ClusterSpec, workload: WorkloadSpec, batch: int) -> Plan:
@@ -108,10 +100,8 @@ def _shape(p: Plan, cluster: ClusterSpec) -> str:
     return "; ".join(f"{n} x [{k}]" for k, n in groups.items())
 
 
-def _joint_lines(joint: JointResult | str, cluster: ClusterSpec) -> str:
+def _joint_lines(joint: JointResult, cluster: ClusterSpec) -> str:
     """Ours (the compression-blind plan) and the joint plan, step time and samples/s each."""
-    if isinstance(joint, str):
-        return f"  joint with inter-node compression: {joint}"
     blind, best = joint.blind, joint.plan
     assert blind is not None
     token = best.compression.get("inter_node", "none")
@@ -149,7 +139,7 @@ def main() -> None:
           f"metis_ratio={metis['metis_s'] / metis['ours_s']:.3f} "
           f"sailor_32_96_its={sailor['sailor_a100_v100_32_96']['ours_its']:.3f} "
           f"sailor_128_384_its={sailor['sailor_a100_v100_128_384']['ours_its']:.3f} "
-          f"joint_speedup_max={max(joint_speedup(j) for j in joints if not isinstance(j, str)):.3f}")
+          f"joint_speedup_max={max(joint_speedup(j) for j in joints):.3f}")
 
 
 if __name__ == "__main__":

@@ -273,7 +273,8 @@ def test_compression_config_sources() -> None:
 
 
 def test_every_shipped_compression_config_loads() -> None:
-    paths = sorted(_COMPRESSION_DIR.glob("*.yaml"))
+    # planned.yaml asks for the plan's choice (resolved by the training job), not a CompressionConfig itself
+    paths = sorted(p for p in _COMPRESSION_DIR.glob("*.yaml") if p.stem != "planned")
     assert {p.stem for p in paths} >= {"none", "adaptive", "quantize4", "powersgd", "topk", "fp16", "bf16"}
     loaded = {p.stem: compression_config(yaml.safe_load(p.read_text())) for p in paths}
     assert all(isinstance(c, CompressionConfig) for c in loaded.values())

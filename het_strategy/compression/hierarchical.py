@@ -116,8 +116,10 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     buffer = bucket.buffer()
     local = groups.ranks_per_node
     if local > 1:
-        dist.all_reduce(buffer, group=groups.intra)  # the node's sum, over the fast link
-        state.bytes_intra += 2 * (local - 1) * buffer.numel() * buffer.element_size() // local
+        # the node's sum on its leader, over the fast link (half an allreduce's traffic: the broadcast below
+        # overwrites whatever the others' buffers hold after it)
+        dist.reduce(buffer, dst=groups.leader, group=groups.intra)
+        state.bytes_intra += (local - 1) * buffer.numel() * buffer.element_size() // local
     if groups.num_nodes > 1 and groups.is_leader:
         # the leaders' mean of node sums (compression_hook divides by the leaders' count), in place
         compression_hook(state.inter, bucket).wait()

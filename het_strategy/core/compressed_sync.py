@@ -6,8 +6,8 @@ compressed (a ring of ``N`` leaders, the two-phase quantized exchange), and each
 leader broadcasts the mean inside its node.  Priced here, for a ring of ``M``
 replicas over ``N`` nodes (``L = ceil(M / N)`` per node):
 
-* **within the node**: the allreduce ``2 (L-1)/L x B / bw_intra`` plus the
-  broadcast ``(L-1)/L x B / bw_intra`` (and a latency per message);
+* **within the node**: the reduce to the leader ``(L-1)/L x B / bw_intra`` plus
+  the broadcast ``(L-1)/L x B / bw_intra`` (and a latency for each);
 * **across nodes**: the ring allreduce of the *wire* bytes ``B x f`` among the
   ``N`` leaders over the route's inter-node links (``f``: ``wire_fraction``);
 * **codec**: quantizing and dequantizing the whole tensor twice (the exchange's
@@ -78,7 +78,8 @@ def hierarchical_sync_s(num_bytes: Any, members: int, nodes: int, intra_bw: floa
     (priced by the caller's network model), ``intra_bw`` the slowest node's own link (bytes/s)."""
     b = np.asarray(num_bytes, dtype=float)
     local = math.ceil(members / nodes)
-    intra = 0.0 if local <= 1 else 3 * (local - 1) / local * b / intra_bw + 2 * (local - 1) * latency_s + latency_s
+    # the node's reduce to its leader and the leader's broadcast: (local - 1) / local of the bytes each
+    intra = 0.0 if local <= 1 else 2 * (local - 1) / local * b / intra_bw + 2 * latency_s
     codec = 0.0 if token in ("none", "fp16", "bf16") else 2 * b / codec_bw
     out = intra + np.asarray(inter_ring_s, dtype=float) + codec
     if isinstance(num_bytes, np.ndarray):

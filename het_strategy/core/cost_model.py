@@ -292,7 +292,9 @@ class CostModel:
         leaders = SyncRoute(len(route.nodes), route.nodes, route.flows, route.send_flows)
         wire = np.asarray(num_bytes, dtype=float) * wire_fraction(token)
         local = -(-route.members // len(route.nodes))
-        intra_bw = min(self.network.intra_bandwidth(n, local, num_bytes) for n in route.nodes)
+        # per message size where the network model is measured (Sailor's fits give one figure per size)
+        intra_bw = np.minimum.reduce([np.asarray(self.network.intra_bandwidth(n, local, num_bytes), dtype=float)
+                                      for n in route.nodes])
         codec_bw = min(codec_bandwidth(d.memory_bandwidth_gbs, d.type.upper().startswith("CPU"))
                        for d in self.cluster.devices if d.node in route.nodes)
         return hierarchical_sync_s(num_bytes, route.members, len(route.nodes), intra_bw,
