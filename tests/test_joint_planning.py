@@ -187,3 +187,18 @@ def test_the_benchmark_shows_the_v100s_a_compressed_sync_brings_back() -> None:
     fast = cluster_from_dict(_two_nodes(100.0))  # a fast link: compression does not pay, the blind plan wins
     same = plan_jointly(fast, _workload(), TrainSettings(global_batch_size=8), mode="dp")
     assert same.plan is same.blind and brought_back_text(same, fast) == "none (the same 2 devices)"
+
+
+def test_the_joint_planning_benchmarks_cluster_brings_the_slow_node_back() -> None:
+    """benchmarks/joint_planning.py's premise, planning only: blind leaves the slow node idle, joint (q4) uses it,
+    and the blind plan re-planned on the devices it uses (what the benchmark runs) is the same split."""
+    import joint_planning as bench  # benchmarks/ is on sys.path (above)
+
+    source = bench.cluster_dict(100.0, 0.6, 1.0)
+    _, workload = bench._workload()
+    blind, joint, result = bench.plans(cluster_from_dict(source), workload, 24)
+    assert sorted(blind.used_devices) == ["fast0", "fast1"]
+    assert joint.compression == {"inter_node": "q4"} and result.brought_back() == ["slow0", "slow1"]
+    assert joint.predicted["step_time_s"] < 0.8 * blind.predicted["step_time_s"]
+    again, _, _ = bench.plans(cluster_from_dict(bench.sub_cluster(source, list(blind.used_devices))), workload, 24)
+    assert again.rank_shares() == {d: n for d, n in blind.rank_shares().items() if n}
