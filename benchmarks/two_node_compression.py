@@ -160,8 +160,8 @@ def main() -> None:
         print(f"  {label:9s} {means[label] * 1e3:8.1f} ms/step   validation loss {losses[label]:.4f}", flush=True)
     mbit = lambda bps: "-" if bps is None else f"{bps * 8 / 1e6:.0f} Mbit/s"  # noqa: E731
     print(f"  flat: methods {result['flat_choices']}, wire saving {result['flat_wire_ratio']:.2f}x, link measured "
-          f"{mbit(result['flat_link'])}; hier: methods {result['hier_choices']} on the inter-node hop, link measured "
-          f"{mbit(result['hier_link'])}", flush=True)
+          f"{mbit(result['flat_link'])}; hier: methods {result['hier_choices'] or [args.hier_method]} on the inter-node "
+          f"hop, link measured {mbit(result['hier_link'])} (- : a fixed method, no controller)", flush=True)
     print(f"  bytes over the veth links in all: {crossed / 1e6:.1f} MB (hier leaders' hook count "
           f"{result['hier_inter_bytes'] / 1e6:.1f} MB)", flush=True)
     hier_vs_none, hier_vs_flat = means["none"] / means["hier"], means["flat"] / means["hier"]
