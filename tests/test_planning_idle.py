@@ -146,3 +146,37 @@ def test_the_hetero_strategys_plans_give_every_rank_a_share():
     assert min(data_parallel_plan(cluster, workload, 6, "bf16").rank_shares().values()) >= 1
     with pytest.raises(ConfigError, match="train.idle_devices"):
         TrainSettings(global_batch_size=6, idle_devices="no")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_on_many_devices_equals_brute_force_over_every_union_of_class_node_groups(seed):
+    """Past EXHAUSTIVE_DEVICES the search runs over device classes: on clusters of several nodes of 4 alike
+    devices it must still find the best union of (class, node) groups, e.g. one node of the fast kind when
+    the fast kind spread over three nodes loses to a slower kind on one (AMP's 3 x 4 V100 + 4 T4 at batch 32
+    once got the 4 T4s, 2.6x slower than one node of V100s)."""
+    import itertools
+
+    from het_strategy.planning.idle import EXHAUSTIVE_DEVICES
+    from het_strategy.planning.structure import assemble_plan
+
+    rng = random.Random(seed)
+    kinds = rng.sample([1, 5, 20, 100], 2)
+    nodes = [{"name": f"n{n}", "intra_bandwidth_gbs": 100,
+              "devices": [_dev(f"n{n}d{i}", kinds[n == 3], 40) for i in range(4)]} for n in range(4)]
+    cluster = cluster_from_dict({"name": f"m{seed}", "inter_node_bandwidth_gbs": rng.choice([0.05, 0.5, 5]),
+                                 "nodes": nodes})
+    assert cluster.num_devices > EXHAUSTIVE_DEVICES
+    workload = _workload(hidden_size=rng.choice([512, 1024]))
+    s = TrainSettings(global_batch_size=rng.choice([16, 32, 64]), micro_batch_sizes=(1, 2, 4, 8),
+                      memory_reserve_gb=0.5)
+    cm = CostModel(cluster, workload, s)
+    groups = [[d.name for d in cluster.devices if d.node == node.name] for node in cluster.nodes]
+    best = math.inf
+    for k in range(1, len(groups) + 1):
+        for combo in itertools.combinations(groups, k):
+            names = [n for g in combo for n in g]
+            res = assemble_plan(cm, [((d,),) for d in names], "dp")
+            if res is not None:
+                best = min(best, res.step_time_s)
+    result = plan(cluster, workload, s, mode="dp")
+    assert result.predicted["step_time_s"] <= best * (1 + 1e-9)

@@ -13,8 +13,9 @@ the set of devices that run, not only over the shares:
    split (``structure.assemble_plan``) over S:
    * up to ``EXHAUSTIVE_DEVICES`` devices: every non-empty subset (exact);
    * otherwise every union of device classes (a class: devices of equal cost
-     figures, ``CostModel.device_key``; up to ``EXHAUSTIVE_CLASSES`` classes),
-     then, per (class, node) group, drop it while that is faster
+     figures, ``CostModel.device_key``; up to ``EXHAUSTIVE_CLASSES`` classes)
+     and every union of classes within one node, then, per (class, node)
+     group, drop it while that is faster
      (``MAX_GROUPS`` groups at most);
    * then every idle device is compared with the plan it would join: the best
      plan over S plus that device.  If that is faster, it joins (and the
@@ -113,7 +114,7 @@ def _search_sets(cm: CostModel, search: _Search, fitting: list[str]) -> Structur
         L = cm.workload.num_layers
         speed = sorted(classes, key=lambda cl: cm.stage_compute_s(cm.cluster.device(cl[0]), 1, 1, 0, L))
         unions = [[n for cl in speed[:k] for n in cl] for k in range(1, len(speed) + 1)]
-    best = search.best_of(unions)
+    best = search.best_of(unions + _node_unions(cm, fitting))
     if best is None:
         return None
     groups = _classes(cm, list(best.plan.used_devices), lambda d: (cm.device_key(d), d.node))
@@ -126,6 +127,20 @@ def _search_sets(cm: CostModel, search: _Search, fitting: list[str]) -> Structur
         used = set(trial.plan.used_devices)
         groups = [g for g in groups if g[0] in used]
     return best
+
+
+def _node_unions(cm: CostModel, fitting: list[str]) -> list[list[str]]:
+    """Every union of device classes within one node: the fastest kind spread over several nodes can lose to
+    one node of it (no inter-node sync), which the dropping of whole groups from the best union never reaches
+    when that union is a slower kind on one node."""
+    out: list[list[str]] = []
+    for node in dict.fromkeys(cm.cluster.device(n).node for n in fitting):
+        classes = _classes(cm, [n for n in fitting if cm.cluster.device(n).node == node], cm.device_key)
+        if len(classes) > EXHAUSTIVE_CLASSES:
+            continue
+        out += [[n for cl in combo for n in cl] for k in range(1, len(classes) + 1)
+                for combo in itertools.combinations(classes, k)]
+    return out
 
 
 def best_device_set(cm: CostModel) -> tuple[StructureResult | None, dict[str, str]]:
