@@ -243,17 +243,6 @@ def _error_of(overrides: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
-@pytest.fixture
-def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if a run (and so any worker) were started."""
-    import het_strategy.cli.train_cli as train_cli
-
-    def refuse(job: object) -> None:
-        raise AssertionError("run_train was reached: the bad input was not caught before the workers")
-
-    monkeypatch.setattr(train_cli, "run_train", refuse)
-
-
 @pytest.mark.parametrize("overrides, message", [
     (["train.lr=abc"], "het-train: error: `train.lr` is 'abc'; it must be a number"),
     (["data.seed=abc"], "het-train: error: `data.seed` is 'abc'; it must be an integer"),

@@ -84,17 +84,6 @@ def test_compression_planned_keeps_the_sync_plain_where_compressing_does_not_pay
     assert "does not pay" in job.planned_note
 
 
-@pytest.fixture
-def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if a run (and so any worker) were started."""
-    import het_strategy.cli.train_cli as train_cli
-
-    def refuse(job: object) -> None:
-        raise AssertionError("run_train was reached: the bad input was not caught before the workers")
-
-    monkeypatch.setattr(train_cli, "run_train", refuse)
-
-
 @pytest.mark.parametrize("overrides, message", [
     (["strategy=ddp"], "`compression` is 'planned'; it must go with strategy=hetero, not strategy=ddp"),
     (["strategy=hetero_deepspeed"],
