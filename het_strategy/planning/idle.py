@@ -108,8 +108,7 @@ def _search_sets(cm: CostModel, search: _Search, fitting: list[str]) -> Structur
         return search.best_of(subsets)
     classes = _classes(cm, fitting, cm.device_key)
     if len(classes) <= EXHAUSTIVE_CLASSES:
-        unions = [[n for cl in combo for n in cl] for k in range(1, len(classes) + 1)
-                  for combo in itertools.combinations(classes, k)]
+        unions = _unions(classes)
     else:  # many kinds of device: drop the slowest kinds one by one
         L = cm.workload.num_layers
         speed = sorted(classes, key=lambda cl: cm.stage_compute_s(cm.cluster.device(cl[0]), 1, 1, 0, L))
@@ -138,9 +137,14 @@ def _node_unions(cm: CostModel, fitting: list[str]) -> list[list[str]]:
         classes = _classes(cm, [n for n in fitting if cm.cluster.device(n).node == node], cm.device_key)
         if len(classes) > EXHAUSTIVE_CLASSES:
             continue
-        out += [[n for cl in combo for n in cl] for k in range(1, len(classes) + 1)
-                for combo in itertools.combinations(classes, k)]
+        out += _unions(classes)
     return out
+
+
+def _unions(classes: list[list[str]]) -> list[list[str]]:
+    """The devices of every non-empty combination of ``classes``."""
+    return [[n for cl in combo for n in cl] for k in range(1, len(classes) + 1)
+            for combo in itertools.combinations(classes, k)]
 
 
 def best_device_set(cm: CostModel) -> tuple[StructureResult | None, dict[str, str]]:
