@@ -26,20 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 MODEL_YAML = Path(__file__).resolve().parents[1] / "configs" / "model" / "tiny_gpt.yaml"
-PER_SAMPLE_TFLOPS = 0.008  # a speed-1 device's sustained TFLOPS (about 1/7 of one core here on this model)
+DEVICE_TFLOPS = 0.008  # a speed-1 device's sustained TFLOPS (about 1/7 of one core here on this model)
 
 
 def cluster_dict(rate_mbit: float, slow_speed: float, intra_gbs: float) -> dict[str, Any]:
     """The two-node cluster as a cluster YAML mapping; the inter-node link as shaped (Mbit/s -> GB/s)."""
     def device(name: str, speed: float) -> dict[str, Any]:
-        return {"name": name, "type": "CPU", "tflops": {"fp32": PER_SAMPLE_TFLOPS, "bf16": PER_SAMPLE_TFLOPS},
+        return {"name": name, "type": "CPU", "tflops": {"fp32": DEVICE_TFLOPS, "bf16": DEVICE_TFLOPS},
                 "efficiency": 1.0, "emulated_speed": speed}
 
     return {"name": "two_nodes_emulated",
@@ -117,9 +116,7 @@ def _worker(args: argparse.Namespace) -> None:
         score = CostModel(cluster, workload, settings).score(strategy.plan)
         state = strategy.compression_state
         inter = getattr(state, "inter", state)  # the hierarchical state's inter-node part
-        summary = {**throughput.summary, "predicted_step_s": score.step_time_s,
-                   "predicted_sync_s": score.to_dict().get("sync_s"),
-                   "shares": strategy.current_shares(), "compression": dict(strategy.plan.compression),
+        summary = {**throughput.summary, "predicted_step_s": score.step_time_s, "shares": strategy.current_shares(), "compression": dict(strategy.plan.compression),
                    "choices": sorted(set(getattr(inter, "choices", {}).values())) if inter is not None else [],
                    "wire_ratio": getattr(inter, "wire_ratio", None) if inter is not None else None}
         Path(args.out).write_text(json.dumps(summary))
@@ -234,5 +231,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
     main()
