@@ -60,15 +60,13 @@ def _workload() -> Any:
     return cfg, transformer_workload(cfg, "fp32")
 
 
-def plans(cluster: Any, workload: Any, batch: int) -> tuple[Any, Any, Any]:
-    """(blind plan, joint plan, JointResult) on ``cluster``: idle devices allowed, pure data parallelism."""
-    from het_strategy.core.cost_model import TrainSettings
+def plans(cluster: Any, workload: Any, batch: int) -> Any:
+    """The ``JointResult`` on ``cluster`` (``.blind``, ``.plan``: the joint one): pure data parallelism planned as
+    the strategy plans it, except that devices may stay idle (the blind plan's point)."""
     from het_strategy.planning.joint import plan_jointly
+    from het_strategy.planning.run_plan import data_parallel_settings
 
-    settings = TrainSettings(global_batch_size=batch, dtype="fp32",
-                             micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, batch})))
-    joint = plan_jointly(cluster, workload, settings, mode="dp")
-    return joint.blind, joint.plan, joint
+    return plan_jointly(cluster, workload, data_parallel_settings(batch, "fp32", idle_devices=True), mode="dp")
 
 
 def sub_cluster(source: dict[str, Any], used: list[str]) -> dict[str, Any]:
@@ -199,7 +197,8 @@ def main() -> None:
     source = cluster_dict(args.rate_mbit, args.slow_speed, args.intra_gbs)
     cluster = cluster_from_dict(source)
     _, workload = _workload()
-    blind, joint, result = plans(cluster, workload, args.batch)
+    result = plans(cluster, workload, args.batch)
+    blind, joint = result.blind, result.plan
     print(f"cluster: node fast 2 x speed 1, node slow 2 x speed {args.slow_speed:g}, {args.rate_mbit:g} Mbit/s "
           f"between nodes; char GPT ({workload.total_params / 1e6:.2f} M parameters), global batch {args.batch}, "
           f"{args.steps} steps ({args.skip} left out)", flush=True)
@@ -213,7 +212,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="joint_planning_") as tmp:
         blind_source = sub_cluster(source, list(blind.used_devices))
         blind_cluster = cluster_from_dict(blind_source)
-        blind_plan, _, _ = plans(blind_cluster, workload, args.batch)
+        blind_plan = plans(blind_cluster, workload, args.batch).plan
         runs = {"blind": _run(blind_source, blind_plan, "adaptive", args, Path(tmp), "blind"),
                 "joint": _run(source, joint, "planned", args, Path(tmp), "joint")}
     errors = {}

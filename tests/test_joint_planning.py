@@ -196,9 +196,10 @@ def test_the_joint_planning_benchmarks_cluster_brings_the_slow_node_back() -> No
 
     source = bench.cluster_dict(100.0, 0.6, 1.0)
     _, workload = bench._workload()
-    blind, joint, result = bench.plans(cluster_from_dict(source), workload, 24)
+    result = bench.plans(cluster_from_dict(source), workload, 24)
+    blind, joint = result.blind, result.plan
     assert sorted(blind.used_devices) == ["fast0", "fast1"]
     assert joint.compression == {"inter_node": "q4"} and result.brought_back() == ["slow0", "slow1"]
     assert joint.predicted["step_time_s"] < 0.8 * blind.predicted["step_time_s"]
-    again, _, _ = bench.plans(cluster_from_dict(bench.sub_cluster(source, list(blind.used_devices))), workload, 24)
+    again = bench.plans(cluster_from_dict(bench.sub_cluster(source, list(blind.used_devices))), workload, 24).plan
     assert again.rank_shares() == {d: n for d, n in blind.rank_shares().items() if n}

@@ -27,7 +27,6 @@ from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
 from het_strategy.cli.train_config import WANDB_MODES, HetTrainConfig, typed_config
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.train_settings import TrainSettings
 
 __all__ = ["PLANNED", "STRATEGY_TARGETS", "TrainJob"]
 
@@ -134,17 +133,14 @@ class TrainJob:
         """
         from het_strategy.compression import compression_config
         from het_strategy.planning.joint import plan_jointly
-        from het_strategy.planning.run_plan import data_parallel_plan
+        from het_strategy.planning.run_plan import data_parallel_plan, data_parallel_settings
         from het_strategy.strategy.arguments import planned_compression
         from het_strategy.strategy.compression_run import ranks_per_node
 
         cluster = self.cluster
         assert cluster is not None  # _check_planned refused cluster=auto
-        # the settings the strategy's own data-parallel planning uses (planning/run_plan.data_parallel_plan)
-        gb = self.config.train.global_batch_size
-        settings = TrainSettings(global_batch_size=gb, dtype=self.dtype, idle_devices=False,
-                                 micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, gb})))
-        joint = plan_jointly(cluster, self.workload, settings, mode="dp")
+        gb = self.config.train.global_batch_size  # planned as the strategy's own data-parallel plan is
+        joint = plan_jointly(cluster, self.workload, data_parallel_settings(gb, self.dtype), mode="dp")
         plan = data_parallel_plan(cluster, self.workload, gb, self.dtype, joint.plan)  # what setup checks
         token = plan.compression.get("inter_node", "none")
         if token != "none":

@@ -4,6 +4,7 @@
 * ``estimate_workload`` — a one-layer workload of any model (parameters
   counted, FLOPs by the standard 2 x parameters x tokens forward estimate),
   used when the user names no workload;
+* ``data_parallel_settings`` — the planner settings of a run's data-parallel plan;
 * ``data_parallel_plan`` — the uneven data-parallel plan of a run: searched, or
   a given plan checked against the cluster, the model and the global batch;
 * ``shares_in_rank_order`` — the plan's shares, rank r playing device r.
@@ -21,7 +22,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.planning import plan as search_plan
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
-__all__ = ["precision_dtype", "estimate_workload", "data_parallel_plan",
+__all__ = ["precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan",
            "shares_in_rank_order"]
 
 _PRECISIONS = {"32": "fp32", "32-true": "fp32", "64": "fp32", "64-true": "fp32", "transformer-engine": "bf16",
@@ -60,6 +61,13 @@ def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype:
     return WorkloadSpec(name=name, layers=tuple(layers), seq_len=tokens, dtype=dtype)
 
 
+def data_parallel_settings(global_batch_size: int, dtype: str, idle_devices: bool = False) -> TrainSettings:
+    """The settings a run's data-parallel plan is searched with.  ``idle_devices=False`` (the hetero strategy's):
+    a rank with no share would still run a filler sample and the sync every step, so every device takes part."""
+    return TrainSettings(global_batch_size=global_batch_size, dtype=dtype, idle_devices=idle_devices,
+                         micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})))
+
+
 def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: str,
                        given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None) -> Plan:
     """The run's pure data-parallel plan: ``given`` checked, or the planner's optimum.
@@ -68,10 +76,8 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
     datasheet throughput where it covers a device type.
     """
     if given is None:
-        # idle_devices=False: a hetero rank with no share still runs a filler sample and the sync every step
-        settings = TrainSettings(global_batch_size=global_batch_size, dtype=dtype, idle_devices=False,
-                                 micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})))
-        return search_plan(cluster, workload, settings, mode="dp", profile=profile)
+        return search_plan(cluster, workload, data_parallel_settings(global_batch_size, dtype), mode="dp",
+                           profile=profile)
     plan = given if isinstance(given, Plan) else Plan.load(given)
     plan.check_against(cluster, workload)
     if list(plan.cluster_devices) != [d.name for d in cluster.devices]:
