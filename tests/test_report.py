@@ -9,7 +9,8 @@ import pytest
 from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.report.table import compress_devices, group_pipelines, plan_table, plot_plan
+from het_strategy.report.picture import plot_plan
+from het_strategy.report.table import compress_devices, group_pipelines, plan_table
 from het_strategy.core.workload import TransformerConfig, transformer_workload
 
 WORKLOAD = transformer_workload(TransformerConfig("toy", num_layers=6, hidden_size=256, num_heads=4, seq_len=128,

@@ -8,10 +8,3 @@
 - ``netns.py``        the ``ip netns`` plumbing under both: create, list, empty and delete a namespace
 - ``local_ranks.py``  start N gloo ranks of a function (or a script, optionally on emulated nodes) on this machine
 """
-
-from het_strategy._moved_modules import moved_name
-
-
-def __getattr__(name: str) -> object:
-    """0.1.0's module of this name is now ``emulation.speeds``: its names resolve here for one release (warned)."""
-    return moved_name(__name__, name, ("speeds",))

@@ -14,10 +14,3 @@
 
 What they measure becomes core objects (``ClusterSpec``, ``MeasuredProfile``) that the planner reads.
 """
-
-from het_strategy._moved_modules import moved_name
-
-
-def __getattr__(name: str) -> object:
-    """0.1.0's module of this name is now ``profiling.module_profile``: its names resolve here for one release (warned)."""
-    return moved_name(__name__, name, ("batch_contents", "module_profile"))

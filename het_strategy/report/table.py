@@ -5,7 +5,7 @@ identical (same device types, stage layout and batch) are folded into one row
 with a count, so the table of a 512-device plan stays a screen long.
 ``format_table`` lays out any header and rows in aligned columns (the probe's
 table uses it too); ``group_pipelines`` and ``compress_devices`` are shared
-with the picture (``picture.py``, whose ``plot_plan`` is importable from here).
+with the picture (``picture.py``).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Collection, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
     from het_strategy.core.cost_model import PlanScore
     from het_strategy.core.plan import Plan
 
-__all__ = ["plan_table", "plot_plan", "format_table", "compress_devices", "compress_indices", "PipelineGroup",
+__all__ = ["plan_table", "format_table", "compress_devices", "compress_indices", "PipelineGroup",
            "group_pipelines"]
 
 GiB = 2**30
@@ -292,12 +292,3 @@ def _fmt_params(n: object) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(int(n))
-
-
-def __getattr__(name: str) -> Any:
-    """``plot_plan`` lives in ``picture.py`` (which imports this module); it is still importable from here."""
-    if name == "plot_plan":
-        from het_strategy.report.picture import plot_plan
-
-        return plot_plan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
