@@ -7,7 +7,7 @@
     scaled by the model's tp rule) against the measured tp > 1 times.
 (b) Sailor's clusters (OPT-350, global batch 1024, planner.profile=sailor): our
     plan and Sailor's own 32:96 plan (../shared/reference) under our model and
-    under Sailor's simulator (``core/sailor_simulator.py``).  Sailor's runtime
+    under Sailor's simulator (``reference/sailor_simulator.py``).  Sailor's runtime
     takes one micro-batch size per plan and gives every replica the same batch
     (its simulator charges every pipeline the same micro-batch count), so our
     planner runs with ``train.equal_shares`` once per single-size menu and the
@@ -15,7 +15,7 @@
     simulated figures for its own plans at 80:240 and 128:384 (2.77 s, 1.91 s)
     come from the issue that asked for this benchmark (its 32:96 figure, 5.884 s,
     is recomputed here).
-(c) AMP's six measured plans (``core/amp_reference.py``, data/amp/measured_plans.json) on
+(c) AMP's six measured plans (``reference/amp_plans.py``, ``reference/data/amp/measured_plans.json``) on
     its V100 + T4 cluster: our predictions next to the measured times, and the
     rank correlation.
 
@@ -32,14 +32,14 @@ import statistics
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from het_strategy.core.amp_reference import amp_measured_plans  # noqa: E402
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_cluster  # noqa: E402
 from het_strategy.core.cost_model import CostModel, TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
 from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile  # noqa: E402
-from het_strategy.core.sailor_simulator import sailor_iteration_time  # noqa: E402
 from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
 from het_strategy.planning import plan  # noqa: E402
+from het_strategy.reference.amp_plans import amp_measured_plans  # noqa: E402
+from het_strategy.reference.sailor_simulator import sailor_iteration_time  # noqa: E402
 
 SAILOR_PUBLISHED_S = {"sailor_a100_v100_80_240": 2.77, "sailor_a100_v100_128_384": 1.91}
 

@@ -3,7 +3,7 @@
 For AMP and Metis, the plans those papers report are rebuilt on our cluster
 configs and scored by *our* cost model next to our plan, so the comparison is
 like for like.  For Sailor, the cost model takes Sailor's measured per-layer
-profiles (vendored in het_strategy/data/sailor) in place of datasheet figures;
+profiles (vendored in het_strategy/core/data/sailor) in place of datasheet figures;
 Sailor's own figures (0.170 / 0.523 it/s) come from Sailor's simulator, a
 different model, and are printed only as the anchor.
 
@@ -24,7 +24,6 @@ import time
 
 from plan_uneven_dp import brought_back_text, joint_speedup
 
-from het_strategy.core.amp_reference import amp_measured_plans
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
@@ -32,6 +31,7 @@ from het_strategy.planning import plan
 from het_strategy.planning.joint import JointResult, plan_jointly
 from het_strategy.core.reference_profiles import load_sailor_profile
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
+from het_strategy.reference.amp_plans import amp_measured_plans
 
 
 def _manual(cluster: ClusterSpec, workload: WorkloadSpec, batch: int, pipelines: list[Pipeline]) -> Plan:

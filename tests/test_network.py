@@ -13,8 +13,8 @@ from het_strategy.core.network import TP_LINK_EFFICIENCY, Network, SyncRoute
 from het_strategy.core.plan import Plan
 from het_strategy.core.reference_profiles import (SAILOR_DATA_DIR, SailorNetwork, load_sailor_profile,
                                                   measured_tp_link_efficiency)
-from het_strategy.core.sailor_simulator import sailor_iteration_time
 from het_strategy.core.workload import load_workload
+from het_strategy.reference.sailor_simulator import sailor_iteration_time
 
 ALPHA = 10e-6
 
@@ -164,7 +164,7 @@ def test_analytic_tp_scaling_agrees_with_sailors_nvlink_profiles() -> None:
 
 def test_amp_measured_best_plan_ranks_first_under_our_model() -> None:
     """AMP's six measured plans: (1, 1, 2, 8), fastest on the real cluster (1.28 s), is our fastest too."""
-    from het_strategy.core.amp_reference import amp_measured_plans
+    from het_strategy.reference.amp_plans import amp_measured_plans
 
     cluster, workload = load_cluster("amp_v100_t4"), load_workload("gpt2_amp", dtype="fp16")
     cm = CostModel(cluster, workload, TrainSettings(32, dtype="fp16", max_tp=2))

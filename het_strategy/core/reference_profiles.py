@@ -1,6 +1,6 @@
 """Measured reference data from the Sailor project (SOSP'25, ETH Zurich; MIT licence).
 
-The JSON files under ``het_strategy/data/sailor/`` were measured on real GPUs by
+The JSON files under ``het_strategy/core/data/sailor/`` were measured on real GPUs by
 Sailor's authors and are the figures Sailor's own planner and simulator use, so a
 plan scored with them competes on equal terms.  This module turns them into our
 types:

@@ -38,7 +38,7 @@ Translation: our pipelines with the same stage boundaries become one Sailor pipe
 has our pipelines' ``s``-th stages as its replicas, in plan order; a stage's devices must be one GPU type
 on one node (Sailor's simulator gives a multi-node tensor-parallel group a different, compute-free
 formula, which is not reproduced).  Where Sailor would read a missing table entry as 0 s or fail with a
-``KeyError``, this module raises ``ConfigError`` naming the plan field.  Planning core: no torch.
+``KeyError``, this module raises ``ConfigError`` naming the plan field.  Pure Python: no torch.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ module rebuilds the six micro-batch-1 plans on the shipped ``amp_v100_t4``
 cluster: AMP's logged stage boundaries (its 30-entry layer list mapped onto our
 26 layers: embedding, 24 blocks, head) and DeepSpeed's rank order
 (``rank = tp_index + tp * dp_index + tp * dp * stage`` over the nodes in order,
-the T4 node last).  Planning core: no torch.
+the T4 node last).  Pure Python: no torch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,9 @@
+"""Other projects' results, rebuilt on our types, to check the cost model against (benchmarks and tests).
+
+- ``sailor_simulator.py``  Sailor's runtime simulator (SOSP'25), re-implemented to score our ``Plan`` objects
+                           with Sailor's vendored measurements (``core/data/sailor``)
+- ``amp_plans.py``         AMP's measured plans on its V100 + T4 cluster (NeurIPS'22), as our ``Plan`` objects,
+                           with AMP's measured iteration times (``data/amp/measured_plans.json``)
+
+These import the planning core; the core and the planners never import them.  Pure Python: no torch.
+"""
