@@ -1,5 +1,6 @@
 """The house rules of the package layout: a light planning core, registration in either import order, no import
-loop, small modules, and the 0.1.0 module paths still importable (with a DeprecationWarning)."""
+circle and imports pointing down the layers (module-level and function-level imports alike), optional
+dependencies imported only where allowed, no module over 500 lines."""
 
 from __future__ import annotations
 
@@ -76,51 +77,113 @@ def _module_files() -> list[Path]:
     return sorted([*PACKAGE.rglob("*.py"), *(ROOT / "callbacks").glob("*.py")])
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """Modules imported when ``path`` is imported: module-level statements (TYPE_CHECKING blocks included)."""
+def _resolve(module: str, level: int, importer: str, is_package: bool) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` written in ``importer``."""
+    if not level:
+        return module
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Every module ``path`` can import, with the line: the whole file, not only its module-level statements.
+
+    Module-level statements (``TYPE_CHECKING`` and ``try`` blocks included) import when the module is imported;
+    the bodies of functions and methods import when they run.  Both count.  ``from a import b`` names ``a`` and
+    ``a.b`` (``b`` may be a submodule), and ``importlib.import_module("het_strategy....")`` with a literal name
+    counts as an import of that name.
+    """
+    name = _module_name(path)
     tree = ast.parse(path.read_text())
-    found: set[str] = set()
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module)
-                found.update(f"{node.module}.{a.name}" for a in node.names)
-            elif isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(getattr(node, "orelse", []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-
-    visit(tree.body)
-    return {m for m in found if m.startswith("het_strategy")}
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = _resolve(node.module or "", node.level, name, path.name == "__init__.py")
+            found.append((module, node.lineno))
+            found.extend((f"{module}.{a.name}", node.lineno) for a in node.names if a.name != "*")
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "import_module"):
+            found.append((node.args[0].value, node.lineno))
+    return found
 
 
-def test_no_import_loop() -> None:
-    """No module imports, at module level, one that imports it back (directly or through others)."""
+def _import_graph() -> dict[str, set[str]]:
+    """het_strategy module -> the het_strategy modules it imports, at module or function level."""
     files = {_module_name(p): p for p in _module_files()}
-    graph = {name: {m for m in _top_level_imports(p) if m in files and m != name} for name, p in files.items()}
-    # importing ``a.b.c`` runs ``a.b``'s __init__ first; an __init__ importing its own submodules is no loop
-    state: dict[str, int] = {}
+    return {name: {m for m, _ in _imports(p) if m in files and m != name} for name, p in files.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
     stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
 
-    def walk(node: str) -> None:
-        state[node] = 1
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
         stack.append(node)
+        on_stack.add(node)
         for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                loop = stack[stack.index(nxt):] + [nxt]
-                raise AssertionError("import loop: " + " -> ".join(loop))
-            if nxt not in state:
-                walk(nxt)
-        stack.pop()
-        state[node] = 2
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
 
-    for name in sorted(graph):
-        if name not in state:
-            walk(name)
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    cycles = []
+    for component in components:  # the shortest way from the component's first module back to itself
+        start = min(component)
+        previous: dict[str, str] = {}
+        queue = [start]
+        last = None
+        while last is None:  # breadth first inside the component, which always leads back to ``start``
+            node = queue.pop(0)
+            for nxt in sorted(graph[node] & component):
+                if nxt == start:
+                    last = node
+                    break
+                if nxt not in previous:
+                    previous[nxt] = node
+                    queue.append(nxt)
+        way_back = [start]
+        while last != start:
+            way_back.append(last)
+            last = previous[last]
+        cycles.append([start, *reversed(way_back[1:]), start])
+    return cycles
+
+
+def test_cycles_are_found_and_listed() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_at_module_or_function_level() -> None:
+    """No module imports, at module level or inside a function, one that imports it back (directly or through
+    others).  Importing ``a.b.c`` runs ``a.b``'s ``__init__`` first; an ``__init__`` importing its own
+    submodules is no circle, so only the imported module itself is an edge."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 LAYERS = ("cli", "callbacks", "strategy", "ds_runtime", "compression", "emulation", "profiling", "report", "demo",
@@ -128,27 +191,80 @@ LAYERS = ("cli", "callbacks", "strategy", "ds_runtime", "compression", "emulatio
 """The folders in the README's "How it works" order: each imports only folders after it (or itself)."""
 
 
-def test_imports_point_down_the_layers() -> None:
+def test_imports_point_down_the_layers_at_module_and_function_level() -> None:
+    modules = {_module_name(p) for p in _module_files()}
     wrong = []
     for path in _module_files():
         name = _module_name(path)
         parts = name.split(".")
         if len(parts) < 3 and not path.name == "__init__.py" or parts == ["het_strategy"]:
-            continue  # het_strategy/__init__.py and _moved_modules.py sit above every folder
+            continue  # het_strategy/__init__.py (and any top-level module) sits above every folder
         layer = parts[1]
-        for target in _top_level_imports(path):
+        for target, line in _imports(path):
             target_parts = target.split(".")
-            if len(target_parts) < 2 or target_parts[1] not in LAYERS:
+            if target_parts[0] != "het_strategy" or len(target_parts) < 2 or target_parts[1] not in LAYERS:
                 continue
-            if LAYERS.index(target_parts[1]) < LAYERS.index(layer):
-                wrong.append(f"{name} imports {target}")
-    assert not wrong, wrong
+            if LAYERS.index(target_parts[1]) < LAYERS.index(layer) and target in modules:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, "imports pointing up the layers:\n" + "\n".join(sorted(set(wrong)))
 
 
-def test_modules_are_small_and_the_strategy_glue_smaller() -> None:
+REQUIRED = ("numpy", "yaml", "omegaconf", "hydra", "torch", "lightning",
+            "typing_extensions")  # comes with torch and Lightning (``override``)
+"""pyproject.toml's ``dependencies``, by import name: any module may import them (the planning core aside)."""
+
+OPTIONAL = {
+    # extra `deepspeed`: the DeepSpeed engine, the checks of its ds_config, its gradient clipping
+    "deepspeed": ("ds_runtime",),
+    # extra `plot`: the plan picture (report/picture.py; report/wandb_view.py draws it for a wandb run)
+    "matplotlib": ("report",),
+    # extra `wandb`: tables, pictures and files logged to a wandb run (report/wandb_view.py)
+    "wandb": ("report",),
+    # extra `pl`: the strategies' and callbacks' twins on the second Lightning namespace, built when it is used
+    "pytorch_lightning": ("strategy", "callbacks"),
+}
+"""The optional dependencies (pyproject.toml's extras, by import name) and the only folders that may import them,
+at module or function level.  Whatever imports them must not run on ``import het_strategy``: the subprocess
+tests above check that importing the package and its planning core loads none of them."""
+
+PLANNING_CORE = ("core", "planning", "reference")
+"""Folders that import no torch, Lightning, DeepSpeed or matplotlib anywhere, not even inside a function."""
+
+
+def _third_party_imports() -> list[tuple[Path, str, str, int]]:
+    """(file, folder, top-level package, line) of every import of a package outside het_strategy and the stdlib."""
+    out = []
+    for path in _module_files():
+        parts = _module_name(path).split(".")
+        folder = parts[1] if len(parts) > 1 else ""
+        for target, line in _imports(path):
+            top = target.split(".")[0]
+            if top and top != "het_strategy" and top not in sys.stdlib_module_names:
+                out.append((path, folder, top, line))
+    return out
+
+
+def test_third_party_imports_are_dependencies_or_allowed_optional_ones() -> None:
+    wrong = []
+    for path, folder, top, line in _third_party_imports():
+        where = f"{path.relative_to(ROOT)}:{line} imports {top}"
+        if top in OPTIONAL:
+            if folder not in OPTIONAL[top]:
+                wrong.append(f"{where}, an optional dependency allowed only in {OPTIONAL[top]}")
+        elif top not in REQUIRED:
+            wrong.append(f"{where}, neither a dependency nor an allowed optional one")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_planning_core_imports_no_torch_lightning_deepspeed_or_matplotlib_even_in_functions() -> None:
+    wrong = [f"{p.relative_to(ROOT)}:{line} imports {top}" for p, folder, top, line in _third_party_imports()
+             if folder in PLANNING_CORE and top in HEAVY]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_over_500_lines_and_no_utils() -> None:
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _module_files()}
-    assert not {p: n for p, n in sizes.items() if n >= 500}, "modules of 500 lines or more"
-    assert sizes["het_strategy/strategy/hetero.py"] < 300
+    assert not {p: n for p, n in sizes.items() if n > 500}, "modules over 500 lines"
     assert not any(Path(p).stem == "utils" for p in sizes)
 
 
