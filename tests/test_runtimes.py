@@ -1,4 +1,4 @@
-"""``planner.runtime=deepspeed``: only plans hetero_deepspeed runs, and what the constraint costs."""
+"""``planner.runtime``: only plans the runtime runs (the rule table of core.runtime_rules), and what it costs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from het_strategy.core.cluster import load_cluster
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import TransformerConfig, transformer_workload
-from het_strategy.planning.runtimes import plan_for_runtime, runnable_problem
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.runtime_rules import Problem, Runtime, runtime_problems
+from het_strategy.planning.runtimes import plan_for_runtime
+
+
+def runnable_problem(plan, runtime):
+    """The first problem's message, or None."""
+    problems = runtime_problems(plan, runtime)
+    return str(problems[0]) if problems else None
 
 
 def _asym_cluster():
@@ -43,18 +51,46 @@ def _pipe(devs, bounds, samples=4):
                           zip(devs, bounds, bounds[1:])), micro_batch_size=2, samples=samples)
 
 
-@pytest.mark.parametrize("plan, problem", [
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), None),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), "ZeRO 1"),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16"), "bf16"),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])], zero_stage=1), None),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6])], zero_stage=2), "pipeline engine"),
-    (_plan([_pipe([("d0", "d1")], [0, 6])]), "tensor parallelism"),
+@pytest.mark.parametrize("plan, fields", [
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), []),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), ["plan.zero_stage"]),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16"), ["plan.dtype"]),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])], zero_stage=1), []),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6])], zero_stage=2), ["plan.zero_stage"]),
+    (_plan([_pipe(["d0"], [0, 6]), _pipe(["d1"], [0, 6])], zero_stage=3, dtype="bf16"), []),
+    (_plan([_pipe(["d0"], [0, 6], samples=4), _pipe(["d1"], [0, 6], samples=1)], zero_stage=2),
+     ["plan.pipelines[1].samples"]),  # 2 micro-batches everywhere at ZeRO 2, and 1 sample cannot make 2
+    (_plan([_pipe(["d0"], [0, 6]), _pipe([("d1", "d2"), "d3"], [0, 2, 6])], zero_stage=2),  # pipelined, asymmetric
+     ["plan.pipelines[1].stages[0].tp", "plan.zero_stage", "plan.zero_stage"]),
 ])
-def test_runnable_problem_names_what_the_deepspeed_runtime_cannot_run(plan, problem):
-    got = runnable_problem(plan, "deepspeed")
-    assert (got is None) if problem is None else (problem in got)
-    assert runnable_problem(plan, "any") is None
+def test_the_deepspeed_rules_name_every_field_that_breaks_one(plan, fields):
+    problems = runtime_problems(plan, "deepspeed")
+    assert [p.field for p in problems] == fields
+    assert all(isinstance(p, Problem) and f"`{p.field}` is" in str(p) and "must" in str(p) for p in problems)
+    assert runtime_problems(plan, Runtime.ANY) == []
+
+
+def test_the_world_size_rule_only_applies_when_given():
+    plan = _plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])])
+    assert runtime_problems(plan, Runtime.DEEPSPEED, world_size=3) == []
+    [problem] = runtime_problems(plan, Runtime.DEEPSPEED, world_size=4)
+    assert (problem.field, problem.value) == ("WORLD_SIZE", 4) and "device count (3)" in problem.rule
+
+
+def test_hetero_takes_pure_data_parallel_plans_only():
+    assert runtime_problems(_plan([_pipe(["d0"], [0, 6]), _pipe(["d1"], [0, 6])], zero_stage=2), "hetero") == []
+    problems = runtime_problems(_plan([_pipe(["d0"], [0, 6]), _pipe(["d1", "d2"], [0, 3, 6]),
+                                       _pipe([("d3", "d4")], [0, 6])]), "hetero")
+    assert [(p.field, p.value) for p in problems] == [("plan.pipelines[1].stages", "2 stages"),
+                                                      ("plan.pipelines[2].stages[0].tp", 2)]
+    assert "data-parallel" in str(problems[0])
+
+
+def test_an_unknown_runtime_is_a_config_error_naming_the_choices():
+    with pytest.raises(ConfigError, match="`runtime` is 'torchrun'; it must be one of any, deepspeed, hetero"):
+        runtime_problems(_plan([_pipe(["d0"], [0, 6])]), "torchrun")
+    with pytest.raises(ConfigError, match="`planner.runtime` is 'ds'"):
+        plan_for_runtime(_asym_cluster(), _workload(), _settings(), runtime="ds")
 
 
 def test_asymmetric_best_is_runnable_at_zero_0_so_nothing_is_lost():
@@ -71,7 +107,8 @@ def test_at_zero_1_the_runtime_takes_the_best_aligned_plan_and_says_what_it_cost
     assert runnable_problem(choice.plan, "deepspeed") is None
     assert len({tuple(p.boundaries()) for p in choice.plan.pipelines}) == 1
     assert choice.slowdown > 0.05
-    assert f"{choice.slowdown * 100:.1f}% slower" in choice.summary() and "ZeRO 1" in choice.summary()
+    assert f"{choice.slowdown * 100:.1f}% slower" in choice.summary()
+    assert "`plan.zero_stage` is 1; it must be 0 for an asymmetric plan" in choice.summary()
 
 
 def test_tensor_parallel_best_is_replaced_by_a_tp_1_plan():
@@ -83,3 +120,10 @@ def test_tensor_parallel_best_is_replaced_by_a_tp_1_plan():
     assert runnable_problem(plan_ds, "deepspeed") is None
     assert all(s.tp == 1 for p in plan_ds.pipelines for s in p.stages)
     assert plan_ds.predicted["step_time_s"] > plan.predicted["step_time_s"]
+
+
+def test_runtime_hetero_plans_one_stage_replicas_where_the_best_is_a_pipeline():
+    # the asymmetric cluster's best plan pipelines over the slow devices; hetero keeps pure data parallelism
+    choice = plan_for_runtime(_asym_cluster(), _workload(), _settings(), mode="auto", runtime="hetero")
+    assert runtime_problems(choice.unconstrained, "hetero") != []
+    assert choice.plan.is_pure_dp and choice.runtime is Runtime.HETERO and choice.slowdown > 0

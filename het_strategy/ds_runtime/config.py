@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
+from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems, shares_boundaries
 
 if TYPE_CHECKING:
     from het_strategy.core.cost_model import CostModel, PlanScore, TrainSettings
@@ -157,20 +158,12 @@ def rank_batches(plan: Plan) -> list[RankBatch]:
     micro-batch count of any pipeline, their samples split into that many
     micro-batches (each no larger than planned, so memory still fits).
     """
+    raise_first(runtime_problems(plan, Runtime.DEEPSPEED))  # also: every replica can take the common count
     layout = rank_layout(plan)
     dp = plan.num_pipelines
     counts = [p.num_micro_batches for p in plan.pipelines]
     equal_gas = plan.zero_stage >= 2 and len(set(counts)) > 1
     gas_common = max(counts)
-    if equal_gas:
-        short = [(i, p.samples) for i, p in enumerate(plan.pipelines) if p.samples < gas_common]
-        if short:
-            raise field_error(
-                "plan.pipelines[].samples", [p.samples for p in plan.pipelines],
-                f"be >= {gas_common} on every pipeline under ZeRO stage {plan.zero_stage} "
-                f"(ZeRO-2/3 reduce on every micro-step, so all ranks need {gas_common} micro-batches; "
-                f"pipelines {[i for i, _ in short]} have fewer samples)",
-                "use zero_stage 0 or 1, or re-plan with equal micro-batch counts")
     out: list[RankBatch] = []
     for ra in layout:
         pipe = plan.pipelines[ra.pipeline]
@@ -268,26 +261,12 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     ``train_batch_size`` is ``micro * gas`` and ``gradient_clipping`` is 0 (the
     runtime clips by the global norm after its own reduction).
 
-    Refused: tp > 1 (no tensor parallelism), asymmetric plans at ZeRO >= 1 or
-    with offload, and pipeline plans at ZeRO-2/3 (the pipeline engine asserts
-    against them).
+    Refused: plans the deepspeed runtime cannot run (``core.runtime_rules``) and
+    asymmetric plans with offload.
     """
     _check_settings(plan, settings)
-    tps = [[s.tp for s in p.stages] for p in plan.pipelines]
-    if any(t != 1 for row in tps for t in row):
-        raise ConfigError(
-            f"this runtime cannot run the plan: stages have tp degrees {tps}; it has no tensor parallelism, "
-            "so every stage holds one device (re-plan with max_tp=1)", field="plan.pipelines[].stages[].devices")
-    aligned = _deepspeed_runnable(plan)
-    if not aligned and plan.zero_stage != 0:
-        raise field_error("plan.zero_stage", plan.zero_stage,
-                          "be 0 for an asymmetric plan (replicas with different stage boundaries hold different "
-                          "parameter sets, so no data-parallel group exists for ZeRO to shard the optimizer over)",
-                          "use zero_stage 0, or re-plan with mode pipeline (shared boundaries)")
-    if len(plan.pipelines[0].stages) > 1 and plan.zero_stage >= 2:
-        raise field_error("plan.zero_stage", plan.zero_stage,
-                          "be 0 or 1 for a pipeline plan (DeepSpeed: ZeRO-2 and ZeRO-3 are incompatible with "
-                          "pipeline parallelism)")
+    raise_first(runtime_problems(plan, Runtime.DEEPSPEED))
+    aligned = shares_boundaries(plan)
     if (aligned and len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
             and rank in (None, 0)):
         # Measured with DeepSpeed 0.19: this path clips by the norm of stage 0's gradients only

@@ -62,6 +62,7 @@ import torch
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
+from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.config import deepspeed_config, rank_batches, rank_layout
@@ -101,40 +102,17 @@ def init_deepspeed_distributed(timeout_s: float = 300.0) -> None:
                                timeout=timedelta(seconds=float(timeout_s)))
 
 
-def check_runnable(plan: Plan, world_size: int | None = None, *, gradient_clipping: float = 0.0) -> ReplicaLayout:
-    """Refuse (``ConfigError``) plans this runtime cannot run exactly; returns the plan's replica layout.
+def check_runnable(plan: Plan, world_size: int | None = None) -> ReplicaLayout:
+    """Refuse (``ConfigError``) a plan this runtime cannot run exactly; returns the plan's replica layout.
 
-    Aligned plans (every replica the same boundaries) run on DeepSpeed's own
-    grid; asymmetric ones on ``replica_engine`` (ZeRO 0 only).
+    The rules are the ``deepspeed`` table of ``core.runtime_rules`` (the one the
+    planner's ``planner.runtime=deepspeed`` filter reads); ``world_size``, when
+    given, must be the plan's device count.  Aligned plans (every replica the
+    same boundaries) run on DeepSpeed's own grid; asymmetric ones on
+    ``replica_engine``.
     """
-    for p, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
-            if stage.tp != 1:
-                raise field_error(f"plan.pipelines[{p}].stages[{s}].devices", list(stage.devices),
-                                  "hold one device (tp = 1; this runtime has no tensor parallelism)",
-                                  "re-plan with max_tp=1")
-    layout = replica_layout(plan)
-    counts = [len(p.stages) for p in plan.pipelines]
-    if not layout.is_aligned:
-        if plan.zero_stage != 0:
-            raise field_error("plan.zero_stage", plan.zero_stage,
-                              "be 0 for an asymmetric plan (its replicas have different boundaries "
-                              f"{[list(q) for q in layout.parts]}, so no two ranks hold the same parameters for "
-                              "ZeRO to shard the optimizer over)", "use zero_stage 0 or re-plan with mode pipeline")
-        if plan.dtype not in ("fp32",):
-            raise field_error("plan.dtype", plan.dtype, "be fp32 for an asymmetric plan (its gradient reduction "
-                              "runs outside DeepSpeed's mixed-precision optimizers)", "use dtype fp32")
-    if max(counts) > 1 and plan.zero_stage >= 2:
-        raise field_error("plan.zero_stage", plan.zero_stage, "be 0 or 1 for a pipeline plan "
-                          "(DeepSpeed: ZeRO 2/3 are incompatible with pipeline parallelism)")
-    # ZeRO 2/3 reduce on every micro-step: rank_batches gives every replica the same micro-batch count and
-    # refuses a replica with fewer samples than that
-    rank_batches(plan)
-    devices = len(plan.used_devices)
-    if world_size is not None and world_size != devices:
-        raise field_error("WORLD_SIZE", world_size, f"equal the plan's device count ({devices})",
-                          "start one process per device the plan uses")
-    return layout
+    raise_first(runtime_problems(plan, Runtime.DEEPSPEED, world_size))
+    return replica_layout(plan)
 
 
 class _MicroWeightedLoss:
@@ -191,7 +169,7 @@ class PlanRunner:
         init_deepspeed_distributed(timeout_s)
         self.rank = ds_dist.get_rank()
         self.world_size = ds_dist.get_world_size()
-        self.layout = check_runnable(plan, self.world_size, gradient_clipping=gradient_clipping)
+        self.layout = check_runnable(plan, self.world_size)
         if len(layers) != self.layout.num_layers:
             raise field_error("layers", f"{len(layers)} layers", f"be the plan's {self.layout.num_layers} layers "
                               "in order (its stage boundaries index this list)",

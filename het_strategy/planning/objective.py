@@ -1,10 +1,12 @@
 """Plans for a money objective: the cheapest plan per iteration, or the fastest within a budget (as Sailor's).
 
-``planning.plan`` finds the fastest plan and already leaves slow devices
+The mode search finds the fastest plan and already leaves slow devices
 idle; an idle device is not rented, so a plan's price is that of its *used*
 devices (``core/pricing.py``).  Money changes the answer: the cheapest plan
 per iteration often leaves fast, expensive devices out, and a budget can rule
-out the fastest plan.  ``plan_for_objective`` therefore searches sub-clusters:
+out the fastest plan.  ``search_objective`` (step 3 of ``planning.plan``, for a
+``PlanRequest`` with ``objective=cost``, a ``budget_per_hour`` or a
+``min_throughput``) therefore searches sub-clusters:
 
 1. The whole cluster is planned first: that plan is the planner's fastest, so a
    floor it misses is an error right away; with ``objective="time"``, when it
@@ -25,9 +27,9 @@ out the fastest plan.  ``plan_for_objective`` therefore searches sub-clusters:
    step time for ``time``); the search stops once the bound exceeds the best
    plan found.  A sub-cluster pricier in total than the budget, or whose bound
    misses the floor, is skipped.
-4. Each sub-cluster is planned by ``planning.plan`` (``runtimes.plan_for_runtime``
-   with a runtime, ``joint.plan_jointly`` with ``compression="joint"``), its plan
-   priced by its used devices; the best plan meeting the budget and floor wins
+4. Each sub-cluster is planned by the caller's ``plan_cluster`` (``planning.plan``
+   passes its one-cluster step: the mode search, the runtime's or the joint
+   search, as the request asks), its plan priced by its used devices; the best plan meeting the budget and floor wins
    (``cost``: least $/iteration, then fastest; ``time``: fastest, then cheapest).
 
 Why skipping by a sub-cluster's own bound, or its total price, loses no plan: a
@@ -52,7 +54,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from het_strategy.core.cost_model import CostModel, TrainSettings
@@ -60,44 +62,32 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.pricing import SECONDS_PER_HOUR, devices_price_per_hour, plan_price, require_prices
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
+from het_strategy.planning.request import PlanRequest
 
-__all__ = ["OBJECTIVES", "MAX_SUBSETS", "ObjectiveSettings", "Candidate", "ObjectiveResult", "plan_for_objective",
-           "sub_cluster"]
+__all__ = ["MAX_SUBSETS", "Candidate", "ObjectiveResult", "search_objective", "sub_cluster"]
 
-OBJECTIVES = ("time", "cost")
 MAX_SUBSETS = 4096
 """Most sub-clusters one search may hold (each one may be planned: about 0.05-0.5 s each)."""
 _TP_DEGREES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
-class ObjectiveSettings:
-    """``planner.objective``, ``planner.budget_per_hour`` and ``planner.min_throughput``, checked."""
+class _Goal:
+    """The request's objective, budget and floor applied to candidates (the request checked the values)."""
 
-    objective: str = "time"
-    """``time``: the fastest plan; ``cost``: the least USD per iteration."""
-    budget_per_hour: float | None = None
-    """Most USD per hour the plan's used devices may cost; None: no cap."""
-    min_throughput: float | None = None
-    """Fewest samples/s the plan must reach; None: no floor."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.objective, str) or self.objective not in OBJECTIVES:
-            raise field_error("planner.objective", self.objective, "be time (the fastest plan) or cost (the least "
-                              "USD per iteration, idle devices not rented)")
-        for key, unit in (("budget_per_hour", "USD per hour for the plan's used devices"),
-                          ("min_throughput", "samples/s")):
-            value = getattr(self, key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise field_error(f"planner.{key}", value, f"be null or a number > 0 ({unit})")
+    request: PlanRequest
 
     @property
-    def is_default(self) -> bool:
-        """The plain fastest-plan search (nothing to price)."""
-        return self.objective == "time" and self.budget_per_hour is None and self.min_throughput is None
+    def objective(self) -> str:
+        return str(self.request.objective)
+
+    @property
+    def budget_per_hour(self) -> float | None:
+        return self.request.budget_per_hour
+
+    @property
+    def min_throughput(self) -> float | None:
+        return self.request.min_throughput
 
     def within_budget(self, c: "Candidate") -> bool:
         return self.budget_per_hour is None or (c.dollars_per_hour or 0.0) <= self.budget_per_hour * (1 + 1e-12)
@@ -113,15 +103,6 @@ class ObjectiveSettings:
         if self.objective == "cost":
             return (c.dollars_per_iteration or 0.0, c.step_time_s, len(c.plan.used_devices))
         return (c.step_time_s, c.dollars_per_hour or 0.0, len(c.plan.used_devices))
-
-    def describe(self) -> str:
-        limits = ([f"budget ${self.budget_per_hour:g}/hour"] if self.budget_per_hour is not None else []) + \
-            ([f"floor {self.min_throughput:g} samples/s"] if self.min_throughput is not None else [])
-        return f"objective {self.objective}" + (f" ({', '.join(limits)})" if limits else "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"objective": self.objective, "budget_per_hour": self.budget_per_hour,
-                "min_throughput": self.min_throughput}
 
 
 @dataclass(frozen=True)
@@ -153,7 +134,8 @@ class ObjectiveResult:
 
     plan: Plan
     """The chosen plan on the whole cluster's device list (money figures in ``predicted``)."""
-    settings: ObjectiveSettings
+    request: PlanRequest
+    """The request searched for (its objective, budget and floor)."""
     best: Candidate
     """The chosen plan's figures (on its sub-cluster)."""
     fastest: Candidate | None
@@ -166,7 +148,7 @@ class ObjectiveResult:
     """Every sub-cluster planned that has a plan (the others were bounded out, skipped or fit nothing)."""
 
     def summary(self) -> str:
-        line = f"{self.settings.describe()}: {self.best.describe()}"
+        line = f"{self.request.describe_objective()}: {self.best.describe()}"
         if self.search != "whole cluster":
             line += f"; {len(self.candidates)} of {self.num_subsets} sub-clusters planned ({self.search})"
         if self.fastest is not None and self.fastest.kept != self.best.kept:
@@ -187,26 +169,18 @@ def sub_cluster(cluster: ClusterSpec, kept: set[str] | frozenset[str]) -> Cluste
                                slowdowns=tuple(s for s in cluster.slowdowns if s.device in kept))
 
 
-def plan_for_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "auto",
-                       profile: MeasuredProfile | None = None, objective: str = "time",
-                       budget_per_hour: float | None = None, min_throughput: float | None = None, *,
-                       compression: str = "none", runtime: str = "any",
-                       max_subsets: int = MAX_SUBSETS) -> ObjectiveResult:
-    """The best plan for ``objective`` within the budget and floor (see the module docstring)."""
-    from het_strategy.planning import MODES
-    from het_strategy.planning.runtimes import RUNTIMES
+def search_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, request: PlanRequest,
+                     plan_cluster: Callable[[ClusterSpec], Plan], profile: MeasuredProfile | None = None, *,
+                     max_subsets: int = MAX_SUBSETS) -> ObjectiveResult:
+    """The best plan for the request's objective within its budget and floor (see the module docstring).
 
-    goal = ObjectiveSettings(objective, budget_per_hour, min_throughput)
-    if mode not in MODES:
-        raise field_error("planner.mode", mode, f"be one of {', '.join(MODES)}")
-    if runtime not in RUNTIMES:
-        raise field_error("planner.runtime", runtime, f"be one of {', '.join(RUNTIMES)}")
-    if compression not in ("none", "joint"):
-        raise field_error("planner.compression", compression, "be none or joint")
+    ``plan_cluster(sub)`` plans one sub-cluster (``ConfigError``: nothing fits there).
+    """
+    goal = _Goal(request)
     if goal.objective == "cost" or goal.budget_per_hour is not None:
         require_prices(cluster, f"planner.objective={goal.objective}" if goal.objective == "cost"
                        else "planner.budget_per_hour")
-    search = _Search(cluster, workload, settings, mode, profile, compression, runtime, goal)
+    search = _Search(cluster, workload, settings, profile, plan_cluster, goal, max_subsets)
     everything = tuple(d.name for d in cluster.devices)
     full = search.run(everything)
     if full is not None and not goal.reaches_floor(full):
@@ -239,34 +213,23 @@ def plan_for_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: T
 class _Search:
     """Plans sub-clusters (once each) with the planner the settings ask for."""
 
-    def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str,
-                 profile: MeasuredProfile | None, compression: str, runtime: str, goal: ObjectiveSettings) -> None:
+    def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
+                 profile: MeasuredProfile | None, plan_cluster: Callable[[ClusterSpec], Plan], goal: _Goal,
+                 max_subsets: int) -> None:
         self.cluster, self.workload, self.settings, self.profile = cluster, workload, settings, profile
-        self.mode, self.compression, self.runtime, self.goal = mode, compression, runtime, goal
+        self.plan_cluster, self.goal, self.max_subsets = plan_cluster, goal, max_subsets
         self.planned: dict[tuple[str, ...], Candidate | None] = {}
         self.errors: dict[tuple[str, ...], ConfigError] = {}
 
     def total_price(self, kept: tuple[str, ...]) -> float:
         return devices_price_per_hour(self.cluster, kept) or 0.0
 
-    def _plan(self, cluster: ClusterSpec) -> Plan:
-        from het_strategy.planning import plan as search
-        from het_strategy.planning.joint import plan_jointly
-        from het_strategy.planning.runtimes import plan_for_runtime
-
-        if self.compression == "joint":
-            return plan_jointly(cluster, self.workload, self.settings, mode="dp", profile=self.profile).plan
-        if self.runtime != "any":
-            return plan_for_runtime(cluster, self.workload, self.settings, self.mode, self.profile,
-                                    self.runtime).plan
-        return search(cluster, self.workload, self.settings, self.mode, self.profile)
-
     def run(self, kept: tuple[str, ...]) -> Candidate | None:
         """The plan of the sub-cluster ``kept`` (None when nothing fits on it)."""
         if kept in self.planned:
             return self.planned[kept]
         try:
-            found = self._plan(sub_cluster(self.cluster, frozenset(kept)))
+            found = self.plan_cluster(sub_cluster(self.cluster, frozenset(kept)))
         except ConfigError as exc:  # nothing fits there (memory, batch < ranks, ...): other sub-clusters may fit
             self.errors[kept] = exc
             self.planned[kept] = None
@@ -278,7 +241,7 @@ class _Search:
         return cand
 
     def result(self, best: Candidate, full: Candidate | None, how: str, num_subsets: int) -> ObjectiveResult:
-        return ObjectiveResult(self._on_whole_cluster(best), self.goal, best, full, how, num_subsets,
+        return ObjectiveResult(self._on_whole_cluster(best), self.goal.request, best, full, how, num_subsets,
                                [c for c in self.planned.values() if c is not None])
 
     def _on_whole_cluster(self, best: Candidate) -> Plan:
@@ -292,7 +255,7 @@ class _Search:
                                    idle_reasons=reasons, predicted={})
         score = CostModel(self.cluster, self.workload, self.settings, self.profile).score(plan)
         plan.predicted = {**score.to_dict(), **plan_price(plan, self.cluster, score.step_time_s).to_dict(),
-                          "objective": self.goal.to_dict()}
+                          "objective": self.goal.request.objective_dict()}
         return plan
 
     def nothing_meets(self, space: list[tuple[str, ...]]) -> ConfigError:
@@ -334,9 +297,9 @@ class _Search:
 
     def _fastest_within_budget(self) -> Candidate | None:
         try:
-            return plan_for_objective(self.cluster, self.workload, self.settings, self.mode, self.profile, "time",
-                                      self.goal.budget_per_hour, None, compression=self.compression,
-                                      runtime=self.runtime).best
+            fastest = dataclasses.replace(self.goal.request, objective="time", min_throughput=None)
+            return search_objective(self.cluster, self.workload, self.settings, fastest, self.plan_cluster,
+                                    self.profile, max_subsets=self.max_subsets).best
         except ConfigError:
             return None
 
@@ -357,7 +320,7 @@ def _node_class(cluster: ClusterSpec, n: NodeSpec, linked: set[str]) -> tuple:
             n.inter_flow_bandwidth_gbs)
 
 
-def _subsets(cluster: ClusterSpec, max_subsets: int, goal: ObjectiveSettings) -> tuple[list[tuple[str, ...]], str]:
+def _subsets(cluster: ClusterSpec, max_subsets: int, goal: _Goal) -> tuple[list[tuple[str, ...]], str]:
     """Every sub-cluster of the search (device names in cluster order) and how they were formed."""
     groups: dict[tuple, list[str]] = {}
     for d in cluster.devices:

@@ -1,12 +1,15 @@
 """What the strategy needs from the planning core at run time, with no process group in sight.
 
-* ``precision_dtype`` — Lightning's precision string as the cost model's dtype;
+* ``PRECISION_DTYPES`` / ``precision_dtype`` — the one table of Lightning's
+  precision strings and the cost model's dtype each trains in (het-train's
+  ``train.precision`` is checked against it too);
 * ``estimate_workload`` — a one-layer workload of any model (parameters
   counted, FLOPs by the standard 2 x parameters x tokens forward estimate),
   used when the user names no workload;
 * ``data_parallel_settings`` — the planner settings of a run's data-parallel plan;
-* ``data_parallel_plan`` — the uneven data-parallel plan of a run: searched, or
-  a given plan checked against the cluster, the model and the global batch;
+* ``data_parallel_plan`` — the uneven data-parallel plan of a run: searched
+  (``planning.plan`` in mode dp), or a given plan checked against the cluster,
+  the model and the global batch;
 * ``shares_in_rank_order`` — the plan's shares, rank r playing device r.
 """
 
@@ -19,23 +22,25 @@ from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
-from het_strategy.planning import plan as search_plan
+from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
+from het_strategy.planning import PlanRequest, plan
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
-__all__ = ["precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan",
+__all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan",
            "shares_in_rank_order"]
 
-_PRECISIONS = {"32": "fp32", "32-true": "fp32", "64": "fp32", "64-true": "fp32", "transformer-engine": "bf16",
-               "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16": "fp16", "16-mixed": "fp16",
-               "16-true": "fp16"}
+PRECISION_DTYPES = {"32": "fp32", "32-true": "fp32", "64": "fp32", "64-true": "fp32",
+                    "transformer-engine": "bf16", "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16",
+                    "16": "fp16", "16-mixed": "fp16", "16-true": "fp16"}
+"""Lightning's ``precision`` strings and the dtype the cost model prices each in."""
 
 
 def precision_dtype(precision: Any) -> str:
     """The cost model's dtype for a Lightning precision setting (``"32-true"`` -> ``fp32``)."""
     key = str(precision)
-    if key not in _PRECISIONS:
-        raise field_error("Trainer.precision", precision, f"be one of {sorted(_PRECISIONS)}")
-    return _PRECISIONS[key]
+    if key not in PRECISION_DTYPES:
+        raise field_error("Trainer.precision", precision, f"be one of {sorted(PRECISION_DTYPES)}")
+    return PRECISION_DTYPES[key]
 
 
 def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: str,
@@ -76,23 +81,21 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
     datasheet throughput where it covers a device type.
     """
     if given is None:
-        return search_plan(cluster, workload, data_parallel_settings(global_batch_size, dtype), mode="dp",
-                           profile=profile)
-    plan = given if isinstance(given, Plan) else Plan.load(given)
-    plan.check_against(cluster, workload)
-    if list(plan.cluster_devices) != [d.name for d in cluster.devices]:
-        raise field_error("plan.cluster_devices", list(plan.cluster_devices),
+        return plan(cluster, workload, data_parallel_settings(global_batch_size, dtype), PlanRequest(mode="dp"),
+                    profile).plan
+    checked = given if isinstance(given, Plan) else Plan.load(given)
+    checked.check_against(cluster, workload)
+    if list(checked.cluster_devices) != [d.name for d in cluster.devices]:
+        raise field_error("plan.cluster_devices", list(checked.cluster_devices),
                           f"equal the devices of cluster `{cluster.name}` in rank order "
                           f"({[d.name for d in cluster.devices]})", "the plan was made for another cluster")
-    if not plan.is_pure_dp:
-        raise field_error("plan.mode", plan.mode, "be a pure data-parallel plan (one single-device stage per "
-                          "pipeline) for the `hetero` strategy", "pipeline plans run through DeepSpeed")
-    if plan.global_batch_size != global_batch_size:
-        raise field_error("plan.global_batch_size", plan.global_batch_size,
+    raise_first(runtime_problems(checked, Runtime.HETERO))
+    if checked.global_batch_size != global_batch_size:
+        raise field_error("plan.global_batch_size", checked.global_batch_size,
                           f"equal the run's global batch {global_batch_size} (DataLoader batch_size x world "
                           "size, or the strategy's global_batch_size)",
                           "re-plan for this batch or set global_batch_size to the plan's")
-    return plan
+    return checked
 
 
 def shares_in_rank_order(plan: Plan, cluster: ClusterSpec) -> list[int]:

@@ -201,7 +201,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         if missing:
             raise field_error("plan.cluster_devices", missing, f"name devices of cluster `{cluster.name}`",
                               "pass the cluster the plan was made for")
-        check_runnable(plan, None, gradient_clipping=gradient_clipping)
+        check_runnable(plan)
 
     def _plan_on_rank_zero(self) -> Plan:
         """Rank 0 searches (``planner.runtime=deepspeed``) and broadcasts one Plan; an error stops every rank."""
@@ -242,7 +242,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
             raise field_error("devices", self.world_size, f"equal the number of devices the plan uses ({used} of "
                               f"cluster `{self.cluster.name}`'s {self.cluster.num_devices})",
                               f"launch {used} processes, or plan for a cluster of {self.world_size} devices")
-        check_runnable(self.plan, self.world_size, gradient_clipping=self.gradient_clipping)
+        check_runnable(self.plan, self.world_size)
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -1,0 +1,165 @@
+"""What each runtime can run: one rule table, read by the planner, the runtimes and the strategies.
+
+``runtime_problems(plan, runtime)`` lists every reason ``runtime`` cannot run
+``plan`` exactly (an empty list: it can).  Each ``Problem`` names the plan
+field by its full dotted path with indices (``plan.pipelines[1].stages[0].tp``),
+its value and the rule it breaks, so one list serves the planner's filter
+(``planning.runtimes.plan_for_runtime`` keeps plans with no problem), the
+DeepSpeed runtime (``ds_runtime.engine.check_runnable`` raises the first) and
+the construction checks of both Lightning strategies.
+
+The rules, by runtime:
+
+``any``
+    Nothing is refused: the unconstrained planner's space.
+
+``deepspeed`` (``hetero_deepspeed``: ``ds_runtime.PlanRunner`` on unpatched DeepSpeed)
+    1. Every stage holds one device (tp = 1): the runtime has no tensor parallelism.
+    2. A plan with a multi-stage pipeline runs at ZeRO 0 or 1: DeepSpeed's
+       pipeline engine asserts against ZeRO 2 and 3.  One-stage replicas (pure
+       data parallelism) run at every ZeRO stage.
+    3. Replicas with different stage boundaries (an asymmetric plan, run by
+       ``ds_runtime.replica_engine``) run at ZeRO 0 and in fp32: no two ranks
+       hold the same parameters for ZeRO to shard over, and each layer's
+       gradients are reduced by the runtime itself, outside DeepSpeed's
+       mixed-precision optimizers.
+    4. At ZeRO 2 and 3 DeepSpeed reduces on every micro-step, so every replica
+       runs the largest micro-batch count of any replica: a replica with fewer
+       samples than that count cannot be cut into it.
+    5. With ``world_size`` given: one process per device the plan uses.
+
+``hetero`` (the ``hetero`` strategy: uneven data parallelism on Lightning's DDP)
+    1. Every pipeline is one stage of one device (a pure data-parallel plan);
+       pipeline plans run on ``hetero_deepspeed``.
+
+Pure Python: the planning core reads this table without torch or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.plan import Plan
+
+__all__ = ["Runtime", "as_runtime", "Problem", "runtime_problems", "raise_first", "shares_boundaries"]
+
+
+class Runtime(StrEnum):
+    """A runtime a plan is made for (``planner.runtime``)."""
+
+    ANY = "any"
+    """No constraint: the planner's whole search space."""
+    DEEPSPEED = "deepspeed"
+    """``hetero_deepspeed``: pipelines and replicas on DeepSpeed (tp = 1)."""
+    HETERO = "hetero"
+    """The ``hetero`` strategy: pure data parallelism with uneven shares."""
+
+
+def as_runtime(value: Any, field: str = "planner.runtime") -> Runtime:
+    """``value`` as a ``Runtime``, or a ``ConfigError`` naming ``field`` and the runtimes there are."""
+    try:
+        return Runtime(value)
+    except ValueError:
+        raise field_error(field, value, f"be one of {', '.join(Runtime)}") from None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a runtime cannot run a plan: the field, its value, and the rule it breaks."""
+
+    field: str
+    """Full dotted name with indices, e.g. ``plan.pipelines[1].stages[0].tp``."""
+    value: Any
+    """The field's value in the plan."""
+    rule: str
+    """What the value must be, completing "it must ..." (with the runtime's reason in parentheses)."""
+    fix: str | None = None
+    """How to get a plan the runtime runs, when there is one simple way."""
+
+    def error(self) -> ConfigError:
+        """The house-form ``ConfigError``: "`field` is value; it must rule (fix)"."""
+        return field_error(self.field, self.value, self.rule, self.fix)
+
+    def __str__(self) -> str:
+        return str(self.error())
+
+
+def raise_first(problems: list[Problem]) -> None:
+    """Raise the first problem's ``ConfigError`` (nothing when the list is empty)."""
+    if problems:
+        raise problems[0].error()
+
+
+def shares_boundaries(plan: Plan) -> bool:
+    """Every replica has the same stage boundaries (an aligned plan; otherwise it is asymmetric)."""
+    return len({tuple(pipe.boundaries()) for pipe in plan.pipelines}) == 1
+
+
+def runtime_problems(plan: Plan, runtime: Runtime | str, world_size: int | None = None) -> list[Problem]:
+    """Every reason ``runtime`` cannot run ``plan`` (see the module docstring); ``[]``: it runs it.
+
+    ``world_size`` (the launched process count) adds the check that the job
+    has one process per device the plan uses; the planner leaves it out.
+    """
+    return _RULES[as_runtime(runtime, "runtime")](plan, world_size)
+
+
+def _any(plan: Plan, world_size: int | None) -> list[Problem]:
+    return []
+
+
+def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
+    out: list[Problem] = []
+    for p, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            if stage.tp != 1:
+                out.append(Problem(f"plan.pipelines[{p}].stages[{s}].tp", stage.tp,
+                                   "be 1 (the deepspeed runtime has no tensor parallelism)", "re-plan with max_tp=1"))
+    zero = plan.zero_stage
+    if zero >= 2 and any(len(pipe.stages) > 1 for pipe in plan.pipelines):
+        out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "
+                           "(DeepSpeed's pipeline engine refuses ZeRO 2 and 3)",
+                           "use zero_stage 0 or 1, or plan pure data parallelism (mode dp)"))
+    if not shares_boundaries(plan):
+        bounds = [pipe.boundaries() for pipe in plan.pipelines]
+        if zero != 0:
+            out.append(Problem("plan.zero_stage", zero, f"be 0 for an asymmetric plan (its replicas have the "
+                               f"different boundaries {bounds}, so no two ranks hold the same parameters for ZeRO "
+                               "to shard)", "use zero_stage 0, or re-plan with mode pipeline (shared boundaries)"))
+        if plan.dtype != "fp32":
+            out.append(Problem("plan.dtype", plan.dtype, "be fp32 for an asymmetric plan (the runtime reduces its "
+                               "gradients itself, outside DeepSpeed's mixed-precision optimizers)", "use dtype fp32"))
+    counts = [pipe.num_micro_batches for pipe in plan.pipelines]
+    if zero >= 2 and len(set(counts)) > 1:
+        common = max(counts)
+        for p, pipe in enumerate(plan.pipelines):
+            if pipe.samples < common:
+                out.append(Problem(f"plan.pipelines[{p}].samples", pipe.samples,
+                                   f"be >= {common} under ZeRO {zero} (ZeRO 2/3 reduce on every micro-step, so every "
+                                   f"replica runs {common} micro-batches, the most of any replica)",
+                                   "use zero_stage 0 or 1, or re-plan with equal micro-batch counts"))
+    if world_size is not None:
+        used = len(plan.used_devices)
+        if world_size != used:
+            out.append(Problem("WORLD_SIZE", world_size, f"equal the plan's device count ({used})",
+                               "start one process per device the plan uses"))
+    return out
+
+
+def _hetero(plan: Plan, world_size: int | None) -> list[Problem]:
+    out: list[Problem] = []
+    for p, pipe in enumerate(plan.pipelines):
+        if len(pipe.stages) != 1:
+            out.append(Problem(f"plan.pipelines[{p}].stages", f"{len(pipe.stages)} stages",
+                               "be one stage (the hetero strategy runs pure data-parallel plans)",
+                               "plan with mode dp, or run pipeline plans on hetero_deepspeed"))
+        elif pipe.stages[0].tp != 1:
+            out.append(Problem(f"plan.pipelines[{p}].stages[0].tp", pipe.stages[0].tp,
+                               "be 1 (the hetero strategy runs pure data-parallel plans)", "plan with mode dp"))
+    return out
+
+
+_RULES = {Runtime.ANY: _any, Runtime.DEEPSPEED: _deepspeed, Runtime.HETERO: _hetero}
