@@ -19,15 +19,6 @@ from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.workload import load_workload
 
-try:
-    from het_strategy.planning import plan as _plan_fn  # noqa: F401
-
-    _HAS_PLANNER = True
-except ImportError:
-    _HAS_PLANNER = False
-
-needs_planner = pytest.mark.xfail(not _HAS_PLANNER, reason="planner pending", strict=False)
-
 SHIPPED = ["cluster=local_cpu4_mixed", "model=tiny_gpt"]  # 4 CPU ranks (rank0..rank3), 6 layers
 
 
@@ -45,7 +36,6 @@ def _write_cluster(path: Path, devices: str) -> Path:
     return path
 
 
-@needs_planner
 def test_compose_api_plans_writes_plan_json_and_scores_it_back(tmp_path: Path):
     with initialize_config_module(version_base="1.3", config_module="het_strategy.configs"):
         cfg = compose("plan", overrides=[*SHIPPED, "train.global_batch_size=32", f"output.dir={tmp_path}"])
@@ -138,7 +128,7 @@ def _bad_cases():
         pytest.param(unknown_key, id="unknown-override-key"),
         pytest.param(unknown_cluster, id="unknown-cluster-name"),
         pytest.param(other_cluster_plan, id="plan-for-another-cluster"),
-        pytest.param(batch_below_ranks, id="batch-below-ranks", marks=needs_planner),
+        pytest.param(batch_below_ranks, id="batch-below-ranks"),
     ]
 
 
