@@ -1,4 +1,4 @@
-"""Cluster files and het-plan options that used to hang, overflow or crash: each one clear error.
+"""Cluster files and het-plan options that could hang, overflow or crash: each one clear error.
 
 het-plan: exit code 2, one line ``het-plan: error: ...``, no traceback, quickly.
 API (``load_cluster`` / ``cluster_from_dict``): ``ConfigError`` naming the field.
@@ -20,23 +20,23 @@ from het_strategy.core.workload import load_workload
 
 _CASES = {
     "device-count": ("nodes:\n  - name: n\n    devices: [{type: A100-80GB, count: 100000000}]\n",
-                     ["`nodes[0].devices[0].count` is 100000000", f"within {MAX_DEVICES} devices"]),
+                     ["`cluster.nodes[0].devices[0].count` is 100000000", f"within {MAX_DEVICES} devices"]),
     "node-count": ("nodes:\n  - name: n\n    count: 100000000\n    devices: [A100-80GB]\n",
-                   ["`nodes[0].count` is 100000000", f"within {MAX_DEVICES} devices"]),
+                   ["`cluster.nodes[0].count` is 100000000", f"within {MAX_DEVICES} devices"]),
     "counts-multiply": ("nodes:\n  - name: n\n    count: 2000\n    devices: [{type: T4, count: 3}]\n",
-                        ["`nodes[0].count` is 2000", "it would make 6000"]),
+                        ["`cluster.nodes[0].count` is 2000", "it would make 6000"]),
     "alias-loop": ("nodes: &n [{name: n0, devices: *n}]\n",
                    ["YAML alias loop", "`nodes[0].devices` is `nodes` again"]),
     "list-node-name": ("nodes:\n  - name: [a, b]\n    devices: [A100-80GB]\n",
-                       ["`nodes[0].name` is ['a', 'b']", "non-empty string"]),
+                       ["`cluster.nodes[0].name` is ['a', 'b']", "non-empty string"]),
     "list-device-name": ("nodes:\n  - name: n\n    devices: [{type: T4, name: [x]}]\n",
-                         ["`nodes[0].devices[0].name` is ['x']", "non-empty string"]),
+                         ["`cluster.nodes[0].devices[0].name` is ['x']", "non-empty string"]),
     "huge-tflops": ("nodes:\n  - name: n\n    devices: [{type: A100-80GB, tflops: 1.0e+308}]\n",
-                    ["`nodes[0].devices[0].tflops` is 1e+308", "lie in [1e-09, 100000] TFLOPS"]),
+                    ["`cluster.nodes[0].devices[0].tflops` is 1e+308", "lie in [1e-09, 100000] TFLOPS"]),
     "huge-memory": ("nodes:\n  - name: n\n    devices: [{type: A100-80GB, memory_gb: 1.0e+300}]\n",
-                    ["`nodes[0].devices[0].memory_gb` is 1e+300", "GiB"]),
+                    ["`cluster.nodes[0].devices[0].memory_gb` is 1e+300", "GiB"]),
     "huge-bandwidth": ("inter_node_bandwidth_gbs: 1.0e+200\nnodes:\n  - name: n\n    devices: [T4]\n",
-                       ["`inter_node_bandwidth_gbs` is 1e+200", "GB/s"]),
+                       ["`cluster.inter_node_bandwidth_gbs` is 1e+200", "GB/s"]),
 }
 
 
@@ -54,6 +54,7 @@ def test_bad_cluster_file_exits_2_with_one_line_quickly(case: str, tmp_path: Pat
     assert err.startswith("het-plan: error: ") and err.count("\n") == 1, err
     for piece in expected:
         assert piece in err, err
+    assert str(path) in err  # the message names the file the field is in
     assert "Traceback" not in out + err and "recursion" not in err
     assert not (tmp_path / "plan.json").exists()
 
@@ -66,6 +67,7 @@ def test_bad_cluster_file_raises_config_error_through_the_api(case: str, tmp_pat
     with pytest.raises(ConfigError) as info:
         load_cluster(path)
     assert expected[0].split(" is ")[0] in str(info.value) or "alias loop" in str(info.value)
+    assert str(path) in str(info.value)
 
 
 def test_the_device_bound_is_exact():

@@ -3,12 +3,19 @@
 1. ``compose_config`` composes a shipped primary config (``het_strategy.configs``)
    with Hydra overrides through Hydra's compose API, so the tools never change
    the working directory nor create output folders.  ``group=<file.yaml>`` is
-   accepted for the ``cluster`` and ``model`` groups: the file is staged as an
+   accepted for the ``cluster`` and ``model`` groups: the file is read
+   with ``core.files.read_yaml_file`` (a directory, pipe, unreadable, empty or
+   malformed file: one error naming the group and the file) and staged as an
    option of that group in a temporary search-path folder, so further overrides
-   such as ``cluster.inter_node_bandwidth_gbs=5`` still apply to it.
+   such as ``cluster.inter_node_bandwidth_gbs=5`` still apply to it.  The
+   composed group is then checked by its loader, so an error in the file's
+   content names the file.
 2. Hydra's own errors (unknown key, unknown group option, bad override syntax,
    a value a structured schema refuses: ``schema_error``) become ``ConfigError``
-   with a one-line message naming the full field, the value and the rule.
+   with a one-line message naming the full field, the value and the rule; an
+   unknown key lists the keys its section allows, and ``+key=value`` is
+   suggested only where the section allows that key.  A ``+key=value`` that
+   adds a top-level key no tool reads is refused.
 3. ``cluster_from_cfg`` / ``workload_from_cfg`` / ``train_settings_from_cfg``
    turn the composed groups into the planning core's typed specs.
 4. ``run_cli`` runs a tool's body and turns every ``ConfigError`` into
@@ -30,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.files import naming_file, read_yaml_file
 from het_strategy.core.shipped import shipped_names
 
 if TYPE_CHECKING:
@@ -76,18 +84,25 @@ def compose_config(config_name: str, overrides: Sequence[str] = (),
     GlobalHydra.instance().clear()
     try:
         with tempfile.TemporaryDirectory(prefix="het_cfg_") as staging:
-            overrides, file_names = _stage_group_files(overrides, Path(staging), file_groups)
+            overrides, files = _stage_group_files(overrides, Path(staging), file_groups)
             try:
                 with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE,
                                               job_name=config_name):
                     cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
             except Exception as exc:  # Hydra raises several unrelated types; all mean bad input here
-                raise _hydra_error(exc, overrides, file_groups) from None
+                error = _hydra_error(exc, overrides, file_groups)
+                group = str(error.field or "").split(".")[0]
+                if group not in files:
+                    raise error from None
+                with naming_file(files[group], f"{group} file"):
+                    raise error from None
     finally:
         GlobalHydra.instance().clear()
         restore_gh_from_backup(backup)
+    file_names = {_staged_option(path): path.stem for path in files.values()}
     chosen = {str(k): file_names.get(str(v), v) for k, v in cfg.hydra.runtime.choices.items()
               if not str(k).startswith("hydra/")}
+    _refuse_added_top_keys(cfg, overrides, chosen)
     if choices is not None:
         choices.update(chosen)
     with open_dict(cfg):
@@ -97,52 +112,96 @@ def compose_config(config_name: str, overrides: Sequence[str] = (),
             # a structured schema may declare `name` (null): a null name is filled as a missing one
             if isinstance(node, DictConfig) and node.get("name") is None:
                 node["name"] = str(chosen.get(group) or group)
+    for group, path in files.items():
+        with naming_file(path, f"{group} file"):
+            _check_group(cfg, group)
     return cfg
 
 
+def _staged_option(path: Path) -> str:
+    """The group option a staged file becomes (a name Hydra's override grammar accepts)."""
+    return _STAGED_PREFIX + re.sub(r"[^A-Za-z0-9_]", "_", path.stem)
+
+
 def _stage_group_files(overrides: list[str], staging: Path, file_groups: Sequence[str]
-                       ) -> tuple[list[str], dict[str, str]]:
-    """Rewrite ``group=<file.yaml>`` into a staged option of ``group`` on a temporary search path."""
+                       ) -> tuple[list[str], dict[str, Path]]:
+    """Rewrite ``group=<file.yaml>`` into a staged option of ``group`` on a temporary search path; returns the
+    rewritten overrides and the file each staged group came from."""
     out: list[str] = []
-    names: dict[str, str] = {}
-    staged = False
+    files: dict[str, Path] = {}
     for ov in overrides:
         key, sep, value = ov.partition("=")
         group = key.lstrip("+~")
         if sep and group in file_groups and value.lower().endswith(_YAML_SUFFIXES):
             path = Path(value).expanduser()
-            if not path.is_file():
+            if not os.path.lexists(path):
                 raise field_error(group, value, f"be a shipped {group} name or an existing .yaml file",
                                   f"shipped: {', '.join(shipped_names(group))}")
-            raw = _read_yaml(path, group)
-            option = _STAGED_PREFIX + re.sub(r"[^A-Za-z0-9_]", "_", path.stem)
+            path, raw = read_yaml_file(path, group, f"{group} YAML file")
+            option = _staged_option(path)
             target = staging / group / f"{option}.yaml"
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(yaml.safe_dump(raw, sort_keys=False))
-            names[option] = path.stem
+            files[group] = path
             out.append(f"{key}={option}")
-            staged = True
         else:
             out.append(ov)
-    if staged:
+    if files:
         out.append(f"hydra.searchpath=[{staging.resolve().as_uri()}]")
-    return out, names
+    return out, files
 
 
-def _read_yaml(path: Path, group: str) -> dict[str, Any]:
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"`{group}` file {path} is not valid YAML ({first}; line "
-                          f"{getattr(getattr(exc, 'problem_mark', None), 'line', -1) + 1})",
-                          field=group, value=str(path)) from None
-    from het_strategy.core.cluster_limits import check_yaml_tree
+def _check_group(cfg: DictConfig, group: str) -> None:
+    """Check a composed group that came from a user's file with its loader's rules (a structured group is
+    checked by its schema while Hydra composes)."""
+    node = cfg.get(group)
+    if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is not dict:
+        return
+    if group == "cluster":
+        from het_strategy.core.cluster import cluster_from_dict
 
-    check_yaml_tree(raw, f"`{group}` file {path}")  # an alias loop would make Hydra recurse without end
-    if not isinstance(raw, dict):
-        raise field_error(group, f"{path} ({type(raw).__name__})", "be a YAML mapping (key: value) at the top level")
-    return raw
+        cluster_from_dict(cfg_to_dict(node, group))
+    elif group == "model":
+        from het_strategy.core.workload import transformer_config
+
+        transformer_config(cfg_to_dict(node, group))
+
+
+def _section_keys(key: str, parent: Any) -> list[str]:
+    """The keys the section holding ``key`` allows: a structured schema's fields, a cluster's or a model's
+    keys, or (a section no schema describes) the keys it holds."""
+    parts = key.split(".")
+    if isinstance(parent, DictConfig):
+        owner = OmegaConf.get_type(parent)
+        if isinstance(owner, type) and dataclasses.is_dataclass(owner):
+            return sorted(f.name for f in dataclasses.fields(owner))
+    if len(parts) == 2 and parts[0] == "cluster":
+        from het_strategy.core.cluster import CLUSTER_KEYS
+
+        return sorted(CLUSTER_KEYS)
+    if len(parts) == 2 and parts[0] == "model":
+        from het_strategy.core.workload import MODEL_KEYS
+
+        return sorted(MODEL_KEYS)
+    if isinstance(parent, DictConfig):
+        return sorted(str(k) for k in parent.keys() if not (len(parts) == 1 and str(k) == "hydra"))
+    return []
+
+
+def _refuse_added_top_keys(cfg: DictConfig, overrides: Sequence[str], groups: Mapping[str, Any]) -> None:
+    """Refuse ``+key=value`` adding a top-level key that is no config group: no tool reads it."""
+    added = []
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if sep and key.startswith("+") and not key.startswith("++"):
+            name = key[1:]
+            if "." not in name and name not in groups and not name.startswith("hydra"):
+                added.append((name, value))
+    if added:
+        name, value = added[0]
+        new = {n for n, _ in added}
+        known = sorted(str(k) for k in cfg.keys() if str(k) != "hydra" and str(k) not in new)
+        raise field_error(name, value, "not be there: unknown key", f"known keys here: {', '.join(known)}")
 
 
 def _override_value(overrides: Sequence[str], full_key: str) -> Any:
@@ -197,11 +256,13 @@ def _hydra_error(exc: Exception, overrides: Sequence[str], file_groups: Sequence
         key = str(cause.full_key)
         msg = str(cause).splitlines()[0]
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "not in" in msg:
-            parent = getattr(cause, "parent_node", None)
-            known = sorted(str(k) for k in parent.keys()) if isinstance(parent, DictConfig) else []
-            add = f"to add a new key, write `+{key}=...`"
-            fix = f"known keys here: {', '.join(known)}; {add}" if known else f"check the spelling; {add}"
-            return field_error(key, _override_value(overrides, key), "not be there: unknown key", fix)
+            known = _section_keys(key, getattr(cause, "parent_node", None))
+            value = _override_value(overrides, key)
+            if key.rsplit(".", 1)[-1] in known:
+                return field_error(key, value, "be set with `+` here: the key is allowed but this config does "
+                                   "not set it", f"write `+{key}={value if value is not None else '...'}`")
+            fix = f"known keys here: {', '.join(known)}" if known else "check the spelling"
+            return field_error(key, value, "not be there: unknown key", fix)
         return schema_error(cause, _override_value(overrides, key))
     if isinstance(exc, MissingConfigException):
         match = re.search(r"Could not find '([^/']+)/([^']+)'", str(exc))

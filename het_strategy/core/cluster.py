@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
 from het_strategy.core.device_spec import DEVICE_KEYS, DeviceSpec, device_from_dict, resolve_device_type
 from het_strategy.core.cluster_limits import bounded_figure as _figure, check_count, check_figure, check_name, \
     check_yaml_tree, devices_per_node as _devices_per_node
 from het_strategy.core.plain_data import plain
 from het_strategy.core.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
+from het_strategy.core.files import naming_file, read_yaml_file
 from het_strategy.core.shipped import config_file, shipped_config_dir
 
 __all__ = [
@@ -39,6 +38,7 @@ __all__ = [
     "LinkSpec",
     "Slowdown",
     "ClusterSpec",
+    "CLUSTER_KEYS",
     "load_cluster",
     "cluster_from_dict",
 ]
@@ -124,29 +124,30 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if not self.nodes:
-            raise field_error("nodes", [], "list at least one node")
+            raise field_error("cluster.nodes", [], "list at least one node")
         if not is_positive(self.inter_node_bandwidth_gbs):
-            raise field_error("inter_node_bandwidth_gbs", self.inter_node_bandwidth_gbs, "be > 0 (GB/s)")
+            raise field_error("cluster.inter_node_bandwidth_gbs", self.inter_node_bandwidth_gbs, "be > 0 (GB/s)")
         if any(n.inter_bandwidth_gbs is None for n in self.nodes):
             object.__setattr__(self, "nodes", tuple(
                 n if n.inter_bandwidth_gbs is not None else dataclasses.replace(
                     n, inter_bandwidth_gbs=max(self.inter_node_bandwidth_gbs, n.inter_flow_bandwidth_gbs or 0.0))
                 for n in self.nodes))
         if not (isinstance(self.latency_us, (int, float)) and self.latency_us >= 0):
-            raise field_error("latency_us", self.latency_us, "be >= 0 (microseconds)")
-        _require_unique([n.name for n in self.nodes], "nodes[].name")
-        _require_unique([d.name for d in self.devices], "devices[].name")
+            raise field_error("cluster.latency_us", self.latency_us, "be >= 0 (microseconds)")
+        _require_unique([(f"cluster.nodes[{i}].name", n.name) for i, n in enumerate(self.nodes)])
+        _require_unique([(f"cluster.nodes[{i}].devices[{j}].name", d.name)
+                         for i, n in enumerate(self.nodes) for j, d in enumerate(n.devices)])
         node_names = {n.name for n in self.nodes}
         for i, link in enumerate(self.links):
             for nm in link.nodes:
                 if nm not in node_names:
-                    raise field_error(f"links[{i}].nodes", list(link.nodes), "name nodes of this cluster",
+                    raise field_error(f"cluster.links[{i}].nodes", list(link.nodes), "name nodes of this cluster",
                                       f"known: {sorted(node_names)}")
             if not is_positive(link.bandwidth_gbs):
-                raise field_error(f"links[{i}].bandwidth_gbs", link.bandwidth_gbs, "be > 0 (GB/s)")
+                raise field_error(f"cluster.links[{i}].bandwidth_gbs", link.bandwidth_gbs, "be > 0 (GB/s)")
         emulated = {d.name for d in self.devices if d.emulated_speed is not None}
         for i, sd in enumerate(self.slowdowns):
-            where = f"slowdowns[{i}]"
+            where = f"cluster.slowdowns[{i}]"
             if sd.device not in emulated:
                 raise field_error(f"{where}.device", sd.device, "name an emulated device of this cluster "
                                   "(one with emulated_speed)", f"emulated: {sorted(emulated) or 'none'}")
@@ -157,7 +158,7 @@ class ClusterSpec:
             if sd.end_step is not None and (not isinstance(sd.end_step, int) or sd.end_step <= sd.start_step):
                 raise field_error(f"{where}.end_step", sd.end_step, f"be an integer > start_step ({sd.start_step})")
         if not (isinstance(self.emulation_noise, (int, float)) and 0 <= self.emulation_noise < 1):
-            raise field_error("emulation_noise", self.emulation_noise, "be in [0, 1) (a fraction of the step time)")
+            raise field_error("cluster.emulation_noise", self.emulation_noise, "be in [0, 1) (a fraction of the step time)")
         object.__setattr__(self, "_by_name", {d.name: d for d in self.devices})
         object.__setattr__(self, "_nodes_by_name", {n.name: n for n in self.nodes})
         object.__setattr__(self, "_pair_bw", {frozenset(l.nodes): l.bandwidth_gbs for l in self.links})
@@ -274,8 +275,9 @@ class ClusterSpec:
 
 # -- loading ----------------------------------------------------------------------------------
 
-_CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_us", "description", "slowdowns",
+CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_us", "description", "slowdowns",
                  "emulation_noise"}
+"""The keys a cluster mapping (a cluster YAML file's top level) may hold."""
 _SLOWDOWN_KEYS = {"device", "factor", "start_step", "end_step"}
 _NODE_KEYS = {"name", "devices", "intra_bandwidth_gbs", "inter_bandwidth_gbs", "inter_flow_bandwidth_gbs", "count"}
 _LINK_KEYS = {"nodes", "bandwidth_gbs"}
@@ -287,37 +289,34 @@ def shipped_cluster_dir() -> Path:
 
 
 def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> ClusterSpec:
-    """Load a cluster from a shipped name, a YAML path, a mapping, or pass a ClusterSpec through."""
+    """Load a cluster from a shipped name, a YAML path, a mapping, or pass a ClusterSpec through.
+
+    A file is read with ``files.read_yaml_file`` (a directory, pipe, unreadable, empty or malformed file is one
+    ConfigError naming ``cluster``), and an error in its content names the file.
+    """
     if isinstance(source, ClusterSpec):
         return source
     if isinstance(source, Mapping):
         return cluster_from_dict(source)
-    path = config_file("cluster", source)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"cluster file {path} is not valid YAML: {exc}", field="cluster", value=str(path)) from None
-    check_yaml_tree(raw, f"cluster file {path}")
-    if not isinstance(raw, Mapping):
-        raise field_error("cluster", type(raw).__name__, f"be a mapping at the top of {path}")
-    raw = dict(raw)
-    raw.setdefault("name", path.stem)
-    return cluster_from_dict(raw)
+    path, raw = read_yaml_file(config_file("cluster", source), "cluster", "cluster YAML file")
+    with naming_file(path, "cluster file"):
+        return cluster_from_dict({"name": path.stem, **raw})
 
 
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
     """Build a ClusterSpec from the YAML schema documented in README.md (an OmegaConf node works too)."""
     check_yaml_tree(raw, "the cluster")
     raw = plain(raw)
-    check_keys(raw, _CLUSTER_KEYS, "cluster")
-    name = check_name(raw.get("name", "cluster"), "name")
+    check_keys(raw, CLUSTER_KEYS, "cluster")
+    name = check_name(raw.get("name", "cluster"), "cluster.name")
     nodes_raw = raw.get("nodes")
     if not isinstance(nodes_raw, list) or not nodes_raw:
-        raise field_error("nodes", nodes_raw, "be a non-empty list of nodes")
-    inter = _figure(raw.get("inter_node_bandwidth_gbs", 12.5), "inter_node_bandwidth_gbs", "bandwidth_gbs")
+        raise field_error("cluster.nodes", nodes_raw, "be a non-empty list of nodes")
+    inter = _figure(raw.get("inter_node_bandwidth_gbs", 12.5), "cluster.inter_node_bandwidth_gbs", "bandwidth_gbs")
     nodes: list[NodeSpec] = []
+    node_fields: list[str] = []  # the YAML path of each built node's name (a `count` repeats one entry)
     for i, node_raw in enumerate(nodes_raw):
-        where = f"nodes[{i}]"
+        where = f"cluster.nodes[{i}]"
         if not isinstance(node_raw, Mapping):
             raise field_error(where, node_raw, "be a mapping with `devices`")
         check_keys(node_raw, _NODE_KEYS, where)
@@ -327,31 +326,36 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
         for r in range(repeat):
             node_name = base if repeat == 1 else f"{base}{r}"
             nodes.append(_node_from_dict(node_raw, node_name, where, inter))
+            node_fields.append(f"{where}.name")
+    _require_unique(list(zip(node_fields, (n.name for n in nodes))))
+    _require_unique(_device_name_fields(nodes_raw, nodes))
     links = []
     for i, link_raw in enumerate(raw.get("links") or []):
+        lwhere = f"cluster.links[{i}]"
         if not isinstance(link_raw, Mapping):
-            raise field_error(f"links[{i}]", link_raw, "be a mapping with `nodes` and `bandwidth_gbs`")
-        check_keys(link_raw, _LINK_KEYS, f"links[{i}]")
+            raise field_error(lwhere, link_raw, "be a mapping with `nodes` and `bandwidth_gbs`")
+        check_keys(link_raw, _LINK_KEYS, lwhere)
         pair = link_raw.get("nodes")
         if not isinstance(pair, list) or len(pair) != 2:
-            raise field_error(f"links[{i}].nodes", pair, "be a list of two node names")
-        links.append(LinkSpec((check_name(pair[0], f"links[{i}].nodes[0]"), check_name(pair[1], f"links[{i}].nodes[1]")),
-                              _figure(link_raw.get("bandwidth_gbs"), f"links[{i}].bandwidth_gbs", "bandwidth_gbs")))
-    latency = check_figure(require_number(raw.get("latency_us", 10.0), "latency_us", allow_zero=True), "latency_us",
-                           "latency_us")
+            raise field_error(f"{lwhere}.nodes", pair, "be a list of two node names")
+        links.append(LinkSpec((check_name(pair[0], f"{lwhere}.nodes[0]"), check_name(pair[1], f"{lwhere}.nodes[1]")),
+                              _figure(link_raw.get("bandwidth_gbs"), f"{lwhere}.bandwidth_gbs", "bandwidth_gbs")))
+    latency = check_figure(require_number(raw.get("latency_us", 10.0), "cluster.latency_us", allow_zero=True),
+                           "cluster.latency_us", "latency_us")
     slowdowns = []
     for i, sd_raw in enumerate(raw.get("slowdowns") or []):
+        swhere = f"cluster.slowdowns[{i}]"
         if not isinstance(sd_raw, Mapping):
-            raise field_error(f"slowdowns[{i}]", sd_raw, "be a mapping with device, factor, start_step[, end_step]")
-        check_keys(sd_raw, _SLOWDOWN_KEYS, f"slowdowns[{i}]")
+            raise field_error(swhere, sd_raw, "be a mapping with device, factor, start_step[, end_step]")
+        check_keys(sd_raw, _SLOWDOWN_KEYS, swhere)
         for key in ("device", "factor", "start_step"):
             if key not in sd_raw:
-                raise field_error(f"slowdowns[{i}].{key}", None, "be given")
+                raise field_error(f"{swhere}.{key}", None, "be given")
         end = sd_raw.get("end_step")
-        slowdowns.append(Slowdown(str(sd_raw["device"]), require_number(sd_raw["factor"], f"slowdowns[{i}].factor"),
-                                  require_int(sd_raw["start_step"], f"slowdowns[{i}].start_step", minimum=0),
-                                  None if end is None else require_int(end, f"slowdowns[{i}].end_step", minimum=1)))
-    noise = require_number(raw.get("emulation_noise", 0.0), "emulation_noise", allow_zero=True)
+        slowdowns.append(Slowdown(str(sd_raw["device"]), require_number(sd_raw["factor"], f"{swhere}.factor"),
+                                  require_int(sd_raw["start_step"], f"{swhere}.start_step", minimum=0),
+                                  None if end is None else require_int(end, f"{swhere}.end_step", minimum=1)))
+    noise = require_number(raw.get("emulation_noise", 0.0), "cluster.emulation_noise", allow_zero=True)
     return ClusterSpec(name=name, nodes=tuple(nodes), inter_node_bandwidth_gbs=inter, links=tuple(links),
                        latency_us=latency, slowdowns=tuple(slowdowns), emulation_noise=noise)
 
@@ -394,9 +398,24 @@ def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str, int
                     inter_flow_bandwidth_gbs=flow)
 
 
-def _require_unique(names: list[str], field_name: str) -> None:
-    seen: set[str] = set()
-    for n in names:
+def _device_name_fields(nodes_raw: list[Any], nodes: list[NodeSpec]) -> list[tuple[str, str]]:
+    """``(YAML path, name)`` of every built device: an explicit ``name`` is named by its entry's path, a
+    generated one (``node/idx``) by its node's."""
+    out: list[tuple[str, str]] = []
+    built = iter(nodes)
+    for i, node_raw in enumerate(nodes_raw):
+        for _ in range(node_raw.get("count", 1)):
+            node = next(built)
+            entries = [(j, dev) for j, dev in enumerate(node_raw["devices"])
+                       for _ in range(dev.get("count", 1) if isinstance(dev, Mapping) else 1)]
+            out.extend((f"cluster.nodes[{i}].devices[{j}].name", d.name) for (j, _), d in zip(entries, node.devices))
+    return out
+
+
+def _require_unique(named: list[tuple[str, str]]) -> None:
+    """Refuse a name used twice: ``named`` holds ``(field, name)`` pairs; the error names both fields."""
+    seen: dict[str, str] = {}
+    for field_name, n in named:
         if n in seen:
-            raise field_error(field_name, n, "be unique (duplicate name)")
-        seen.add(n)
+            raise field_error(field_name, n, f"be unique (`{seen[n]}` has the same name)")
+        seen[n] = field_name

@@ -82,8 +82,9 @@ def check_name(value: Any, field: str) -> str:
     return value
 
 
-def check_yaml_tree(raw: Any, source: str) -> None:
-    """Refuse an alias that contains itself (``nodes: &n [{devices: *n}]``) and absurd nesting."""
+def check_yaml_tree(raw: Any, source: str, field: str = "cluster") -> None:
+    """Refuse an alias that contains itself (``nodes: &n [{devices: *n}]``) and absurd nesting; the error
+    names ``source`` (the file, in words) and carries ``field``."""
     on_path: dict[int, str] = {}
     done: set[int] = set()  # shared (aliased) parts already walked: walked once, so no alias bomb is slow
 
@@ -93,10 +94,10 @@ def check_yaml_tree(raw: Any, source: str) -> None:
         if id(node) in on_path:
             raise ConfigError(f"{source} has a YAML alias loop: `{where}` is `{on_path[id(node)] or '(the top level)'}` "
                               "again, which contains it (an anchor &name used inside itself through *name); write the nested "
-                              "part out instead", field="cluster", value=source)
+                              "part out instead", field=field, value=source)
         if depth > MAX_YAML_DEPTH:
             raise ConfigError(f"{source} nests lists and mappings more than {MAX_YAML_DEPTH} levels deep "
-                              f"(at `{where}`)", field="cluster", value=source)
+                              f"(at `{where}`)", field=field, value=source)
         on_path[id(node)] = where
         items = node.items() if isinstance(node, Mapping) else enumerate(node)
         for key, child in items:

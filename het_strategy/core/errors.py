@@ -7,9 +7,12 @@ one, the fix), so a user can correct a YAML file without reading our code.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+import re
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
-__all__ = ["ConfigError", "field_error", "check_keys", "is_positive", "require_number", "require_int"]
+__all__ = ["ConfigError", "field_error", "fields_under", "check_keys", "is_positive", "require_number",
+           "require_int"]
 
 
 class ConfigError(ValueError):
@@ -22,11 +25,29 @@ class ConfigError(ValueError):
 
 
 def field_error(field: str, value: Any, rule: str, fix: str | None = None) -> ConfigError:
-    """Build ``ConfigError`` in the house form: "`field` is value; it must rule (fix)"."""
-    msg = f"`{field}` is {value!r}; it must {rule}"
+    """Build ``ConfigError`` in the house form: "`field` is value; it must rule (fix)".
+
+    A missing value (None) is shown as ``null``, the way config files and overrides spell it.
+    """
+    msg = f"`{field}` is {'null' if value is None else repr(value)}; it must {rule}"
     if fix:
         msg += f" ({fix})"
     return ConfigError(msg, field=field, value=value)
+
+
+@contextmanager
+def fields_under(prefix: str, *names: str) -> Iterator[None]:
+    """Give errors raised in the block their full dotted path: a ConfigError whose field is one of ``names``
+    (or an index or key below one: ``blocks[2]``) is raised again as ``<prefix>.<field>``, for code that checks
+    a value without knowing where in a config it sits."""
+    try:
+        yield
+    except ConfigError as exc:
+        field = exc.field or ""
+        if not any(re.fullmatch(rf"{re.escape(name)}([.\[].*)?", field) for name in names):
+            raise
+        full = f"{prefix}.{field}"
+        raise ConfigError(str(exc).replace(f"`{field}`", f"`{full}`", 1), field=full, value=exc.value) from None
 
 
 def is_positive(v: Any) -> bool:

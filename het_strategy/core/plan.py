@@ -9,8 +9,9 @@ special case of one single-device stage per pipeline, and then
 ``rank_shares()`` gives each device's share of the global batch.
 
 JSON form (``SCHEMA_VERSION`` 1) is documented in README.md; ``Plan.load``
-reads it back, and ``Plan.check_against`` refuses a plan made for another
-cluster or model.
+reads it back (through ``files.read_json_file``), ``Plan.check_cluster``
+refuses a plan made for another cluster and ``Plan.check_against`` one made
+for another cluster or model.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from het_strategy.core.atomic_file import write_atomic  # also importable from here, as in 0.1.0
+from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int
+from het_strategy.core.files import naming_file, read_json_file
 from het_strategy.core.plain_data import plain
 
 if TYPE_CHECKING:
@@ -150,7 +152,7 @@ class Plan:
                                   f"end at the model's last layer ({num_layers})")
         total = sum(p.samples for p in self.pipelines)
         if total != self.global_batch_size:
-            raise field_error("plan.pipelines[].samples", [p.samples for p in self.pipelines],
+            raise field_error("plan.pipelines[*].samples", [p.samples for p in self.pipelines],
                               f"sum to global_batch_size ({self.global_batch_size}); they sum to {total}")
         if self.dtype not in ("fp32", "fp16", "bf16"):
             raise field_error("plan.dtype", self.dtype, "be fp32, fp16 or bf16")
@@ -178,24 +180,38 @@ class Plan:
             shares[p.stages[0].devices[0]] = p.samples
         return shares
 
-    def check_against(self, cluster: "ClusterSpec", workload: "WorkloadSpec") -> None:
-        """Refuse a plan made for another cluster or model (names every mismatch it finds first)."""
-        names = {d.name for d in cluster.devices}
-        for d in self.used_devices:
-            if d not in names:
-                raise field_error("plan.pipelines[].stages[].devices", d,
-                                  f"name a device of cluster `{cluster.name}`",
-                                  "the plan was made for another cluster; re-plan or pass the matching cluster")
-        if int(self.model.get("num_layers", -1)) != workload.num_layers:
-            raise field_error("plan.model.num_layers", self.model.get("num_layers"),
-                              f"equal the model's {workload.num_layers} layers (`{workload.name}`)",
-                              "the plan was made for another model")
+    def check_cluster(self, cluster: "ClusterSpec") -> None:
+        """Refuse a plan made for another cluster: every device it uses must be one of ``cluster``'s, the
+        plan's ``cluster_devices`` (when recorded) must be the cluster's devices in rank order, and each
+        tensor-parallel stage must lie in one node."""
+        names = [d.name for d in cluster.devices]
+        known = set(names)
+        fix = (f"the plan was made for cluster `{self.cluster}`; re-plan for `{cluster.name}` or pass the cluster "
+               "it was made for")
+        for p, pipe in enumerate(self.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                for k, d in enumerate(stage.devices):
+                    if d not in known:
+                        raise field_error(f"plan.pipelines[{p}].stages[{s}].devices[{k}]", d,
+                                          f"name a device of cluster `{cluster.name}`", fix)
+        if self.cluster_devices and list(self.cluster_devices) != names:
+            raise field_error("plan.cluster_devices", _few(list(self.cluster_devices)),
+                              f"equal the devices of cluster `{cluster.name}` in rank order "
+                              f"({_device_difference(list(self.cluster_devices), names)})", fix)
         for p, pipe in enumerate(self.pipelines):
             for s, stage in enumerate(pipe.stages):
                 nodes = {cluster.device(d).node for d in stage.devices}
                 if len(nodes) > 1:
                     raise field_error(f"plan.pipelines[{p}].stages[{s}].devices", list(stage.devices),
                                       "lie in one node (a tensor-parallel group needs the node's fast link)")
+
+    def check_against(self, cluster: "ClusterSpec", workload: "WorkloadSpec") -> None:
+        """Refuse a plan made for another cluster (``check_cluster``, first) or model."""
+        self.check_cluster(cluster)
+        if int(self.model.get("num_layers", -1)) != workload.num_layers:
+            raise field_error("plan.model.num_layers", self.model.get("num_layers"),
+                              f"equal the model's {workload.num_layers} layers (`{workload.name}`)",
+                              "the plan was made for another model")
 
     # -- JSON --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -271,16 +287,30 @@ class Plan:
         return write_atomic(Path(path), self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
-        path = Path(path)
-        if not path.exists():
-            raise field_error("plan", str(path), "be an existing plan JSON file")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"plan file {path} is not valid JSON: {exc}", field="plan", value=str(path)) from None
-        return cls.from_dict(raw)
+    def load(cls, path: str | Path, field: str = "plan") -> "Plan":
+        """The plan in a JSON file; ConfigError naming ``field`` (the option the path was given for) when
+        the file cannot be read or parsed, and naming the file when its content is not a plan."""
+        path, raw = read_json_file(path, field, "plan JSON file")
+        with naming_file(path, "plan file"):
+            return cls.from_dict(raw)
 
+
+def _few(names: list[str], limit: int = 6) -> str:
+    """A list of names, the middle left out when it is long."""
+    shown = names if len(names) <= limit else names[:limit // 2] + ["..."] + names[-(limit // 2):]
+    return f"[{', '.join(shown)}] ({len(names)} devices)"
+
+
+def _device_difference(planned: list[str], actual: list[str]) -> str:
+    """Where a plan's device list and a cluster's differ, in a few words."""
+    missing = [d for d in actual if d not in set(planned)]
+    extra = [d for d in planned if d not in set(actual)]
+    if missing or extra:
+        return "; ".join(part for part in (f"the plan lacks {_few(missing)}" if missing else "",
+                                           f"the cluster lacks {_few(extra)}" if extra else "") if part)
+    rank = next(i for i, (a, b) in enumerate(zip(planned, actual)) if a != b)
+    return f"the same devices in another order: rank {rank} is `{actual[rank]}` in the cluster, `{planned[rank]}` " \
+           "in the plan"
 
 
 _PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",

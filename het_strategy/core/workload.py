@@ -15,14 +15,14 @@ datasheet throughput whenever it covers a device type.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from het_strategy.core.plain_data import plain
-from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int, require_number
+from het_strategy.core.errors import check_keys, field_error, require_int, require_number
+from het_strategy.core.files import naming_file, read_yaml_file
 from het_strategy.core.shipped import config_file
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "transformer_workload",
     "transformer_config",
     "load_workload",
+    "MODEL_KEYS",
     "DTYPE_BYTES",
 ]
 
@@ -193,34 +194,38 @@ def transformer_workload(cfg: TransformerConfig, dtype: str = "bf16") -> Workloa
     return WorkloadSpec(name=cfg.name, layers=tuple(layers), seq_len=s, dtype=dtype)
 
 
-_MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "ffn_hidden_size",
-               "num_experts", "top_k", "moe_every", "expert_ffn_hidden_size", "kind", "description"}
+MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "ffn_hidden_size",
+              "num_experts", "top_k", "moe_every", "expert_ffn_hidden_size", "kind", "description"}
+"""The keys a model mapping (a model YAML file) may hold."""
 
 
 def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: str = "bf16") -> WorkloadSpec:
-    """A workload from a shipped model name, a YAML path, a mapping, or a WorkloadSpec."""
+    """A workload from a shipped model name, a YAML path, a mapping, or a WorkloadSpec.
+
+    A file is read with ``files.read_yaml_file`` (one ConfigError naming ``model`` for a file that cannot be
+    read or parsed), and an error in its content names the file.
+    """
     if isinstance(source, WorkloadSpec):
         return source
-    if not isinstance(source, Mapping):
-        path = config_file("model", source)
-        raw = yaml.safe_load(path.read_text()) or {}
-        raw = {"name": path.stem, **raw}
-        source = raw
-    return transformer_workload(transformer_config(source), dtype=dtype)
+    if isinstance(source, Mapping):
+        return transformer_workload(transformer_config(source), dtype=dtype)
+    path, raw = read_yaml_file(config_file("model", source), "model", "model YAML file")
+    with naming_file(path, "model file"):
+        return transformer_workload(transformer_config({"name": path.stem, **raw}), dtype=dtype)
 
 
 def transformer_config(source: Mapping[str, Any]) -> TransformerConfig:
     """The TransformerConfig of a model mapping (the ``model`` YAML schema; ``description`` ignored)."""
     raw = dict(plain(source))
-    check_keys(raw, _MODEL_KEYS, "model")
+    check_keys(raw, MODEL_KEYS, "model")
     kind = raw.pop("kind", "transformer")
     raw.pop("description", None)
     if kind != "transformer":
         raise field_error("model.kind", kind, "be `transformer` (use profile_module for your own nn.Module)")
-    try:
-        return TransformerConfig(**raw)
-    except TypeError as exc:
-        raise ConfigError(f"model: {exc}", field="model") from None
+    for f in dataclasses.fields(TransformerConfig):
+        if f.default is dataclasses.MISSING and f.name not in raw:
+            raise field_error(f"model.{f.name}", None, "be given", f"a model mapping holds {', '.join(sorted(MODEL_KEYS))}")
+    return TransformerConfig(**raw)
 
 
 @dataclass

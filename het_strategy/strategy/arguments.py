@@ -1,9 +1,13 @@
 """The ``hetero`` strategy's constructor arguments, checked when ``HeteroStrategy(...)`` is built.
 
 A bad cluster, plan or option raises one ``ConfigError`` in the user's script,
-before Lightning launches any rank — not three tracebacks from inside ``fit``.
-Sources that can be read without a device (a cluster name, file or mapping, a
-plan file) are read here, once; ``"auto"`` is probed at setup.
+before Lightning launches any rank, not one traceback per rank from inside
+``fit``.  Sources that can be read without a device (a cluster name, file or
+mapping, a plan file, a workload file) are read here, once, through
+``core.files`` (a directory, a named pipe, an unreadable, empty or malformed
+file is refused without blocking); ``"auto"`` is probed at setup.  A plan given
+with a cluster is checked against it here: a plan made for another cluster is
+refused before the model is compared.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from typing import Any, Callable, Mapping
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
+from het_strategy.core.workload import WorkloadSpec, load_workload
 
-__all__ = ["PROBE_MODES", "check_cluster_source", "check_plan_source", "check_options", "planned_compression"]
+__all__ = ["PROBE_MODES", "check_cluster_source", "check_plan_source", "check_workload_source", "check_options",
+           "planned_compression"]
 
 PROBE_MODES = ("cached", "refresh")
 """``cluster="auto"``: reuse this host's cached measurements, or measure again (and re-cache)."""
@@ -33,13 +39,37 @@ def check_cluster_source(cluster: Any) -> ClusterSpec | str:
     return load_cluster(cluster)
 
 
-def check_plan_source(plan: Any) -> Plan | None:
-    """None, a Plan, or a plan JSON file read now (missing, malformed or unknown keys: ConfigError)."""
-    if plan is None or isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, bool) or not isinstance(plan, (str, Path)):
-        raise field_error("plan", type(plan).__name__, "be a plan JSON path, a Plan, or None to plan at setup")
-    return Plan.load(plan)
+def check_plan_source(plan: Any, cluster: ClusterSpec | str | None = None, workload: Any = None) -> Plan | None:
+    """None, a Plan, or a plan JSON file read now (missing, unreadable, malformed or unknown keys: ConfigError).
+
+    With ``cluster`` (a ClusterSpec; ``"auto"`` is checked at setup) the plan must be one made for it
+    (``Plan.check_cluster``); with ``workload`` too (any ``check_workload_source`` accepts), for that model.
+    """
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        if isinstance(plan, bool) or not isinstance(plan, (str, Path)):
+            raise field_error("plan", type(plan).__name__, "be a plan JSON path, a Plan, or None to plan at setup")
+        plan = Plan.load(plan)
+    if isinstance(cluster, ClusterSpec):
+        spec = check_workload_source(workload)
+        if spec is None:
+            plan.check_cluster(cluster)
+        else:
+            plan.check_against(cluster, spec)
+    return plan
+
+
+def check_workload_source(workload: Any) -> WorkloadSpec | None:
+    """None (estimated or profiled at setup), or the workload a name, file, mapping or WorkloadSpec describes,
+    built now (a bad one raises ConfigError naming ``model``); the figures are in bf16, enough to check a plan
+    and the source, while setup builds it again in the run's dtype."""
+    if workload is None or isinstance(workload, WorkloadSpec):
+        return workload
+    if isinstance(workload, bool) or not isinstance(workload, (str, Path, Mapping)):
+        raise field_error("workload", type(workload).__name__, "be a shipped model name, a YAML path, a mapping, "
+                          "a WorkloadSpec, or None to estimate it at setup")
+    return load_workload(workload)
 
 
 def check_options(cluster: ClusterSpec | str, global_batch_size: Any, emulation: Any,
@@ -76,6 +106,4 @@ def planned_compression(compression: Any, plan: Plan | None) -> Any:
     token = plan.compression.get("inter_node", "none")
     if token == "none":
         return "none"
-    if token in ("fp16", "bf16"):
-        return {"method": token, "scope": "inter_node"}
-    return {"method": "quantize", "bits": int(token[1:]), "scope": "inter_node"}
+    return {"method": token, "scope": "inter_node"}
