@@ -57,10 +57,10 @@ def test_planner_and_runtime_refuse_the_same_generated_plans():
     @settings(max_examples=EXAMPLES, deadline=None, database=None)
     @given(plans())
     def check(plan: Plan) -> None:
-        planner = runnable(plan, Runtime.DEEPSPEED)
-        assert planner == _runtime_accepts(plan), runtime_problems(plan, Runtime.DEEPSPEED)
+        planner = runnable(plan, Runtime.deepspeed)
+        assert planner == _runtime_accepts(plan), runtime_problems(plan, Runtime.deepspeed)
         seen["runnable" if planner else "refused"] += 1
-        for problem in runtime_problems(plan, Runtime.DEEPSPEED):
+        for problem in runtime_problems(plan, Runtime.deepspeed):
             seen[problem.field.rsplit(".", 1)[-1]] += 1  # tp, zero_stage, dtype, samples
         if planner:
             # what the runtime accepts it can cut into micro-batches and configure, rank by rank

@@ -67,13 +67,13 @@ def test_the_deepspeed_rules_name_every_field_that_breaks_one(plan, fields):
     problems = runtime_problems(plan, "deepspeed")
     assert [p.field for p in problems] == fields
     assert all(isinstance(p, Problem) and f"`{p.field}` is" in str(p) and "must" in str(p) for p in problems)
-    assert runtime_problems(plan, Runtime.ANY) == []
+    assert runtime_problems(plan, Runtime.any) == []
 
 
 def test_the_world_size_rule_only_applies_when_given():
     plan = _plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])])
-    assert runtime_problems(plan, Runtime.DEEPSPEED, world_size=3) == []
-    [problem] = runtime_problems(plan, Runtime.DEEPSPEED, world_size=4)
+    assert runtime_problems(plan, Runtime.deepspeed, world_size=3) == []
+    [problem] = runtime_problems(plan, Runtime.deepspeed, world_size=4)
     assert (problem.field, problem.value) == ("WORLD_SIZE", 4) and "device count (3)" in problem.rule
 
 
@@ -126,4 +126,4 @@ def test_runtime_hetero_plans_one_stage_replicas_where_the_best_is_a_pipeline():
     # the asymmetric cluster's best plan pipelines over the slow devices; hetero keeps pure data parallelism
     choice = plan_for_runtime(_asym_cluster(), _workload(), _settings(), mode="auto", runtime="hetero")
     assert runtime_problems(choice.unconstrained, "hetero") != []
-    assert choice.plan.is_pure_dp and choice.runtime is Runtime.HETERO and choice.slowdown > 0
+    assert choice.plan.is_pure_dp and choice.runtime is Runtime.hetero and choice.slowdown > 0

@@ -48,13 +48,13 @@ __all__ = ["Runtime", "as_runtime", "Problem", "runtime_problems", "raise_first"
 
 
 class Runtime(StrEnum):
-    """A runtime a plan is made for (``planner.runtime``)."""
+    """A runtime a plan is made for (``planner.runtime``; member names are the config spellings)."""
 
-    ANY = "any"
+    any = "any"
     """No constraint: the planner's whole search space."""
-    DEEPSPEED = "deepspeed"
+    deepspeed = "deepspeed"
     """``hetero_deepspeed``: pipelines and replicas on DeepSpeed (tp = 1)."""
-    HETERO = "hetero"
+    hetero = "hetero"
     """The ``hetero`` strategy: pure data parallelism with uneven shares."""
 
 
@@ -107,7 +107,7 @@ def runtime_problems(plan: Plan, runtime: Runtime | str, world_size: int | None 
     return _RULES[as_runtime(runtime, "runtime")](plan, world_size)
 
 
-def _any(plan: Plan, world_size: int | None) -> list[Problem]:
+def _no_rules(plan: Plan, world_size: int | None) -> list[Problem]:
     return []
 
 
@@ -162,4 +162,4 @@ def _hetero(plan: Plan, world_size: int | None) -> list[Problem]:
     return out
 
 
-_RULES = {Runtime.ANY: _any, Runtime.DEEPSPEED: _deepspeed, Runtime.HETERO: _hetero}
+_RULES = {Runtime.any: _no_rules, Runtime.deepspeed: _deepspeed, Runtime.hetero: _hetero}

@@ -158,7 +158,7 @@ def rank_batches(plan: Plan) -> list[RankBatch]:
     micro-batch count of any pipeline, their samples split into that many
     micro-batches (each no larger than planned, so memory still fits).
     """
-    raise_first(runtime_problems(plan, Runtime.DEEPSPEED))  # also: every replica can take the common count
+    raise_first(runtime_problems(plan, Runtime.deepspeed))  # also: every replica can take the common count
     layout = rank_layout(plan)
     dp = plan.num_pipelines
     counts = [p.num_micro_batches for p in plan.pipelines]
@@ -265,7 +265,7 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     asymmetric plans with offload.
     """
     _check_settings(plan, settings)
-    raise_first(runtime_problems(plan, Runtime.DEEPSPEED))
+    raise_first(runtime_problems(plan, Runtime.deepspeed))
     aligned = shares_boundaries(plan)
     if (aligned and len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
             and rank in (None, 0)):

@@ -111,7 +111,7 @@ def check_runnable(plan: Plan, world_size: int | None = None) -> ReplicaLayout:
     same boundaries) run on DeepSpeed's own grid; asymmetric ones on
     ``replica_engine``.
     """
-    raise_first(runtime_problems(plan, Runtime.DEEPSPEED, world_size))
+    raise_first(runtime_problems(plan, Runtime.deepspeed, world_size))
     return replica_layout(plan)
 
 

@@ -46,7 +46,7 @@ def _search_modes(mode: str, runtime: Runtime, settings: TrainSettings) -> list[
     from het_strategy.planning.search import MODES
 
     modes = [m for m in MODES if m != "auto"] if mode == "auto" else [mode]
-    if runtime is Runtime.HETERO or (runtime is Runtime.DEEPSPEED and settings.zero_stage >= 2):
+    if runtime is Runtime.hetero or (runtime is Runtime.deepspeed and settings.zero_stage >= 2):
         modes = [m for m in modes if m == "dp"]  # one-stage replicas only
     return modes
 
@@ -68,7 +68,7 @@ class RuntimeChoice:
         return self.plan.predicted["step_time_s"] / self.unconstrained.predicted["step_time_s"] - 1.0
 
     def summary(self) -> str:
-        if self.runtime is Runtime.ANY:
+        if self.runtime is Runtime.any:
             return "runtime any: the unconstrained best plan"
         problems = runtime_problems(self.unconstrained, self.runtime)
         if not problems:
@@ -78,7 +78,7 @@ class RuntimeChoice:
 
 
 def plan_for_runtime(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "auto",
-                     profile: MeasuredProfile | None = None, runtime: Runtime | str = Runtime.ANY) -> RuntimeChoice:
+                     profile: MeasuredProfile | None = None, runtime: Runtime | str = Runtime.any) -> RuntimeChoice:
     """Search as ``planning.plan`` does, keeping only plans ``runtime`` runs (``runtime_problems`` empty)."""
     from het_strategy.planning.search import PlanningError, search_plan as make_plan
 
