@@ -89,7 +89,7 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
         raise field_error("plan.cluster_devices", list(checked.cluster_devices),
                           f"equal the devices of cluster `{cluster.name}` in rank order "
                           f"({[d.name for d in cluster.devices]})", "the plan was made for another cluster")
-    raise_first(runtime_problems(checked, Runtime.HETERO))
+    raise_first(runtime_problems(checked, Runtime.hetero))
     if checked.global_batch_size != global_batch_size:
         raise field_error("plan.global_batch_size", checked.global_batch_size,
                           f"equal the run's global batch {global_batch_size} (DataLoader batch_size x world "
