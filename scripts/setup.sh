@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs het_strategy with everything it needs.
 #   bash scripts/setup.sh          # runtime (plan + train) with every optional extra the main job uses
-#   bash scripts/setup.sh --test   # plus the test tools
+#   bash scripts/setup.sh --test   # plus the test tools and the docs tools (mkdocs build --strict in .ci/run)
 #   bash scripts/setup.sh --bench  # plus what the benchmarks need (scikit-learn's digits)
 # torch is installed first at the pinned CPU-capable release so that the
 # bounded range in pyproject.toml is already satisfied and nothing pulls a
@@ -10,8 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="pl,plot,wandb,deepspeed"
-[ "${1:-}" = "--test" ] && extras="pl,plot,wandb,deepspeed,test"
-[ "${1:-}" = "--bench" ] && extras="pl,plot,wandb,deepspeed,test,bench"
+[ "${1:-}" = "--test" ] && extras="pl,plot,wandb,deepspeed,test,docs"
+[ "${1:-}" = "--bench" ] && extras="pl,plot,wandb,deepspeed,test,docs,bench"
 python3 -m venv .venv
 torch_spec="${HET_TORCH_SPEC-torch==2.13.0}"
 [ -n "$torch_spec" ] && .venv/bin/python -m pip install -q "$torch_spec"
