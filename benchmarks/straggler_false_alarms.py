@@ -8,8 +8,7 @@ top of this shared machine's own jitter:
 1. quiet: ``--steps`` steady steps; every decision is a false alarm;
 2. busy: the same, while ``--busy`` processes spin (``while True: pass``) on
    the same cores — the ranks' real compute then overruns their emulated time
-   by varying amounts, slowing every rank (the issue saw 2 rebalances over 500
-   steps here while each rank was compared with its own past only);
+   by varying amounts, slowing every rank alike;
 3. detect: busy again, rank2 ``--factor`` x slower from step ``--slow-from``:
    detect_steps = from the first slow step to the first step run with shares
    that moved work off rank2 (detection + the exchange period + the steps

@@ -235,7 +235,7 @@ def test_bad_inputs_raise_config_error() -> None:
         profile_module(model, _tokens(), blocks=[])
     with pytest.raises(ConfigError, match=r"`repeats` is 0; it must be >= 1"):
         profile_module(model, _tokens(), repeats=0)
-    with pytest.raises(ConfigError, match=r"`blocks` is None; it must be given"):
+    with pytest.raises(ConfigError, match=r"`blocks` is null; it must be given"):
         profile_module(nn.Linear(4, 4), torch.randn(2, 4))
 
 

@@ -39,7 +39,6 @@ Tuning advice: the sample batch sets the micro-batch size of the profile; the
 cost model scales times linearly to other sizes, so profile at the micro-batch
 you expect to train with.  Use ``repeats`` >= 5 on a busy machine.
 
-``catalog_device_name`` (``core.catalog``) is re-exported here, where 0.1.0 had it.
 This is a runtime module: it imports torch (the planning core does not).
 """
 
@@ -61,7 +60,7 @@ from het_strategy.profiling.block_times import adam_update_s, time_passes
 from het_strategy.profiling.segments import BlockList
 from het_strategy.profiling.torch_device import DTYPE_NAMES, indexed_device
 
-__all__ = ["ProfileResult", "profile_module", "catalog_device_name"]
+__all__ = ["ProfileResult", "profile_module"]
 
 _LEAD_NAME = "embedding"
 _TRAIL_NAME = "head"

@@ -30,7 +30,7 @@ default process group):
 4. The device figures are gathered to all ranks; devices of one type whose
    figures are equal within noise are read as one figure
    (``snap_like_devices``: within ``snap_tolerance``, default 10%, or the
-   figures' own noise); freshly measured figures are cached now, the raw
+   figures' own noise); freshly measured figures go to the cache, the raw
    rounds with the snapped figures beside them.  ``cluster_from_measurements``
    builds the ``ClusterSpec`` from the snapped figures: one node per host,
    device ``rank{i}`` per rank, TFLOPS with efficiency 1.0 (measured figures
