@@ -18,9 +18,8 @@ from tests._spawned_ranks import run_spawned_ranks
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from het_strategy import probe  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
-from het_strategy.profiling import device_probe, probe_cache  # noqa: E402
+from het_strategy.profiling import device_probe, probe, probe_cache  # noqa: E402
 from het_strategy.profiling.measurements import best_rounds_figure, peak_noise  # noqa: E402
 from het_strategy.profiling.probe import (  # noqa: E402
     AllreduceTiming,
