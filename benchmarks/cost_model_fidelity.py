@@ -37,7 +37,7 @@ from het_strategy.core.cost_model import CostModel, TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
 from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile  # noqa: E402
 from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
-from het_strategy.planning import plan  # noqa: E402
+from het_strategy.planning import search_plan  # noqa: E402
 from het_strategy.reference.amp_plans import amp_measured_plans  # noqa: E402
 from het_strategy.reference.sailor_simulator import sailor_iteration_time  # noqa: E402
 
@@ -100,7 +100,7 @@ def sailor_scenario(cluster_name: str, workload: WorkloadSpec) -> dict:
     for m in (1, 2, 4, 8):
         settings = TrainSettings(1024, dtype="fp16", max_tp=4, max_stages=8, micro_batch_sizes=(m,),
                                  equal_shares=True)
-        p = plan(cluster, workload, settings, profile=profile)
+        p = search_plan(cluster, workload, settings, profile=profile)
         ours = CostModel(cluster, workload, settings, profile).score(p).step_time_s
         if best is None or ours < best[0]:
             best = (ours, p, settings)

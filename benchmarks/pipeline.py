@@ -28,7 +28,7 @@ from het_strategy.core.cost_model import CostModel
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import TransformerConfig, transformer_workload
-from het_strategy.planning import plan as make_plan
+from het_strategy.planning import search_plan as make_plan
 
 
 def parameters_bounds(model_kwargs: dict, num_stages: int) -> list[int]:

@@ -37,7 +37,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import TransformerConfig, transformer_workload
 from het_strategy.ds_runtime.replicas import replica_layout
-from het_strategy.planning import plan as make_plan
+from het_strategy.planning import search_plan as make_plan
 
 
 def describe(p: Plan) -> str:

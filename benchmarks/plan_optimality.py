@@ -455,12 +455,12 @@ def random_case(rng: random.Random, index: int, small: bool = False) -> Case:
 
 def _run_planner(case: Case, mode: str) -> dict[str, Any]:
     """The planner's plan in ``mode``, re-scored with the cost model (step inf when it fails)."""
-    from het_strategy.planning import PlanningError, plan
+    from het_strategy.planning import PlanningError, search_plan
 
     t0 = time.perf_counter()
     error = None
     try:
-        planned = plan(case.cluster, case.workload, case.settings, mode)
+        planned = search_plan(case.cluster, case.workload, case.settings, mode)
     except PlanningError as exc:
         planned, error = None, str(exc)
     out: dict[str, Any] = {"t": time.perf_counter() - t0, "error": error, "plan": planned, "step": math.inf,

@@ -13,7 +13,7 @@ MI250X, 4 A100-80GB, 2 L4) and a few of 16-64 devices, each planned for
 which must be found fast too) with het-plan's default settings (batch 64) and
 with max_tp 8.  The worst time is printed.
 
-Every plan is a fresh ``plan(..., mode="auto")`` on one core (the planner is
+Every plan is a fresh ``search_plan(..., mode="auto")`` on one core (the planner is
 single-threaded; numpy is pinned to one thread).  ``--repeat N`` plans each N
 times and reports the median.  The last line is
 ``RESULT devices=4096 seconds=... devices_16384_seconds=... worst_small_seconds=... worst_small_cluster=<name>``.
@@ -42,7 +42,7 @@ from het_strategy.core.cost_model import TrainSettings  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.core.shipped import config_file  # noqa: E402
 from het_strategy.core.workload import TransformerConfig, load_workload, transformer_workload  # noqa: E402
-from het_strategy.planning import plan  # noqa: E402
+from het_strategy.planning import search_plan  # noqa: E402
 
 TYPES = ("H100-SXM", "A100-80GB", "V100-32GB", "T4")
 SIZES = (8, 64, 512, 4096, 16384)
@@ -119,7 +119,7 @@ def _timed_plan(cluster, workload, settings, repeat: int) -> tuple[float, object
     for _ in range(repeat):
         t0 = time.perf_counter()
         try:
-            result = plan(cluster, workload, settings, mode="auto")
+            result = search_plan(cluster, workload, settings, mode="auto")
         except ConfigError as exc:  # nothing fits: finding that out counts too
             result = exc
         times.append(time.perf_counter() - t0)

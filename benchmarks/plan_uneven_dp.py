@@ -28,7 +28,7 @@ from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.shipped import shipped_config_dir
 from het_strategy.core.workload import load_workload
-from het_strategy.planning import equal_split_plan, plan
+from het_strategy.planning import equal_split_plan, search_plan
 from het_strategy.planning.joint import JointResult, plan_jointly
 
 JOINT_HEADER = (f"{'cluster':<26} {'blind_step_s':>12} {'blind_sps':>9} {'joint_step_s':>12} {'joint_sps':>9} "
@@ -90,7 +90,7 @@ def main() -> None:
         workload = load_workload(model, dtype=args.dtype)
         cm = CostModel(cluster, workload, settings)
         try:
-            planned = plan(cluster, workload, settings, mode="dp")
+            planned = search_plan(cluster, workload, settings, mode="dp")
         except ConfigError as exc:
             print(f"{path.stem:<26} {cluster.num_devices:>7}  skipped: {exc}")
             continue

@@ -27,7 +27,7 @@ from plan_uneven_dp import brought_back_text, joint_speedup
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.planning import plan
+from het_strategy.planning import search_plan
 from het_strategy.planning.joint import JointResult, plan_jointly
 from het_strategy.core.reference_profiles import load_sailor_profile
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
@@ -62,7 +62,7 @@ def run_amp() -> dict:
     cluster, workload = load_cluster("amp_v100_t4"), load_workload("gpt2_amp", dtype="fp16")
     settings = TrainSettings(32, dtype="fp16", max_tp=1)
     cm = CostModel(cluster, workload, settings)
-    ours = plan(cluster, workload, settings)
+    ours = search_plan(cluster, workload, settings)
     # AMP's own runs, rebuilt with its logged stage boundaries and DeepSpeed's rank order
     amp = {p.label: p.plan for p in amp_measured_plans(cluster, workload)}
     measured_best = cm.score(amp[(1, 1, 2, 8)])
@@ -75,7 +75,7 @@ def run_metis() -> dict:
     cluster, workload = load_cluster("metis_t4_a100"), load_workload("metis_gpt", dtype="fp16")
     settings = TrainSettings(128, dtype="fp16", max_tp=8)
     cm = CostModel(cluster, workload, settings)
-    ours = plan(cluster, workload, settings)
+    ours = search_plan(cluster, workload, settings)
     theirs = cm.score(metis_plan(cluster, workload, 128))
     return {"ours": ours, "joint": run_joint(cluster, workload, settings), "ours_s": ours.predicted["step_time_s"], "metis_s": theirs.step_time_s,
             "metis_fits": theirs.fits}
@@ -86,7 +86,7 @@ def run_sailor(cluster_name: str) -> dict:
     workload = load_workload("opt350", dtype="fp16")
     settings = TrainSettings(1024, dtype="fp16", max_tp=4, max_stages=8)
     profile = load_sailor_profile("OPT-350", workload)
-    ours = plan(cluster, workload, settings, profile=profile)
+    ours = search_plan(cluster, workload, settings, profile=profile)
     return {"ours": ours, "ours_its": 1 / ours.predicted["step_time_s"],
             "joint": run_joint(cluster, workload, settings, profile)}
 

@@ -6,6 +6,7 @@ with ``planning.plan``, priced by the devices its plan uses, the best taken by h
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -19,9 +20,9 @@ from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_clust
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.pricing import plan_price
-from het_strategy.planning import plan
+from het_strategy.planning import PlanRequest, plan, search_plan
 from het_strategy.planning.joint import plan_jointly
-from het_strategy.planning.objective import ObjectiveSettings, plan_for_objective, sub_cluster
+from het_strategy.planning.objective import MAX_SUBSETS, search_objective, sub_cluster
 from het_strategy.report.table import plan_table
 
 from tests._planning_cases import device, small_workload
@@ -45,7 +46,7 @@ def _box() -> ClusterSpec:
 
 def _brute_force(cluster: ClusterSpec, planner=None) -> list[dict]:
     """Every sub-cluster's plan (first k devices of each (node, type) group kept), priced by its used devices."""
-    planner = planner or (lambda sub: plan(sub, small_workload(), SETTINGS, "dp"))
+    planner = planner or (lambda sub: search_plan(sub, small_workload(), SETTINGS, "dp"))
     groups: dict[tuple[str, str], list[str]] = {}
     for d in cluster.devices:
         groups.setdefault((d.node, d.type), []).append(d.name)
@@ -65,8 +66,15 @@ def _brute_force(cluster: ClusterSpec, planner=None) -> list[dict]:
     return out
 
 
-def _objective(cluster: ClusterSpec, **kw):
-    return plan_for_objective(cluster, small_workload(), SETTINGS, "dp", **kw)
+def _objective(cluster: ClusterSpec, mode: str = "dp", max_subsets: int = MAX_SUBSETS, **kw):
+    """The sub-cluster search of ``planning.plan`` (with ``max_subsets``: that step alone, each sub-cluster planned
+    by ``plan`` with the request's objective, budget and floor dropped)."""
+    request = PlanRequest(mode=mode, **kw)
+    if max_subsets == MAX_SUBSETS:
+        return plan(cluster, small_workload(), SETTINGS, request).objective
+    one = dataclasses.replace(request, objective="time", budget_per_hour=None, min_throughput=None)
+    return search_objective(cluster, small_workload(), SETTINGS, request,
+                            lambda sub: plan(sub, small_workload(), SETTINGS, one).plan, max_subsets=max_subsets)
 
 
 # -- prices ----------------------------------------------------------------------------------------
@@ -95,13 +103,14 @@ def test_a_bad_price_names_the_field_the_value_and_the_rule(value) -> None:
     with pytest.raises(ConfigError) as err:
         cluster_from_dict(raw)
     msg = str(err.value)
-    assert f"`nodes[1].devices[1].price_per_hour` is {value!r}" in msg and "> 0" in msg and "USD per device-hour" in msg
+    shown = "null" if value is None else repr(value)
+    assert f"`cluster.nodes[1].devices[1].price_per_hour` is {shown}" in msg and "> 0" in msg and "USD per device-hour" in msg
 
 
 def test_a_custom_device_has_no_price_and_cost_asks_for_one() -> None:
     cluster = cluster_from_dict({"nodes": [{"name": "n", "intra_bandwidth_gbs": 10, "devices": [device("c", 10.0)]}]})
     assert cluster.devices[0].price_per_hour is None
-    with pytest.raises(ConfigError, match=r"`device `c`.price_per_hour` is None; it must be given for "
+    with pytest.raises(ConfigError, match=r"`device `c`.price_per_hour` is null; it must be given for "
                                           r"planner.objective=cost"):
         _objective(cluster, objective="cost")
 
@@ -116,7 +125,7 @@ def test_cost_picks_the_cheap_devices_and_time_all_of_them() -> None:
     result = _objective(cluster, objective="cost")
     assert set(result.plan.used_devices) == cheapest["used"] <= slow
     # by hand: $1/hour for each SLOW device used x the cost model's step time of that sub-cluster's plan
-    alone = plan(sub_cluster(cluster, frozenset(cheapest["used"])), small_workload(), SETTINGS, "dp")
+    alone = search_plan(sub_cluster(cluster, frozenset(cheapest["used"])), small_workload(), SETTINGS, "dp")
     expected = SLOW_PRICE * len(cheapest["used"]) * alone.predicted["step_time_s"] / 3600
     assert result.plan.predicted["dollars_per_iteration"] == pytest.approx(expected, rel=1e-12)
     assert result.plan.predicted["dollars_per_hour"] == pytest.approx(SLOW_PRICE * len(cheapest["used"]))
@@ -129,9 +138,9 @@ def test_cost_picks_the_cheap_devices_and_time_all_of_them() -> None:
 @pytest.mark.parametrize("mode", ["auto", "pipeline"])
 def test_cost_in_the_other_modes_equals_brute_force(mode: str) -> None:
     cluster = _box()
-    found = lambda sub: plan(sub, small_workload(), SETTINGS, mode)  # noqa: E731
+    found = lambda sub: search_plan(sub, small_workload(), SETTINGS, mode)  # noqa: E731
     best = min(_brute_force(cluster, found), key=lambda r: (r["per_iteration"], r["step"]))
-    result = plan_for_objective(cluster, small_workload(), SETTINGS, mode, objective="cost")
+    result = _objective(cluster, mode, objective="cost")
     assert result.plan.predicted["dollars_per_iteration"] == pytest.approx(best["per_iteration"], rel=1e-12)
 
 
@@ -197,7 +206,7 @@ def test_many_groups_search_whole_nodes_and_too_many_is_an_error() -> None:
 
 @pytest.mark.parametrize("kw, field, shown", [
     ({"objective": "money"}, "planner.objective", "'money'"),
-    ({"objective": None}, "planner.objective", "None"),
+    ({"objective": None}, "planner.objective", "null"),
     ({"budget_per_hour": 0}, "planner.budget_per_hour", "0"),
     ({"budget_per_hour": -3.5}, "planner.budget_per_hour", "-3.5"),
     ({"budget_per_hour": "ten"}, "planner.budget_per_hour", "'ten'"),
@@ -207,7 +216,7 @@ def test_many_groups_search_whole_nodes_and_too_many_is_an_error() -> None:
 ])
 def test_bad_objective_settings_name_the_field_and_the_value(kw, field, shown) -> None:
     with pytest.raises(ConfigError) as err:
-        ObjectiveSettings(**kw)
+        PlanRequest(**kw)
     assert str(err.value).startswith(f"`{field}` is {shown}; it must ")
     with pytest.raises(ConfigError, match=f"`{field}`"):
         _objective(_box(), **kw)
@@ -261,7 +270,7 @@ def test_het_plan_cost_prints_and_records_the_money_figures(tmp_path: Path, caps
 
 def test_the_table_prices_a_plain_plan_by_its_used_devices() -> None:
     cluster = _box()
-    found = plan(cluster, small_workload(), SETTINGS, "dp")
+    found = search_plan(cluster, small_workload(), SETTINGS, "dp")
     score = CostModel(cluster, small_workload(), SETTINGS).score(found)
     per_hour = sum(cluster.device(d).price_per_hour for d in found.used_devices)
     text = plan_table(found, score, cluster)

@@ -96,9 +96,9 @@ def test_planning_core_runs_without_torch_or_deepspeed():
     blocked = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None; "
                "import het_strategy as h; assert h.HeteroStrategy is None; "
                "from het_strategy.core.cluster import load_cluster; from het_strategy.core.workload import load_workload; "
-               "from het_strategy.core.cost_model import TrainSettings; from het_strategy.planning import plan; "
+               "from het_strategy.core.cost_model import TrainSettings; from het_strategy.planning import search_plan; "
                "from het_strategy.ds_runtime.config import deepspeed_config; "
-               "p = plan(load_cluster('local_cpu2'), load_workload('tiny_gpt', 'fp32'), "
+               "p = search_plan(load_cluster('local_cpu2'), load_workload('tiny_gpt', 'fp32'), "
                "TrainSettings(global_batch_size=8, dtype='fp32'), mode='dp'); "
                "assert p.rank_shares()")
     plain = ("import sys, het_strategy.ds_runtime.config as m; m.deepspeed_config; "

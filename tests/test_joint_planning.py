@@ -17,7 +17,7 @@ from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.network import SyncRoute
 from het_strategy.core.plan import Plan
-from het_strategy.planning import plan
+from het_strategy.planning import search_plan
 from het_strategy.planning.joint import plan_jointly
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -118,7 +118,7 @@ def test_one_node_has_no_inter_node_hop() -> None:
                                         ("q4", "plan.compression")])
 def test_bad_plan_compression_names_the_field(raw, field) -> None:
     cluster, workload = cluster_from_dict(_two_nodes(3)), _workload()
-    good = json.loads(plan(cluster, workload, TrainSettings(global_batch_size=8), mode="dp").to_json())
+    good = json.loads(search_plan(cluster, workload, TrainSettings(global_batch_size=8), mode="dp").to_json())
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         Plan.from_dict({**good, "compression": raw})
 
@@ -139,7 +139,7 @@ def test_compression_planned_runs_the_plans_inter_node_choice() -> None:
     cluster, workload = cluster_from_dict(_two_nodes(1.0)), _workload(hidden_size=1024, seq_len=1024)
     joint = plan_jointly(cluster, workload, TrainSettings(global_batch_size=256, micro_batch_sizes=(1, 2)))
     strategy = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.plan, compression="planned")
-    assert strategy._compression_config == CompressionConfig(method="quantize", bits=4, scope="inter_node")
+    assert strategy.comm.config == CompressionConfig(method="quantize", bits=4, scope="inter_node")
     blind = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.blind, compression="planned")
     assert blind._compression_config.method == "none"
     with pytest.raises(ConfigError, match="`compression` is 'planned'; it must go with plan="):

@@ -180,7 +180,7 @@ def test_amp_measured_best_plan_ranks_first_under_our_model() -> None:
 def test_planner_beats_sailors_plan_under_sailors_simulator_at_32_96() -> None:
     """With Sailor's runtime constraints (one micro-batch size, equal shares) our plan for 32:96, chosen by
     our model, is faster than Sailor's own plan under Sailor's simulator (5.884 s)."""
-    from het_strategy.planning import plan as make_plan
+    from het_strategy.planning import search_plan as make_plan
 
     workload = load_workload("opt350", dtype="fp16")
     cluster = load_cluster("sailor_a100_v100_32_96")

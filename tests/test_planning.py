@@ -16,7 +16,7 @@ from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Stage
-from het_strategy.planning import (PlanningError, allocate_min_max, place_experts, plan, plan_data_parallel,
+from het_strategy.planning import (PlanningError, allocate_min_max, place_experts, search_plan, plan_data_parallel,
                                    plan_pipeline_stages)
 from het_strategy.core.workload import LayerCost, TransformerConfig, WorkloadSpec, transformer_workload
 
@@ -117,7 +117,7 @@ def test_dp_batch_smaller_than_devices_names_the_field():
         plan_data_parallel(CostModel(cluster, _tiny_model(), settings_))
     assert info.value.field == "train.global_batch_size"
     with pytest.raises(ConfigError, match="train.global_batch_size"):
-        plan(cluster, _tiny_model(), settings_, mode="dp")
+        search_plan(cluster, _tiny_model(), settings_, mode="dp")
 
 
 # -- pipeline partition -----------------------------------------------------------------------
@@ -172,7 +172,7 @@ def test_pipeline_split_equals_brute_force(seed, m, n):
 def test_every_layer_assigned_exactly_once(seed):
     case = random_case(random.Random(seed), 0, small=True)
     try:
-        result = plan(case.cluster, case.workload, case.settings, mode="hybrid")
+        result = search_plan(case.cluster, case.workload, case.settings, mode="hybrid")
     except PlanningError:
         assume(False)  # no hybrid plan fits this case (memory); Hypothesis fails the test if no case plans
     L = case.workload.num_layers
@@ -214,7 +214,7 @@ def test_hybrid_matches_brute_force(cluster_dict, model, settings_dict):
     workload = transformer_workload(TransformerConfig(name="m", **model), dtype=s.dtype)
     brute = brute_force_plan(cluster, workload, s)
     assert math.isfinite(brute.step_time_s)
-    score = CostModel(cluster, workload, s).score(plan(cluster, workload, s, mode="hybrid"))
+    score = CostModel(cluster, workload, s).score(search_plan(cluster, workload, s, mode="hybrid"))
     assert score.fits
     assert score.step_time_s == pytest.approx(brute.step_time_s, rel=1e-9)
 
@@ -236,7 +236,7 @@ def test_model_that_fits_nowhere_says_what_it_needs():
     cluster = cluster_from_dict({"name": "t4", "nodes": [{"name": "n", "devices": ["T4"]}]})
     workload = _tiny_model(num_layers=14, hidden_size=4096, num_heads=32, vocab_size=50257)
     with pytest.raises(PlanningError) as info:
-        plan(cluster, workload, TrainSettings(global_batch_size=2))
+        search_plan(cluster, workload, TrainSettings(global_batch_size=2))
     msg = str(info.value)
     assert "needs" in msg and "GiB" in msg and "ZeRO-3" in msg
 
@@ -247,7 +247,7 @@ def test_experts_split_by_speed_and_placed_once():
     cluster = cluster_from_dict(_two_speed_cluster())
     workload = _tiny_model(num_layers=2, num_experts=8, top_k=2, seq_len=1024)  # compute-bound: both devices run
     s = TrainSettings(global_batch_size=8, micro_batch_sizes=(1,))
-    result = plan(cluster, workload, s, mode="dp")
+    result = search_plan(cluster, workload, s, mode="dp")
     moe_layers = [i for i, layer in enumerate(workload.layers) if layer.moe]
     assert sorted(result.experts) == moe_layers == [1, 2]
     rate = {d.name: d.flops_per_second(s.dtype) for d in cluster.devices}

@@ -19,7 +19,7 @@ from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Plan
-from het_strategy.planning import PlanningError, plan
+from het_strategy.planning import PlanningError, search_plan
 from het_strategy.report.table import plan_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -44,7 +44,7 @@ def _brute_dp(cluster, workload, settings) -> float:
 def test_a_very_slow_device_is_left_idle_with_the_step_times_as_reason():
     cluster, workload = cluster_from_dict(_gpus_and_a_cpu()), _workload(seq_len=512)
     s = TrainSettings(global_batch_size=6, micro_batch_sizes=(1, 2))
-    result = plan(cluster, workload, s, mode="dp")
+    result = search_plan(cluster, workload, s, mode="dp")
     assert result.rank_shares() == {"g0": 3, "g1": 3, "cpu": 0}
     reason = result.idle_reasons["cpu"]
     assert reason.startswith("too slow: with it the step takes")
@@ -70,7 +70,7 @@ def test_a_device_behind_a_slow_link_is_idle_because_of_its_sync():
         {"name": "a", "intra_bandwidth_gbs": 100, "devices": [_dev("a0", 50), _dev("a1", 50)]},
         {"name": "b", "intra_bandwidth_gbs": 100, "devices": [_dev("b0", 50)]}]})
     workload, s = _workload(), TrainSettings(global_batch_size=6, micro_batch_sizes=(1, 2))
-    result = plan(cluster, workload, s, mode="dp")
+    result = search_plan(cluster, workload, s, mode="dp")
     assert result.rank_shares()["b0"] == 0
     assert "its gradient sync over the 0.05 GB/s link costs more than its compute saves" in result.idle_reasons["b0"]
     assert result.predicted["step_time_s"] == pytest.approx(_brute_dp(cluster, workload, s), rel=1e-9)
@@ -79,7 +79,7 @@ def test_a_device_behind_a_slow_link_is_idle_because_of_its_sync():
 def test_a_device_too_small_for_a_replica_is_idle_and_the_rest_train():
     cluster = cluster_from_dict({"name": "small", "nodes": [{"name": "n", "intra_bandwidth_gbs": 100, "devices": [
         _dev("big", 100, memory_gb=40), _dev("tiny", 100, memory_gb=1.0)]}]})
-    result = plan(cluster, _workload(), TrainSettings(global_batch_size=4), mode="dp")
+    result = search_plan(cluster, _workload(), TrainSettings(global_batch_size=4), mode="dp")
     assert result.rank_shares() == {"big": 4, "tiny": 0}
     assert result.idle_reasons["tiny"].startswith("does not fit: a model replica needs ")
     assert "it has 1.0 GiB" in result.idle_reasons["tiny"]
@@ -101,9 +101,9 @@ def test_dp_with_idle_devices_equals_brute_force_over_every_device_subset(seed):
     brute = _brute_dp(cluster, workload, s)
     if not math.isfinite(brute):
         with pytest.raises(PlanningError):
-            plan(cluster, workload, s, mode="dp")
+            search_plan(cluster, workload, s, mode="dp")
         return
-    result = plan(cluster, workload, s, mode="dp")
+    result = search_plan(cluster, workload, s, mode="dp")
     assert result.predicted["step_time_s"] == pytest.approx(brute, rel=1e-9)
     idle = {d.name for d in cluster.devices} - set(result.used_devices)
     assert set(result.idle_reasons) == idle
@@ -113,7 +113,7 @@ def test_no_dp_plan_fits_names_the_replica_memory_and_the_way_out():
     cluster = cluster_from_dict({"name": "t4s", "nodes": [{"name": "n", "devices": [{"type": "T4", "count": 2}]}]})
     workload = _workload(num_layers=14, hidden_size=4096, num_heads=32, vocab_size=50257)
     with pytest.raises(PlanningError) as info:
-        plan(cluster, workload, TrainSettings(global_batch_size=2), mode="dp")
+        search_plan(cluster, workload, TrainSettings(global_batch_size=2), mode="dp")
     msg = str(info.value)
     assert "no dp plan fits in memory" in msg and "whole replica" in msg and "stage" not in msg.split(";")[0]
     assert "2x T4 (16.0 GiB each)" in msg and "planner.mode=pipeline" in msg and "hetero_deepspeed" in msg
@@ -125,7 +125,7 @@ def test_idle_devices_of_a_plan_with_pipelines_are_compared_with_one_more_replic
     from het_strategy.core.workload import load_workload
 
     workload = load_workload("gpt_small", "bf16")
-    result = plan(cluster, workload, TrainSettings(global_batch_size=64, max_tp=2), mode="hybrid")
+    result = search_plan(cluster, workload, TrainSettings(global_batch_size=64, max_tp=2), mode="hybrid")
     idle = {d.name for d in cluster.devices} - set(result.used_devices)
     assert idle and set(result.idle_reasons) == idle
     cm = CostModel(cluster, workload, TrainSettings(global_batch_size=64, max_tp=2))
@@ -142,7 +142,7 @@ def test_the_hetero_strategys_plans_give_every_rank_a_share():
 
     cluster, workload = cluster_from_dict(_gpus_and_a_cpu()), _workload(seq_len=512)
     s = TrainSettings(global_batch_size=6, micro_batch_sizes=(1, 2), idle_devices=False)
-    assert min(plan(cluster, workload, s, mode="dp").rank_shares().values()) >= 1
+    assert min(search_plan(cluster, workload, s, mode="dp").rank_shares().values()) >= 1
     assert min(data_parallel_plan(cluster, workload, 6, "bf16").rank_shares().values()) >= 1
     with pytest.raises(ConfigError, match="train.idle_devices"):
         TrainSettings(global_batch_size=6, idle_devices="no")
@@ -178,5 +178,5 @@ def test_dp_on_many_devices_equals_brute_force_over_every_union_of_class_node_gr
             res = assemble_plan(cm, [((d,),) for d in names], "dp")
             if res is not None:
                 best = min(best, res.step_time_s)
-    result = plan(cluster, workload, s, mode="dp")
+    result = search_plan(cluster, workload, s, mode="dp")
     assert result.predicted["step_time_s"] <= best * (1 + 1e-9)

@@ -17,7 +17,7 @@ from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel, StageCost, TrainSettings, pipeline_time_s
 from het_strategy.core.shipped import config_file
 from het_strategy.core.workload import TransformerConfig, load_workload, transformer_workload
-from het_strategy.planning import exhaustive, families, plan
+from het_strategy.planning import exhaustive, families, search_plan
 from het_strategy.planning import pipeline as pipeline_mod
 from het_strategy.planning.bound_cache import BoundCache
 from het_strategy.planning.bounds import curve_structure_bound, structure_bound
@@ -168,7 +168,7 @@ def test_budget_fallback_keeps_the_better_plan(monkeypatch):
     out = exhaustive.plan_exhaustive(cm, classes, units)
     assert not out.exact and out.assembled == 1
     fam = families.plan_families(cm, lambda count: _tp_options(cm, count))
-    planned = plan(cm.cluster, cm.workload, cm.settings, mode="hybrid")
+    planned = search_plan(cm.cluster, cm.workload, cm.settings, mode="hybrid")
     assert cm.score(planned).step_time_s <= min(out.best.step_time_s, fam.step_time_s) * (1 + 1e-9)
     monkeypatch.setattr(exhaustive, "MAX_TEMPLATES", 50)
     monkeypatch.setattr(exhaustive, "MAX_STRUCTURES", 200)
@@ -183,7 +183,7 @@ def test_planner_stays_exact_on_random_small_cases():
         brute = brute_force_plan(case.cluster, case.workload, case.settings)
         if not math.isfinite(brute.step_time_s):
             continue
-        planned = plan(case.cluster, case.workload, case.settings, mode="hybrid")
+        planned = search_plan(case.cluster, case.workload, case.settings, mode="hybrid")
         step = CostModel(case.cluster, case.workload, case.settings).score(planned).step_time_s
         assert step == pytest.approx(brute.step_time_s, rel=1e-9)
 

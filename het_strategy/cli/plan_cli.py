@@ -64,7 +64,6 @@ __all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
 
 PROG = "het-plan"
 CONFIG_NAME = "plan"
-_PROFILES = (None, "sailor")
 _OUTPUT_KEYS = {"dir", "plan", "ds_config", "plot"}
 _PLANNER_KEYS = {"mode", "profile", "runtime", "compression", "objective", "budget_per_hour", "min_throughput"}
 _MODEL_INPUT_KEYS = {"shape", "dtype", "blocks", "repeats", "measured_type"}
@@ -146,111 +145,54 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     Paths in ``cfg.output`` and ``cfg.score`` are relative to the current directory.
     Raises ``ConfigError`` for every bad input.
     """
-    from het_strategy.core.cost_model import CostModel
-    from het_strategy.core.pricing import plan_price
-    from het_strategy.planning.objective import ObjectiveSettings
+    from het_strategy.planning import PlanRequest, plan, rescore
     from het_strategy.report.table import plan_table
 
     output = _output_settings(cfg)
     planner = cfg_to_dict(cfg.get("planner") or {}, "planner")
     check_keys(planner, _PLANNER_KEYS, "planner")
+    request = PlanRequest(**planner)
     settings = train_settings_from_cfg(cfg)
     cluster = cluster_from_cfg(cfg)
     made = _factory_model(cfg)
     factory = made[0] if made is not None else None
     if made is None:
-        workload = workload_from_cfg(cfg, dtype=settings.dtype)
-        profile = _load_profile(planner.get("profile"), workload)
+        workload, measured = workload_from_cfg(cfg, dtype=settings.dtype), None
     else:
-        if planner.get("profile") is not None:
-            raise field_error("planner.profile", planner.get("profile"), "be null with model=<python path> (the "
+        if request.profile is not None:
+            raise field_error("planner.profile", str(request.profile), "be null with model=<python path> (the "
                               "model is profiled here; planner.profile names Sailor's profiles of shipped models)")
-        workload, profile = made[0].workload, made[0].profile if made[1] else None
+        workload, measured = made[0].workload, made[0].profile if made[1] else None
 
     score_path = cfg.get("score")
-    runtime_line = None
-    goal = ObjectiveSettings(planner.get("objective", "time"), planner.get("budget_per_hour"),
-                             planner.get("min_throughput"))
     if score_path is not None:
-        if not goal.is_default:
-            raise field_error("planner.objective", goal.objective, "stay time, with no budget_per_hour or "
+        if request.searches_sub_clusters:
+            raise field_error("planner.objective", str(request.objective), "stay time, with no budget_per_hour or "
                               "min_throughput, when score= is given (a given plan is scored, not searched)")
-        plan, settings = _load_plan_to_score(str(score_path), cluster, workload, settings)
-        score = CostModel(cluster, workload, settings, profile).score(plan)
-        made_for = plan.predicted.get("objective")  # the objective the plan was searched for, if it says
-        plan.predicted = score.to_dict() | ({"objective": made_for} if isinstance(made_for, dict) else {})
+        from het_strategy.planning.planner import request_profile
+
+        given, settings = _load_plan_to_score(str(score_path), cluster, workload, settings)
+        result = rescore(given, cluster, workload, settings, request_profile(request, workload, measured))
         if output["plan"] is not None and (output["dir"] / output["plan"]).resolve() == Path(score_path).resolve():
             output["plan"] = f"{Path(output['plan']).stem}.scored.json"  # the scored plan never overwrites its input
     else:
-        from het_strategy.planning.runtimes import plan_for_runtime
-
-        mode = planner.get("mode", "auto")
-        if not isinstance(mode, str):
-            raise field_error("planner.mode", mode, "be a planner name (auto, dp, pipeline, hybrid)")
-        joint = planner.get("compression", "none")
-        if joint not in ("none", "joint"):
-            raise field_error("planner.compression", joint, "be none (compression-blind) or joint (placement and "
-                              "inter-node compression planned together)")
-        if joint == "joint":
-            _check_joint(mode, planner)
-        if not goal.is_default:
-            from het_strategy.planning.objective import plan_for_objective
-
-            result = plan_for_objective(cluster, workload, settings, "dp" if joint == "joint" else mode, profile,
-                                        goal.objective, goal.budget_per_hour, goal.min_throughput,
-                                        compression=joint, runtime=planner.get("runtime", "any"))
-            plan, runtime_line = result.plan, result.summary()
-        elif joint == "joint":
-            plan, runtime_line = _plan_jointly(cluster, workload, settings, mode, profile, planner)
-        else:
-            choice = plan_for_runtime(cluster, workload, settings, mode=mode, profile=profile,
-                                      runtime=planner.get("runtime", "any"))
-            plan = choice.plan
-            runtime_line = choice.summary() if choice.runtime != "any" else None
-        score = CostModel(cluster, workload, settings, profile).score(plan)
-        if not plan.predicted:
-            plan.predicted = score.to_dict()
-    plan.predicted.update(plan_price(plan, cluster, score.step_time_s).to_dict())  # what the used devices cost
+        result = plan(cluster, workload, settings, request, measured)
+    chosen, score, line = result.plan, result.score, result.summary()
 
     # files first: a closed stdout (``het-plan | head``) must not cost the user the plan
-    written = _write_outputs(plan, score, cluster, settings, output)
+    written = _write_outputs(chosen, score, cluster, settings, output)
     if factory is not None and output["plan"] is not None:
         from het_strategy.core.atomic_file import write_atomic
 
         target = output["dir"] / f"{Path(output['plan']).stem}.model.json"
         written.append(write_atomic(target, json.dumps(factory.to_dict(), indent=2) + "\n"))
     if echo:
-        print(plan_table(plan, score, cluster))
-        if runtime_line:
-            print(runtime_line)
+        print(plan_table(chosen, score, cluster))
+        if line:
+            print(line)
         if written:
             print("\nwrote " + ", ".join(str(p) for p in written))
-    return plan, score
-
-
-def _plan_jointly(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSettings", mode: str,
-                  profile: Any, planner: dict[str, Any]) -> "tuple[Plan, str]":
-    """``planner.compression=joint``: the fastest of placement x inter-node compression (``planning/joint.py``), and
-    a line comparing it with the compression-blind plan."""
-    from het_strategy.planning.joint import plan_jointly
-
-    _check_joint(mode, planner)
-    result = plan_jointly(cluster, workload, settings, mode="dp", profile=profile)
-    blind = result.blind
-    token = result.plan.compression.get("inter_node", "none")
-    line = f"joint plan: {token} between nodes, {result.plan.predicted['step_time_s'] * 1e3:.1f} ms/step"
-    if blind is not None:
-        line += (f"; compression-blind plan {blind.predicted['step_time_s'] * 1e3:.1f} ms/step "
-                 f"({blind.predicted['step_time_s'] / result.plan.predicted['step_time_s']:.2f}x slower)")
-        back = result.brought_back()
-        line += f"; devices brought back into use: {', '.join(back)}" if back else "; no device brought back"
-    return result.plan, line
-
-
-def _check_joint(mode: str, planner: dict[str, Any]) -> None:
-    if mode not in ("dp", "auto") or planner.get("runtime", "any") != "any":
-        raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and planner.runtime=any: "
-                          "the hetero strategy runs the hierarchical exchange for data-parallel plans")
+    return chosen, score
 
 
 def _output_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -273,41 +215,13 @@ def _output_settings(cfg: DictConfig) -> dict[str, Any]:
             "ds_config": out.get("ds_config", False), "plot": out.get("plot", False)}
 
 
-def _load_profile(name: Any, workload: "WorkloadSpec") -> "MeasuredProfile | None":
-    if name is None:
-        return None
-    if name not in _PROFILES:
-        raise field_error("planner.profile", name, "be null or `sailor` (Sailor's measured per-layer times)")
-    from het_strategy.core.reference_profiles import load_sailor_profile, sailor_models
-
-    profiled = {_normalized(m): m for m in sailor_models()}
-    sailor_name = profiled.get(_normalized(workload.name))
-    if sailor_name is None:
-        raise field_error("planner.profile", name, f"be used with a model Sailor profiled ({', '.join(profiled.values())})",
-                          f"model `{workload.name}` has no Sailor profile; use planner.profile=null")
-    return load_sailor_profile(model=sailor_name, workload=workload)
-
-
-def _normalized(model_name: str) -> str:
-    """``OPT-350`` and ``opt350`` name the same model."""
-    return re.sub(r"[^a-z0-9]", "", model_name.lower())
-
-
 def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSpec",
                         settings: "TrainSettings") -> "tuple[Plan, TrainSettings]":
     """Load a plan file, check it matches cluster and model; its batch, dtype and ZeRO stage take over."""
     from het_strategy.core.plan import Plan
 
-    if not Path(path).expanduser().is_file():
-        raise field_error("score", path, "be the path of an existing plan JSON file")
-    plan = Plan.load(Path(path).expanduser())
-    plan.check_against(cluster, workload)
-    names = [d.name for d in cluster.devices]
-    if plan.cluster_devices and list(plan.cluster_devices) != names:  # as the strategy checks a given plan
-        raise field_error("plan.cluster_devices", _short(list(plan.cluster_devices)),
-                          f"equal the devices of cluster `{cluster.name}` in rank order ({_short(names)})",
-                          f"the plan was made for cluster `{plan.cluster}`; re-plan for this cluster or pass "
-                          "the cluster it was made for")
+    plan = Plan.load(path, field="score")
+    plan.check_against(cluster, workload)  # the plan's cluster first (its devices in rank order), then its model
     if plan.cluster != cluster.name:  # same devices in the same order (a renamed copy of the file): say so only
         print(f"{PROG}: note: the plan was made for cluster `{plan.cluster}`; scoring it on `{cluster.name}`, "
               "which has the same device names in the same order", file=sys.stderr)
@@ -319,10 +233,6 @@ def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSp
     return plan, dataclasses.replace(settings, **taken) if differing else settings
 
 
-def _short(names: list[str], keep: int = 6) -> str:
-    return ", ".join(names) if len(names) <= keep else f"{', '.join(names[:keep])}, ... ({len(names)} devices)"
-
-
 def _factory_model(cfg: DictConfig) -> "tuple[ProfileResult, bool] | None":
     """The profile of ``model=<python path>`` (None for a model YAML), and whether its measured times price a
     device type of the cluster (``model_input.measured_type``); ``model_input`` describes its input."""
@@ -332,7 +242,7 @@ def _factory_model(cfg: DictConfig) -> "tuple[ProfileResult, bool] | None":
     check_keys(raw, _MODEL_INPUT_KEYS, "model_input")
     if factory is None:
         return None
-    from het_strategy.core.errors import require_int
+    from het_strategy.core.errors import fields_under, require_int
     from het_strategy.profiling.model_factory import profile_factory
 
     blocks = raw.get("blocks")
@@ -341,9 +251,10 @@ def _factory_model(cfg: DictConfig) -> "tuple[ProfileResult, bool] | None":
     measured = raw.get("measured_type")
     if measured is not None and not isinstance(measured, str):
         raise field_error("model_input.measured_type", measured, "be null or a device type name of the cluster")
-    result = profile_factory(str(factory), raw.get("shape"), str(raw.get("dtype", "float32")), blocks=blocks,
-                             repeats=require_int(raw.get("repeats", 3), "model_input.repeats", minimum=1),
-                             device_type=measured)
+    with fields_under("model_input", "blocks"):
+        result = profile_factory(str(factory), raw.get("shape"), str(raw.get("dtype", "float32")), blocks=blocks,
+                                 repeats=require_int(raw.get("repeats", 3), "model_input.repeats", minimum=1),
+                                 device_type=measured)
     return result, measured is not None  # without measured_type: the counted FLOPs and the cluster's figures
 
 

@@ -26,6 +26,7 @@ from het_strategy.core.cost_model import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
+from het_strategy.planning.search import search_plan
 
 __all__ = ["JointResult", "plan_jointly"]
 
@@ -51,9 +52,8 @@ class JointResult:
 
 def plan_jointly(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "dp",
                  profile: MeasuredProfile | None = None, choices: tuple[str, ...] = JOINT_CHOICES) -> JointResult:
-    """The fastest plan over ``choices`` x placement (see the module docstring)."""
-    from het_strategy.planning import plan as search
-
+    """The fastest plan over ``choices`` x placement (see the module docstring); ``planning.plan`` runs it for
+    ``PlanRequest(compression="joint")`` in mode dp."""
     if not choices:
         raise field_error("planner.compression_choices", list(choices), "name at least one method token")
     for i, token in enumerate(choices):
@@ -64,7 +64,7 @@ def plan_jointly(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSe
     errors: list[str] = []
     for token in dict.fromkeys(choices):
         try:
-            found = search(cluster, workload, dataclasses.replace(settings, inter_node_compression=token), mode,
+            found = search_plan(cluster, workload, dataclasses.replace(settings, inter_node_compression=token), mode,
                            profile)
         except ConfigError as exc:
             errors.append(f"{token}: {exc}")

@@ -1,0 +1,142 @@
+"""What one planning run is asked for: ``PlanRequest``, the ``planner`` section of het-plan and het-train.
+
+``PlanRequest`` names the planner modes, the runtime the plan must run on, the
+objective with its budget and throughput floor, whether inter-node compression
+is planned with the placement, and whose measured layer times price the
+devices.  ``planning.plan(cluster, workload, settings, request)`` answers it.
+
+Every option is a ``StrEnum`` (``core.runtime_rules.Runtime`` for the runtime)
+whose member names are the config spellings, as Hydra matches an enum value by
+name; the strings ``"dp"``, ``"cost"``, ... compare equal to the members.
+``__post_init__`` converts strings and checks every field and the
+combinations, each error naming ``planner.<field>``.  The class
+is frozen; Hydra composes the ``planner`` section against it (see
+``cli/structured.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Optional
+
+from het_strategy.core.errors import field_error
+from het_strategy.core.runtime_rules import Runtime
+
+__all__ = ["PlanMode", "Objective", "CompressionPlanning", "ProfileSource", "PlanRequest"]
+
+
+class PlanMode(StrEnum):
+    """Which planners search (``planning/search.py``)."""
+
+    auto = "auto"
+    """The best of dp, pipeline and hybrid by the cost model."""
+    dp = "dp"
+    """Uneven data parallelism: one single-device stage per replica."""
+    pipeline = "pipeline"
+    """One pipeline through every device."""
+    hybrid = "hybrid"
+    """Pipelines x stages x tensor parallelism x micro-batches."""
+
+
+class Objective(StrEnum):
+    """What the best plan minimises."""
+
+    time = "time"
+    """Step time."""
+    cost = "cost"
+    """USD per iteration of the plan's used devices (idle devices are not rented)."""
+
+
+class CompressionPlanning(StrEnum):
+    """Whether the inter-node compression is planned with the placement."""
+
+    none = "none"
+    """Syncs priced in ``settings.inter_node_compression`` (default uncompressed)."""
+    joint = "joint"
+    """Placement x every inter-node method searched together (data parallelism); the plan carries the choice."""
+
+
+class ProfileSource(StrEnum):
+    """Measured per-layer times that replace datasheet figures."""
+
+    sailor = "sailor"
+    """Sailor's published profiles of the models it measured (OPT-350, ...)."""
+
+
+def _enum(kind: type[StrEnum], value: Any, field: str, rule: str) -> Any:
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise field_error(field, value, f"be one of {', '.join(kind)} ({rule})") from None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One planning request: the ``planner`` section (defaults: the fastest plan of any mode, any runtime)."""
+
+    mode: PlanMode = PlanMode.auto
+    """auto | dp | pipeline | hybrid: the planners searched."""
+    runtime: Runtime = Runtime("any")
+    """any | deepspeed: only plans that runtime runs (the slowdown against the unconstrained best is reported)."""
+    compression: CompressionPlanning = CompressionPlanning.none
+    """none | joint: placement and inter-node compression planned together (mode dp or auto, runtime any)."""
+    objective: Objective = Objective.time
+    """time: the fastest plan | cost: the least USD per iteration, searched over sub-clusters."""
+    budget_per_hour: Optional[float] = None
+    """USD per hour the plan's used devices may cost; null: no cap."""
+    min_throughput: Optional[float] = None
+    """Samples/s the plan must reach; null: no floor."""
+    profile: Optional[ProfileSource] = None
+    """null: datasheet figures | sailor: Sailor's measured per-layer times of the model."""
+
+    def __post_init__(self) -> None:
+        convert = object.__setattr__  # frozen: the checked enum members replace the given strings
+        convert(self, "mode", _enum(PlanMode, self.mode, "planner.mode", "the planners searched"))
+        convert(self, "runtime", _enum(Runtime, self.runtime, "planner.runtime", "the runtime the plan runs on"))
+        convert(self, "compression", _enum(CompressionPlanning, self.compression, "planner.compression",
+                                           "none: compression-blind; joint: placement and inter-node compression "
+                                           "planned together"))
+        convert(self, "objective", _enum(Objective, self.objective, "planner.objective", "time: the fastest plan; "
+                                         "cost: the least USD per iteration, idle devices not rented"))
+        if self.profile is not None:
+            convert(self, "profile", _enum(ProfileSource, self.profile, "planner.profile",
+                                           "or null: Sailor's measured per-layer times, or datasheet figures"))
+        for key, unit in (("budget_per_hour", "USD per hour for the plan's used devices"),
+                          ("min_throughput", "samples/s")):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise field_error(f"planner.{key}", value, f"be null or a number > 0 ({unit})")
+        if self.compression == CompressionPlanning.joint and (
+                self.mode not in (PlanMode.dp, PlanMode.auto) or self.runtime != "any"):
+            raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and "
+                              "planner.runtime=any: the hetero strategy runs the hierarchical exchange for "
+                              "data-parallel plans")
+
+    @property
+    def searches_sub_clusters(self) -> bool:
+        """A money objective, budget or floor: the search runs over sub-clusters (``planning/objective.py``)."""
+        return self.objective != Objective.time or self.budget_per_hour is not None \
+            or self.min_throughput is not None
+
+    @property
+    def search_mode(self) -> PlanMode:
+        """The mode each cluster is searched in: dp for ``compression=joint`` (its plans are data-parallel)."""
+        return PlanMode.dp if self.compression == CompressionPlanning.joint else self.mode
+
+    def describe_objective(self) -> str:
+        """``objective cost (budget $8/hour, floor 50 samples/s)``."""
+        limits = ([f"budget ${self.budget_per_hour:g}/hour"] if self.budget_per_hour is not None else []) + \
+            ([f"floor {self.min_throughput:g} samples/s"] if self.min_throughput is not None else [])
+        return f"objective {self.objective}" + (f" ({', '.join(limits)})" if limits else "")
+
+    def objective_dict(self) -> dict[str, Any]:
+        """The objective as the plan JSON records it (``predicted.objective``)."""
+        return {"objective": str(self.objective), "budget_per_hour": self.budget_per_hour,
+                "min_throughput": self.min_throughput}
