@@ -96,7 +96,7 @@ def _bad_cases():
 
     def dup(tmp):
         devs = "[{type: T4, name: gpu}, {type: T4, name: gpu}]"
-        return [f"cluster={_write_cluster(tmp / 'c.yaml', devs)}"], ["devices[].name` is 'gpu'", "unique"]
+        return [f"cluster={_write_cluster(tmp / 'c.yaml', devs)}"], ["devices[1].name` is 'gpu'", "unique"]
 
     def wrong_type(tmp):
         devs = '[{type: T4, memory_gb: "lots"}]'
@@ -187,7 +187,7 @@ def test_console_script_bad_cluster_exits_2_without_traceback(tmp_path: Path):
     run = subprocess.run([*_het_plan_cmd(), f"cluster={bad}"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2
-    assert run.stderr.startswith("het-plan: error: `nodes[0].devices[0].memory_gb` is -4")
+    assert run.stderr.startswith("het-plan: error: `cluster.nodes[0].devices[0].memory_gb` is -4")
     assert "Traceback" not in run.stderr + run.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
 

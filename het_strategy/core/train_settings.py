@@ -80,8 +80,8 @@ class TrainSettings:
         sizes = tuple(self.micro_batch_sizes)
         if not sizes:
             raise field_error("train.micro_batch_sizes", list(sizes), "list at least one size")
-        for m in sizes:
-            require_int(m, "train.micro_batch_sizes[]", minimum=1)
+        for i, m in enumerate(sizes):
+            require_int(m, f"train.micro_batch_sizes[{i}]", minimum=1)
         object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(sizes))))
         require_number(self.memory_reserve_gb, "train.memory_reserve_gb", allow_zero=True)
         require_int(self.max_stages, "train.max_stages", minimum=1)
