@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from het_strategy.core.errors import require_int
-from het_strategy.strategy.protocol import HeteroRuntime
+from het_strategy.callbacks.runtime import HeteroRuntime
 
 __all__ = ["CompressionMonitor"]
 

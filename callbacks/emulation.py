@@ -24,7 +24,7 @@ from het_strategy.core.workload import load_workload
 from het_strategy.emulation.padding import BatchPadding, padded_comm_hook
 from het_strategy.emulation.speeds import emulation_summary
 from het_strategy.profiling.batch_contents import batch_length
-from het_strategy.strategy.protocol import HeteroRuntime
+from het_strategy.callbacks.runtime import HeteroRuntime
 
 __all__ = ["EmulatedDeviceCallback", "EmulatedDeviceCallbackPL"]
 

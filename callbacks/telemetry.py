@@ -36,7 +36,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from het_strategy.core.errors import field_error, require_int
-from het_strategy.strategy.protocol import HeteroRuntime
+from het_strategy.callbacks.runtime import HeteroRuntime
 
 __all__ = ["StepTelemetry", "FIELDS"]
 

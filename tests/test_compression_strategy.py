@@ -105,7 +105,7 @@ class _ParamProbe(_Probe):
         path = Path(self.out_dir) / f"rank{self.global_rank}.json"
         info = json.loads(path.read_text())
         info["params"] = [float(p.double().sum()) for p in self.parameters()]
-        info["hook"] = type(self.trainer.strategy._compression_run.hook_state).__name__
+        info["hook"] = type(self.trainer.strategy.comm.run.hook_state).__name__
         path.write_text(json.dumps(info))
 
 

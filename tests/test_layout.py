@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -186,7 +185,7 @@ def test_no_import_circle_at_module_or_function_level() -> None:
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-LAYERS = ("cli", "callbacks", "strategy", "ds_runtime", "compression", "emulation", "profiling", "report", "demo",
+LAYERS = ("cli", "strategy", "callbacks", "ds_runtime", "compression", "emulation", "profiling", "report", "demo",
           "moe", "reference", "planning", "core")
 """The folders in the README's "How it works" order: each imports only folders after it (or itself)."""
 
@@ -266,39 +265,6 @@ def test_no_module_over_500_lines_and_no_utils() -> None:
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _module_files()}
     assert not {p: n for p, n in sizes.items() if n > 500}, "modules over 500 lines"
     assert not any(Path(p).stem == "utils" for p in sizes)
-
-
-def test_old_module_paths_warn_and_give_the_same_objects() -> None:
-    from het_strategy._moved_modules import MOVED
-
-    code = "\n".join([
-        "import importlib, sys, warnings",
-        "import het_strategy",
-        f"moved = {MOVED!r}",
-        "for old, new in moved.items():",
-        "    sys.modules.pop(old, None)",
-        "    with warnings.catch_warnings(record=True) as caught:",
-        "        warnings.simplefilter('always')",
-        "        module = importlib.import_module(old)",
-        "    assert module is importlib.import_module(new), old",
-        "    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old",
-        "with warnings.catch_warnings(record=True) as caught:",
-        "    warnings.simplefilter('always')",
-        "    from het_strategy.profiling import profile_module, batch_length",
-        "    from het_strategy.emulation import EmulatedCompute",
-        "    from het_strategy.strategy import EmulatedDeviceCallback",
-        "    from het_strategy.report import plan_table",
-        "    from het_strategy.strategy import StepRecord, HeteroDataLoader, register_strategies",
-        "moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and 'moved to' in str(w.message)]",
-        "assert len(moved) == 8, moved",
-        "from het_strategy.cluster import ClusterSpec",
-        "from het_strategy.core.cluster import ClusterSpec as New",
-        "assert ClusterSpec is New",
-    ])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = _run(code)
-    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_the_known_lightning_pytree_warning_is_quiet_only_where_it_comes_from() -> None:

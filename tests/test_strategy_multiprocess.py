@@ -14,6 +14,7 @@ import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from het_strategy import HeteroStrategy  # noqa: E402
+from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT  # noqa: E402
 from tests._strategy_worker import IndexedData, Recorder, make_net  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
@@ -151,6 +152,7 @@ def test_resume_mid_epoch_continues_identically(tmp_path: Path) -> None:
     path = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
     state = torch.load(path, weights_only=False)["het_strategy"]
     assert state["shares"] == [8, 4] and state["devices"] == ["fast", "slow"]
+    assert state["format"] == CHECKPOINT_FORMAT
     assert state["plan"]["rank_shares"] == {"fast": 8, "slow": 4}
 
     _two_rank_trainer(tmp_path / "c", CLUSTER_21_EMULATED, 12, max_epochs=2, enable_checkpointing=False).fit(
@@ -309,33 +311,21 @@ def test_scheduled_slowdown_triggers_an_exact_rebalance_that_survives_resume(tmp
     assert json.loads((runs["resumed"] / "strategy0.json").read_text())["plan"] == saved["het_strategy"]["plan"]
 
 
-def test_a_checkpoint_written_by_0_1_0_resumes(tmp_path: Path) -> None:
-    """tests/data/checkpoint_v0.1.0.ckpt was written before the package was reorganised (by
-    tests/data/make_checkpoint_v0.1.0.py: 2 emulated ranks, q8 compression, straggler callback, 3 steps): it
-    resumes with the same plan, each rank's compression state and the callback's state."""
-    from het_strategy.callbacks.straggler import StragglerMitigation
-
+def test_a_checkpoint_written_by_0_1_0_is_refused_naming_it(tmp_path: Path) -> None:
+    """tests/data/checkpoint_v0.1.0.ckpt (written by tests/data/make_checkpoint_v0.1.0.py) has no checkpoint
+    format: resuming from it stops with one ConfigError that names the file and says what to do."""
     legacy = Path(__file__).parent / "data" / "checkpoint_v0.1.0.ckpt"
-    saved = torch.load(legacy, weights_only=False)
     cluster = {"name": "two_emulated", "inter_node_bandwidth_gbs": 10, "nodes": [{"name": "local", "devices": [
         {"name": "fast", "type": "CPU", "tflops": {"fp32": 2.0}, "emulated_speed": 1.0},
         {"name": "slow", "type": "CPU", "tflops": {"fp32": 2.0}, "emulated_speed": 0.5}]}]}
     out = tmp_path / "rows"
     out.mkdir()
-    torch.set_num_threads(1)
     strategy = HeteroStrategy(cluster=cluster, global_batch_size=12, start_method="fork", verbose=False,
-                              compression={"method": "quantize", "bits": 8, "min_numel": 8, "warmup_steps": 1},
                               timeout=__import__("datetime").timedelta(seconds=120))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0, max_steps=5, default_root_dir=str(tmp_path),
-                         callbacks=[StragglerMitigation(verbose=False, log=False)])
-    trainer.fit(Recorder(str(out)), DataLoader(IndexedData(30), batch_size=6, shuffle=True), ckpt_path=str(legacy))
-    rows = _rows_of(out, 2)
-    assert [len(r) for r in rows] == [2, 2]  # steps 3 and 4 of 5
-    assert [rows[r][0]["counted"] for r in range(2)] == saved["het_strategy"]["shares"] == [8, 4]
-    assert json.loads((out / "strategy0.json").read_text())["plan"] == saved["het_strategy"]["plan"]
-    # 30 samples in global batches of 12: the 3 saved steps were epoch 0; steps 3-4 are epoch 1's first two
-    assert [row["epoch"] for row in rows[0]] == [1, 1]
-    used = [i for r in range(2) for row in rows[r] for i in row["indices"][: row["counted"]]]
-    assert len(used) == len(set(used)) == 24
+                         num_sanity_val_steps=0, max_steps=5, default_root_dir=str(tmp_path))
+    # the error is raised on every rank; the launcher reports the first rank's
+    with pytest.raises(Exception, match=f"checkpoint '{legacy}'.*has no checkpoint format.*start the run afresh"):
+        trainer.fit(Recorder(str(out)), DataLoader(IndexedData(30), batch_size=6, shuffle=True),
+                    ckpt_path=str(legacy))

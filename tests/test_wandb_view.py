@@ -184,15 +184,13 @@ class _Runtime:
 
 
 class _Trainer:
-    def __init__(self, callbacks: list[Any], loggers: list[Any], compressing: bool = True,
-                 loaded: dict | None = None) -> None:
+    def __init__(self, callbacks: list[Any], loggers: list[Any], compressing: bool = True) -> None:
         from types import SimpleNamespace
 
         self.callbacks, self.loggers = list(callbacks), loggers
         self.strategy = _Runtime(compressing)
         self.state = SimpleNamespace(fn="fit")
         self.lightning_module, self.world_size = None, 2
-        self._checkpoint_connector = SimpleNamespace(_loaded_checkpoint=loaded)
 
 
 def test_the_strategy_adds_each_telemetry_callback_once_and_sets_it_up() -> None:
@@ -200,10 +198,10 @@ def test_the_strategy_adds_each_telemetry_callback_once_and_sets_it_up() -> None
     from het_strategy.callbacks.run_report import RunReport
     from het_strategy.callbacks.straggler import StragglerMitigation
     from het_strategy.callbacks.telemetry import StepTelemetry
-    from het_strategy.strategy.run_callbacks import attach_callbacks
+    from het_strategy.callbacks.attach import attach_callbacks
 
     def added(trainer: _Trainer, telemetry: bool = True, rebalance: Any = None) -> list[type]:
-        return [type(c) for c in attach_callbacks(trainer.strategy, trainer, rebalance, telemetry)]
+        return [type(c) for c in attach_callbacks(trainer.strategy, trainer, 0, rebalance, telemetry, None)]
 
     trainer = _Trainer([], ["a logger"])
     assert added(trainer) == [RunReport, StepTelemetry, CompressionMonitor]
@@ -216,9 +214,9 @@ def test_the_strategy_adds_each_telemetry_callback_once_and_sets_it_up() -> None
     assert added(_Trainer([], [])) == []  # no logger: nothing to log to
     rebalance = StragglerMitigation(verbose=False)
     assert added(_Trainer([], []), telemetry=False, rebalance=rebalance) == [StragglerMitigation]
-    resumed = _Trainer([], ["a logger"], compressing=False,
-                       loaded={"callbacks": {StepTelemetry().state_key: {"steps_seen": 7, "rows": [[0.0] * 6]}}})
-    attach_callbacks(resumed.strategy, resumed, None, True)
+    resumed = _Trainer([], ["a logger"], compressing=False)
+    attach_callbacks(resumed.strategy, resumed, 0, None, True,
+                     {StepTelemetry().state_key: {"steps_seen": 7, "rows": [[0.0] * 6]}})
     telemetry = resumed.callbacks[1]
     assert telemetry.steps_seen == 7 and len(telemetry._rows[0]) == 9  # old rows padded for the new fields
 

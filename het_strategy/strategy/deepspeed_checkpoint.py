@@ -6,7 +6,8 @@ through ``PlanRunner.save_checkpoint``: each stage's layers and its optimizer
 state (partitioned under ZeRO 1; one subdirectory per replica for an
 asymmetric plan), with Lightning's other entries (loops, callbacks, LR
 schedulers, the training loader's position) and the plan (``PLAN_KEY``) as
-client state.
+client state, and het_strategy's checkpoint format (``checkpoint.CHECKPOINT_FORMAT``
+under ``checkpoint.CHECKPOINT_KEY``).
 
 Resuming: ``trainer.fit(model, loader, ckpt_path=path)`` (a new Trainer and
 module are fine) continues exactly, mid-epoch too.  As in Lightning's
@@ -15,6 +16,7 @@ built in ``setup_optimizers``): every rank's engine loads its stage's layers
 and optimizer state, and the client state gives Lightning its loops and the
 loader's position (the training loader is a ``HeteroDataLoader``: it resumes
 at the next step of the saved epoch, in that epoch's order).  A checkpoint
+without het_strategy's format, or of another one, is refused (``checkpoint.check_format``); one
 whose saved plan is not the strategy's plan (``zero_stage`` override
 included) is refused (``ConfigError`` on ``ckpt_path``, naming the plan
 fields that differ) before anything is loaded.
@@ -35,6 +37,7 @@ import torch
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 from het_strategy.ds_runtime.engine import PlanRunner
+from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_KEY, FORMAT_KEY, check_format
 
 __all__ = ["CHECKPOINT_TAG", "PLAN_KEY", "save_plan_checkpoint", "load_plan_checkpoint"]
 
@@ -48,6 +51,7 @@ def save_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint: dict[str, A
     """Every rank writes its share into the directory ``filepath``; Lightning's entries ride as client state."""
     client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     client[PLAN_KEY] = plan.to_dict()
+    client[CHECKPOINT_KEY] = {FORMAT_KEY: CHECKPOINT_FORMAT}
     runner.save_checkpoint(filepath, CHECKPOINT_TAG, client)
 
 
@@ -61,7 +65,9 @@ def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *
     if not meta.is_file():
         raise field_error("ckpt_path", str(checkpoint_path), "be a checkpoint directory written by "
                           f"hetero_deepspeed's save_checkpoint (no {meta.relative_to(path)} in it)")
-    saved = torch.load(meta, map_location="cpu", weights_only=False).get(PLAN_KEY)
+    meta_state = torch.load(meta, map_location="cpu", weights_only=False)
+    check_format(meta_state.get(CHECKPOINT_KEY), checkpoint_path, f"client state entry {CHECKPOINT_KEY!r}")
+    saved = meta_state.get(PLAN_KEY)
     mine = plan.to_dict()
     if saved != mine:
         diff = sorted(k for k in set(mine) | set(saved or {}) if (saved or {}).get(k) != mine.get(k))
@@ -75,4 +81,5 @@ def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *
                           f"(tag {CHECKPOINT_TAG!r})")
     client = dict(client)
     client.pop(PLAN_KEY, None)
+    client.pop(CHECKPOINT_KEY, None)
     return client

@@ -1,4 +1,4 @@
-"""The ``hetero`` strategy's MoE part: where each HeteroMoE layer's experts live, and their emulated speed.
+"""The ``hetero`` strategy's MoE part (``ExpertPlacer``): where each HeteroMoE layer's experts live, and their speed.
 
 1. ``place_model_experts`` (at setup, before DDP wraps the model and the
    optimizer is built): every HeteroMoE layer of the module gets its placement —
@@ -14,18 +14,17 @@
    to the device's expert time, and the batch padding leaves the layers' time
    out of the dense part it pads.
 4. ``gather_expert_state``: a checkpoint's model state holds every expert
-   (gathered to rank 0); resuming a run with HeteroMoE layers is refused
-   (each rank's optimizer state covers its own experts only).
+   (gathered to rank 0); ``check_resumable`` refuses resuming a run with
+   HeteroMoE layers (each rank's optimizer state covers its own experts only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Sequence, Union, get_args
 
 import torch.distributed as dist
 from torch import nn
-from typing_extensions import override
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import ConfigError, field_error
@@ -38,14 +37,14 @@ from het_strategy.moe import ExpertPlacement, HeteroMoE, check_placement, moe_la
     placements_from_plan, prepare_for_ddp, uniform_placement
 from het_strategy.moe.padding import ExpertPadding, MoEClock
 
-__all__ = ["ExpertRun", "MoERun", "place_model_experts", "gather_expert_state", "PLACEMENT_MODES"]
+__all__ = ["ExpertRun", "ExpertPlacer", "PlacementMode", "PlacementOption", "place_model_experts",
+           "gather_expert_state", "check_resumable", "PLACEMENT_MODES"]
 
-if TYPE_CHECKING:  # mixed into the hetero strategy, itself mixed into each Lightning package's DDPStrategy
-    from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy
-else:
-    _DDPStrategy = object
-
-PLACEMENT_MODES = ("planned", "uniform")
+PlacementMode = Literal["planned", "uniform"]
+"""``planned``: by device speed and memory (or the given plan's map); ``uniform``: the same count per rank."""
+PlacementOption = Union[PlacementMode, Sequence[Any]]
+"""A ``PlacementMode``, or one placement per HeteroMoE layer (one expert-id list per rank)."""
+PLACEMENT_MODES: tuple[PlacementMode, ...] = get_args(PlacementMode)
 
 
 @dataclass
@@ -172,43 +171,54 @@ def gather_expert_state(module: nn.Module, state: dict[str, Any], rank: int, wor
     return state
 
 
-class MoERun(_DDPStrategy):
-    """The ``hetero`` strategy's hooks for HeteroMoE layers (a mixin of ``HeteroLogic``)."""
+class ExpertPlacer:
+    """Places the experts of a module's HeteroMoE layers once per strategy, and keeps them in checkpoints.
 
-    experts: ExpertRun | None
-    _moe_placement: Any
-    _workload_source: Any
-    _plan_source: Any
-    _verbose: bool
-    cluster: ClusterSpec | None
-    dtype: str
+    Args:
+        option: ``"planned"``, ``"uniform"`` or one placement per layer (``place_model_experts``).
+        workload_source: the model's costs as given (its MoE layers guide the planned placement), or None.
+        plan_source: the given Plan (its expert map is used as is), or None.
+        verbose: log the experts per rank on rank 0.
+    """
 
-    def place_experts(self) -> None:
-        """Place the experts of the model's HeteroMoE layers (at setup, before DDP and the optimizer).
+    def __init__(self, option: PlacementOption = "planned", workload_source: Any = None,
+                 plan_source: Plan | None = None, verbose: bool = True) -> None:
+        self.option, self.workload_source, self.plan_source, self.verbose = option, workload_source, plan_source, \
+            verbose
+        self.run: ExpertRun | None = None
+        """The layers and their placements (None before ``place`` and for a model without HeteroMoE layers)."""
+
+    def place(self, module: nn.Module, cluster: ClusterSpec, dtype: str, rank: int, world: int) -> ExpertRun | None:
+        """Place the experts (at setup, before DDP wraps the model and the optimizer is built).
 
         Once per strategy: a later ``trainer.validate``/``test`` keeps the experts where they are.
         """
-        assert self.cluster is not None
-        if self.experts is not None:
+        if self.run is not None:
+            return self.run
+        workload = load_workload(self.workload_source, dtype) if self.workload_source is not None else None
+        self.run = place_model_experts(module, self.option, cluster, workload, dtype, self.plan_source, world)
+        if self.run is not None and rank == 0 and self.verbose:
+            counts = "; ".join(f"layer {i}: {p.counts}" for i, p in enumerate(self.run.placements))
+            logger.info("HeteroMoE experts per rank (%s): %s", self.run.source, counts)
+        return self.run
+
+    def planned(self, plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec, dtype: str, rank: int,
+                padding: BatchPadding | None) -> None:
+        """A training plan exists: record the placement in it, and pad the experts on an emulated cluster."""
+        if self.run is None:
             return
-        workload = load_workload(self._workload_source, self.dtype) if self._workload_source is not None else None
-        self.experts = place_model_experts(self.lightning_module, self._moe_placement, self.cluster, workload,
-                                           self.dtype, self._plan_source, self.world_size)
-        if self.experts is not None and self.global_rank == 0 and self._verbose:
-            counts = "; ".join(f"layer {i}: {p.counts}" for i, p in enumerate(self.experts.placements))
-            logger.info("HeteroMoE experts per rank (%s): %s", self.experts.source, counts)
+        self.run.plan_expert_map(plan, cluster, workload)
+        if padding is not None:
+            self.run.emulate_experts(cluster, workload, dtype, rank, padding)
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self.experts is None:
-            return state
-        return gather_expert_state(self.lightning_module, state, self.global_rank, self.world_size)
+    def full_state(self, module: nn.Module, state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+        """``state`` (rank 0's model state dict) with every rank's experts (a collective when there are experts)."""
+        return state if self.run is None else gather_expert_state(module, state, rank, world)
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if moe_layers(self.lightning_module):
-            raise ConfigError("resuming a run with HeteroMoE layers is not supported in this version: each "
-                              "rank's optimizer state covers only its own experts (the checkpoint's model weights "
-                              "hold every expert: load them with strict=False to evaluate or start afresh)")
-        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+def check_resumable(module: nn.Module) -> None:
+    """Refuse resuming a module with HeteroMoE layers (each rank's optimizer state covers its own experts)."""
+    if moe_layers(module):
+        raise ConfigError("resuming a run with HeteroMoE layers is not supported in this version: each "
+                          "rank's optimizer state covers only its own experts (the checkpoint's model weights "
+                          "hold every expert: load them with strict=False to evaluate or start afresh)")

@@ -1,20 +1,28 @@
-"""The ``hetero`` Lightning strategy: DDP with uneven, planned per-rank batches — the Lightning hooks.
+"""``HeteroStrategy``: the ``hetero`` Lightning strategy, DDP with uneven, planned per-rank batches.
 
 ``Trainer(strategy="hetero")`` (after ``import het_strategy``) runs ordinary DDP, plus:
 
-1. **Cluster and plan** (``planned_run.py``) — the cluster is loaded or probed at
+1. **Cluster and plan** (``PlanHolder``, ``plan_holder.py``) — the cluster is loaded or probed at
    setup; when the training DataLoader arrives rank 0 plans the uneven split of the
    global batch and broadcasts it; ``apply_plan`` switches to a new Plan at a step.
-2. **Batches** (``loaders.py``, ``sampler.py``) — every loader is rebuilt so rank r
+2. **Batches** (``BatchSplitter``, ``loaders.py``, ``sampler.py``) — every loader is rebuilt so rank r
    gets ``shares[r]`` samples of every global batch, every sample of an epoch once.
 3. **Exact update** — each rank's loss is scaled by ``n_r x world / N`` before
    backward, so DDP's gradient average is the gradient of the mean loss over the
    whole global batch; ``sync_dist`` logging inside a step is weighted the same way.
-4. **One comm hook on every device type** — compression, the user's hook or
-   allreduce, wrapped to pad an emulated device and timestamp when the last
-   gradient bucket is ready (``emulation/padding.py``, ``step_timing.py``).
-5. **Checkpoints** (``checkpoint.py``) carry the plan being run and the loader position.
-6. **Experts** of ``HeteroMoE`` layers are placed at setup (``experts.py``).
+4. **One comm hook on every device type** (``CommHookBuilder``, ``compression_run.py``) — compression,
+   the user's hook or allreduce, wrapped to pad an emulated device and timestamp when the
+   last gradient bucket is ready (``StepPacing``, ``step_timing.py``).
+5. **Checkpoints** (``checkpoint.py``) carry the plan being run, the loader position and the
+   checkpoint format.
+6. **Experts** of ``HeteroMoE`` layers are placed at setup (``ExpertPlacer``, ``experts.py``).
+7. **Callbacks**: the ``rebalance`` callback and the telemetry ones are attached at fit setup
+   (``het_strategy.callbacks.attach``).
+
+The class owns one collaborator per concern and hands each the rank, world size,
+device and dtype it needs (``RankContext``); it keeps no state of theirs.  It is written
+on ``lightning.pytorch``; its ``pytorch_lightning`` twin is ``HeteroStrategyPL``
+(``pytorch_lightning_classes.py``), so method bodies reach Lightning only through ``self``.
 """
 
 from __future__ import annotations
@@ -22,36 +30,39 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from het_strategy.compression import CompressionState, WireBytes, compression_config, counted_comm_hook
+from het_strategy.callbacks.attach import attach_callbacks
+from het_strategy.compression import CompressionState, WireBytes, compression_config
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import rank_debug
 from het_strategy.core.plan import Plan
-from het_strategy.core.workload import WorkloadSpec
-from het_strategy.emulation.padding import padded_comm_hook
+from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
+from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import check_cluster_source, check_options, check_plan_source, \
-    planned_compression
-from het_strategy.strategy.compression_run import CompressionRun, build_compression
-from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_same_order, check_splittable, \
-    loader_at, split_loader
-from het_strategy.strategy.experts import MoERun
-from het_strategy.strategy.planned_run import PlannedRun
-from het_strategy.strategy.run_callbacks import attach_callbacks
-from het_strategy.strategy.sampler import HeteroBatchSampler
-from het_strategy.strategy.step_timing import StepClock
+    check_workload_source, planned_compression
+from het_strategy.strategy.compression_run import CommHookBuilder
+from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
+from het_strategy.strategy.loaders import BatchSplitter, HeteroDataLoader, batch_index
+from het_strategy.strategy.plan_holder import PlanHolder
+from het_strategy.strategy.rank_context import RankContext
+from het_strategy.strategy.step_timing import StepPacing
 
-__all__ = ["HeteroLogic"]
+__all__ = ["HeteroStrategy", "ProbeMode"]
+
+ProbeMode = Literal["cached", "refresh"]
+"""``cluster="auto"``: ``cached`` reuses this host's measurements, ``refresh`` measures again."""
 
 
-class HeteroLogic(MoERun, PlannedRun):
+class HeteroStrategy(DDPStrategy):
     """DDP with uneven per-rank batches planned for a heterogeneous cluster.
 
     Args:
@@ -70,7 +81,9 @@ class HeteroLogic(MoERun, PlannedRun):
             (``"adaptive"``, ``"q4"``, ``"powersgd"``, ``"topk"``, ``"fp16"``, ``"bf16"``, ``"none"``;
             ``"planned"``: the given plan's inter-node choice), a mapping of ``CompressionConfig`` fields
             (Hydra ``compression=<group>``) or a ``CompressionConfig`` (its state travels in checkpoints);
-            or any DDP comm hook ``(state, bucket) -> Future`` with its ``compression_state``.
+            or any DDP comm hook ``(state, bucket) -> Future``, with ``compression_state`` the state DDP hands it.
+        compression_state: the state of a ``compression`` hook of the user's (None when ``compression``
+            names a method: the strategy builds the state).
         rebalance: a callback (straggler mitigation) added to the Trainer's.
         emulation: honour the cluster's emulated speeds (pad compute); ``False``
             drops them (every rank plans and runs at its real speed).
@@ -79,50 +92,117 @@ class HeteroLogic(MoERun, PlannedRun):
             from a batch (e.g. ``lambda batch: batch[0]``): every rank then times
             the model's forward/backward per block on its device and the planner
             uses those times.
-        verbose: print the plan (and emulation) table on rank 0.
-        moe_placement: ``HeteroMoE`` experts: ``"planned"``, ``"uniform"``, or per layer (``strategy/experts.py``).
+        verbose: log the plan (and emulation) table on rank 0.
+        moe_placement: ``HeteroMoE`` experts: ``"planned"``, ``"uniform"``, or one placement per layer
+            (``strategy/experts.py``).
         probe: with ``cluster="auto"``: ``"cached"`` reuses this host's measurements, ``"refresh"`` measures again.
-        telemetry: log the plan, per-rank step times, bytes and decisions to the Trainer's loggers (``run_callbacks.py``).
+        telemetry: log the plan, per-rank step times, bytes and decisions to the Trainer's loggers
+            (``het_strategy.callbacks.attach``).
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``,
-            ``find_unused_parameters``, ``timeout``, ...).
+            ``find_unused_parameters``, ``timeout``, ``ddp_comm_wrapper``, ...).
     """
 
     strategy_name = "hetero"
 
     def __init__(self, cluster: str | Path | ClusterSpec | dict = "auto", plan: str | Path | Plan | None = None,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
-                 compression: Callable | None = None, compression_state: Any = None, rebalance: Any = None,
+                 compression: Any = None, compression_state: Any = None, rebalance: Any = None,
                  emulation: bool = True, probe_cache_dir: str | Path | None = None,
                  profile_input: Callable[[Any], Any] | None = None, verbose: bool = True,
-                 moe_placement: Any = "planned", probe: str = "cached", telemetry: bool = True,
+                 moe_placement: PlacementOption = "planned", probe: ProbeMode = "cached", telemetry: bool = True,
                  **ddp_kwargs: Any) -> None:
         cluster = check_cluster_source(cluster)  # bad input fails here, in the user's script, before any rank starts
-        plan = check_plan_source(plan)
+        check_workload_source(workload)  # setup builds it again in the run's dtype
+        plan = check_plan_source(plan, cluster, workload)
         check_options(cluster, global_batch_size, emulation, profile_input, probe, telemetry)
-        self._compression_config = None if callable(compression) else compression_config(planned_compression(
-            compression, plan))
-        if self._compression_config is not None and compression_state is not None:
-            raise field_error("compression_state", type(compression_state).__name__,
-                              "be None when `compression` names a method (the strategy builds the state)")
+        for key in ("ddp_comm_hook", "ddp_comm_state"):
+            if key in ddp_kwargs:
+                raise field_error(key, type(ddp_kwargs[key]).__name__, "not be given to the hetero strategy",
+                                  "pass the hook as compression= and its state as compression_state=")
         hook = compression if callable(compression) else None
-        super().__init__(ddp_comm_hook=hook, ddp_comm_state=compression_state, **ddp_kwargs)
-        self._cluster_source, self._plan_source, self._workload_source = cluster, plan, workload
-        self._global_batch_size, self._rebalance, self._emulation_on = global_batch_size, rebalance, emulation
-        self._probe_cache_dir, self._profile_input, self._verbose = probe_cache_dir, profile_input, verbose
-        self._probe_refresh, self._telemetry = probe == "refresh", telemetry
-        self._moe_placement = moe_placement
-        self.compression_state: CompressionState | None = None
-        self._compression_run: CompressionRun | None = None
-        self.cluster = self.plan = self._eval_plan = self.train_sampler = self.experts = None
-        self.workload = self.profile = self.padding = None
-        self.clock, self.wire = StepClock(), WireBytes()  # this rank's step times; its gradient bytes
-        self._restored: dict[str, Any] | None = None
-        self._counts: tuple[int, int] | None = None  # (this rank's samples, all ranks') of the current batch
+        config = None if hook is not None else compression_config(planned_compression(compression, plan))
+        self.comm = CommHookBuilder(config, hook, compression_state, ddp_kwargs.pop("ddp_comm_wrapper", None))
+        """The comm hook and the compression state."""
+        super().__init__(**ddp_kwargs)
+        self.plans = PlanHolder(cluster, plan, workload, emulation=emulation, probe_cache_dir=probe_cache_dir,
+                                probe_refresh=probe == "refresh", profile_input=profile_input, verbose=verbose)
+        """The cluster, workload and Plan of the run."""
+        self.batches = BatchSplitter(global_batch_size)
+        """The split loaders and the current batch's sample counts."""
+        self.pacing = StepPacing()
+        """This rank's step clock and emulated padding."""
+        self.placer = ExpertPlacer(moe_placement, workload, plan, verbose)
+        """Where the HeteroMoE layers' experts live."""
+        self.rebalance, self.telemetry, self.verbose = rebalance, telemetry, verbose
+        self._saved_callback_states: dict[str, Any] | None = None
         self._in_step = False
 
+    # -- what callbacks read (callbacks/runtime.py HeteroRuntime) -----------------------------------
     @property
-    def records(self) -> Any:  # this rank's ``StepRecord`` per training batch (the last 10 000)
-        return self.clock.records
+    def cluster(self) -> ClusterSpec | None:
+        """The cluster (from ``setup_environment`` on); rank r plays ``cluster.devices[r]``."""
+        return self.plans.cluster
+
+    @property
+    def plan(self) -> Plan | None:
+        """The training plan being run (after ``apply_plan``, the applied one)."""
+        return self.plans.plan
+
+    @property
+    def workload(self) -> WorkloadSpec | None:
+        """The model's costs the plan was made for."""
+        return self.plans.workload
+
+    @property
+    def profile(self) -> MeasuredProfile | None:
+        """The model's measured per-block times, when it was profiled (``profile_input``)."""
+        return self.plans.profile
+
+    @property
+    def compression_state(self) -> CompressionState | None:
+        """This rank's compression state when the strategy compresses (from setup on)."""
+        return self.comm.compression_state
+
+    @property
+    def wire(self) -> WireBytes:
+        """This rank's gradient bytes, uncompressed and on the wire."""
+        return self.comm.wire
+
+    @property
+    def records(self) -> Any:
+        """This rank's ``StepRecord`` per training batch (the last 10 000)."""
+        return self.pacing.clock.records
+
+    @property
+    def experts(self) -> ExpertRun | None:
+        """The HeteroMoE layers and their placements (None without any)."""
+        return self.placer.run
+
+    @property
+    def current_local_samples(self) -> int | None:
+        """Samples this rank really uses in the current batch (0 for a filler), if known."""
+        return self.batches.local_samples
+
+    @property
+    def dtype(self) -> str:
+        """The training dtype as the cost model names it."""
+        return precision_dtype(self.precision_plugin.precision)
+
+    def rank_context(self) -> RankContext:
+        """This rank, the world size, the device and the dtype (valid once Lightning launched the ranks)."""
+        return RankContext(self.global_rank, self.world_size, self.root_device, self.dtype)
+
+    def current_shares(self) -> list[int]:
+        """Samples per rank of a full training global batch, in rank order."""
+        return self.plans.current_shares(self.batches.train_sampler)
+
+    def next_safe_step(self) -> int:
+        """The first step of the epoch no rank has produced yet (a collective: call it on every rank)."""
+        return self.batches.next_safe_step(self.root_device)
+
+    def apply_plan(self, plan: Plan, first_step: int) -> None:
+        """Run ``plan`` from step ``first_step`` of this epoch on (every rank, same arguments)."""
+        self.plans.apply_plan(plan, first_step, self.batches.train_sampler, self.dtype)
 
     # -- setup ------------------------------------------------------------------------------------
     @override
@@ -130,36 +210,26 @@ class HeteroLogic(MoERun, PlannedRun):
         # Lightning warns its DistributedSampler may repeat validation samples; ours evaluates each once
         warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
         super().setup_environment()
-        if self.cluster is None:  # once per strategy: a later trainer.validate/test keeps the cluster
-            self.cluster = self.resolve_cluster()
-            self.cap_emulated_memory()
-        rank_debug(self.global_rank, "setup_environment: cluster %s", self.cluster.name)
+        cluster = self.plans.resolve_cluster(self.rank_context())
+        rank_debug(self.global_rank, "setup_environment: cluster %s", cluster.name)
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.place_experts()  # before DDP wraps the model and the optimizer is built
+        assert self.cluster is not None
+        # the experts are placed before DDP wraps the model and the optimizer is built
+        self.placer.place(self.lightning_module, self.cluster, self.dtype, self.global_rank, self.world_size)
         super().setup(trainer)
-        attach_callbacks(self, trainer, self._rebalance, self._telemetry)  # the rebalance and telemetry callbacks
+        attach_callbacks(self, trainer, self.global_rank, self.rebalance, self.telemetry,
+                         self._saved_callback_states)
         rank_debug(self.global_rank, "setup: %s", trainer.state.fn)
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        """Replaces DDPStrategy's: registers the comm hook on every device type (Lightning does only on CUDA)."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        inner = self._ddp_comm_hook or allreduce_hook
-        state = self._ddp_comm_state if self._ddp_comm_hook is not None else None
-        if self._compression_config is not None and self._compression_config.method != "none":
-            if self._compression_run is None:  # a later trainer.validate/test keeps the fitted state
-                self._compression_run = build_compression(self.model, self._compression_config, self.cluster,
-                                                          self.world_size, self.global_rank,
-                                                          (self._restored or {}).get("compression"))
-                self.compression_state = self._compression_run.compression_state
-            inner, state = self._compression_run.hook, self._compression_run.hook_state
-        hook = padded_comm_hook(counted_comm_hook(inner, self.wire), self._finish_padding, self.clock.gradients_ready)
-        if self._ddp_comm_wrapper is not None:
-            hook = self._ddp_comm_wrapper(hook)
-        self.model.register_comm_hook(state=state, hook=hook)
+    def configure_ddp(self) -> None:
+        """Lightning's DDP wrapping, then our one comm hook, registered on every device type."""
+        super().configure_ddp()
+        hook = self.comm.register(self.model, self.cluster, self.world_size, self.global_rank,
+                                  (self.plans.restored or {}).get("compression"), self._finish_padding,
+                                  self.pacing.clock.gradients_ready)
         rank_debug(self.global_rank, "comm hook: %s", hook.__qualname__)
 
     # -- data -------------------------------------------------------------------------------------
@@ -172,85 +242,75 @@ class HeteroLogic(MoERun, PlannedRun):
         stage = trainer.state.stage.value if trainer.state.stage is not None else ""
         if stage == "predict" or isinstance(dataloader, HeteroDataLoader):
             return dataloader  # prediction keeps Lightning's sampler; ours is already split
-        check_splittable(dataloader)
         training = stage == "train"
-        if training and self._global_batch_size is not None:
-            global_batch = self._global_batch_size
-        elif dataloader.batch_size is None:
-            raise field_error("DataLoader.batch_size", None, "be set (per-rank size; the global batch is "
-                              "batch_size x world size)", "or pass HeteroStrategy(global_batch_size=...)")
-        else:
-            global_batch = int(dataloader.batch_size) * self.world_size
-        if training:
-            self.ensure_plan(dataloader, global_batch)
-        loader = split_loader(dataloader, global_batch, self.shares_for(dataloader, global_batch),
-                              self.global_rank, (lambda: self.clock.step + 1) if training else None)
-        sampler: HeteroBatchSampler = loader.batch_sampler  # type: ignore[assignment]
-        if sampler.sampler.base_sampler is not None:
-            check_same_order(sampler, self.world_size)
-        if training:
-            self.train_sampler = sampler
-        rank_debug(self.global_rank, "%s loader split: global batch %d, shares %s", stage, global_batch,
-                   list(sampler.shares))
+        ctx = self.rank_context()
+        global_batch = self.batches.global_batch(dataloader, training, ctx.world)
+        if training and self.plans.ensure_plan(self.lightning_module, dataloader, global_batch, ctx,
+                                               self.batch_to_device):
+            self._planned(ctx)
+        shares = self.plans.shares_for(self.lightning_module, dataloader, global_batch, ctx,
+                                       self.batches.train_sampler)
+        next_step = (lambda: self.pacing.clock.step + 1) if training else None
+        loader = self.batches.split(dataloader, global_batch, shares, ctx.rank, ctx.world, next_step)
+        rank_debug(ctx.rank, "%s loader split: global batch %d, shares %s", stage, global_batch, shares)
         return loader
 
-    # -- steps --------------------------------------------------------------------------------------
-    def _begin_batch(self, loaders: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        sampler = getattr(loader_at(loaders, dataloader_idx), "batch_sampler", None)
-        self._counts = sampler.step_counts(batch_idx) if isinstance(sampler, HeteroBatchSampler) else None
+    def _planned(self, ctx: RankContext) -> None:
+        """A training plan was made: the emulated padding, the experts' share of it, the plan table."""
+        cluster, workload, plan = self.plans.cluster, self.plans.workload, self.plans.plan
+        assert cluster is not None and workload is not None and plan is not None
+        with_experts = self.experts is not None
+        padding = self.pacing.emulate(cluster, ctx.rank, workload, ctx.dtype, with_experts)
+        self.placer.planned(plan, cluster, workload, ctx.dtype, ctx.rank, padding)
+        if ctx.rank == 0 and self.verbose:
+            self.plans.log_plan(ctx.dtype, with_experts)
 
+    # -- steps --------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch_idx = batch_index(args, kwargs)
         trainer = self.lightning_module.trainer
-        self._begin_batch(trainer.train_dataloader, batch_idx)
-        self.clock.begin(batch_idx)
-        if self.padding is not None and self._counts is not None:
-            self.padding.begin(self._counts[0], trainer.global_step)
+        counts = self.batches.begin_batch(trainer.train_dataloader, batch_idx)
+        self.pacing.begin(batch_idx, None if counts is None else counts[0], trainer.global_step)
         self._in_step = True
         try:
             return super().training_step(*args, **kwargs)
         finally:
             self._in_step = False
-            self.clock.forward_done()
+            self.pacing.clock.forward_done()
 
-    def _eval_step(self, loaders: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    def _eval_step(self, loaders: Any, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         dataloader_idx = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
-        self._begin_batch(loaders, batch_index(args, kwargs), dataloader_idx)
+        self.batches.begin_batch(loaders, batch_index(args, kwargs), dataloader_idx)
         self._in_step = True
         try:
-            return getattr(super(), name)(*args, **kwargs)
+            return step(*args, **kwargs)
         finally:
             self._in_step = False
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(self.lightning_module.trainer.val_dataloaders, "validation_step", args, kwargs)
+        return self._eval_step(self.lightning_module.trainer.val_dataloaders, super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(self.lightning_module.trainer.test_dataloaders, "test_step", args, kwargs)
-
-    @property
-    def current_local_samples(self) -> int | None:
-        """Samples this rank really uses in the current batch (0 for a filler), if known."""
-        return None if self._counts is None else self._counts[0]
+        return self._eval_step(self.lightning_module.trainer.test_dataloaders, super().test_step, args, kwargs)
 
     def _finish_padding(self) -> None:
         """Pad this training batch to its emulated device's time (once; called on the last gradient bucket)."""
-        if self.padding is not None and self._counts is not None and self.lightning_module.trainer.training:
-            self.padding.finish()
+        if self.lightning_module.trainer.training:
+            self.pacing.finish_padding(self.batches.local_samples)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._counts is not None:
-            local, total = self._counts
-            closure_loss = closure_loss * (local * self.world_size / total)
+        weight = self.batches.loss_weight(self.world_size)
+        if weight is not None:
+            closure_loss = closure_loss * weight
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         self._finish_padding()  # when DDP skipped the sync (accumulation), no hook padded it
-        if self._counts is not None and self.lightning_module.trainer.training:
-            pad = self.padding
-            self.clock.record(self._counts[0], pad.pad_s if pad else 0.0, pad.target_s if pad else None)
+        samples = self.batches.local_samples
+        if samples is not None and self.lightning_module.trainer.training:
+            self.pacing.after_backward(samples)
         return out
 
     @override
@@ -261,34 +321,41 @@ class HeteroLogic(MoERun, PlannedRun):
         it is kept out of the step's measured compute time.
         """
         start = time.perf_counter()
+        counts = self.batches.counts
         try:
-            if (self._in_step and self._counts is not None and group is None and isinstance(tensor, torch.Tensor)
+            if (self._in_step and counts is not None and group is None and isinstance(tensor, torch.Tensor)
                     and torch.is_floating_point(tensor) and _is_mean(reduce_op)):
-                local, total = self._counts
+                local, total = counts
                 summed = super().reduce(tensor * local, group=group, reduce_op="sum")
                 return summed / total
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         finally:
             if self._in_step:
-                self.clock.add_collective(time.perf_counter() - start)
+                self.pacing.clock.add_collective(time.perf_counter() - start)
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def het_state(self) -> dict[str, Any]:
-        """What a checkpoint carries for this strategy (``checkpoint.py``); a collective when compressing."""
-        assert self.cluster is not None and self.plan is not None
-        return ckpt.strategy_state(self.cluster, self.plan, self.current_shares(),
-                                   ckpt.gather_compression(self.compression_state, self.world_size))
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        return self.placer.full_state(self.lightning_module, state, self.global_rank, self.world_size)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.plan is not None:
-            checkpoint[ckpt.CHECKPOINT_KEY] = self.het_state()
+        """Adds the strategy's part (``checkpoint.py``); a collective when compressing (every rank's state)."""
+        plan, cluster = self.plans.plan, self.plans.cluster
+        if plan is not None and cluster is not None:
+            checkpoint[ckpt.CHECKPOINT_KEY] = ckpt.strategy_state(
+                cluster, plan, self.current_shares(), ckpt.gather_compression(self.compression_state,
+                                                                              self.world_size))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's checkpoint, whose strategy part (format checked) and callback states the run keeps."""
+        check_resumable(self.lightning_module)
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._restored = ckpt.restored_state(checkpoint) or self._restored
+        self.plans.restored = ckpt.restored_state(checkpoint, checkpoint_path) or self.plans.restored
+        self._saved_callback_states = checkpoint.get("callbacks")
         rank_debug(self.global_rank, "load_checkpoint: %s", checkpoint_path)
         return checkpoint
 

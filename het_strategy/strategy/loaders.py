@@ -1,5 +1,8 @@
-"""The DataLoader the strategy hands back: the user's loader with our batch sampler.
+"""The DataLoader the strategy hands back: the user's loader with our batch sampler; ``BatchSplitter``.
 
+``BatchSplitter`` is the ``hetero`` strategy's part that rebuilds every loader
+Lightning hands it, keeps the training loader's sampler (its shares change on
+``apply_plan``) and knows how many samples this rank uses in the current batch.
 ``split_loader`` checks that a loader can be split (a map-style dataset, the
 default batch sampler), reads the global order it would have drawn — Lightning's
 seeded shuffle under DDP, sequential, or the user's own sampler — and rebuilds
@@ -17,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from het_strategy.core.errors import field_error
+from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint
 
-__all__ = ["HeteroDataLoader", "check_splittable", "split_loader", "check_same_order", "loader_at", "batch_index"]
+__all__ = ["BatchSplitter", "HeteroDataLoader", "check_splittable", "split_loader", "check_same_order", "loader_at", "batch_index"]
 
 
 class HeteroDataLoader(DataLoader):
@@ -109,3 +112,69 @@ def batch_index(args: tuple, kwargs: dict) -> int:
     if "batch_idx" in kwargs:
         return int(kwargs["batch_idx"])
     return int(args[1]) if len(args) > 1 else 0
+
+
+class BatchSplitter:
+    """Splits each DataLoader by shares and follows the current batch's sample counts.
+
+    Args:
+        global_batch_size: samples per optimizer step over all ranks for the training loader; None takes
+            its ``batch_size x world size``.
+    """
+
+    def __init__(self, global_batch_size: int | None = None) -> None:
+        self.global_batch_size = global_batch_size
+        self.train_sampler: HeteroBatchSampler | None = None
+        """The training loader's sampler (once the training loader is split)."""
+        self.counts: tuple[int, int] | None = None
+        """(this rank's samples, all ranks') of the current batch; None outside a split loader's batch."""
+
+    def global_batch(self, dataloader: DataLoader, training: bool, world: int) -> int:
+        """The global batch ``dataloader`` is split into (refusing a loader that cannot be split)."""
+        check_splittable(dataloader)
+        if training and self.global_batch_size is not None:
+            return self.global_batch_size
+        if dataloader.batch_size is None:
+            raise field_error("DataLoader.batch_size", None, "be set (per-rank size; the global batch is "
+                              "batch_size x world size)", "or pass HeteroStrategy(global_batch_size=...)")
+        return int(dataloader.batch_size) * world
+
+    def split(self, dataloader: DataLoader, global_batch: int, shares: list[int], rank: int, world: int,
+              next_step: Callable[[], int] | None) -> HeteroDataLoader:
+        """``dataloader`` split by ``shares``; with ``next_step`` (the training loader) its sampler is kept.
+
+        A collective when the loader has a user sampler (every rank checks it draws the same order).
+        """
+        loader = split_loader(dataloader, global_batch, shares, rank, next_step)
+        sampler: HeteroBatchSampler = loader.batch_sampler  # type: ignore[assignment]
+        if sampler.sampler.base_sampler is not None:
+            check_same_order(sampler, world)
+        if next_step is not None:
+            self.train_sampler = sampler
+        return loader
+
+    def begin_batch(self, loaders: Any, batch_idx: int, dataloader_idx: int = 0) -> tuple[int, int] | None:
+        """A step of ``loaders``' ``dataloader_idx``-th loader starts: its counts (None for a loader not split)."""
+        sampler = getattr(loader_at(loaders, dataloader_idx), "batch_sampler", None)
+        self.counts = sampler.step_counts(batch_idx) if isinstance(sampler, HeteroBatchSampler) else None
+        return self.counts
+
+    @property
+    def local_samples(self) -> int | None:
+        """Samples this rank really uses in the current batch (0 for a filler), if known."""
+        return None if self.counts is None else self.counts[0]
+
+    def loss_weight(self, world: int) -> float | None:
+        """What this rank's mean loss is multiplied by so DDP's average is the mean over the global batch."""
+        if self.counts is None:
+            return None
+        local, total = self.counts
+        return local * world / total
+
+    def next_safe_step(self, device: Any) -> int:
+        """The first step of the epoch no rank has produced yet (a collective: call it on every rank)."""
+        if self.train_sampler is None:
+            raise ConfigError("next_safe_step: no training DataLoader has been split yet")
+        produced = torch.tensor([self.train_sampler.produced], dtype=torch.long, device=device)
+        dist.all_reduce(produced, op=dist.ReduceOp.MAX)
+        return int(produced.item())

@@ -1,13 +1,20 @@
-"""``hetero`` in the StrategyRegistry of ``lightning.pytorch`` and ``pytorch_lightning``, without importing them.
+"""The strategies in the StrategyRegistry of ``lightning.pytorch`` and ``pytorch_lightning``, without importing them.
 
-``lightning.pytorch`` and ``pytorch_lightning`` are separate class trees with
-separate registries, so the strategy class is built once per package on that
-package's own ``DDPStrategy`` (``strategy_class``).  ``register_when_imported``
-(called by ``import het_strategy``) registers a package that is already
-imported at once, and one imported later as soon as its ``__init__`` has run,
-through a meta-path finder that wraps only that package's loader: either import
-order gives a working ``Trainer(strategy="hetero")``, and importing the
-planning core alone loads no Lightning.
+How the strategy classes are made (the contract every strategy of this package follows):
+
+1. Each strategy is one ordinary class on ``lightning.pytorch``'s ``DDPStrategy``, written in its own module
+   (``KINDS``: ``hetero.HeteroStrategy``, ``hetero_deepspeed.HeteroDeepSpeedStrategy``).  It derives directly
+   from ``DDPStrategy``, and its method bodies reach Lightning through ``self`` and their arguments only.
+2. Its ``pytorch_lightning`` twin (``<name>PL``) is made by the one factory, ``pytorch_lightning_classes.twin``,
+   and lives in that module: ``pytorch_lightning`` is a separate class tree whose Trainer takes only its own
+   strategies.
+3. ``register_when_imported`` (called by ``import het_strategy``) registers ``KINDS``' names in a Lightning
+   package already imported at once, and in one imported later as soon as its ``__init__`` has run, through a
+   meta-path finder that wraps only that package's loader: either import order gives a working
+   ``Trainer(strategy="hetero")``, and importing the planning core alone loads no Lightning.  A Lightning
+   package whose import was started by a module of the classes is registered once that module is done.
+4. ``class_named`` gives a public class by name; when torch, a Lightning package or another dependency of the
+   class is not installed it raises ``ImportError`` naming what to install.
 """
 
 from __future__ import annotations
@@ -16,94 +23,126 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-import threading
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-__all__ = ["NAMESPACES", "CLASS_NAMES", "strategy_class", "deepspeed_strategy_class", "class_named", "register",
+__all__ = ["NAMESPACES", "KINDS", "CLASS_NAMES", "StrategyKind", "class_named", "register_namespace",
            "register_when_imported"]
-# 0.1.0 names, reached through ``het_strategy.strategy`` with a DeprecationWarning: ``build_strategy_class``,
-# ``register_strategies`` (below)
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 _SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
-_classes: dict[tuple[str, str], type] = {}
-_lock = threading.RLock()
+PL_MODULE = "het_strategy.strategy.pytorch_lightning_classes"
+"""The module that holds the ``pytorch_lightning`` twins."""
+
+_INSTALL = {
+    "torch": "torch (a dependency of het_strategy: pip install het_strategy)",
+    "lightning": "lightning (a dependency of het_strategy: pip install het_strategy)",
+    "pytorch_lightning": "pytorch_lightning: pip install 'het_strategy[pl]'",
+    "deepspeed": "deepspeed: pip install 'het_strategy[deepspeed]'",
+}
+"""Top-level package a strategy class needs -> what the ImportError tells the user to install."""
 
 
-# kind -> (module and name of the logic class, name of the built class, module it is reached from (pickling),
-# the registry entries: name -> (description, init kwargs))
-_KINDS: dict[str, tuple[str, str, str, str, dict[str, tuple[str, dict[str, Any]]]]] = {
-    "hetero": ("het_strategy.strategy.hetero", "HeteroLogic", "HeteroStrategy", "het_strategy.strategy", {
+@dataclass(frozen=True)
+class StrategyKind:
+    """One strategy: where its ``lightning.pytorch`` class is written and the registry names it goes under."""
+
+    module: str
+    """The module that defines the class."""
+    class_name: str
+    """The ``lightning.pytorch`` class's name; the ``pytorch_lightning`` twin's is this + ``PL``."""
+    entries: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    """Registry name -> (description, the constructor arguments that name adds)."""
+
+
+KINDS = {
+    "hetero": StrategyKind("het_strategy.strategy.hetero", "HeteroStrategy", {
         "hetero": ("Uneven data parallelism planned for a heterogeneous cluster (het_strategy)", {}),
         "hetero_spawn": ("hetero with start_method='spawn'", {"start_method": "spawn"})}),
-    "hetero_deepspeed": ("het_strategy.strategy.hetero_deepspeed", "HeteroDeepSpeedLogic", "HeteroDeepSpeedStrategy",
-                         "het_strategy.strategy.hetero_deepspeed", {
+    "hetero_deepspeed": StrategyKind("het_strategy.strategy.hetero_deepspeed", "HeteroDeepSpeedStrategy", {
         "hetero_deepspeed": ("Heterogeneous pipelines, planned or given (asymmetric replicas too), on DeepSpeed "
                              "(het_strategy)", {})}),
 }
-CLASS_NAMES = {f"{built}{suffix}": (kind, namespace) for kind, (_, _, built, _, _) in _KINDS.items()
+CLASS_NAMES = {f"{kind.class_name}{suffix}": (key, namespace) for key, kind in KINDS.items()
                for namespace, suffix in _SUFFIX.items()}
 """Public class name (``HeteroStrategy``, ``HeteroDeepSpeedStrategyPL``, ...) -> (kind, Lightning namespace)."""
 
 
-def _build(kind: str, namespace: str) -> type:
-    """The ``kind`` strategy on ``namespace``'s own DDPStrategy, built once and registered there."""
-    if namespace not in _SUFFIX:
-        raise ValueError(f"namespace {namespace!r} is not one of {NAMESPACES}")
-    with _lock:
-        if (kind, namespace) not in _classes:
-            module_name, logic_name, built, home, _ = _KINDS[kind]
-            logic = getattr(importlib.import_module(module_name), logic_name)
-            pl = importlib.import_module(namespace)
-            name = f"{built}{_SUFFIX[namespace]}"
-            # __module__ + __qualname__ name the lazy attribute of ``home``, so pickling (spawn) finds the class
-            cls = type(name, (logic, pl.strategies.DDPStrategy),
-                       {"__doc__": logic.__doc__, "__module__": home, "__qualname__": name})
-            _classes[(kind, namespace)] = cls
-            _register_kind(pl, kind, cls)
-        return _classes[(kind, namespace)]
+def lightning_class(kind: str) -> type:
+    """The ``lightning.pytorch`` class of ``kind`` (imports its module)."""
+    spec = KINDS[kind]
+    module = importlib.import_module(spec.module)
+    cls = vars(module).get(spec.class_name)
+    if cls is None:  # TRANSITIONAL (until hetero_deepspeed defines its class): assemble the logic mixin
+        from lightning.pytorch.strategies import DDPStrategy
 
-
-def _register_kind(pl: ModuleType, kind: str, cls: type) -> None:
-    registry = pl.strategies.StrategyRegistry
-    for name, (description, init_kwargs) in _KINDS[kind][4].items():
-        if name not in registry:  # a second call (another import, a reload) does nothing
-            registry.register(name, cls, description=description, **init_kwargs)
-
-
-def strategy_class(namespace: str) -> type:
-    """``HeteroStrategy`` (or ``HeteroStrategyPL``) on ``namespace``'s DDPStrategy; registers ``hetero`` and
-    ``hetero_spawn`` on first build, and ``hetero_deepspeed`` beside them."""
-    cls = _build("hetero", namespace)
-    _build("hetero_deepspeed", namespace)
+        logic = vars(module)[spec.class_name.replace("Strategy", "Logic")]
+        cls = type(spec.class_name, (logic, DDPStrategy), {"__doc__": logic.__doc__, "__module__": spec.module})
+        setattr(module, spec.class_name, cls)
     return cls
 
 
-def deepspeed_strategy_class(namespace: str) -> type:
-    """``HeteroDeepSpeedStrategy`` (or ``...PL``) on ``namespace``'s DDPStrategy; ``hetero_deepspeed`` registered."""
-    return _build("hetero_deepspeed", namespace)
-
-
 def class_named(name: str) -> type:
-    """The class behind a public name of ``CLASS_NAMES`` (what the packages' lazy ``__getattr__`` return)."""
+    """The class behind a public name of ``CLASS_NAMES``; ImportError naming what to install when a package it
+    needs is missing."""
     kind, namespace = CLASS_NAMES[name]
-    return strategy_class(namespace) if kind == "hetero" else deepspeed_strategy_class(namespace)
+    try:
+        if namespace == "lightning.pytorch":
+            return lightning_class(kind)
+        return getattr(importlib.import_module(PL_MODULE), name)
+    except ImportError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in _INSTALL:
+            raise
+        raise ImportError(f"{name} needs {_INSTALL[missing]}", name=exc.name) from exc
 
 
-def register(pl: ModuleType, cls: type) -> None:
-    """Register ``hetero`` and ``hetero_spawn`` in ``pl``'s StrategyRegistry (a second call does nothing)."""
-    _register_kind(pl, "hetero", cls)
+def _class_modules() -> tuple[str, ...]:
+    return (*(kind.module for kind in KINDS.values()), PL_MODULE)
 
 
-def _imported(namespace: str) -> bool:
-    module = sys.modules.get(namespace)
-    spec = getattr(module, "__spec__", None)
-    return module is not None and not getattr(spec, "_initializing", False)
+def register_namespace(namespace: str, _finished_module: str = "") -> None:
+    """Register every kind's names in ``namespace``'s StrategyRegistry (a second call does nothing).
+
+    While one of the classes' modules is being imported (it imports Lightning, whose import triggers this),
+    the registration waits until that module's import has finished.
+    """
+    if any(_initializing(name) for name in _class_modules() if name != _finished_module):
+        _waiting.add(namespace)
+        return
+    registry = importlib.import_module(namespace).strategies.StrategyRegistry
+    for key, kind in KINDS.items():
+        cls = class_named(f"{kind.class_name}{_SUFFIX[namespace]}")
+        for entry, (description, init_kwargs) in kind.entries.items():
+            if entry not in registry:  # another import or a reload registers nothing twice
+                registry.register(entry, cls, description=description, **init_kwargs)
+
+
+def _initializing(name: str) -> bool:
+    return bool(getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False))
+
+
+def _imported(name: str) -> bool:
+    return name in sys.modules and not _initializing(name)
+
+
+def _finished(name: str) -> None:
+    """``name`` (a Lightning package or a module of the classes) has been imported: register what waits for it."""
+    if name in NAMESPACES:
+        register_namespace(name)
+    for namespace in sorted(_waiting):
+        _waiting.discard(namespace)
+        register_namespace(namespace, name)
+
+
+_waiting: set[str] = set()
+"""Lightning packages imported while a module of the classes was being imported: registered after it."""
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for a pending namespace it asks the other finders, then wraps the loader."""
+    """Finds nothing itself: for a pending module (a Lightning package, a module of the classes) it asks the other
+    finders, then wraps the loader so that ``_finished`` runs when the module's import is done."""
 
     def __init__(self) -> None:
         self.pending: set[str] = set()
@@ -127,8 +166,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, namespace: str) -> None:
-        self._inner, self._namespace = inner, namespace
+    def __init__(self, inner: importlib.abc.Loader, name: str) -> None:
+        self._inner, self._name = inner, name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._inner.create_module(spec)
@@ -136,7 +175,7 @@ class _RegisteringLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         module.__loader__ = module.__spec__.loader = self._inner  # the package keeps its own loader
         self._inner.exec_module(module)  # type: ignore[attr-defined]
-        strategy_class(self._namespace)
+        _finished(self._name)
 
     def __getattr__(self, name: str) -> Any:  # resource readers and the like: the real loader's
         return getattr(self._inner, name)
@@ -146,21 +185,12 @@ _finder = _RegisterAfterImport()
 
 
 def register_when_imported() -> None:
-    """Register ``hetero`` in every Lightning package imported now, and in the others when they are imported."""
+    """Register the strategies in every Lightning package imported now, and in the others when they are imported."""
+    _finder.pending.update(name for name in _class_modules() if name not in sys.modules)
     for namespace in NAMESPACES:
         if _imported(namespace):
-            strategy_class(namespace)
+            register_namespace(namespace)
         else:
             _finder.pending.add(namespace)
     if _finder.pending and _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
-
-
-def build_strategy_class(pl: ModuleType) -> type:
-    """0.1.0's name: ``strategy_class(pl.__name__)``."""
-    return strategy_class(pl.__name__)
-
-
-def register_strategies(pl: ModuleType, cls: type) -> None:
-    """0.1.0's name: ``register(pl, cls)``."""
-    register(pl, cls)

@@ -6,6 +6,10 @@ during the step (``sync_dist`` logging waits for slower ranks: that is not
 compute).  On an emulated device the compute is at least its emulated time.
 When DDP skips the sync (gradient accumulation) no hook runs: the whole
 backward is then this rank's own compute.
+
+``StepPacing`` is the ``hetero`` strategy's part that owns this rank's
+``StepClock`` and, on an emulated cluster, the ``BatchPadding`` that pads
+each training batch to its emulated device's time.
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["StepRecord", "StepClock"]
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.workload import WorkloadSpec
+from het_strategy.emulation.padding import BatchPadding
+from het_strategy.emulation.speeds import cluster_is_emulated
+
+__all__ = ["StepRecord", "StepClock", "StepPacing"]
 
 
 @dataclass
@@ -65,3 +74,40 @@ class StepClock:
                          pad_s=pad_s, compute_s=compute)
         self.records.append(row)
         return row
+
+
+class StepPacing:
+    """This rank's step clock and emulated padding of each training batch."""
+
+    def __init__(self) -> None:
+        self.clock = StepClock()
+        self.padding: BatchPadding | None = None
+        """The batch padding on an emulated cluster (once a training plan exists), else None."""
+
+    def emulate(self, cluster: ClusterSpec, rank: int, workload: WorkloadSpec, dtype: str,
+                experts: bool) -> BatchPadding | None:
+        """Pad this rank's batches to its emulated device (when the cluster is emulated); ``experts=True``: the
+        batch padding covers the dense part only (HeteroMoE layers pad their experts themselves)."""
+        if not cluster_is_emulated(cluster):
+            self.padding = None
+            return None
+        self.padding = BatchPadding.for_device(cluster, cluster.devices[rank].name, workload, dtype,
+                                               experts=not experts)
+        self.padding.warn = rank == 0  # rank 0 says it once if its emulated time is far below the real one
+        return self.padding
+
+    def begin(self, batch_idx: int, samples: int | None, global_step: int) -> None:
+        """A training batch of ``samples`` (None: not a split loader) starts at optimizer step ``global_step``."""
+        self.clock.begin(batch_idx)
+        if self.padding is not None and samples is not None:
+            self.padding.begin(samples, global_step)
+
+    def finish_padding(self, samples: int | None) -> None:
+        """Pad the current training batch to its emulated time (once; the later calls do nothing)."""
+        if self.padding is not None and samples is not None:
+            self.padding.finish()
+
+    def after_backward(self, samples: int) -> StepRecord:
+        """The current training batch's record, once its backward is done."""
+        pad = self.padding
+        return self.clock.record(samples, pad.pad_s if pad else 0.0, pad.target_s if pad else None)

@@ -3,7 +3,9 @@
 The straggler, telemetry and emulation callbacks talk to the strategy through
 this Protocol only (``isinstance(trainer.strategy, HeteroRuntime)``), never
 through its internals; a test can stand in for the strategy with any object
-that has these members.
+that has these members.  It lives with the callbacks, which read it: the
+strategy satisfies it without importing it, so the callbacks import nothing
+from ``strategy/``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,19 @@ if TYPE_CHECKING:
     from het_strategy.compression.state import CompressionState
     from het_strategy.core.cluster import ClusterSpec
     from het_strategy.core.plan import Plan
-    from het_strategy.strategy.step_timing import StepRecord
 
-__all__ = ["HeteroRuntime"]
+__all__ = ["HeteroRuntime", "StepTiming"]
+
+
+class StepTiming(Protocol):
+    """One training batch on this rank, as the strategy timed it (``strategy.step_timing.StepRecord``)."""
+
+    step: int
+    samples: int
+    forward_s: float
+    pad_s: float
+    compute_s: float
+    """This rank's own work on the batch: its start to the last gradient bucket ready, less time in collectives."""
 
 
 @runtime_checkable
@@ -41,9 +53,8 @@ class HeteroRuntime(Protocol):
         """The gradient compression state, when the strategy compresses."""
 
     @property
-    def records(self) -> Sequence[StepRecord]:
+    def records(self) -> Sequence[StepTiming]:
         """This rank's timing of each training batch."""
-
     def current_shares(self) -> list[int]:
         """Samples per rank of a full global batch, in rank order."""
 
