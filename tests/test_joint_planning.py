@@ -141,7 +141,7 @@ def test_compression_planned_runs_the_plans_inter_node_choice() -> None:
     strategy = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.plan, compression="planned")
     assert strategy.comm.config == CompressionConfig(method="quantize", bits=4, scope="inter_node")
     blind = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.blind, compression="planned")
-    assert blind._compression_config.method == "none"
+    assert blind.comm.config.method == "none"
     with pytest.raises(ConfigError, match="`compression` is 'planned'; it must go with plan="):
         het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), compression="planned")
 
