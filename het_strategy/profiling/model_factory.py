@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.files import read_json_file
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 from het_strategy.profiling.module_profile import ProfileResult, profile_module
 from het_strategy.profiling.torch_device import DTYPE_NAMES
@@ -155,7 +155,7 @@ def load_profile_file(path: str | Path) -> SavedProfile:
     """A ``<plan>.model.json`` written by ``het-plan model=<python path>`` (``ProfileResult.to_dict``)."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        raw = read_json_file(path, "model profile", "model profile JSON file")[1]
         w = raw["workload"]
         layers = tuple(LayerCost(**{**layer, "moe": MoESpec(**layer["moe"]) if layer.get("moe") else None})
                        for layer in w["layers"])

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from het_strategy.core.atomic_file import write_atomic
+from het_strategy.core.files import read_json_file
 from het_strategy.profiling.measurements import DeviceMeasurement, LinkMeasurement
 
 __all__ = ["CACHE_FORMAT", "CachedMeasurement", "cache_age", "default_cache_dir", "device_cache_path",
@@ -81,7 +82,7 @@ def read_cache(path: Path, parse: Callable[[Mapping[str, Any]], Any]) -> CachedM
     if not path.exists():
         return None
     try:
-        raw = json.loads(path.read_text())
+        raw = read_json_file(path, "probe_cache_dir", "probe cache file")[1]  # a pipe or folder: refused, not read
         if raw.get("format") != CACHE_FORMAT:
             return None
         return CachedMeasurement(measurement=parse(raw["measurement"]), written_at=float(raw["written_at"]))
