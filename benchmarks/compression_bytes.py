@@ -33,7 +33,7 @@ check is skipped (the reason is printed) and the hook's figures still stand.
 
 Last line: ``RESULT ratio_4bit=... gpt_ratio_4bit=... mlp_ratio_4bit=... wire_ratio_4bit=...``
 (``ratio_4bit``: the smaller of the two models' hook-counted 4-bit ratios, the
-shipped ``quantize4`` settings; ``wire_ratio_4bit``: the same from the loopback
+shipped ``q4`` settings; ``wire_ratio_4bit``: the same from the loopback
 counter, ``nan`` without namespaces), followed by the 4-bit ratios of the two
 variants with less metadata (``maxnorm`` scaling, 512-element buckets) and of
 the 128-element buckets of the earlier default (more metadata).
@@ -55,7 +55,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compression_common import char_batches, char_gpt, lm_loss, mlp, run_worker_in_namespace, wrap  # noqa: E402
 
-from het_strategy.compression import CompressionConfig  # noqa: E402
+from het_strategy.compression import CODECS, CompressionConfig  # noqa: E402
 from het_strategy.emulation.netshape import loopback_tx_bytes  # noqa: E402
 
 _MODELS = {"gpt": "char GPT", "mlp": "MLP 64-512-512-512-10"}
@@ -64,13 +64,13 @@ _MODELS = {"gpt": "char GPT", "mlp": "MLP 64-512-512-512-10"}
 _METHODS: list[tuple[str, dict]] = [
     ("none", {"method": "none"}),
     ("fp16", {"method": "fp16"}),
-    ("q8", {"method": "quantize", "bits": 8}),
-    ("q4", {"method": "quantize", "bits": 4}),
-    ("q3", {"method": "quantize", "bits": 3}),
-    ("q2", {"method": "quantize", "bits": 2}),
-    ("q4 maxnorm", {"method": "quantize", "bits": 4, "scaling": "maxnorm"}),
-    ("q4 bucket128", {"method": "quantize", "bits": 4, "bucket_size": 128}),
-    ("q4 bucket512", {"method": "quantize", "bits": 4, "bucket_size": 512}),
+    ("q8", {"method": "q8"}),
+    ("q4", {"method": "q4"}),
+    ("q3", {"method": "q3"}),
+    ("q2", {"method": "q2"}),
+    ("q4 maxnorm", {"method": "q4", "scaling": "maxnorm"}),
+    ("q4 bucket128", {"method": "q4", "bucket_size": 128}),
+    ("q4 bucket512", {"method": "q4", "bucket_size": 512}),
     ("powersgd r4", {"method": "powersgd", "rank": 4}),
     ("topk 1%", {"method": "topk", "topk_ratio": 0.01}),
 ]
@@ -141,18 +141,13 @@ def _eligible_fraction(module: torch.nn.Module) -> tuple[int, float]:
 
 
 def _bound(fields: dict, eligible: float) -> float | None:
-    """fp32 bytes / bytes sent if only metadata and the fp32 tensors cost extra (no padding)."""
-    if fields["method"] == "quantize":
-        bucket = fields.get("bucket_size", CompressionConfig().bucket_size)
-        meta = 2 if fields.get("scaling", "maxmin") == "maxmin" else 1
-        bits = fields["bits"] + 32 * meta / bucket
-    elif fields["method"] in ("fp16", "bf16"):
-        bits = 16
-    elif fields["method"] == "none":
-        bits = 32
-    else:
+    """fp32 bytes / bytes sent if only metadata and the fp32 tensors cost extra (no padding): the codec's bytes
+    per element (``core.codecs``); None for a codec whose size depends on the layer's shape."""
+    config = CompressionConfig(**fields)
+    per_element = CODECS[config.method].bytes_per_element("fp32", config.codec_params)
+    if per_element is None:
         return None
-    return 32 / (eligible * bits + (1 - eligible) * 32)
+    return 32 / (eligible * 8 * per_element + (1 - eligible) * 32)
 
 
 def _run_models(args: argparse.Namespace, count_wire: bool) -> dict:
@@ -252,7 +247,7 @@ def main() -> None:
     ratios = {name: _report(name, results[name], args, ok) for name in _MODELS}
     worst = min(r["q4"] for r in ratios.values())
     wire = min(r["wire q4"] for r in ratios.values())
-    print(f"\n4-bit (maxmin, {CompressionConfig().bucket_size}-element buckets, the shipped quantize4): "
+    print(f"\n4-bit (maxmin, {CompressionConfig().bucket_size}-element buckets, the shipped q4): "
           f"{worst:.2f}x fewer bytes than fp32 "
           f"allreduce on the worse model; {'meets' if worst >= 7 else 'misses'} the 7x target")
     print(f"RESULT ratio_4bit={worst:.3f} gpt_ratio_4bit={ratios['gpt']['q4']:.3f} "

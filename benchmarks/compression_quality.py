@@ -3,7 +3,7 @@
 1. **Char GPT (the main job)** — ``het-train`` (Lightning, ``strategy=hetero``)
    on 4 CPU ranks without emulated speeds, ``--gpt-steps`` steps at learning
    rate ``--gpt-lr`` (1e-3), the same seed and data order for all three (mean
-   over ``--gpt-seeds`` seeds); ``compression=none``, ``compression=quantize4``
+   over ``--gpt-seeds`` seeds); ``compression=none``, ``compression=q4``
    and ``compression=adaptive`` with ``compression.link_mbit=100``: on this
    machine's loopback the adaptive controller would (rightly) switch itself
    off, so it is told to plan for a 100 Mbit/s link, the link of
@@ -46,10 +46,10 @@ from het_strategy.compression import CompressionState, compression_hook  # noqa:
 
 SETTINGS = {
     "uncompressed": {"method": "none"},
-    "quantize4": {"method": "quantize", "bits": 4},
+    "quantize4": {"method": "q4"},
     "adaptive": {"method": "adaptive", "link_mbit": 100.0},
 }
-GPT_OVERRIDES = {"uncompressed": ["compression=none"], "quantize4": ["compression=quantize4"],
+GPT_OVERRIDES = {"uncompressed": ["compression=none"], "quantize4": ["compression=q4"],
                  "adaptive": ["compression=adaptive", "compression.link_mbit=100"]}
 
 

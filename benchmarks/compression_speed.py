@@ -48,7 +48,8 @@ def _rank_main(rank: int, world: int, steps: int, seed: int) -> dict:
     times = interleaved_steps(replicas, batches)
     state = replicas["adaptive"][1]
     return {"times": times, "wire_ratio": state.wire_ratio, "choices": dict(state.choices),
-            "link": None if state.link is None else [state.link.latency_s, state.link.bytes_per_s]}
+            "link": None if state.controller.link is None else [state.controller.link.latency_s,
+                                                                 state.controller.link.bytes_per_s]}
 
 
 def _worker(args: argparse.Namespace) -> None:

@@ -44,12 +44,18 @@ from _compression_common import char_batches, char_gpt, interleaved_steps, lm_lo
 LABELS = ("none", "flat", "hier", "flat_same")
 
 
+def _link_rate(state) -> float | None:  # type: ignore[no-untyped-def]
+    """Bytes/s of the link an adaptive state's controller last fitted (None: none fitted, or no controller)."""
+    link = state.controller.link if state.controller is not None else None
+    return None if link is None else link.bytes_per_s
+
+
 def _hier_config(hier_method: str):
     from het_strategy.compression import CompressionConfig
 
     if hier_method in ("adaptive", "powersgd", "topk"):
         return CompressionConfig(method=hier_method, verbose=False)
-    return CompressionConfig(method="quantize", bits=int(hier_method[1:]))
+    return CompressionConfig(method=hier_method)
 
 
 def _labels(hier_method: str) -> tuple[str, ...]:
@@ -104,8 +110,7 @@ def _worker(out_path: str, steps: int, seed: int, val_batches: int, batch: int, 
             "times": times, "val_loss": losses, "flat_wire_ratio": flat_state.wire_ratio,
             "flat_choices": sorted(set(flat_state.choices.values())),
             "hier_choices": sorted(set(hier_state.inter.choices.values())),
-            "hier_link": None if hier_state.inter.link is None else hier_state.inter.link.bytes_per_s,
-            "flat_link": None if flat_state.link is None else flat_state.link.bytes_per_s,
+            "hier_link": _link_rate(hier_state.inter), "flat_link": _link_rate(flat_state),
             "hier_inter_bytes": float(inter), "flat_bytes": float(flat_state.bytes_sent) * world}))
     dist.destroy_process_group()
 

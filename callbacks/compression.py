@@ -10,7 +10,7 @@ of bytes) and logs:
   ``compression/wire_bytes_total`` (this rank's; per step and per rank they
   are ``telemetry/rank{r}/raw_bytes`` and ``wire_bytes``, from ``StepTelemetry``);
 - ``compression/bits/<layer>`` — each eligible layer's bits per element on the
-  wire (32 = uncompressed), at every re-solve of the adaptive controller (the
+  wire (32 = uncompressed fp32, 16 = uncompressed bf16), at every re-solve of the adaptive controller (the
   same per-layer decisions the hook prints).
 """
 

@@ -67,7 +67,7 @@ def _entry(rank: int, world: int, port: int, method: str, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--method", default="q4", help="q4 | quantize | powersgd | topk | fp16 | bf16 | none")
+    ap.add_argument("--method", default="q4", help="q2 ... q8 | powersgd | topk | fp16 | bf16 | none | adaptive")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()

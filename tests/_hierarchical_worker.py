@@ -44,8 +44,7 @@ def main() -> None:
     reference = torch.nn.Linear(64, 256, bias=False)
     reference.load_state_dict(layer.state_dict())
     model = DDP(layer)
-    config = CompressionConfig(method="none" if method == "none" else "quantize",
-                               bits=4 if method == "none" else int(method[1:]), warmup_steps=0, min_numel=1024)
+    config = CompressionConfig(method=method, warmup_steps=0, min_numel=1024)
     state = HierarchicalState(model, config, groups)
     model.register_comm_hook(state, hierarchical_hook)
 

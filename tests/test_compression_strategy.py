@@ -57,7 +57,7 @@ def _data() -> TensorDataset:
 
 def _fit(root: Path, out: Path, max_steps: int, ckpt_path: str | None = None, callbacks=()) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
-    strategy = HeteroStrategy(cluster=CLUSTER, compression={"method": "quantize", "bits": 4, "warmup_steps": 1},
+    strategy = HeteroStrategy(cluster=CLUSTER, compression={"method": "q4", "warmup_steps": 1},
                               start_method="fork", verbose=False,
                               timeout=__import__("datetime").timedelta(seconds=120))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
@@ -113,7 +113,7 @@ def test_inter_node_scope_compresses_only_the_leaders_exchange(tmp_path: Path) -
     """compression.scope=inter_node on 2 nodes x 2 ranks: the hierarchical hook is registered; only each node's
     first rank sends compressed bytes to the other node; every rank ends with the same parameters."""
     torch.set_num_threads(1)
-    strategy = HeteroStrategy(cluster=TWO_NODES, compression={"method": "quantize", "bits": 4, "warmup_steps": 1,
+    strategy = HeteroStrategy(cluster=TWO_NODES, compression={"method": "q4", "warmup_steps": 1,
                                                               "scope": "inter_node"},
                               start_method="fork", verbose=False, timeout=__import__("datetime").timedelta(seconds=120))
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_progress_bar=False,

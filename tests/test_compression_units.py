@@ -17,12 +17,14 @@ import pytest
 import torch
 import yaml
 
+from het_strategy.compression.codecs import wire_bytes
 from het_strategy.compression.config import CompressionConfig, compression_config
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
-    solve_layer_methods, wire_bytes
+    solve_layer_methods
 from het_strategy.compression.state import CompressionState
 from het_strategy.compression.quantize import QuantizerSpec, dequantize, error_bound, pack_codes, \
     packed_row_bytes, quantize, unpack_codes
+from het_strategy.core.codecs import Codec
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.shipped import shipped_config_dir
 
@@ -195,6 +197,7 @@ def test_wire_bytes_formulas() -> None:
     shape, n, world = (256, 256), 256 * 256, 4
     none = wire_bytes("none", shape, world, config)
     assert none == int(2 * (world - 1) / world * 4 * n) == 393216
+    assert wire_bytes("none", shape, world, config, "bf16") == none // 2  # bf16 gradients go as they are
     assert wire_bytes("fp16", shape, world, config) == none // 2
     assert wire_bytes("bf16", shape, world, config) == none // 2
     q4 = wire_bytes("q4", shape, world, config)
@@ -206,7 +209,9 @@ def test_wire_bytes_formulas() -> None:
     assert wire_bytes("powersgd", shape, world, config) == int(1.5 * 4 * 4 * (256 + 256))
     conv = (64, 3, 3, 3)  # a conv weight is a 64 x 27 matrix
     assert wire_bytes("powersgd", conv, world, config) == int(1.5 * 4 * 4 * (64 + 27))
-    assert wire_bytes("powersgd", (8, 2), 2, config) == int(1.0 * 4 * 2 * (8 + 2))  # rank capped at 2
+    # a matrix the factors would not shrink goes whole, as torch's hook sends it: (8 + 2) x 2 > 16
+    assert wire_bytes("powersgd", (8, 2), 2, config) == int(1.0 * 4 * 8 * 2)
+    assert wire_bytes("powersgd", (64, 8), 2, config) == int(1.0 * 4 * 4 * (64 + 8))  # (64 + 8) x 4 < 512
     # top-k: every other rank receives k (fp32 value, int32 index) pairs
     assert wire_bytes("topk", shape, world, config) == (world - 1) * 8 * math.ceil(0.01 * n)
     assert wire_bytes("topk", (3, 3), world, config) == (world - 1) * 8  # at least one entry
@@ -255,16 +260,17 @@ def test_bad_config_names_the_field_and_the_value(field: str, value: object, sho
 
 def test_compression_config_sources() -> None:
     q4 = compression_config("q4")
-    assert q4.method == "quantize" and q4.bits == 4 and q4.uniform_token == "q4"
+    assert q4.method is Codec.Q4 and q4.to_dict()["method"] == "q4" and type(q4.to_dict()["method"]) is str
     assert compression_config("adaptive") == CompressionConfig(method="adaptive")
     assert compression_config(None) is None
     given = CompressionConfig(method="topk")
     assert compression_config(given) is given
-    mapped = compression_config({"_target_": "ignored.Thing", "description": "ignored", "method": "quantize",
-                                 "bits": 3, "candidates": ["none", "q3"]})
-    assert mapped == CompressionConfig(method="quantize", bits=3, candidates=("none", "q3"))
+    mapped = compression_config({"_target_": "ignored.Thing", "description": "ignored", "method": "q3",
+                                 "candidates": ["none", "q3"]})
+    assert mapped == CompressionConfig(method="q3", candidates=(Codec.NONE, Codec.Q3))
+    assert all(type(t) is Codec for t in mapped.candidates)
     with pytest.raises(ConfigError) as info:
-        compression_config({"method": "quantize", "bitz": 3})
+        compression_config({"method": "q3", "bitz": 3})
     assert "compression.bitz" in str(info.value) and "unknown key" in str(info.value)
     with pytest.raises(ConfigError, match="compression.method"):
         compression_config("gzip")
@@ -272,15 +278,26 @@ def test_compression_config_sources() -> None:
         compression_config(4)
 
 
+def test_the_quantize_alias_is_read_as_its_codec_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="het_strategy"):
+        aliased = compression_config({"method": "quantize", "bits": 8, "warmup_steps": 1})
+    assert aliased == CompressionConfig(method="q8", warmup_steps=1) and aliased.method is Codec.Q8
+    assert "write method: q8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="het_strategy"):
+        CompressionConfig(method="q8")
+    assert caplog.text == ""
+
+
 def test_every_shipped_compression_config_loads() -> None:
     # planned.yaml asks for the plan's choice (resolved by the training job), not a CompressionConfig itself
     paths = sorted(p for p in _COMPRESSION_DIR.glob("*.yaml") if p.stem != "planned")
-    assert {p.stem for p in paths} >= {"none", "adaptive", "quantize4", "powersgd", "topk", "fp16", "bf16"}
+    assert {p.stem for p in paths} >= {"none", "adaptive", "q4", "powersgd", "topk", "fp16", "bf16"}
     loaded = {p.stem: compression_config(yaml.safe_load(p.read_text())) for p in paths}
     assert all(isinstance(c, CompressionConfig) for c in loaded.values())
-    assert loaded["none"].method == "none"
+    # a shipped option named for a codec runs that codec: one spelling for both
+    assert all(c.method == p for p, c in loaded.items() if p in {t.value for t in Codec})
     assert loaded["adaptive"].method == "adaptive"
-    assert loaded["quantize4"].uniform_token == "q4"
     assert loaded["topk"].topk_ratio == 0.01
 
 
@@ -291,10 +308,10 @@ def _busy_state() -> CompressionState:
     state = CompressionState(torch.nn.Linear(64, 64), "adaptive")
     state.step = 37
     state.choices = {"weight": "q3"}
-    state.next_solve = 87
-    state.interval = 100
+    state.controller.next_solve = 87
+    state.controller.interval = 100
     state.residuals = {"weight": torch.randn(64 * 64, generator=torch.Generator().manual_seed(5))}
-    state.link = LinkModel(1e-4, 1.5e8)
+    state.controller.link = LinkModel(1e-4, 1.5e8)
     state.decisions = [{"step": 10, "layer": "weight", "method": "q3", "bits_per_element": 3.5,
                         "bytes_per_rank": 1234, "error": 0.5}]
     state.bytes_sent = 1000
@@ -304,8 +321,10 @@ def _busy_state() -> CompressionState:
 
 def _assert_same_state(a: CompressionState, b: CompressionState) -> None:
     assert a.config == b.config
-    for name in ("step", "choices", "next_solve", "interval", "link", "decisions", "bytes_sent", "bytes_fp32"):
+    for name in ("step", "choices", "decisions", "bytes_sent", "bytes_fp32"):
         assert getattr(a, name) == getattr(b, name), name
+    for name in ("next_solve", "interval", "link"):
+        assert getattr(a.controller, name) == getattr(b.controller, name), name
     assert a.residuals.keys() == b.residuals.keys()
     for key in a.residuals:
         assert torch.equal(a.residuals[key], b.residuals[key])
@@ -334,14 +353,12 @@ def test_state_pickles_without_its_process_group() -> None:
 
 def test_only_an_adaptive_state_has_a_controller_and_every_method_saves_the_same_keys() -> None:
     adaptive = CompressionState(torch.nn.Linear(64, 64), {"method": "adaptive", "warmup_steps": 7})
-    assert adaptive.controller is not None and adaptive.controller.config is adaptive.config
-    assert (adaptive.next_solve, adaptive.interval, adaptive.link) == (7, 50, None)
-    adaptive.next_solve = 9  # the state's shorthand writes the controller's field
-    assert adaptive.controller.next_solve == 9
-    uniform = CompressionState(torch.nn.Linear(64, 64), {"method": "quantize", "warmup_steps": 7})
-    assert uniform.controller is None and uniform.next_solve is None and uniform.link is None
-    with pytest.raises(AttributeError, match="adaptive controller"):
-        uniform.interval = 3
+    controller = adaptive.controller
+    assert controller is not None and controller.config is adaptive.config
+    assert (controller.next_solve, controller.interval, controller.link) == (7, 50, None)
+    uniform = CompressionState(torch.nn.Linear(64, 64), {"method": "q4", "warmup_steps": 7})
+    assert uniform.controller is None
+    assert not hasattr(uniform, "next_solve")  # the schedule is the controller's alone
     saved = uniform.state_dict()
     assert saved.keys() == adaptive.state_dict().keys()
     assert (saved["next_solve"], saved["interval"], saved["link"]) == (7, 50, None)  # a fresh controller's
@@ -361,7 +378,7 @@ def test_a_0_1_0_checkpoints_compression_states_load_and_save_back_unchanged() -
     ckpt = torch.load(Path(__file__).parent / "data" / "checkpoint_v0.1.0.ckpt", weights_only=False)
     ranks = ckpt["het_strategy"]["compression"]["ranks"]
     for saved in ranks:
-        state = CompressionState(_NetHolder(), {"method": "quantize", "bits": 8, "min_numel": 8, "warmup_steps": 1})
+        state = CompressionState(_NetHolder(), {"method": "q8", "min_numel": 8, "warmup_steps": 1})
         state.load_state_dict(saved)
         again = state.state_dict()
         assert again.keys() == saved.keys()
@@ -374,8 +391,8 @@ def test_a_0_1_0_checkpoints_compression_states_load_and_save_back_unchanged() -
 
 
 def test_compression_modules_import_one_way() -> None:
-    """config/quantize/exchange/controller <- adaptive <- state <- hook: no module imports one that imports it
-    back (TYPE_CHECKING and function-level imports included)."""
+    """quantize <- config <- codecs <- exchange, controller <- adaptive <- state <- hook: no module imports one
+    that imports it back (TYPE_CHECKING and function-level imports included)."""
     import ast
     from pathlib import Path
 
@@ -395,7 +412,7 @@ def test_compression_modules_import_one_way() -> None:
         return any(d == goal or (d not in seen and reaches(d, goal, seen | {d})) for d in graph.get(start, ()))
 
     assert not [m for m in graph if reaches(m, m, {m})]
-    assert graph["adaptive"] <= {"config", "quantize", "exchange", "controller"}
+    assert graph["adaptive"] <= {"config", "quantize", "codecs", "exchange", "controller"}
     assert "hook" not in graph["state"] and "state" not in graph["adaptive"]
 
 
@@ -414,7 +431,7 @@ def test_state_needs_a_module() -> None:
 
 def test_small_and_one_dimensional_tensors_are_not_eligible() -> None:
     linear = torch.nn.Linear(64, 64)
-    state = CompressionState(linear, CompressionConfig(method="quantize", warmup_steps=0))
+    state = CompressionState(linear, CompressionConfig(method="q4", warmup_steps=0))
     assert state.eligible(linear.weight)  # 4096 elements >= min_numel 1024
     assert not state.eligible(linear.bias)  # 1-D
     assert not state.eligible(torch.zeros(4096))  # 1-D however large

@@ -29,11 +29,11 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
     (["strategy=ddp", "straggler.enabled=true"], "straggler"),
     (["straggler.enabled=true", "straggler.threshold=0"], "threshold"),
     (["straggler.enabled=true", "straggler.min_share=1.5"], "min_share"),
-    (["compression=quantize4", "compression.bits=1"], "compression.bits"),
+    (["compression=adaptive", "compression.bits=1"], "compression.bits"),
     (["compression=adaptive", "compression.error_budget=0"], "compression.error_budget"),
     (["compression=powersgd", "compression.rank=0"], "compression.rank"),
     (["compression=none", "compression.method=gzip"], "compression.method"),
-    (["compression=quantize4", "+compression.bitz=4"], "compression.bitz"),
+    (["compression=q4", "+compression.bitz=4"], "compression.bitz"),
     (["strategy=ddp", "compression=adaptive"], "compression.method"),
     (["compression=zip"], "compression"),
     (["planner.mode=pipeline"], "planner.mode"),                   # hetero plans data parallelism only
@@ -281,8 +281,13 @@ def test_a_wrong_value_names_its_full_field_in_one_line(overrides: list[str], me
     assert message in _error_of(["cluster=local_cpu2", *overrides], capsys)
 
 
-def test_an_unknown_model_key_says_how_to_add_one(no_training: None, capsys: pytest.CaptureFixture[str]) -> None:
-    assert "to add a new key, write `+model.dropout=...`" in _error_of(["model.dropout=0.1"], capsys)
+def test_an_unknown_model_key_lists_every_model_key(no_training: None, capsys: pytest.CaptureFixture[str]) -> None:
+    from het_strategy.core.workload import MODEL_KEYS
+
+    err = _error_of(["model.dropout=0.1"], capsys)
+    assert f"(known keys here: {', '.join(sorted(MODEL_KEYS))})" in err and "+model" not in err, err
+    # no key can be added to the model's schema: `+model.dropout=...` is refused the same way
+    assert "`model.dropout` is 0.1; it must not be there: unknown key" in _error_of(["+model.dropout=0.1"], capsys)
     # the schema holds every TransformerConfig field, so a documented one is set plainly (and checked)
     assert main(["--cfg", "model.ffn_hidden_size=512", "model.expert_ffn_hidden_size=64"]) == 0
     out = capsys.readouterr().out

@@ -67,7 +67,7 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   experiment=<name>              a preset: {{experiments}}
   output.dir=DIR  output.summary=summary.json  checkpoint.every_n_steps=N  resume=<ckpt>
   straggler.enabled=true  straggler.threshold=X  straggler.consecutive=N  straggler.min_share=X
-  compression=none|adaptive|quantize4|powersgd|topk|fp16|bf16   compression.bits=N  compression.error_budget=X
+  compression=none|adaptive|q4|powersgd|topk|fp16|bf16   compression.method=q8  compression.error_budget=X
   compression=hierarchical|planned   the inter-node hop only: adaptive, or planned with the placement (joint plan)
   model=moe_gpt_tiny  moe.placement=planned|uniform  moe.capacity_factor=X  moe.drop_tokens=true|false
 

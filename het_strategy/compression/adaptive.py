@@ -37,12 +37,13 @@ from typing import Any, Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.config import CompressionConfig, quantizer_for
-from het_strategy.core.log import logger
+from het_strategy.compression.codecs import round_trip, wire_bytes
+from het_strategy.compression.config import CompressionConfig
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
-    solve_layer_methods, wire_bytes
-from het_strategy.compression.exchange import HALF_DTYPES
-from het_strategy.compression.quantize import dequantize, pack_codes, quantize, unpack_codes
+    solve_layer_methods
+from het_strategy.core.codecs import Codec, ring_allreduce_bytes
+from het_strategy.core.log import logger
+from het_strategy.profiling.torch_device import DTYPE_NAMES
 
 __all__ = ["AdaptiveController", "Solution", "time_link", "format_decisions"]
 
@@ -79,10 +80,10 @@ class AdaptiveController:
         # the link fitted at the last solve or keep-off timing (saved; rank 0's is the one that decides)
         "link",
         # this rank's measurements of the current measuring step (not saved; emptied after every step):
-        # layer name -> {"shape", "tokens", "errors", "seconds", "bucket"}
+        # layer name -> {"shape", "dtype", "tokens", "errors", "seconds", "bucket"}
         "stats",
         # from the last full solve, pooled so equal on every rank (not saved): (least codec seconds any
-        # compression needs, fp32 wire bytes, buckets, elements); ``None`` until a solve has run
+        # compression needs, uncompressed wire bytes, buckets, elements); ``None`` until a solve has run
         "profile",
     )
 
@@ -115,7 +116,7 @@ class AdaptiveController:
         codec time on this rank.  ``residuals``: the state's error feedback, added first as the hook will;
         ``generator``: this rank's, for stochastic rounding and PowerSGD's random start."""
         cfg = self.config
-        tokens = list(dict.fromkeys([*cfg.candidates, f"q{cfg.bits}"]))  # the default is always measured
+        tokens = list(dict.fromkeys([*cfg.candidates, cfg.budget_codec]))  # the budget's codec is always measured
         for name, grad in zip(names, grads):
             x = grad.reshape(-1).to(torch.float32)
             if name in residuals:
@@ -123,13 +124,13 @@ class AdaptiveController:
             errors, seconds = [], []
             for token in tokens:
                 start = time.perf_counter()
-                got = _round_trip(token, x, grad.shape, cfg, generator)
+                got = round_trip(token, x, grad.shape, cfg, generator)
                 if got.is_cuda:  # kernels run asynchronously: time their completion, not their launch
                     torch.cuda.synchronize(got.device)
                 seconds.append(time.perf_counter() - start)
                 errors.append(float((got - x).square().sum()))
-            self.stats[name] = {"shape": list(grad.shape), "tokens": tokens, "errors": errors, "seconds": seconds,
-                                "bucket": bucket_index}
+            self.stats[name] = {"shape": list(grad.shape), "dtype": DTYPE_NAMES.get(grad.dtype, "fp32"),
+                                "tokens": tokens, "errors": errors, "seconds": seconds, "bucket": bucket_index}
 
     def end_step(self, step: int, choices: Mapping[str, str], group: dist.ProcessGroup, world: int,
                  device: torch.device) -> Solution | None:
@@ -152,11 +153,11 @@ class AdaptiveController:
         could not pay, stay off and skip the per-layer measuring (the cost of being adaptive on a fast link is
         then one timing of the link).  Rank 0 decides, all follow: the schedule must stay equal on every rank."""
         cfg = self.config
-        if cfg.link_mbit or self.profile is None or any(t != "none" for t in choices.values()):
+        if cfg.link_mbit or self.profile is None or any(t != Codec.NONE for t in choices.values()):
             return
-        codec_floor_s, fp32_bytes, buckets, elements = self.profile
+        codec_floor_s, plain_bytes, buckets, elements = self.profile
         link = time_link(group, world, elements, device)
-        plain_s = link.transfer_s(fp32_bytes) + link.latency_s * buckets
+        plain_s = link.transfer_s(plain_bytes) + link.latency_s * buckets
         best_s = codec_floor_s + link.latency_s * (buckets + 2)  # a compressed exchange costs at least this
         keep = torch.tensor([int(best_s > (1 - cfg.min_saving) * plain_s)], device=device)
         dist.broadcast(keep, src=dist.get_global_rank(group, 0), group=group)
@@ -182,23 +183,23 @@ class AdaptiveController:
         link = LinkModel(0.0, cfg.link_mbit * 1e6 / 8) if cfg.link_mbit else time_link(group, world, largest, device)
         self.link = link
         candidates = list(cfg.candidates)
-        budget = cfg.error_budget * float(errors[:, tokens.index(f"q{cfg.bits}")].sum())
+        budget = cfg.error_budget * float(errors[:, tokens.index(cfg.budget_codec)].sum())
         # every rank prices the options with its own link (for the log's reasons); rank 0's decide
         options = []
         for li, name in enumerate(names):
-            shape = stats[name]["shape"]
+            shape, dtype = stats[name]["shape"], stats[name]["dtype"]
             row = []
             for token in candidates:
                 ti = tokens.index(token)
-                codec = 0.0 if token == "none" else _CODEC_FACTOR * float(seconds[li, ti])
-                row.append(LayerOption(token, link.transfer_s(wire_bytes(token, shape, world, cfg)) + codec,
+                codec_s = 0.0 if token == Codec.NONE else _CODEC_FACTOR * float(seconds[li, ti])
+                row.append(LayerOption(token, link.transfer_s(wire_bytes(token, shape, world, cfg, dtype)) + codec_s,
                                        float(errors[li, ti])))
             options.append(row)
         choice = torch.zeros(len(names), dtype=torch.int64, device=device)
         if dist.get_rank(group) == 0:
             chosen = solve_layer_methods(options, budget)
-            if "none" in candidates:  # is it worth it at all? latency per collective and a margin decide
-                plain = [candidates.index("none")] * len(names)
+            if Codec.NONE in candidates:  # is it worth it at all? latency per collective and a margin decide
+                plain = [candidates.index(Codec.NONE)] * len(names)
                 buckets = [stats[n]["bucket"] for n in names]
                 compressed_s = predicted_exchange_s(options, chosen, buckets, link.latency_s)
                 plain_s = predicted_exchange_s(options, plain, buckets, link.latency_s)
@@ -208,10 +209,11 @@ class AdaptiveController:
         dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
         choice = choice.cpu()
         # what the cheapest codec alone would cost, for maybe_keep_off; from pooled figures, so equal on all ranks
-        codecs = [ti for ti, t in enumerate(tokens) if t in candidates and t != "none"]
+        codecs = [ti for ti, t in enumerate(tokens) if t in candidates and t != Codec.NONE]
         if codecs:
             self.profile = (_CODEC_FACTOR * float(seconds[:, codecs].min(dim=1).values.sum()),
-                            sum(wire_bytes("none", stats[n]["shape"], world, cfg) for n in names),
+                            sum(wire_bytes(Codec.NONE, stats[n]["shape"], world, cfg, stats[n]["dtype"])
+                                for n in names),
                             len({stats[n]["bucket"] for n in names}), largest)
         new = {name: candidates[int(i)] for name, i in zip(names, choice)}
         changed = new != dict(choices)
@@ -222,9 +224,10 @@ class AdaptiveController:
         for li, name in enumerate(names):
             token = new[name]
             shape = stats[name]["shape"]
-            sent = wire_bytes(token, shape, world, cfg)
-            rows.append({"step": step, "layer": name, "method": token,
-                         "bits_per_element": round(8 * sent / (2 * (world - 1) / world) / math.prod(shape), 3),
+            sent = wire_bytes(token, shape, world, cfg, stats[name]["dtype"])
+            # bits per element as an allreduce would carry them: 32 for fp32 uncompressed
+            rows.append({"step": step, "layer": name, "method": str(token),
+                         "bits_per_element": round(32 * sent / ring_allreduce_bytes(4 * math.prod(shape), world), 3),
                          "bytes_per_rank": sent, "error": float(errors[li, tokens.index(token)]),
                          "budget": budget, "reason": _reason(options[li], candidates.index(token), link, budget)})
         if changed and cfg.verbose and dist.get_rank() == 0:
@@ -237,44 +240,15 @@ def _reason(options: list[LayerOption], chosen: int, link: LinkModel, budget: fl
     pick = options[chosen]
     text = (f"link {link.bytes_per_s * 8 / 1e6:.0f} Mbit/s, {link.latency_s * 1e3:.2f} ms latency: "
             f"{pick.token} {pick.time_s * 1e3:.3g} ms")
-    plain = next((o for o in options if o.token == "none"), None)
-    if plain is not None and pick.token != "none":
+    plain = next((o for o in options if o.token == Codec.NONE), None)
+    if plain is not None and pick.token != Codec.NONE:
         text += f" vs {plain.time_s * 1e3:.3g} ms uncompressed"
     elif plain is not None:
         fastest = min(options, key=lambda o: o.time_s)
-        if fastest.token != "none":  # compressing this layer would have been faster alone: the budget or margin
+        if fastest.token != Codec.NONE:  # compressing this layer would have been faster alone: the budget or margin
             text += (f" (fastest {fastest.token} {fastest.time_s * 1e3:.3g} ms; the error budget or min_saving "
                      "kept it uncompressed)")
     return text + f"; error {pick.error:.3g} of a budget of {budget:.3g} for all layers"
-
-
-def _round_trip(token: str, x: torch.Tensor, shape: torch.Size, cfg: CompressionConfig,
-                generator: torch.Generator) -> torch.Tensor:
-    """What one rank's gradient becomes through ``token``'s encoding (no communication)."""
-    if token == "none":
-        return x
-    if token in HALF_DTYPES:
-        return x.to(HALF_DTYPES[token]).to(torch.float32)
-    if token.startswith("q"):
-        spec = quantizer_for(token, cfg)
-        padded = torch.zeros(math.ceil(x.numel() / spec.bucket_size) * spec.bucket_size, device=x.device)
-        padded[:x.numel()] = x
-        q = quantize(padded, spec, generator)
-        q.codes = unpack_codes(pack_codes(q.codes, spec.bits), spec.bits)
-        return dequantize(q, spec)[:x.numel()]
-    if token == "topk":
-        k = max(1, math.ceil(cfg.topk_ratio * x.numel()))
-        top = x.abs().topk(k, sorted=False).indices
-        out = torch.zeros_like(x)
-        out[top] = x[top]
-        return out
-    if token == "powersgd":  # one power iteration from a seeded random start, as PowerSGD's first step
-        m = x.view(shape[0], -1)
-        rank = min(m.shape[0], m.shape[1], cfg.rank)
-        q = torch.randn(m.shape[1], rank, generator=generator).to(m.device)
-        p = torch.linalg.qr(m @ q).Q
-        return (p @ (m.T @ p).T).reshape(-1)
-    raise ValueError(token)
 
 
 def time_link(group: dist.ProcessGroup, world: int, largest: int, device: torch.device) -> LinkModel:
@@ -294,7 +268,7 @@ def time_link(group: dist.ProcessGroup, world: int, largest: int, device: torch.
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
-        sent.append(2 * (world - 1) * 4 * n / world)
+        sent.append(ring_allreduce_bytes(4 * n, world))  # fp32
         seconds.append(best)
     return fit_link(sent, seconds)
 

@@ -1,48 +1,59 @@
 """What the user asks of gradient compression: one validated dataclass.
 
 ``CompressionConfig`` is what ``HeteroStrategy(compression=...)``, the Hydra
-group ``compression=<name>`` and ``CompressionState`` take.  Per-layer choices
-are *method tokens*: ``none``, ``fp16``, ``bf16``, ``q2`` ... ``q8`` (quantized to
-that many bits with the config's scaling, bucket and rounding), ``powersgd``
-(rank ``rank``) and ``topk`` (``topk_ratio`` of the entries).
+group ``compression=<name>`` and ``CompressionState`` take.  ``method`` is
+``adaptive`` (a codec chosen per layer) or one codec token for every eligible
+layer: ``none``, ``fp16``, ``bf16``, ``q2`` ... ``q8`` (quantized to that many
+bits with the config's scaling, bucket and rounding), ``topk`` (``topk_ratio``
+of the entries) or ``powersgd`` (rank ``rank``); the tokens are
+``core.codecs.Codec``, each registered once there.
+
+One alias is read here and nowhere else: ``method: quantize`` with ``bits: b``
+is taken as ``q<b>``, with a logged note naming the token to write.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
-from het_strategy.compression.quantize import SCALINGS, QuantizerSpec
+from het_strategy.compression.quantize import QuantizerSpec
+from het_strategy.core.codecs import CODECS, SCALINGS, Codec, CodecParams, Scaling, codec
 from het_strategy.core.errors import check_keys, field_error, require_int
+from het_strategy.core.log import logger
 
-__all__ = ["CompressionConfig", "METHODS", "compression_config", "method_token_valid", "quantizer_for"]
+__all__ = ["CompressionConfig", "METHODS", "ADAPTIVE", "compression_config", "quantizer_for"]
 
-METHODS = ("adaptive", "none", "fp16", "bf16", "quantize", "powersgd", "topk")
+ADAPTIVE = "adaptive"
+METHODS: tuple[str, ...] = (ADAPTIVE, *Codec)
+"""What ``CompressionConfig.method`` may be: adaptive, or any codec token."""
 SCOPES = ("all", "inter_node")
-_TOKEN = re.compile(r"^(none|fp16|bf16|powersgd|topk|q([0-9]+))$")
+_QUANTIZE_ALIAS = "quantize"  # method: quantize + bits: b, read as q<b>
+_BITS = 4  # CompressionConfig.bits's default
+_DEFAULTS = CodecParams()
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
     """Gradient compression for a DDP model: one method everywhere, or chosen per layer."""
 
-    method: str = "adaptive"
-    """adaptive (per layer, from measured bandwidth and gradients) | none | fp16 | bf16 | quantize | powersgd | topk."""
-    bits: int = 4
-    """Bits per element for ``quantize``; for ``adaptive``, the uniform default whose error is the budget."""
-    scaling: str = "maxmin"
+    method: Codec | Literal["adaptive"] = ADAPTIVE
+    """adaptive (per layer, from measured bandwidth and gradients) | a codec token for every eligible layer:
+    none | fp16 | bf16 | q2 ... q8 | topk | powersgd."""
+    bits: int = _BITS
+    """adaptive: the error budget is ``error_budget`` x the error of uniform ``q{bits}``."""
+    scaling: Scaling = _DEFAULTS.scaling
     """Quantization scale per bucket: maxmin (min and step) | maxnorm (symmetric, one scale)."""
-    bucket_size: int = 256
+    bucket_size: int = _DEFAULTS.bucket_size
     """Elements per quantization bucket (a multiple of 8)."""
     stochastic_rounding: bool = False
     """Round quantized values stochastically (unbiased) instead of to the nearest level."""
     error_feedback: bool = True
-    """Carry each layer's compression error into its next gradient (quantize, topk, powersgd)."""
-    rank: int = 4
+    """Carry each layer's compression error into its next gradient (q2 ... q8, topk, powersgd)."""
+    rank: int = _DEFAULTS.rank
     """PowerSGD's matrix approximation rank."""
-    topk_ratio: float = 0.01
+    topk_ratio: float = _DEFAULTS.topk_ratio
     """Fraction of each layer's entries that top-k sends."""
     min_numel: int = 1024
     """Tensors with fewer elements, and every 1-D tensor (biases, norms), stay uncompressed."""
@@ -52,7 +63,7 @@ class CompressionConfig:
     """adaptive: steps between re-solving the per-layer choice (doubles, up to 8x, while the choice holds)."""
     error_budget: float = 1.0
     """adaptive: allowed total compression error, as a multiple of uniform ``q{bits}``'s error on the same gradients."""
-    candidates: tuple[str, ...] = ("none", "q8", "q4", "q3")
+    candidates: tuple[Codec, ...] = (Codec.NONE, Codec.Q8, Codec.Q4, Codec.Q3)
     """adaptive: the method tokens each layer may get (q2 is allowed; measured here it doubled the GPT's loss gap)."""
     min_saving: float = 0.2
     """adaptive: compress only if the predicted exchange time falls by at least this fraction (the model leaves out
@@ -68,11 +79,16 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         if isinstance(self.candidates, list):  # a list from YAML or code: keep the config hashable and comparable
             object.__setattr__(self, "candidates", tuple(self.candidates))
-        if self.method not in METHODS:
-            raise field_error("compression.method", self.method, f"be one of {', '.join(METHODS)}")
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
             raise field_error("compression.bits", self.bits, "be an integer from 2 to 8",
                               "fewer bits cannot carry a sign and a zero; more than 8 do not pay over fp16")
+        if self.method == _QUANTIZE_ALIAS:
+            logger.info("compression.method: 'quantize' with bits=%d is the codec 'q%d'; write method: q%d",
+                        self.bits, self.bits, self.bits)
+            object.__setattr__(self, "method", Codec(f"q{self.bits}"))
+            object.__setattr__(self, "bits", _BITS)  # as CompressionConfig(method="q<b>") has it
+        if self.method != ADAPTIVE:
+            object.__setattr__(self, "method", codec(self.method, "compression.method", METHODS))
         if self.scaling not in SCALINGS:
             raise field_error("compression.scaling", self.scaling, f"be one of {', '.join(SCALINGS)}")
         require_int(self.bucket_size, "compression.bucket_size", minimum=8)
@@ -104,43 +120,43 @@ class CompressionConfig:
             raise field_error("compression.scope", self.scope, f"be one of {', '.join(SCOPES)}")
         if not self.candidates:
             raise field_error("compression.candidates", list(self.candidates), "name at least one method token")
-        for i, token in enumerate(self.candidates):
-            if not method_token_valid(token):
-                raise field_error(f"compression.candidates[{i}]", token,
-                                  "be none, fp16, bf16, q2 ... q8, powersgd or topk")
+        object.__setattr__(self, "candidates", tuple(codec(token, f"compression.candidates[{i}]")
+                                                     for i, token in enumerate(self.candidates)))
 
     @property
-    def uniform_token(self) -> str:
-        """The method token of a non-adaptive config (what every eligible layer gets)."""
-        return {"quantize": f"q{self.bits}"}.get(self.method, self.method)
+    def budget_codec(self) -> Codec:
+        """adaptive: the uniform codec whose error, times ``error_budget``, is the budget (``q{bits}``)."""
+        return Codec(f"q{self.bits}")
+
+    @property
+    def codec_params(self) -> CodecParams:
+        """The knobs the codecs' wire sizes depend on."""
+        return CodecParams(bucket_size=self.bucket_size, scaling=self.scaling, rank=self.rank,
+                           topk_ratio=self.topk_ratio)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (tokens as strings): for checkpoints, logs and YAML."""
         out = asdict(self)
-        out["candidates"] = list(self.candidates)
+        out["method"] = str(self.method)
+        out["candidates"] = [str(token) for token in self.candidates]
         return out
-
-
-def method_token_valid(token: Any) -> bool:
-    """True for none, fp16, bf16, powersgd, topk and q2 ... q8."""
-    if not isinstance(token, str):
-        return False
-    match = _TOKEN.match(token)
-    return bool(match) and (match.group(2) is None or 2 <= int(match.group(2)) <= 8)
 
 
 def quantizer_for(token: str, config: CompressionConfig) -> QuantizerSpec:
     """The quantizer a ``q<bits>`` token stands for under ``config``."""
-    return QuantizerSpec(bits=int(token[1:]), scaling=config.scaling, bucket_size=config.bucket_size,
+    bits = CODECS[codec(token, "token")].bits
+    if bits is None:
+        raise field_error("token", token, "be a quantizing codec (q2 ... q8)")
+    return QuantizerSpec(bits=bits, scaling=config.scaling, bucket_size=config.bucket_size,
                          stochastic=config.stochastic_rounding)
 
 
 def compression_config(source: Any) -> CompressionConfig | None:
-    """A ``CompressionConfig`` from a config, a method name, or a mapping (Hydra group); None for None."""
+    """A ``CompressionConfig`` from a config, a method (``adaptive`` or a codec token), or a mapping of its fields
+    (the Hydra group); None for None."""
     if source is None or isinstance(source, CompressionConfig):
         return source
     if isinstance(source, str):
-        if source.startswith("q") and method_token_valid(source):
-            return CompressionConfig(method="quantize", bits=int(source[1:]))
         return CompressionConfig(method=source)
     if isinstance(source, Mapping):
         raw = dict(source)

@@ -1,7 +1,8 @@
 """Choosing a compression method per layer: L-GreCo's dynamic program.
 
 Each eligible layer ``l`` has options ``m`` (method tokens) with a predicted time
-``t[l][m]`` (bytes on the wire / measured bandwidth + measured codec time) and a
+``t[l][m]`` (the codec's wire bytes, ``codecs.wire_bytes``, over the measured
+bandwidth, plus its measured codec time) and a
 measured error ``e[l][m]`` (squared L2 distance between the gradient and what
 the method delivers).  We pick one option per layer to
 
@@ -27,10 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from het_strategy.compression.config import CompressionConfig, quantizer_for
-from het_strategy.compression.quantize import packed_row_bytes
-
-__all__ = ["LayerOption", "LinkModel", "solve_layer_methods", "wire_bytes", "fit_link", "predicted_exchange_s"]
+__all__ = ["LayerOption", "LinkModel", "solve_layer_methods", "fit_link", "predicted_exchange_s"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +36,7 @@ class LayerOption:
     """One way to send one layer's gradient."""
 
     token: str
-    """Method token (none, fp16, bf16, q2..q8, powersgd, topk)."""
+    """Codec token (``core.codecs.Codec``)."""
     time_s: float
     """Predicted seconds: wire time plus codec time."""
     error: float
@@ -65,33 +63,6 @@ def fit_link(sent_bytes: Sequence[float], seconds: Sequence[float]) -> LinkModel
     if slope <= 0:  # noise swamped the size dependence: take the largest transfer's average rate
         slope = y[-1] / x[-1]
     return LinkModel(latency_s=max(0.0, float(intercept)), bytes_per_s=float(1.0 / slope))
-
-
-def wire_bytes(token: str, shape: Sequence[int], world: int, config: CompressionConfig) -> int:
-    """Bytes one rank sends for one layer's gradient (payload + metadata).
-
-    An allreduce (ring or reduce-scatter + allgather) sends ``2 (W-1)/W`` of its
-    input per rank; quantized codes take the same two phases (all-to-all, then
-    allgather of the re-quantized chunk sums); top-k allgathers
-    ``(W-1) x k`` (value, index) pairs.
-    """
-    numel = math.prod(shape)
-    two_phase = 2 * (world - 1) / world
-    if token == "none":
-        return int(two_phase * 4 * numel)
-    if token in ("fp16", "bf16"):
-        return int(two_phase * 2 * numel)
-    if token.startswith("q"):
-        spec = quantizer_for(token, config)
-        chunk = math.ceil(numel / (world * spec.bucket_size)) * spec.bucket_size
-        return int(2 * (world - 1) * packed_row_bytes(chunk, spec))
-    if token == "powersgd":
-        rows, cols = shape[0], numel // shape[0]
-        rank = min(rows, cols, config.rank)
-        return int(two_phase * 4 * rank * (rows + cols))
-    if token == "topk":
-        return int((world - 1) * 8 * max(1, math.ceil(config.topk_ratio * numel)))
-    raise ValueError(f"unknown method token {token!r}")
 
 
 def solve_layer_methods(options: Sequence[Sequence[LayerOption]], budget: float,

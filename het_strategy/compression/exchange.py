@@ -1,10 +1,12 @@
-"""The collectives behind each compression method: flat fp32 in, world mean out.
+"""The collectives behind each codec's ``Exchange``: flat fp32 in, world mean out.
 
 Every function takes this rank's flat fp32 gradient (error feedback already
 added) and returns ``Exchanged(mean, delivered, bytes_sent)``: the mean over
 ranks that every rank receives *identically* (DDP needs bitwise-equal
 replicas), what this rank's own contribution became after compression (for
-error feedback), and the bytes this rank put on the wire.
+error feedback), and the bytes this rank put on the wire, counted from the
+tensors each collective sends (``core.codecs`` states the same figures per
+codec; the tests hold the two equal).
 
 Quantized codes are never summed as small integers (they would overflow and
 their scales differ per rank).  ``quantized_mean`` is CGX's two-phase exchange:
@@ -36,13 +38,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.quantize import Quantized, QuantizerSpec, dequantize, pack_codes, \
-    packed_row_bytes, quantize, unpack_codes
-from het_strategy.profiling.torch_device import TORCH_DTYPES
+from het_strategy.compression.codecs import topk_select
+from het_strategy.compression.quantize import Quantized, QuantizerSpec, dequantize, pack_codes, quantize, \
+    unpack_codes
+from het_strategy.core.codecs import ring_allreduce_bytes
 
-__all__ = ["Exchanged", "HALF_DTYPES", "allreduce_mean", "half_precision_mean", "quantized_mean", "topk_mean"]
-
-HALF_DTYPES = {name: TORCH_DTYPES[name] for name in ("fp16", "bf16")}
+__all__ = ["Exchanged", "allreduce_mean", "half_precision_mean", "quantized_mean", "topk_mean"]
 
 
 @dataclass
@@ -62,16 +63,12 @@ def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessG
     gather(output, tensor, group=group)
 
 
-def _ring_bytes(num_bytes: int, world: int) -> int:
-    return int(2 * (world - 1) * num_bytes / world)
-
-
 def allreduce_mean(flat: torch.Tensor, group: dist.ProcessGroup) -> Exchanged:
-    """Plain fp32 allreduce, divided by the world size."""
+    """Plain allreduce in ``flat``'s own dtype, divided by the world size."""
     world = group.size()
     out = flat / world
     dist.all_reduce(out, group=group)
-    return Exchanged(out, flat, _ring_bytes(flat.numel() * flat.element_size(), world))
+    return Exchanged(out, flat, ring_allreduce_bytes(out.numel() * out.element_size(), world))
 
 
 def half_precision_mean(flat: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup) -> Exchanged:
@@ -80,7 +77,7 @@ def half_precision_mean(flat: torch.Tensor, dtype: torch.dtype, group: dist.Proc
     low = (flat / world).to(dtype)
     delivered = low.to(flat.dtype) * world
     dist.all_reduce(low, group=group)
-    return Exchanged(low.to(flat.dtype), delivered, _ring_bytes(low.numel() * low.element_size(), world))
+    return Exchanged(low.to(flat.dtype), delivered, ring_allreduce_bytes(low.numel() * low.element_size(), world))
 
 
 def _pack_rows(q_codes: torch.Tensor, meta: torch.Tensor, spec: QuantizerSpec, num_rows: int) -> torch.Tensor:
@@ -122,8 +119,8 @@ def quantized_mean(flat: torch.Tensor, spec: QuantizerSpec, group: dist.ProcessG
     gathered = torch.empty(world * row.shape[1], dtype=torch.uint8, device=flat.device)
     _all_gather(gathered, row.reshape(-1), group)
     mean = _unpack_rows(gathered.reshape(world, -1), spec, chunk).reshape(-1)[:n]
-    row_bytes = packed_row_bytes(chunk, spec)
-    return Exchanged(mean, delivered, 2 * (world - 1) * row_bytes, left_out)
+    # the all-to-all sends W-1 of this rank's W rows, the allgather its one row to W-1 ranks
+    return Exchanged(mean, delivered, (world - 1) * (send.numel() // world + row.numel()), left_out)
 
 
 def topk_mean(flats: list[torch.Tensor], ratio: float, group: dist.ProcessGroup) -> tuple[list[torch.Tensor],
@@ -137,12 +134,11 @@ def topk_mean(flats: list[torch.Tensor], ratio: float, group: dist.ProcessGroup)
     values, indices, delivered = [], [], []
     offset = 0
     for flat in flats:
-        k = max(1, math.ceil(ratio * flat.numel()))
-        top = flat.abs().topk(k, sorted=False).indices
+        kept_values, top = topk_select(flat, ratio)
         kept = torch.zeros_like(flat)
-        kept[top] = flat[top]
+        kept[top] = kept_values
         delivered.append(kept)
-        values.append(flat[top])
+        values.append(kept_values)
         indices.append((top + offset).to(torch.int32))
         offset += flat.numel()
     vals = torch.cat(values)
@@ -159,4 +155,4 @@ def topk_mean(flats: list[torch.Tensor], ratio: float, group: dist.ProcessGroup)
     for flat in flats:
         means.append(total[start:start + flat.numel()])
         start += flat.numel()
-    return means, delivered, (world - 1) * payload.numel() * 4
+    return means, delivered, (world - 1) * payload.numel() * payload.element_size()

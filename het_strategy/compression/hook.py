@@ -11,20 +11,18 @@ What one call does, for one gradient bucket:
 
 1. Name each gradient by its parameter (names are stable across restarts and
    DDP's bucket rebuilds, so error-feedback buffers and choices key by them).
-2. Give each a method token: ``none`` during warm-up and for small or 1-D
+2. Give each a codec token: ``none`` during warm-up and for small or 1-D
    tensors; afterwards the configured method, or the controller's per-layer
    choice (``adaptive``; on a measuring step the controller first measures the
    bucket's eligible layers, ``adaptive.py``).
 3. If the whole bucket is ``none``, launch one asynchronous allreduce, exactly
    what DDP does without a hook.  Otherwise add each layer's error-feedback
-   residual, exchange each method's group of layers (``exchange.py``, in a
-   fixed order so every rank issues the same collectives), write the means into
-   the bucket and keep the new residuals.
+   residual, exchange each codec's group of layers through the collective of
+   its ``Exchange`` (``core/codecs.py``, ``exchange.py``; groups in ``Codec``
+   order, so every rank issues the same collectives), write the means into the
+   bucket and keep the new residuals.
 4. On the last bucket of a step, ``CompressionState.end_step``: count the step
    and, for ``adaptive``, let the controller re-solve when due.
-
-``CompressionState`` is re-exported here: ``from het_strategy.compression.hook
-import CompressionState`` keeps working.
 """
 
 import zlib
@@ -32,15 +30,16 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from het_strategy.compression.codecs import wire_bytes
 from het_strategy.compression.config import quantizer_for
-from het_strategy.compression.controller import wire_bytes
-from het_strategy.compression.exchange import HALF_DTYPES, allreduce_mean, half_precision_mean, quantized_mean, \
-    topk_mean
-from het_strategy.compression.state import STATE_VERSION, CompressionState
+from het_strategy.compression.exchange import allreduce_mean, half_precision_mean, quantized_mean, topk_mean
+from het_strategy.compression.state import CompressionState
+from het_strategy.core.codecs import CODECS, Codec, Exchange, ring_allreduce_bytes
+from het_strategy.profiling.torch_device import TORCH_DTYPES
 
-__all__ = ["CompressionState", "compression_hook", "STATE_VERSION"]
+__all__ = ["compression_hook"]
 
-_ORDER = ("none", "fp16", "bf16", "q8", "q7", "q6", "q5", "q4", "q3", "q2", "topk", "powersgd")
+_ORDER = list(Codec)
 
 
 class _SubBucket:
@@ -77,17 +76,17 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """DDP comm hook: compress each layer of the bucket as ``state`` says (module docstring)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = group.size()
-    uncompressed = 2 * (world - 1) * bucket.buffer().numel() * bucket.buffer().element_size() // world
+    uncompressed = ring_allreduce_bytes(bucket.buffer().numel() * bucket.buffer().element_size(), world)
     state.bytes_fp32 += uncompressed
     state.note_bucket(bucket)
-    tokens: list[str] = []
+    tokens: list[Codec] = []
     if not state.uncompressed_step():
         grads = bucket.gradients()
         names = [state.param_name(p, bucket.index(), i) for i, p in enumerate(bucket.parameters())]
         if state.measuring():
             state.measure(names, grads, bucket.index())
         tokens = [state.token_for(n, g) for n, g in zip(names, grads)]
-        if all(t == "none" for t in tokens) and not any(n in state.residuals for n in names):
+        if all(t == Codec.NONE for t in tokens) and not any(n in state.residuals for n in names):
             tokens = []
     if not tokens:
         # the common fast path: one asynchronous allreduce of the whole bucket, like DDP's default
@@ -106,27 +105,28 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     return result
 
 
-def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch.Tensor], tokens: list[str],
+def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch.Tensor], tokens: list[Codec],
                     group: dist.ProcessGroup) -> None:
-    """Exchange each method's layers of this bucket, in the fixed ``_ORDER`` (same collectives on every rank)."""
+    """Exchange each codec's layers of this bucket, in ``Codec`` order (the same collectives on every rank)."""
     cfg = state.config
     inputs: list[torch.Tensor] = []
     for name, grad in zip(names, grads):
         flat = grad.reshape(-1).to(torch.float32)
         residual = state.residuals.pop(name, None)
         inputs.append(flat + residual.to(flat.device) if residual is not None else flat)
-    by_token: dict[str, list[int]] = {}
+    by_token: dict[Codec, list[int]] = {}
     for i, token in enumerate(tokens):
         by_token.setdefault(token, []).append(i)
     for token in sorted(by_token, key=_ORDER.index):
         # by name, not bucket position: DDP's bucket rebuild after the first step reorders a bucket, and a
         # resumed run starts before it; the group's layout (and its saved residuals) must not depend on that
         members = sorted(by_token[token], key=names.__getitem__)
-        if token == "powersgd":
+        spec = CODECS[token]
+        if spec.exchange is Exchange.LOW_RANK:
             _powersgd_exchange(state, [names[i] for i in members], [grads[i] for i in members],
                                [inputs[i] for i in members])
             continue
-        if token == "topk":
+        if spec.exchange is Exchange.ALLGATHER:
             means, delivered, sent = topk_mean([inputs[i] for i in members], cfg.topk_ratio, group)
             for i, mean, got in zip(members, means, delivered):
                 grads[i].copy_(mean.view_as(grads[i]))
@@ -135,10 +135,11 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
             state.bytes_sent += sent
             continue
         flat = torch.cat([inputs[i] for i in members])
-        if token == "none":  # in the gradients' own dtype (a bf16 model's stay bf16 on the wire)
+        if spec.exchange is Exchange.ALLREDUCE and spec.wire_dtype is None:
+            # in the gradients' own dtype (a bf16 model's stay bf16 on the wire)
             out = allreduce_mean(flat.to(grads[members[0]].dtype), group)
-        elif token in HALF_DTYPES:
-            out = half_precision_mean(flat, HALF_DTYPES[token], group)
+        elif spec.exchange is Exchange.ALLREDUCE:
+            out = half_precision_mean(flat, TORCH_DTYPES[spec.wire_dtype], group)
         else:
             key = f"{token}:" + "|".join(names[i] for i in members)
             out = quantized_mean(flat, quantizer_for(token, cfg), group, state.generator,
@@ -150,7 +151,7 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
         for i in members:
             n = inputs[i].numel()
             grads[i].copy_(out.mean[start:start + n].view_as(grads[i]))
-            if token.startswith("q") and cfg.error_feedback:
+            if spec.exchange is Exchange.QUANTIZED and cfg.error_feedback:
                 state.residuals[names[i]] = inputs[i] - out.delivered[start:start + n]
             start += n
 
@@ -170,4 +171,4 @@ def _powersgd_exchange(state: CompressionState, names: list[str], grads: list[to
     for grad in grads:
         grad.copy_(mean[start:start + grad.numel()].view_as(grad))
         start += grad.numel()
-        state.bytes_sent += wire_bytes("powersgd", list(grad.shape), world, state.config)
+        state.bytes_sent += wire_bytes(Codec.POWERSGD, list(grad.shape), world, state.config)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from het_strategy.core.codecs import META_FLOATS, CodecParams, Scaling, packed_bytes
+
 __all__ = ["QuantizerSpec", "Quantized", "quantize", "dequantize", "pack_codes", "unpack_codes",
            "packed_row_bytes", "error_bound"]
-
-SCALINGS = ("maxmin", "maxnorm")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class QuantizerSpec:
 
     bits: int
     """Bits per element, 2-8."""
-    scaling: str = "maxmin"
+    scaling: Scaling = "maxmin"
     """``maxmin`` (min and step per row) or ``maxnorm`` (one symmetric scale per row)."""
     bucket_size: int = 256
     """Elements sharing one scale; a multiple of 8 (the packing unit)."""
@@ -41,7 +41,7 @@ class QuantizerSpec:
     @property
     def meta_floats(self) -> int:
         """fp32 numbers of metadata per row."""
-        return 2 if self.scaling == "maxmin" else 1
+        return META_FLOATS[self.scaling]
 
     @property
     def levels(self) -> int:
@@ -143,6 +143,6 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def packed_row_bytes(num_elements: int, spec: QuantizerSpec) -> int:
-    """Bytes that ``num_elements`` (a multiple of the bucket size) take packed, metadata included."""
-    rows = num_elements // spec.bucket_size
-    return num_elements * spec.bits // 8 + rows * spec.meta_floats * 4
+    """Bytes that ``num_elements`` (a multiple of the bucket size) take packed, metadata included
+    (``core.codecs.packed_bytes``)."""
+    return packed_bytes(num_elements, spec.bits, CodecParams(bucket_size=spec.bucket_size, scaling=spec.scaling))

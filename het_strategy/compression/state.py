@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.compression.adaptive import AdaptiveController
-from het_strategy.compression.config import CompressionConfig, compression_config
-from het_strategy.compression.controller import LinkModel
+from het_strategy.compression.config import ADAPTIVE, CompressionConfig, compression_config
+from het_strategy.core.codecs import Codec
 from het_strategy.core.errors import field_error
 
 __all__ = ["CompressionState", "STATE_VERSION"]
@@ -39,7 +39,8 @@ class CompressionState:
         config: a ``CompressionConfig``, a method name or a mapping of its fields.
         process_group: the group to exchange over; ``None``: the default group.
 
-    ``next_solve``, ``interval`` and ``link`` are shorthands for the controller's fields (``None`` without one).
+    The adaptive controller's schedule and fitted link are its own fields (``state.controller.next_solve``,
+    ``.interval``, ``.link``).
     """
 
     __slots__ = (
@@ -83,7 +84,7 @@ class CompressionState:
         self.step = 0
         self.choices: dict[str, str] = {}
         self.controller: AdaptiveController | None = \
-            AdaptiveController(config) if config.method == "adaptive" else None
+            AdaptiveController(config) if config.method == ADAPTIVE else None
         self.residuals: dict[str, torch.Tensor] = {}
         self.chunk_residuals: dict[str, torch.Tensor] = {}
         self.powersgd: Any = None
@@ -97,50 +98,18 @@ class CompressionState:
         self._steps_here = 0
         self._chunk_keys_used: set[str] = set()
 
-    # -- the controller's schedule and link, as before it was an object -----------------------------------
-    @property
-    def next_solve(self) -> int | None:
-        """The step of the next measuring step and re-solve (``adaptive``)."""
-        return None if self.controller is None else self.controller.next_solve
-
-    @next_solve.setter
-    def next_solve(self, value: int) -> None:
-        self._need_controller("next_solve").next_solve = value
-
-    @property
-    def interval(self) -> int | None:
-        """Steps between re-solves (``adaptive``)."""
-        return None if self.controller is None else self.controller.interval
-
-    @interval.setter
-    def interval(self, value: int) -> None:
-        self._need_controller("interval").interval = value
-
-    @property
-    def link(self) -> LinkModel | None:
-        """The link the controller last fitted (``adaptive``)."""
-        return None if self.controller is None else self.controller.link
-
-    @link.setter
-    def link(self, value: LinkModel | None) -> None:
-        self._need_controller("link").link = value
-
-    def _need_controller(self, field: str) -> AdaptiveController:
-        if self.controller is None:
-            raise AttributeError(f"{field} belongs to the adaptive controller; method is {self.config.method!r}")
-        return self.controller
-
     # -- what each layer gets ---------------------------------------------------------------------
     def eligible(self, grad: torch.Tensor) -> bool:
         """Small and 1-D tensors are never compressed: the saving is nil and they are often sensitive."""
         return grad.dim() >= 2 and grad.numel() >= self.config.min_numel
 
-    def token_for(self, name: str, grad: torch.Tensor) -> str:
+    def token_for(self, name: str, grad: torch.Tensor) -> Codec:
+        """The codec this layer's gradient goes through this step."""
         if not self.eligible(grad) or self.step < self.config.warmup_steps:
-            return "none"
-        if self.config.method == "adaptive":
-            return self.choices.get(name, "none")
-        return self.config.uniform_token
+            return Codec.NONE
+        if self.config.method == ADAPTIVE:
+            return Codec(self.choices.get(name, Codec.NONE))
+        return Codec(self.config.method)
 
     @property
     def wire_ratio(self) -> float:
@@ -157,9 +126,9 @@ class CompressionState:
         if self.residuals or self.measuring():
             return False
         cfg = self.config
-        if cfg.method == "none" or self.step < cfg.warmup_steps:
+        if cfg.method == Codec.NONE or self.step < cfg.warmup_steps:
             return True
-        return cfg.method == "adaptive" and all(t == "none" for t in self.choices.values())
+        return cfg.method == ADAPTIVE and all(t == Codec.NONE for t in self.choices.values())
 
     def param_name(self, param: torch.Tensor, bucket_index: int, position: int) -> str:
         """The parameter's name in the module (stable across restarts and DDP's bucket rebuilds, unlike its
@@ -233,7 +202,8 @@ class CompressionState:
             powersgd = self.powersgd.__getstate__()  # torch's own: drops the process group
         schedule = (self.controller or AdaptiveController(self.config)).state_dict()
         return {"version": STATE_VERSION, "config": self.config.to_dict(), "step": self.step,
-                "choices": dict(self.choices), "next_solve": schedule["next_solve"],
+                "choices": {name: str(token) for name, token in self.choices.items()},
+                "next_solve": schedule["next_solve"],
                 "interval": schedule["interval"],
                 "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
                 "chunk_residuals": {k: v.detach().cpu().clone() for k, v in self.chunk_residuals.items()},

@@ -4,8 +4,9 @@
 hands to ``inner``:
 
 - ``raw`` — what a plain ring allreduce of the bucket in its own dtype sends
-  per rank, ``2 (W-1)/W x bucket bytes`` (the same figure as
-  ``CompressionState.bytes_fp32``);
+  per rank, ``2 (W-1)/W x bucket bytes`` (``core.codecs.ring_allreduce_bytes``,
+  the same figure as ``CompressionState.bytes_fp32`` and the ``none`` codec's
+  wire bytes);
 - ``sent`` — what ``inner`` really put on the wire: the growth of its state's
   ``bytes_sent`` during the call (``compression_hook`` counts every
   collective's payload and metadata as it launches it), ``raw`` for torch's
@@ -24,7 +25,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-__all__ = ["WireBytes", "counted_comm_hook", "ring_allreduce_bytes"]
+from het_strategy.core.codecs import ring_allreduce_bytes
+
+__all__ = ["WireBytes", "counted_comm_hook"]
 
 
 class WireBytes:
@@ -52,11 +55,6 @@ class WireBytes:
         return self.raw, (None if self.unknown_buckets else self.sent)
 
 
-def ring_allreduce_bytes(numel: int, element_size: int, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``numel`` elements (reduce-scatter + allgather)."""
-    return 2 * (world - 1) * numel * element_size // world
-
-
 def counted_comm_hook(inner: Callable[[Any, Any], Any], wire: WireBytes) -> Callable[[Any, Any], Any]:
     """``inner`` (a DDP comm hook ``(state, bucket) -> Future``) with its bytes added to ``wire``."""
     plain = inner is allreduce_hook
@@ -64,7 +62,7 @@ def counted_comm_hook(inner: Callable[[Any, Any], Any], wire: WireBytes) -> Call
     def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
         group = getattr(state, "process_group", None) or dist.group.WORLD
         buffer = bucket.buffer()
-        raw = ring_allreduce_bytes(buffer.numel(), buffer.element_size(), group.size())
+        raw = ring_allreduce_bytes(buffer.numel() * buffer.element_size(), group.size())
         before = getattr(state, "bytes_sent", None)
         fut = inner(state, bucket)
         # compression_hook counts its bytes synchronously, before it returns its future

@@ -12,7 +12,10 @@ replicas over ``N`` nodes (``L = ceil(M / N)`` per node):
   ``N`` leaders over the route's inter-node links (``f``: ``wire_fraction``);
 * **codec**: quantizing and dequantizing the whole tensor twice (the exchange's
   two phases) at a fraction of the slowest device's memory bandwidth
-  (``codec_bandwidth``).
+  (``codec_bandwidth``), for codecs that encode (not for a cast).
+
+The wire bytes per gradient element and whether a codec encodes are its
+``CodecSpec``'s (``core/codecs.py``), the same figures the comm hook sends.
 
 The CPU fraction is measured on this machine: 4-bit quantize + dequantize of
 16 MiB fp32 ran at 0.65 GB/s of input (8-bit: 0.97 GB/s) on one core of a
@@ -27,43 +30,37 @@ controller's quality budget (``JOINT_CHOICES``: no coarser than uniform 4-bit).
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import numpy as np
 
-from het_strategy.core.errors import field_error
+from het_strategy.core.codecs import CODECS, ELEMENTWISE_CODECS, Codec, Exchange, codec
+from het_strategy.core.workload import DTYPE_BYTES
 
 __all__ = ["INTER_NODE_TOKENS", "JOINT_CHOICES", "CODEC_FRACTION", "check_token", "wire_fraction",
            "codec_bandwidth", "hierarchical_sync_s"]
 
-INTER_NODE_TOKENS = ("none", "fp16", "bf16", "q2", "q3", "q4", "q5", "q6", "q7", "q8")
-"""Method tokens a plan may run the inter-node hop in."""
-JOINT_CHOICES = ("none", "q8", "q4")
+INTER_NODE_TOKENS: tuple[Codec, ...] = ELEMENTWISE_CODECS
+"""Method tokens a plan may run the inter-node hop in: the codecs of a fixed size per element."""
+JOINT_CHOICES: tuple[Codec, ...] = (Codec.NONE, Codec.Q8, Codec.Q4)
 """What the joint planner tries: none, and the quantizers within the default quality budget (uniform 4-bit)."""
 CODEC_FRACTION = {"cpu": 1 / 60, "accelerator": 1 / 8}
 """Input bytes/s of quantize + dequantize, as a fraction of the device's memory bandwidth (module docstring):
 measured for CPUs, assumed for accelerators."""
-_BUCKET = 256  # elements per quantization bucket (CompressionConfig's default), each with two fp32 figures (maxmin)
 
 
 def check_token(token: Any, field: str) -> str:
-    if token not in INTER_NODE_TOKENS:
-        raise field_error(field, token, f"be one of {', '.join(INTER_NODE_TOKENS)}")
-    return token
+    """``token`` if a plan may run the inter-node hop in it (``INTER_NODE_TOKENS``), else a ConfigError."""
+    return codec(token, field, INTER_NODE_TOKENS).value
 
 
-def wire_fraction(token: str) -> float:
-    """Bytes on the wire per fp32 gradient byte: 1 uncompressed, 1/2 in half precision, (b + 64/256) / 32 for
-    b-bit maxmin quantization (two fp32 figures per bucket of 256)."""
-    if token == "none":
-        return 1.0
-    if token in ("fp16", "bf16"):
-        return 0.5
-    match = re.fullmatch(r"q([2-8])", token)
-    if match is None:
-        raise field_error("compression", token, f"be one of {', '.join(INTER_NODE_TOKENS)}")
-    return (int(match.group(1)) + 64 / _BUCKET) / 32
+def wire_fraction(token: str, grad_dtype: str = "fp32") -> float:
+    """Bytes on the wire per gradient byte in ``grad_dtype`` (``CodecSpec.bytes_per_element`` at the default
+    bucket and scaling): 1 uncompressed, 1/2 for fp32 gradients in half precision, (b + 64/256) / 32 for
+    fp32 gradients in b-bit maxmin quantization."""
+    per_element = CODECS[codec(token, "compression", INTER_NODE_TOKENS)].bytes_per_element(grad_dtype)
+    assert per_element is not None  # INTER_NODE_TOKENS are the elementwise codecs
+    return per_element / DTYPE_BYTES[grad_dtype]
 
 
 def codec_bandwidth(memory_bandwidth_gbs: float, is_cpu: bool) -> float:
@@ -80,8 +77,9 @@ def hierarchical_sync_s(num_bytes: Any, members: int, nodes: int, intra_bw: floa
     local = math.ceil(members / nodes)
     # the node's reduce to its leader and the leader's broadcast: (local - 1) / local of the bytes each
     intra = 0.0 if local <= 1 else 2 * (local - 1) / local * b / intra_bw + 2 * latency_s
-    codec = 0.0 if token in ("none", "fp16", "bf16") else 2 * b / codec_bw
-    out = intra + np.asarray(inter_ring_s, dtype=float) + codec
+    encodes = CODECS[codec(token, "compression", INTER_NODE_TOKENS)].exchange is not Exchange.ALLREDUCE
+    coding = 2 * b / codec_bw if encodes else 0.0
+    out = intra + np.asarray(inter_ring_s, dtype=float) + coding
     if isinstance(num_bytes, np.ndarray):
         return np.where(b > 0, out, 0.0)
     return float(out) if num_bytes > 0 else 0.0

@@ -290,7 +290,7 @@ class CostModel:
     def _hierarchical_sync_s(self, num_bytes: Any, route: SyncRoute, token: str) -> Any:
         """The inter-node hop compressed: node sums, the leaders' ring in ``token``, broadcasts (compressed_sync)."""
         leaders = SyncRoute(len(route.nodes), route.nodes, route.flows, route.send_flows)
-        wire = np.asarray(num_bytes, dtype=float) * wire_fraction(token)
+        wire = np.asarray(num_bytes, dtype=float) * wire_fraction(token, self.settings.grad_reduce_dtype)
         local = -(-route.members // len(route.nodes))
         # per message size where the network model is measured (Sailor's fits give one figure per size)
         intra_bw = np.minimum.reduce([np.asarray(self.network.intra_bandwidth(n, local, num_bytes), dtype=float)

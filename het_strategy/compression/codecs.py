@@ -1,0 +1,183 @@
+"""The torch side of the codec registry: each codec's encoder and decoder, its bound, its wire bytes.
+
+``core/codecs.py`` holds each codec's pure facts (``CodecSpec``: exchange,
+wire bytes, bound).  ``TORCH_CODECS`` attaches, per token, the encoder and
+decoder one rank's gradient goes through; importing this module fails unless
+it covers exactly the codecs of ``core.codecs.CODECS``.  The collectives that
+carry the encoded layers are ``exchange.py``'s, one per ``Exchange``.
+
+- ``round_trip`` — what a flat fp32 gradient becomes through a codec, without
+  communication (the adaptive controller measures each candidate's error so);
+- ``bound_ratio`` — a round trip's error over the codec's stated ``Bound``
+  (at most 1 when the bound holds);
+- ``wire_bytes`` — a ``CodecSpec``'s bytes for one layer under a
+  ``CompressionConfig``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from het_strategy.compression.config import CompressionConfig, quantizer_for
+from het_strategy.compression.quantize import Quantized, dequantize, error_bound, pack_codes, quantize, \
+    unpack_codes
+from het_strategy.core.codecs import CODECS, Bound, Codec, CodecSpec, codec, low_rank, topk_count
+from het_strategy.profiling.torch_device import TORCH_DTYPES
+
+__all__ = ["TorchCodec", "TORCH_CODECS", "round_trip", "bound_ratio", "wire_bytes", "topk_select"]
+
+Encoder = Callable[[CodecSpec, torch.Tensor, Sequence[int], CompressionConfig, "torch.Generator | None"], Any]
+Decoder = Callable[[CodecSpec, Any, CompressionConfig], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TorchCodec:
+    """How one rank's flat fp32 gradient is encoded for the wire, and decoded back to flat fp32."""
+
+    encode: Encoder
+    """``(spec, flat, shape, config, generator) -> payload`` (the tensors that go on the wire)."""
+    decode: Decoder
+    """``(spec, payload, config) -> flat fp32``."""
+
+
+def _same(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
+          generator: torch.Generator | None) -> torch.Tensor:
+    return x
+
+
+def _cast(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
+          generator: torch.Generator | None) -> torch.Tensor:
+    return x.to(TORCH_DTYPES[spec.wire_dtype]) if spec.wire_dtype else x
+
+
+def _to_fp32(spec: CodecSpec, payload: torch.Tensor, cfg: CompressionConfig) -> torch.Tensor:
+    return payload.to(torch.float32)
+
+
+def _quantize(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
+              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(packed codes, per-bucket metadata, element count), the tensor padded with zeros to whole buckets."""
+    q_spec = quantizer_for(spec.token, cfg)
+    padded = torch.zeros(math.ceil(x.numel() / q_spec.bucket_size) * q_spec.bucket_size, device=x.device)
+    padded[:x.numel()] = x
+    q = quantize(padded, q_spec, generator)
+    return pack_codes(q.codes, q_spec.bits), q.meta, x.numel()
+
+
+def _dequantize(spec: CodecSpec, payload: tuple[torch.Tensor, torch.Tensor, int],
+                cfg: CompressionConfig) -> torch.Tensor:
+    packed, meta, n = payload
+    q_spec = quantizer_for(spec.token, cfg)
+    return dequantize(Quantized(unpack_codes(packed, q_spec.bits), meta), q_spec)[:n]
+
+
+def topk_select(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) of the ``topk_count`` largest-magnitude entries of flat ``x``."""
+    top = x.abs().topk(topk_count(x.numel(), ratio), sorted=False).indices
+    return x[top], top
+
+
+def _topk(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
+          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    values, indices = topk_select(x, cfg.topk_ratio)
+    return values, indices.to(torch.int32), x.numel()
+
+
+def _scatter(spec: CodecSpec, payload: tuple[torch.Tensor, torch.Tensor, int],
+             cfg: CompressionConfig) -> torch.Tensor:
+    values, indices, n = payload
+    out = torch.zeros(n, dtype=torch.float32, device=values.device)
+    out[indices.long()] = values
+    return out
+
+
+def _factor(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
+            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """PowerSGD's first step: ``P = orth(M Q0)`` from a random ``Q0``, then ``Q = M^T P`` (the whole matrix where
+    factors would not be smaller, as torch's hook sends it)."""
+    m = x.view(shape[0], -1)
+    rank = low_rank(m.shape[0], m.shape[1], cfg.rank)
+    if not rank:
+        return x
+    q0 = torch.randn(m.shape[1], rank, generator=generator).to(m.device)
+    p = torch.linalg.qr(m @ q0).Q
+    return p, m.T @ p
+
+
+def _unfactor(spec: CodecSpec, payload: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+              cfg: CompressionConfig) -> torch.Tensor:
+    if isinstance(payload, torch.Tensor):
+        return payload
+    p, q = payload
+    return (p @ q.T).reshape(-1)
+
+
+_PLAIN = TorchCodec(_same, _to_fp32)
+_HALF = TorchCodec(_cast, _to_fp32)
+_QUANTIZED = TorchCodec(_quantize, _dequantize)
+
+TORCH_CODECS: dict[Codec, TorchCodec] = {
+    Codec.NONE: _PLAIN,
+    Codec.FP16: _HALF,
+    Codec.BF16: _HALF,
+    Codec.Q8: _QUANTIZED,
+    Codec.Q7: _QUANTIZED,
+    Codec.Q6: _QUANTIZED,
+    Codec.Q5: _QUANTIZED,
+    Codec.Q4: _QUANTIZED,
+    Codec.Q3: _QUANTIZED,
+    Codec.Q2: _QUANTIZED,
+    Codec.TOPK: TorchCodec(_topk, _scatter),
+    Codec.POWERSGD: TorchCodec(_factor, _unfactor),
+}
+"""Every codec's encoder and decoder (one entry per ``core.codecs.CODECS`` entry)."""
+
+if set(TORCH_CODECS) != set(CODECS):
+    raise ImportError(f"compression/codecs.py: TORCH_CODECS covers {sorted(TORCH_CODECS)}, core.codecs.CODECS "
+                      f"{sorted(CODECS)}; register a new codec in both")
+
+
+def round_trip(token: str, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """What flat fp32 ``x`` (a layer of ``shape``) becomes through ``token``'s encoder and decoder."""
+    spec = CODECS[codec(token, "token")]
+    coder = TORCH_CODECS[spec.token]
+    return coder.decode(spec, coder.encode(spec, x, shape, cfg, generator), cfg)
+
+
+def bound_ratio(token: str, x: torch.Tensor, got: torch.Tensor, shape: Sequence[int],
+                cfg: CompressionConfig) -> float:
+    """The round trip ``x -> got``'s error over ``token``'s ``Bound``: the worst element's error over its bound
+    (``inf`` where a zero bound is broken), or the error's norm over the bound's for ``PROJECTION``."""
+    spec = CODECS[codec(token, "token")]
+    err = (got - x).abs()
+    whole = spec.bound is Bound.PROJECTION and not low_rank(shape[0], x.numel() // shape[0], cfg.rank)
+    if spec.bound is Bound.PROJECTION and not whole:
+        return float(err.norm() / x.norm()) if float(x.norm()) > 0 else (0.0 if float(err.max()) == 0 else math.inf)
+    if spec.bound is Bound.EXACT or whole:  # a matrix PowerSGD sends whole arrives exactly
+        bound = torch.zeros_like(x)
+    elif spec.bound is Bound.ROUNDING:
+        info = torch.finfo(TORCH_DTYPES[spec.wire_dtype])
+        bound = spec.unit_roundoff * x.abs() + info.tiny * info.eps / 2
+    elif spec.bound is Bound.HALF_STEP:
+        q_spec = quantizer_for(spec.token, cfg)
+        padded = torch.zeros(math.ceil(x.numel() / q_spec.bucket_size) * q_spec.bucket_size, device=x.device)
+        padded[:x.numel()] = x
+        bound = error_bound(padded, q_spec)[:x.numel()]
+    else:  # DROPPED: an element above the k-th largest magnitude is sent exactly
+        kth = x.abs().topk(topk_count(x.numel(), cfg.topk_ratio)).values[-1]
+        bound = torch.where(x.abs() <= kth, x.abs(), torch.zeros_like(x))
+    ratio = torch.where(bound > 0, err / bound.clamp_min(torch.finfo(torch.float32).tiny),
+                        torch.where(err > 0, math.inf, 0.0))
+    return float(ratio.max())
+
+
+def wire_bytes(token: str, shape: Sequence[int], world: int, config: CompressionConfig,
+               grad_dtype: str = "fp32") -> int:
+    """Bytes one rank sends for one layer's gradient of ``shape`` in ``grad_dtype`` (``CodecSpec.wire_bytes``
+    under ``config``'s bucket, scaling, rank and top-k ratio)."""
+    return CODECS[codec(token, "token")].wire_bytes(shape, world, grad_dtype, config.codec_params)
