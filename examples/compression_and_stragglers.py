@@ -4,7 +4,7 @@ The CNN of examples/own_model_hetero.py on three CPU processes of speeds 1, 0.5,
 (``slow_b``) becomes 3x slower from step 20 (``examples/clusters/three_cpus_slowdown.yaml``).  Two additions
 to the plain ``strategy="hetero"`` run:
 
-- ``compression={"method": "quantize", "bits": 4}``: after 5 uncompressed warm-up steps every large
+- ``compression={"method": "q4"}``: after 5 uncompressed warm-up steps every large
   gradient (here the 10 240-weight head) crosses the wire in 4 bits with error feedback; the strategy
   registers the comm hook on CPU/gloo too;
 - ``rebalance=StragglerMitigation()``: every 2 steps the ranks exchange their per-sample compute times; when
@@ -47,7 +47,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     train, val = datasets()
     straggler = StragglerMitigation(verbose=False)
-    strategy = HeteroStrategy(cluster=str(CLUSTER), compression={"method": "quantize", "bits": 4, "warmup_steps": 5},
+    strategy = HeteroStrategy(cluster=str(CLUSTER), compression={"method": "q4", "warmup_steps": 5},
                               rebalance=straggler)
     trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=args.epochs, logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
