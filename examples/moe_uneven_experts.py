@@ -16,15 +16,14 @@ Run (from the repository root)::
 
 from __future__ import annotations
 
-import argparse
-
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from _digits import digits  # examples/_digits.py
+from _digits import flat_digits  # examples/_digits.py
+from _run import QUIET_RUN, epochs_parser  # examples/_run.py
 from het_strategy import HeteroStrategy
 from het_strategy.moe import HeteroMoE
 
@@ -58,18 +57,14 @@ class DigitsMoE(pl.LightningModule):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap = epochs_parser(__doc__, epochs=2)
     ap.add_argument("--uniform", action="store_true", help="3 experts per rank instead of the planned 4/4/2/2")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    images, y = digits()
-    x = images.flatten(1)
-    train, val = TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:])
+    train, val = flat_digits()
     strategy = HeteroStrategy(cluster="local_cpu4_moe", moe_placement="uniform" if args.uniform else "planned")
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=args.epochs, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=args.epochs, **QUIET_RUN)
     model = DigitsMoE()
     trainer.fit(model, DataLoader(train, batch_size=12, shuffle=True), DataLoader(val, batch_size=12))
     result = trainer.validate(model, DataLoader(val, batch_size=12), verbose=False)

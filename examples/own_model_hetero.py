@@ -17,7 +17,6 @@ It prints the plan and the final validation accuracy (0.96 after 2 epochs, measu
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _digits import digits  # examples/_digits.py
+from _run import QUIET_RUN, epochs_parser  # examples/_run.py
 import het_strategy  # noqa: F401  (registers strategy="hetero")
 from het_strategy import HeteroStrategy
 
@@ -66,16 +66,13 @@ def datasets() -> tuple[TensorDataset, TensorDataset]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--epochs", type=int, default=2)
-    args = ap.parse_args()
+    args = epochs_parser(__doc__, epochs=2).parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     train, val = datasets()
     # batch_size is per rank, as in plain DDP: the global batch is 16 x 3 = 48, which the strategy splits by speed
     strategy = HeteroStrategy(cluster=str(CLUSTER))
-    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=args.epochs, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=args.epochs, **QUIET_RUN)
     model = DigitsCNN()
     trainer.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=16))
     result = trainer.validate(model, DataLoader(val, batch_size=16), verbose=False)

@@ -19,7 +19,6 @@ validation loss after each epoch (1.80 after 1 epoch, from 2.30 at chance).
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _digits import digits  # examples/_digits.py
+from _run import QUIET_RUN, epochs_parser  # examples/_run.py
 import het_strategy  # noqa: F401  (registers strategy="hetero_deepspeed")
 from het_strategy import HeteroDeepSpeedStrategy
 from het_strategy.profiling.module_profile import profile_module
@@ -79,9 +79,7 @@ class EpochLoss(pl.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=2)
-    args = parser.parse_args()
+    args = epochs_parser(__doc__.split("\n")[0], epochs=2).parse_args()
     torch.set_num_threads(1)
 
     images, labels = digits(n=1200)
@@ -90,9 +88,8 @@ def main() -> None:
     workload = profile_module(nn.Sequential(*build_blocks()), images[:8], name="pipelined_mlp").workload
     strategy = HeteroDeepSpeedStrategy(cluster=str(CLUSTER), workload=workload, global_batch_size=GLOBAL_BATCH,
                                        planner_mode="pipeline")
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=args.epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[EpochLoss()])
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=args.epochs,
+                         num_sanity_val_steps=0, callbacks=[EpochLoss()], **QUIET_RUN)
     # the strategy's loaders: the whole global batch on every rank (each cuts out its own micro-batches)
     trainer.fit(PipelinedMLP(), DataLoader(train, batch_size=GLOBAL_BATCH, drop_last=True),
                 DataLoader(val, batch_size=GLOBAL_BATCH, drop_last=True))

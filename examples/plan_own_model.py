@@ -8,8 +8,8 @@ Two steps, as you would run them by hand:
    CPU processes playing devices of relative speeds 1, 0.5, 0.5)::
 
        het-plan model=examples/plan_own_model.py:make_model model_input.shape=[16,1,8,8] \\
-           cluster=examples/clusters/three_cpus.yaml planner.mode=dp train.global_batch_size=48 \\
-           train.dtype=fp32 output.dir=runs/own_plan
+           cluster=examples/clusters/three_cpus.yaml planner.mode=dp settings.global_batch_size=48 \\
+           settings.dtype=fp32 output.dir=runs/own_plan
 
    It prints the plan table and writes ``runs/own_plan/plan.json`` and
    ``runs/own_plan/plan.model.json`` (the profiled workload the plan was made for).
@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from _run import QUIET_RUN, epochs_parser  # examples/_run.py
+
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "clusters" / "three_cpus.yaml"
 _PLAN_DIR_ENV = "HET_EXAMPLE_PLAN_DIR"
@@ -56,7 +58,7 @@ def het_plan(out_dir: Path) -> None:
     """Step 1, as a command: het-plan on the model above (the same as the ``het-plan`` console script)."""
     cmd = [sys.executable, "-m", "het_strategy.cli.plan_cli", f"model={Path(__file__).resolve()}:make_model",
            "model_input.shape=[16,1,8,8]", "model_input.dtype=float32", f"cluster={CLUSTER}", "planner.mode=dp",
-           f"train.global_batch_size={GLOBAL_BATCH}", "train.dtype=fp32", f"output.dir={out_dir}"]
+           f"settings.global_batch_size={GLOBAL_BATCH}", "settings.dtype=fp32", f"output.dir={out_dir}"]
     subprocess.run(cmd, check=True)
 
 
@@ -97,8 +99,7 @@ def train(plan_dir: Path, epochs: int) -> None:
     # the workload the plan was made for (het-plan wrote it next to the plan): the strategy checks the plan against it
     workload = load_profile_file(plan_dir / "plan.model.json").workload
     strategy = HeteroStrategy(cluster=str(CLUSTER), plan=str(plan_dir / "plan.json"), workload=workload)
-    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=epochs, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=epochs, **QUIET_RUN)
     model = Classifier()
     per_rank = GLOBAL_BATCH // 3
     trainer.fit(model, DataLoader(train_set, batch_size=per_rank, shuffle=True), DataLoader(val_set, batch_size=per_rank))
@@ -108,8 +109,7 @@ def train(plan_dir: Path, epochs: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--epochs", type=int, default=1)
+    ap = epochs_parser(__doc__, epochs=1, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan-dir", type=Path, default=None, help="where het-plan writes (default: a temporary folder)")
     args = ap.parse_args()
     # Lightning starts ranks 1 and 2 by running this script again: they find the plan rank 0 made in the environment

@@ -19,15 +19,14 @@ Run (from the repository root)::
 
 from __future__ import annotations
 
-import argparse
-
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from _digits import digits  # examples/_digits.py
+from _digits import flat_digits  # examples/_digits.py
+from _run import QUIET_RUN, epochs_parser  # examples/_run.py
 import het_strategy
 
 
@@ -51,18 +50,13 @@ class Digits(pl.LightningModule):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--epochs", type=int, default=3)
-    args = ap.parse_args()
+    args = epochs_parser(__doc__, epochs=3).parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    images, y = digits()
-    x = images.flatten(1)
-    train, val = TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:])
+    train, val = flat_digits()
     strategy = het_strategy.HeteroStrategyPL(cluster="local_cpu2")
     assert isinstance(strategy, pl.strategies.DDPStrategy)  # this package's own DDPStrategy
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs, **QUIET_RUN)
     model = Digits()
     trainer.fit(model, DataLoader(train, batch_size=24, shuffle=True), DataLoader(val, batch_size=24))
     result = trainer.validate(model, DataLoader(val, batch_size=24), verbose=False)
