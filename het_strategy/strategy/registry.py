@@ -124,7 +124,7 @@ def _initializing(name: str) -> bool:
 
 
 def _imported(name: str) -> bool:
-    return name in sys.modules and not _initializing(name)
+    return sys.modules.get(name) is not None and not _initializing(name)  # None: an import blocked
 
 
 def _finished(name: str) -> None:
