@@ -135,8 +135,22 @@ def test_cluster_fields_carry_their_section_and_index() -> None:
         cluster_from_dict({"nodes": [{"devices": ["CPU"]}], "slowdowns": [{"device": "x", "start_step": 0}]})
     from het_strategy.core.train_settings import TrainSettings
 
-    with pytest.raises(ConfigError, match=r"`train.micro_batch_sizes\[1\]` is 0"):
+    with pytest.raises(ConfigError, match=r"`[a-z_]+\.micro_batch_sizes\[1\]` is 0"):  # its section, its index
         TrainSettings(global_batch_size=8, micro_batch_sizes=(1, 0))
+
+
+def test_plan_file_fields_are_named_by_full_path_and_file(tmp_path: Path) -> None:
+    raw = _plan_for("local_cpu2").to_dict()
+    raw["pipelines"][1]["stages"][0]["layers"] = [0]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=rf"^`plan.pipelines\[1\].stages\[0\].layers` is \[0\]; it must be "
+                                          rf"\[start, stop\], two layer indices \(in plan file {path}\)$"):
+        Plan.load(path)
+    del raw["cluster"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"^`plan.cluster` is null; it must be given"):
+        Plan.load(path)
 
 
 def test_fields_under_gives_a_relative_field_its_place() -> None:

@@ -250,6 +250,7 @@ class Plan:
         if version != SCHEMA_VERSION:
             raise field_error("plan.schema_version", version, f"be {SCHEMA_VERSION}")
         _check_plan_keys(raw)
+        _check_plan_fields(raw)
         try:
             pipelines = tuple(
                 Pipeline(
@@ -276,11 +277,11 @@ class Plan:
                 idle_reasons=_idle_reasons(raw.get("idle_reasons")),
                 compression=_compression(raw.get("compression")),
             )
-        except (KeyError, TypeError, IndexError, ValueError) as exc:
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
             if isinstance(exc, ConfigError):
                 raise
-            raise ConfigError(f"plan JSON is malformed: missing or wrong field ({exc!r}); see README 'Plan JSON'",
-                              field="plan") from None
+            raise ConfigError(f"`plan` does not follow the plan schema ({type(exc).__name__}: {exc}); see the "
+                              "plan schema in the docs", field="plan") from None
 
     def save(self, path: str | Path) -> Path:
         """Write JSON atomically (a crash never leaves a half-written plan)."""
@@ -338,6 +339,44 @@ def _idle_reasons(raw: Any) -> dict[str, str]:
     if not isinstance(raw, Mapping) or not all(isinstance(v, str) for v in raw.values()):
         raise field_error("plan.idle_reasons", raw, "be a mapping device name -> reason (text)")
     return {str(k): v for k, v in raw.items()}
+
+
+def _check_plan_fields(raw: Mapping[str, Any]) -> None:
+    """Every required field of a plan mapping is there with the right shape, each error naming its full path."""
+    for key in ("cluster", "model", "global_batch_size", "pipelines"):
+        if key not in raw:
+            raise field_error(f"plan.{key}", None, "be given (see the plan schema)")
+    if not isinstance(raw["model"], Mapping):
+        raise field_error("plan.model", raw["model"], "be a mapping (the model's fingerprint)")
+    if not isinstance(raw["pipelines"], list):
+        raise field_error("plan.pipelines", raw["pipelines"], "be a list of pipelines")
+    if not isinstance(raw.get("cluster_devices", []), list):
+        raise field_error("plan.cluster_devices", raw["cluster_devices"], "be a list of device names")
+    for key, rule in (("experts", "a mapping layer -> {device: [expert ids]}"), ("predicted", "a mapping")):
+        if not isinstance(raw.get(key) or {}, Mapping):
+            raise field_error(f"plan.{key}", raw[key], f"be {rule}")
+    for layer, placement in (raw.get("experts") or {}).items():
+        if not isinstance(placement, Mapping):
+            raise field_error(f"plan.experts.{layer}", placement, "be a mapping device -> [expert ids]")
+    for p, pipe in enumerate(raw["pipelines"]):
+        where = f"plan.pipelines[{p}]"
+        if not isinstance(pipe, Mapping):
+            raise field_error(where, pipe, "be a mapping with stages, micro_batch_size and samples")
+        for key in ("stages", "micro_batch_size", "samples"):
+            if key not in pipe:
+                raise field_error(f"{where}.{key}", None, "be given")
+        if not isinstance(pipe["stages"], list):
+            raise field_error(f"{where}.stages", pipe["stages"], "be a list of stages")
+        for s, stage in enumerate(pipe["stages"]):
+            sw = f"{where}.stages[{s}]"
+            if not isinstance(stage, Mapping):
+                raise field_error(sw, stage, "be a mapping with devices and layers")
+            devices, layers = stage.get("devices"), stage.get("layers")
+            if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+                raise field_error(f"{sw}.devices", devices, "be a list of device names")
+            if not (isinstance(layers, list) and len(layers) == 2 and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+                raise field_error(f"{sw}.layers", layers, "be [start, stop], two layer indices")
 
 
 def _check_plan_keys(raw: Mapping[str, Any]) -> None:
