@@ -10,6 +10,7 @@ import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -287,19 +288,19 @@ def test_measure_device_keeps_every_round_and_reports_the_best_three(monkeypatch
 
 
 def test_a_cpu_round_leaves_out_the_time_its_thread_waited_for_a_core(monkeypatch):
-    # a stand-in schedstat: the round runs 30 ms of wall time, 20 ms of it waiting in the run queue
-    run_queue = {"waited_s": 5.0}
+    # a stand-in wall clock and schedstat: the round runs 30 ms of wall time, 20 ms of it waiting in the run queue
+    now = {"wall_s": 100.0, "waited_s": 5.0}
 
     def round_with_a_wait() -> None:
-        time.sleep(0.030)
-        run_queue["waited_s"] += 0.020
+        now["wall_s"] += 0.030
+        now["waited_s"] += 0.020
 
-    monkeypatch.setattr(device_probe, "_runqueue_wait_s", lambda: run_queue["waited_s"])
+    monkeypatch.setattr(device_probe, "time", SimpleNamespace(perf_counter=lambda: now["wall_s"]))
+    monkeypatch.setattr(device_probe, "_runqueue_wait_s", lambda: now["waited_s"])
     clock = device_probe.round_clock(torch.device("cpu"))
-    seconds = clock(round_with_a_wait)
-    assert 0.009 < seconds < 0.02  # ~10 ms on the core, not the 30 ms the wall clock says
+    assert clock(round_with_a_wait) == pytest.approx(0.010)  # 10 ms on the core, not the 30 ms of the wall clock
     wall = device_probe.round_clock(torch.device("meta"))  # not a CPU: the wall clock
-    assert wall(lambda: time.sleep(0.01)) >= 0.01
+    assert wall(round_with_a_wait) == pytest.approx(0.030)
 
 
 def test_a_figure_is_the_median_of_the_best_three_rounds_and_its_noise_how_far_the_median_falls_short():
