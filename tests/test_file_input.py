@@ -285,3 +285,16 @@ def test_plan_of_another_cluster_is_refused_at_construction(tmp_path: Path) -> N
 
     with pytest.raises(ConfigError, match=r"^`plan.cluster_devices` is .*`local_cpu2`"):
         HeteroStrategy(cluster="local_cpu4_mixed", plan=str(path))
+
+
+def test_a_model_factory_block_is_named_under_model_input(tmp_path: Path, capsys, monkeypatch) -> None:
+    from het_strategy.cli.plan_cli import main
+
+    (tmp_path / "net.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef make():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), torch.randn(2, 8)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["cluster=local_cpu4_mixed", f"model={tmp_path / 'net.py'}:make", "model_input.repeats=1",
+                 "model_input.blocks=[nope]", "output.plan=null"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("het-plan: error: `model_input.blocks[0]` is 'nope'") and err.count("\n") == 1, err

@@ -212,6 +212,15 @@ def _override_value(overrides: Sequence[str], full_key: str) -> Any:
     return None
 
 
+def _override_below(overrides: Sequence[str], full_key: str) -> tuple[str, str] | None:
+    """The key and value of the last override that sets something inside ``full_key``, or None."""
+    for ov in reversed(overrides):
+        key, sep, value = ov.partition("=")
+        if sep and key.lstrip("+~").startswith(full_key + "."):
+            return key.lstrip("+~"), value
+    return None
+
+
 def _omegaconf_cause(exc: BaseException) -> OmegaConfBaseException | None:
     """The OmegaConf error naming a key behind a Hydra error (overrides: one level down; group files: more)."""
     seen: BaseException | None = exc
@@ -238,11 +247,29 @@ def schema_error(exc: OmegaConfBaseException, value: Any = None) -> ConfigError:
     if kind is None:
         return field_error(key, shown, f"be a valid value ({str(exc).splitlines()[0]})")
     text = str(getattr(kind, "__name__", kind))  # "float", "Optional[int]", ... (annotations may be strings)
+    options = _enum_options(owner, key.rsplit(".", 1)[-1])
+    if options is not None:  # an option field (StrEnum): Hydra matches the member names
+        return field_error(key, shown, f"be one of {', '.join(options)}" + (" or null" if "Optional" in text else ""))
     for name, rule in (("bool", "be true or false"), ("int", "be an integer"), ("float", "be a number"),
                        ("str", "be a string")):
         if name in text:
             return field_error(key, shown, rule + (" or null" if "Optional" in text or "None" in text else ""))
     return field_error(key, shown, f"be of type {text}")
+
+
+def _enum_options(owner: type, name: str) -> list[str] | None:
+    """The member names of field ``name`` of dataclass ``owner`` when its type is an Enum (or Optional one)."""
+    import enum
+    import typing
+
+    try:
+        kind = typing.get_type_hints(owner).get(name)
+    except Exception:  # an annotation that does not resolve: no options to list
+        return None
+    for candidate in (kind, *typing.get_args(kind)):
+        if isinstance(candidate, type) and issubclass(candidate, enum.Enum):
+            return list(candidate.__members__)
+    return None
 
 
 def _hydra_error(exc: Exception, overrides: Sequence[str], file_groups: Sequence[str]) -> ConfigError:
@@ -258,6 +285,10 @@ def _hydra_error(exc: Exception, overrides: Sequence[str], file_groups: Sequence
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "not in" in msg:
             known = _section_keys(key, getattr(cause, "parent_node", None))
             value = _override_value(overrides, key)
+            below = _override_below(overrides, key) if value is None else None
+            if below is not None:  # `train.global_batch_size=8` where there is no `train` section
+                return field_error(below[0], below[1], f"not be there: `{key}` is no section of this config",
+                                   f"known keys at its level: {', '.join(known)}" if known else "check the spelling")
             if key.rsplit(".", 1)[-1] in known:
                 return field_error(key, value, "be set with `+` here: the key is allowed but this config does "
                                    "not set it", f"write `+{key}={value if value is not None else '...'}`")
