@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from het_strategy.core.codecs import Codec
 from het_strategy.emulation.netshape import netns_available, shaped_namespace
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

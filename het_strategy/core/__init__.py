@@ -11,6 +11,8 @@
 - ``reference_profiles.py``  Sailor's published profiles as workloads
 - ``plan.py``                ``Plan``: pipelines, stages, shares, experts (JSON schema)
 - ``train_settings.py``      ``TrainSettings``: batch, dtype, ZeRO stage (and what ZeRO shards), search bounds
+- ``codecs.py``              the gradient codecs (``Codec``, ``CODECS``): exchange, wire bytes per dtype, bound
+- ``compressed_sync.py``     the price of a gradient sync whose inter-node hop is compressed
 - ``cost_model.py``          ``CostModel``: a plan's step time and memory
 
 Pure Python + numpy + PyYAML: no torch, no Lightning, no DeepSpeed.
