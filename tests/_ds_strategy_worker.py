@@ -1,4 +1,4 @@
-"""Rank 0 of the Trainer test: ``python _ds_strategy_worker.py OUT_DIR ZERO_STAGE [pipe|badbatch]`` runs fit.
+"""Rank 0 of the Trainer test: ``python _ds_strategy_worker.py OUT_DIR ZERO_STAGE [pipe|asym|dp|badbatch]`` runs fit.
 
 Lightning's subprocess launcher starts ranks 1..3 by re-running this command
 line.  DS_ACCELERATOR=cpu and MASTER_ADDR/MASTER_PORT come from the
@@ -8,7 +8,7 @@ dataset is ``SAMPLES`` samples, 3 global batches of 8, which Lightning shuffles
 ``base.batch()`` is the validation set.  Every rank writes
 ``OUT_DIR/rank{r}.json``.  ``badbatch``: one rank, a one-device plan and a
 DataLoader batch_size of 4, not 8; writes the ConfigError's field.  After fit
-``pipe`` saves ``OUT_DIR/last.ckpt`` and loads it back into the runner; then a new
+``pipe``/``asym``/``dp`` (``dp_plan``: four one-stage replicas) saves ``OUT_DIR/last.ckpt`` and loads it back into the runner; then a new
 Trainer + model resumes from it (``fit(ckpt_path=...)``, ``max_epochs=2``) and
 a third, of the other ZeRO stage (another plan), must be refused.
 """
@@ -41,6 +41,17 @@ def one_device_plan():
                 global_batch_size=base.BATCH, dtype="fp32", mode="manual", zero_stage=0,
                 pipelines=(Pipeline((Stage(("cpu0",), (0, base.NUM_LAYERS)),), micro_batch_size=3,
                                     samples=base.BATCH),))
+
+
+def dp_plan():
+    """Four one-stage replicas of 2 samples each, as 1 + 1 or one micro-batch of 2 (ZeRO 2 equalises the counts)."""
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    return Plan(cluster="local", cluster_devices=tuple(f"cpu{i}" for i in range(4)),
+                model={"name": "mlp6", "num_layers": base.NUM_LAYERS}, global_batch_size=base.BATCH, dtype="fp32",
+                mode="manual", zero_stage=0,
+                pipelines=tuple(Pipeline((Stage((f"cpu{i}",), (0, base.NUM_LAYERS)),), micro_batch_size=1 + i % 2,
+                                         samples=2) for i in range(4)))
 
 
 def main() -> None:
@@ -84,7 +95,8 @@ def main() -> None:
     from het_strategy.core.errors import ConfigError
 
     one = mode == "badbatch"
-    plan = one_device_plan() if one else base.asym_plan() if mode == "asym" else base.pipe_plan()
+    plan = (one_device_plan() if one else base.asym_plan() if mode == "asym" else dp_plan() if mode == "dp"
+            else base.pipe_plan())
     strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
     data = DataLoader(dataset(), batch_size=4 if one else base.BATCH)
     val = DataLoader(TensorDataset(*base.batch()), batch_size=base.BATCH)
@@ -149,9 +161,9 @@ def main() -> None:
     trainer_b, strategy_b, mid_losses = resume(mid_path)
     result["mid_resumed"] = {"global_step": trainer_b.global_step, "losses": mid_losses.losses,
                              "params": {n: q.flatten().tolist() for n, q in strategy_b.runner.named_parameters().items()}}
-    # a checkpoint of another plan (the other ZeRO stage; for the asymmetric plan, the aligned one) is refused
+    # a checkpoint of another plan (another ZeRO stage; for the asymmetric plan, the aligned one) is refused
     strategy3 = (HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=0) if mode == "asym" else
-                 HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=1 - zero_stage))
+                 HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=0 if zero_stage else 1))
     trainer3 = pl.Trainer(strategy=strategy3, accelerator="cpu", devices=4, max_epochs=2, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     try:

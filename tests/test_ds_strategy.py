@@ -33,7 +33,7 @@ from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.emulation.local_ranks import free_port  # noqa: E402
 
 WORKER = Path(__file__).with_name("_ds_strategy_worker.py")
-TIMEOUT_S = 120
+TIMEOUT_S = 300  # four ranks of DeepSpeed on two shared cores
 TOL = dict(rel=1e-6, abs=1e-6)
 CLUSTER = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU"}
                                                                     for i in range(4)]}]}
@@ -98,9 +98,10 @@ def _reference(epochs: int = 1) -> tuple[list[float], float, dict[str, list[floa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero_stage, mode", [(0, "pipe"), (1, "pipe"), (0, "asym")])
+@pytest.mark.parametrize("zero_stage, mode", [(0, "pipe"), (1, "pipe"), (0, "asym"), (2, "dp")])
 def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stage, mode):
-    # pipe: 2 aligned pipelines x 2 stages; asym: 3 replicas of different shapes (see _ds_engine_worker)
+    # pipe: 2 aligned pipelines x 2 stages; asym: 3 replicas of different shapes (see _ds_engine_worker);
+    # dp: 4 one-stage replicas at ZeRO 2 (see _ds_strategy_worker.dp_plan)
     ranks = _fit(tmp_path, zero_stage, mode)
     ref_losses, ref_val, ref_params = _reference()
     covered: set[str] = set()
@@ -130,12 +131,14 @@ def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stag
         assert mid["losses"] == pytest.approx(ref6_losses[2:], **TOL), f"rank {r['rank']}: mid-epoch resume"
         for name, values in mid["params"].items():
             assert values == pytest.approx(ref6_params[name], **TOL), f"rank {r['rank']}: mid-resumed {name}"
-        # a checkpoint of another plan (the other ZeRO stage) is refused, naming the field
+        # a checkpoint of another plan (another ZeRO stage) is refused, naming the field
         assert r["refused"] is not None and r["refused"]["field"] == "ckpt_path", r["refused"]
         assert ("pipelines" if mode == "asym" else "zero_stage") in r["refused"]["message"]
     held = [sorted({int(n.split(".")[0]) for n in r["params"]}) for r in ranks]
     if mode == "asym":  # plan order: rank 0 all, ranks 1 -> 2 split at 2, rank 3 all
         assert held == [list(range(6)), [0, 1], [2, 3, 4, 5], list(range(6))]
+    elif mode == "dp":  # every replica holds the whole model
+        assert held == [list(range(6))] * 4
     else:  # rank = stage * dp + pipeline: ranks 0, 1 hold layers [0, 4), ranks 2, 3 hold [4, 6)
         assert held == [[0, 1, 2, 3]] * 2 + [[4, 5]] * 2
 
@@ -152,7 +155,9 @@ def test_a_loader_batch_other_than_the_global_batch_is_refused(tmp_path):
     (dict(cluster=CLUSTER, workload="tiny_gpt", global_batch_size=8, planner_mode="fast"), "planner_mode"),
     (dict(cluster=CLUSTER, plan=42), "plan"),
     (dict(plan="PLAN"), "cluster"),
-    (dict(cluster=CLUSTER, plan="PLAN", zero_stage=2), "zero_stage"),
+    (dict(cluster=CLUSTER, plan="PLAN", zero_stage=4), "zero_stage"),
+    (dict(cluster=CLUSTER, plan="PLAN", zero_stage=2), "plan.zero_stage"),  # a pipeline plan: ZeRO 0 or 1
+    (dict(cluster=CLUSTER, plan="PLAN", emulation="no"), "emulation"),
     (dict(cluster=CLUSTER, plan="PLAN", gradient_clipping=-1.0), "gradient_clipping"),
     (dict(cluster={"name": "two", "nodes": [{"name": "n", "devices": [{"name": "a", "type": "CPU"}]}]},
           plan="PLAN"), "plan.cluster_devices"),
@@ -176,6 +181,9 @@ def test_construction():
     assert isinstance(s, pl.strategies.DDPStrategy)
     assert s.plan.zero_stage == 1 and s.strategy_name == "hetero_deepspeed"
     assert s.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    assert s.runner is None and s.last_loss is None and s.plan_summary is None and s.cluster.name == "local"
+    # one-stage replicas run at every ZeRO stage (DeepSpeed's pipeline engine is not involved)
+    assert HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=base.dp_plan(), zero_stage=3).plan.zero_stage == 3
 
 
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
@@ -185,9 +193,8 @@ def test_hetero_deepspeed_is_registered_on_each_lightning_package(namespace):
         "import pickle",
         "import het_strategy",
         f"import {namespace} as pl",
-        "import het_strategy.strategy.hetero_deepspeed as m",
         "from het_strategy.core.errors import ConfigError",
-        f"cls = m.HeteroDeepSpeedStrategy{'' if namespace == 'lightning.pytorch' else 'PL'}",
+        f"cls = het_strategy.HeteroDeepSpeedStrategy{'' if namespace == 'lightning.pytorch' else 'PL'}",
         "assert pl.strategies.StrategyRegistry['hetero_deepspeed']['strategy'] is cls",
         "assert issubclass(cls, pl.strategies.DDPStrategy) and pickle.loads(pickle.dumps(cls)) is cls",
         "try:",

@@ -1,4 +1,5 @@
-"""Generated plans: the planner's filter and the DeepSpeed runtime's check refuse exactly the same ones."""
+"""Generated plans: the planner's filter, the DeepSpeed runtime's check and the strategy's construction check
+refuse exactly the same ones (the strategy also refuses plans not in fp32, its own precision rule)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ pytest.importorskip("torch")
 from het_strategy.ds_runtime.config import deepspeed_config, rank_batches  # noqa: E402
 from het_strategy.ds_runtime.engine import check_runnable  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
+from het_strategy.core.cluster import load_cluster  # noqa: E402
+from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder  # noqa: E402
 
 NUM_LAYERS = 6
 EXAMPLES = 400
@@ -51,7 +54,19 @@ def _runtime_accepts(plan: Plan, world_size: int | None = None) -> bool:
     return True
 
 
-def test_planner_and_runtime_refuse_the_same_generated_plans():
+CLUSTER = load_cluster({"name": "gen", "nodes": [{"name": "n", "devices": [{"name": f"d{i}", "type": "CPU"}
+                                                                            for i in range(64)]}]})
+
+
+def _strategy_accepts(plan: Plan) -> bool:
+    try:
+        DeepSpeedPlanHolder(CLUSTER, plan)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_planner_runtime_and_strategy_refuse_the_same_generated_plans():
     seen: Counter[str] = Counter()
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None)
@@ -60,6 +75,7 @@ def test_planner_and_runtime_refuse_the_same_generated_plans():
         planner = runnable(plan, Runtime.deepspeed)
         assert planner == _runtime_accepts(plan), runtime_problems(plan, Runtime.deepspeed)
         seen["runnable" if planner else "refused"] += 1
+        assert _strategy_accepts(plan) == (planner and plan.dtype == "fp32")
         for problem in runtime_problems(plan, Runtime.deepspeed):
             seen[problem.field.rsplit(".", 1)[-1]] += 1  # tp, zero_stage, dtype, samples
         if planner:

@@ -113,7 +113,7 @@ def test_at_zero_1_the_runtime_takes_the_best_aligned_plan_and_says_what_it_cost
 
 def test_tensor_parallel_best_is_replaced_by_a_tp_1_plan():
     # AMP's V100 + T4 cluster with tp up to 8: the best plan uses tp; the runtime keeps tp = 1 and prices it
-    args = ["cluster=amp_v100_t4", "model=gpt_small", "train.max_tp=8", "train.dtype=fp32", "output.plan=null"]
+    args = ["cluster=amp_v100_t4", "model=gpt_small", "settings.max_tp=8", "settings.dtype=fp32", "output.plan=null"]
     plan, _ = run_plan(compose_plan_config(args), echo=False)
     assert any(s.tp > 1 for p in plan.pipelines for s in p.stages)
     plan_ds, _ = run_plan(compose_plan_config([*args, "planner.runtime=deepspeed"]), echo=False)

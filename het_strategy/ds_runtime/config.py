@@ -184,14 +184,14 @@ def rank_batches(plan: Plan) -> list[RankBatch]:
 
 def _check_settings(plan: Plan, settings: "TrainSettings") -> None:
     if settings.global_batch_size != plan.global_batch_size:
-        raise field_error("train.global_batch_size", settings.global_batch_size,
+        raise field_error("settings.global_batch_size", settings.global_batch_size,
                           f"equal the plan's global_batch_size ({plan.global_batch_size})")
     if settings.dtype != plan.dtype:
-        raise field_error("train.dtype", settings.dtype, f"equal the plan's dtype ({plan.dtype})",
-                          "the plan's memory figures assume its own dtype; re-plan or change train.dtype")
+        raise field_error("settings.dtype", settings.dtype, f"equal the plan's dtype ({plan.dtype})",
+                          "the plan's memory figures assume its own dtype; re-plan or change settings.dtype")
     if settings.zero_stage != plan.zero_stage:
-        raise field_error("train.zero_stage", settings.zero_stage, f"equal the plan's zero_stage ({plan.zero_stage})",
-                          "the plan's memory figures assume its own ZeRO stage; re-plan or change train.zero_stage")
+        raise field_error("settings.zero_stage", settings.zero_stage, f"equal the plan's zero_stage ({plan.zero_stage})",
+                          "the plan's memory figures assume its own ZeRO stage; re-plan or change settings.zero_stage")
 
 
 def _offload_choice(plan: Plan, score: "PlanScore | None", offload: bool | None,

@@ -1,14 +1,32 @@
-"""``hetero_deepspeed``: a heterogeneous Plan (given, or planned on rank 0) run by DeepSpeed in Lightning's fit loop.
+"""``HeteroDeepSpeedStrategy``: a heterogeneous Plan (given, or planned on rank 0) run by DeepSpeed in Lightning's fit loop.
 
-``HeteroDeepSpeedLogic`` is mixed into each Lightning package's own
-``DDPStrategy`` by ``het_strategy.strategy.registry`` (``HeteroDeepSpeedStrategy``
-on ``lightning.pytorch``, ``HeteroDeepSpeedStrategyPL`` on ``pytorch_lightning``;
-``Trainer(strategy="hetero_deepspeed")`` after ``import het_strategy``).  Lightning's
+``Trainer(strategy="hetero_deepspeed")`` (after ``import het_strategy``) or
+``Trainer(strategy=HeteroDeepSpeedStrategy(...))``.  The class is written on
+``lightning.pytorch``'s ``DDPStrategy``; its ``pytorch_lightning`` twin is
+``HeteroDeepSpeedStrategyPL`` (``pytorch_lightning_classes.py``), so method
+bodies reach Lightning only through ``self`` and their arguments.  Lightning's
 DDP strategy launches the processes and sets up the process group (gloo on CPU);
 DeepSpeed wraps that group; ``PlanRunner`` (``ds_runtime/engine.py``) then runs
 this rank's part of the plan.  Lightning's own ``DeepSpeedStrategy`` is not
 used: it refuses CPU, rejects per-rank gradient accumulation in the config and
 has no pipeline path.
+
+Constructor: ``HeteroDeepSpeedStrategy(cluster, plan=None, zero_stage=None,
+gradient_clipping=0.0, *, workload=None, global_batch_size=None,
+planner_mode="auto", emulation=True, **ddp_kwargs)`` (see the class).
+
+The class owns one collaborator per concern and calls them:
+
+1. **Cluster and plan** (``DeepSpeedPlanHolder``, ``deepspeed_plan.py``): the
+   given plan checked at construction, or rank 0's search broadcast at setup;
+   the plan against the launched world; what each emulated stage is padded with.
+2. **Batches** (``GlobalBatches``, ``global_batches.py``): every rank loads the
+   whole global batch; the training loader's position for checkpoints.
+3. **The step** (``PlanRunner``, ``ds_runtime/engine.py``, built in
+   ``setup_optimizers``): forward, backward and optimizer step of the global
+   batch, this rank's micro-batches cut from it; emulated stage padding.
+4. **Checkpoints** (``deepspeed_checkpoint.py``): DeepSpeed checkpoint
+   directories carrying the plan.
 
 User contract (the LightningModule):
 
@@ -55,18 +73,20 @@ this runtime runs) from ``cluster``, ``workload`` and ``global_batch_size``
 broadcasts it, so all ranks run the same plan; ``plan_summary`` says how it
 compares with the unconstrained best.  On a cluster with ``emulated_speed``s
 each stage's forward and backward are padded to its device's time
-(``emulation.stage_padding``; ``emulate=False`` turns it off).
+(``emulation.stage_padding``); ``emulation=False`` drops the emulated speeds
+(the run plans and runs at the devices' real speeds).
 
 Supported: ``trainer.fit`` and ``trainer.validate`` after it (same Trainer);
-plans of any shape with tp = 1 (``check_runnable``): aligned replicas on
-DeepSpeed's own grid at ZeRO 0 or 1, asymmetric replicas (different lengths
-and boundaries, ``ds_runtime.replica_engine``) at ZeRO 0; fp32
-(``precision="32-true"``; DeepSpeed's CPU allreduce is fp32-only); automatic
-optimization; gradient clipping by the global norm (``gradient_clipping=``;
-DeepSpeed's own at ZeRO 1, the runtime's after the reduction otherwise, see
-``ds_runtime/clipping.py``).
+every plan the ``deepspeed`` rule table of ``core.runtime_rules`` accepts
+(tp = 1; aligned replicas on DeepSpeed's own grid, at ZeRO 0 or 1 when they
+pipeline and at any ZeRO stage as one-stage replicas; asymmetric replicas,
+of different lengths and boundaries, ``ds_runtime.replica_engine``, at ZeRO
+0), in fp32 (``precision="32-true"``); automatic optimization; gradient
+clipping by the global norm (``gradient_clipping=``; DeepSpeed's own, except
+for aligned pipelines at ZeRO 0 and asymmetric plans, which the runtime clips
+after its own reduction, see ``ds_runtime/clipping.py``).
 
-Not supported yet (refused with ``ConfigError``): ``test`` and ``predict``,
+Refused with ``ConfigError``: ``test`` and ``predict``,
 ``validate`` on a fresh Trainer, a short last training batch (use
 ``drop_last=True``), ``trainer.gradient_clip_val``, ``accumulate_grad_batches``
 > 1, manual optimization, mixed precision, live re-planning.  The non-local
@@ -76,66 +96,45 @@ layers stay (untrained) in the LightningModule of each rank: its
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader
+from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import rank_zero_info
 from het_strategy.core.plan import Plan
-from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
-from het_strategy.ds_runtime.engine import PlanRunner, check_runnable, init_deepspeed_distributed
+from het_strategy.ds_runtime.engine import PlanRunner, init_deepspeed_distributed
+from het_strategy.planning.request import PlanMode
 from het_strategy.strategy.deepspeed_checkpoint import (CHECKPOINT_TAG, PLAN_KEY, load_plan_checkpoint,
                                                         save_plan_checkpoint)
-from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_splittable, split_loader
+from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
+from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
 
-__all__ = ["HeteroDeepSpeedLogic", "CHECKPOINT_TAG", "PLAN_KEY"]
-
-if TYPE_CHECKING:  # at run time the registry mixes this into each Lightning package's own DDPStrategy
-    from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy
-else:
-    _DDPStrategy = object
-
-def __getattr__(name: str) -> object:
-    """``HeteroDeepSpeedStrategy`` / ``...PL`` built on first access (the classes' ``__module__`` is this one)."""
-    if name.startswith("HeteroDeepSpeedStrategy"):
-        from het_strategy.strategy.registry import CLASS_NAMES, class_named
-
-        if name in CLASS_NAMES:
-            return class_named(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["HeteroDeepSpeedStrategy", "CHECKPOINT_TAG", "PLAN_KEY"]
 
 
-def _load_plan(plan: Any) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, (str, Path)):
-        return Plan.load(plan)
-    raise field_error("plan", type(plan).__name__, "be a Plan, a plan JSON path, or None (plan at setup)")
-
-
-class HeteroDeepSpeedLogic(_DDPStrategy):
-    """A given heterogeneous Plan trained by DeepSpeed (``PlanRunner``) in Lightning's fit loop.
+class HeteroDeepSpeedStrategy(DDPStrategy):
+    """A heterogeneous Plan trained by DeepSpeed (``PlanRunner``) in Lightning's fit loop.
 
     Args:
         cluster: a shipped cluster name, a YAML path, a mapping or a ``ClusterSpec``
             holding every device the plan names.
         plan: the ``Plan`` (or its JSON path) to run; ``None``: rank 0 plans at setup.
-        zero_stage: ``None`` keeps the plan's (0 when planning); 0 or 1 overrides it.
+        zero_stage: ``None`` keeps the plan's (0 when planning); 0 to 3 overrides it (ZeRO 2 and 3 run
+            one-stage replicas only).
         gradient_clipping: the largest global gradient norm (0 = off).
-        workload: with ``plan=None``: the model's layers for the planner (a ``WorkloadSpec``, a
-            shipped model name or a mapping); also prices emulated stages (default: the module's
+        workload: the model's layers for the planner (a ``WorkloadSpec``, a shipped model name or a
+            mapping; needed with ``plan=None``); also prices emulated stages (default: the module's
             ``workload_config()``).
         global_batch_size: with ``plan=None``: samples per optimizer step.
-        planner_mode: with ``plan=None``: auto, dp, pipeline or hybrid.
-        emulate: pad stages to the cluster's ``emulated_speed``s (when it has any).
+        planner_mode: with ``plan=None``: ``auto``, ``dp``, ``pipeline`` or ``hybrid`` (``PlanMode``).
+        emulation: honour the cluster's ``emulated_speed``s (plan with them, pad each stage to its device's
+            time); ``False`` drops them.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``, ...).
 
     See the module docstring for what the LightningModule provides and what is supported.
@@ -144,105 +143,64 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
     strategy_name = "hetero_deepspeed"
 
     def __init__(self, cluster: str | Path | ClusterSpec | dict | None = None, plan: str | Path | Plan | None = None,
-                 zero_stage: int | None = None, gradient_clipping: float = 0.0, *, workload: Any = None,
-                 global_batch_size: int | None = None, planner_mode: str = "auto", emulate: bool = True,
-                 **ddp_kwargs: Any) -> None:
+                 zero_stage: ZeroStage | None = None, gradient_clipping: float = 0.0, *,
+                 workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
+                 planner_mode: PlanMode | str = PlanMode.auto, emulation: bool = True, **ddp_kwargs: Any) -> None:
         if cluster is None:
             raise field_error("cluster", None, "be a shipped cluster name, a YAML path, a mapping or a ClusterSpec")
-        spec = load_cluster(cluster)
-        if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1)):
-            raise field_error("zero_stage", zero_stage, "be 0, 1 or None (the plan's)")
         if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
                 or not gradient_clipping >= 0 or gradient_clipping == float("inf"):
             raise field_error("gradient_clipping", gradient_clipping, "be a finite number >= 0 (0 = off)")
-        self.workload: WorkloadSpec | None = None if workload is None else _load_workload(workload)
-        self._planning: TrainSettings | None = None
-        loaded: Plan | None = None
-        if plan is None:
-            from het_strategy.planning import MODES
-
-            if self.workload is None:
-                raise field_error("workload", None, "be given when plan is None (the planner prices its layers)",
-                                  "pass workload= (a WorkloadSpec, a shipped model name or mapping) or plan=")
-            if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-                raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 when plan is None")
-            if planner_mode not in MODES:
-                raise field_error("planner_mode", planner_mode, f"be one of {', '.join(MODES)}")
-            self._planning = TrainSettings(global_batch_size=global_batch_size, dtype="fp32",
-                                           zero_stage=zero_stage or 0)
-        else:
-            loaded = _load_plan(plan)
-            if zero_stage is not None:
-                loaded = dataclasses.replace(loaded, zero_stage=zero_stage)
-            self._check_plan(loaded, spec, float(gradient_clipping))
-        self.planner_mode = planner_mode
-        self.emulate = bool(emulate)
-        super().__init__(**ddp_kwargs)
-        self.cluster: ClusterSpec = spec
-        self.plan: Plan | None = loaded
-        """The plan run (``None`` until ``setup_environment`` when the strategy plans)."""
-        self.plan_summary: str | None = None
-        """With planning at setup: how the best runnable plan compares with the unconstrained best."""
+        # bad input fails here, in the user's script, before any rank starts
+        self.plans = DeepSpeedPlanHolder(load_cluster(cluster), plan, zero_stage=zero_stage, workload=workload,
+                                         global_batch_size=global_batch_size, planner_mode=planner_mode,
+                                         emulation=emulation)
+        """The cluster, the workload and the Plan of the run."""
+        self.batches = GlobalBatches()
+        """The loaders' check and the training loader's position."""
         self.gradient_clipping = float(gradient_clipping)
+        """The largest global gradient norm (0 = off)."""
+        super().__init__(**ddp_kwargs)
         self.runner: PlanRunner | None = None
+        """This rank's ``PlanRunner`` (built in ``setup_optimizers``); ``runner.named_parameters()``: this rank's
+        parameters by their name in the full layer list."""
         self.last_loss: float | None = None
-        self._batch_idx = -1
+        """The global-batch mean loss of the last training step, unrounded (the same on every rank)."""
 
-    @staticmethod
-    def _check_plan(plan: Plan, cluster: ClusterSpec, gradient_clipping: float) -> None:
-        if plan.zero_stage not in (0, 1):
-            raise field_error("plan.zero_stage", plan.zero_stage, "be 0 or 1 in this version",
-                              "pass zero_stage=0 or 1")
-        if plan.dtype != "fp32":
-            raise field_error("plan.dtype", plan.dtype, "be fp32 in this version (DeepSpeed's CPU allreduce "
-                              "is fp32-only; mixed precision is not wired up yet)")
-        names = {d.name for d in cluster.devices}
-        missing = [d for d in plan.used_devices if d not in names]
-        if missing:
-            raise field_error("plan.cluster_devices", missing, f"name devices of cluster `{cluster.name}`",
-                              "pass the cluster the plan was made for")
-        check_runnable(plan)
+    # -- what users and callbacks read ------------------------------------------------------------
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The run's cluster."""
+        return self.plans.cluster
 
-    def _plan_on_rank_zero(self) -> Plan:
-        """Rank 0 searches (``planner.runtime=deepspeed``) and broadcasts one Plan; an error stops every rank."""
-        import torch.distributed as dist
+    @property
+    def plan(self) -> Plan | None:
+        """The plan run (``None`` until ``setup_environment`` when the strategy plans)."""
+        return self.plans.plan
 
-        from het_strategy.core.errors import ConfigError
-        from het_strategy.planning.runtimes import plan_for_runtime
+    @property
+    def plan_summary(self) -> str | None:
+        """With planning at setup: how the best runnable plan compares with the unconstrained best."""
+        return self.plans.plan_summary
 
-        assert self._planning is not None and self.workload is not None
-        payload: list[Any] = [None]
-        if self.global_rank == 0:
-            try:
-                choice = plan_for_runtime(self.cluster, self.workload, self._planning, mode=self.planner_mode,
-                                          runtime="deepspeed")
-                payload[0] = ("plan", choice.plan.to_json(), choice.summary())
-            except ConfigError as exc:
-                payload[0] = ("error", str(exc), None)
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)
-        kind, value, summary = payload[0]
-        if kind == "error":
-            raise ConfigError(value)
-        self.plan_summary = summary
-        return Plan.from_dict(json.loads(value))
+    @property
+    def current_local_samples(self) -> int | None:
+        """Samples of the global batch this rank's replica takes, counted on its first stage only (so a sum over
+        ranks is the global batch; ``ThroughputMonitor`` reads it)."""
+        if self.runner is None:
+            return None
+        return self.runner.batch.samples if self.runner.assignment.stage == 0 else 0
 
     # -- setup ------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group (gloo on CPU); DeepSpeed wraps it
         init_deepspeed_distributed()
-        if self.plan is None:
-            self.plan = self._plan_on_rank_zero()
-            self._check_plan(self.plan, self.cluster, self.gradient_clipping)
+        planning = self.plans.plan is None
+        plan = self.plans.ensure(self.global_rank, self.world_size)
+        if planning:
             rank_zero_info(self.global_rank, "hetero_deepspeed planned %d device(s), %d replica(s): %s",
-                           len(self.plan.used_devices), self.plan.num_pipelines, self.plan_summary)
-        used = len(self.plan.used_devices)
-        if used != self.world_size:
-            raise field_error("devices", self.world_size, f"equal the number of devices the plan uses ({used} of "
-                              f"cluster `{self.cluster.name}`'s {self.cluster.num_devices})",
-                              f"launch {used} processes, or plan for a cluster of {self.world_size} devices")
-        check_runnable(self.plan, self.world_size)
+                           len(plan.used_devices), plan.num_pipelines, self.plan_summary)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -260,7 +218,8 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
                               "(hetero_deepspeed has no test/predict, and validate needs the trained engine)")
         precision = self.precision_plugin.precision
         if precision != "32-true":
-            raise field_error("precision", precision, "be 32-true (fp32) in this version")
+            raise field_error("Trainer.precision", precision, "be 32-true (the strategy runs fp32; DeepSpeed's mixed "
+                              "precision is not connected to Lightning's precision setting)")
         module = trainer.lightning_module
         if not module.automatic_optimization:
             raise field_error("automatic_optimization", False, "be true (the strategy makes the step)")
@@ -286,63 +245,32 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
         if len(self.optimizers) != 1:
             raise field_error("configure_optimizers", f"{len(self.optimizers)} optimizers", "return exactly one")
         module = self.lightning_module
-        layers = list(module.pipeline_layers())
         optimizer = self.optimizers[0]
-        from het_strategy.emulation.speeds import cluster_is_emulated
-
-        emulated = self.emulate and cluster_is_emulated(self.cluster)
-        workload = self.workload
-        if emulated and workload is None:
-            workload = _module_workload(module)
-        self.runner = PlanRunner(self.plan, layers, module.pipeline_loss, lambda params: _keep_only(optimizer, params),
-                                 gradient_clipping=self.gradient_clipping,
-                                 emulated_cluster=self.cluster if emulated else None, workload=workload)
+        cluster, workload = self.plans.stage_padding(module)
+        self.runner = PlanRunner(self.plan, list(module.pipeline_layers()), module.pipeline_loss,
+                                 lambda params: _keep_only(optimizer, params), gradient_clipping=self.gradient_clipping,
+                                 emulated_cluster=cluster, workload=workload)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Replaces DDPStrategy's: every rank iterates the whole dataset in one order (PlanRunner slices)."""
-        return {"num_replicas": 1, "rank": 0}
+        return dict(SAMPLER_KWARGS)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Check the global batch; the training loader becomes a ``HeteroDataLoader`` of one share (the whole
-        global batch, in the order Lightning's sampler gives), whose position a checkpoint saves mid-epoch."""
+        """Check the global batch; the training loader becomes one whose position a checkpoint saves mid-epoch."""
         dataloader = super().process_dataloader(dataloader)
-        if isinstance(dataloader, HeteroDataLoader):
-            return dataloader
-        batch_size = getattr(dataloader, "batch_size", None)
-        global_batch = self.plan.global_batch_size
-        if batch_size is not None and batch_size != global_batch:
-            raise field_error("DataLoader.batch_size", batch_size,
-                              f"equal the plan's global_batch_size ({global_batch}): every rank "
-                              "loads the whole global batch")
-        trainer = self.lightning_module.trainer
-        if not isinstance(dataloader, DataLoader) or getattr(trainer.state.stage, "value", None) != "train":
-            return dataloader
-        check_splittable(dataloader)
-        size = len(dataloader.dataset)  # type: ignore[arg-type]
-        if size % global_batch and not dataloader.drop_last:
-            raise field_error("DataLoader.drop_last", False, f"be True when the dataset size ({size}) is not a "
-                              f"multiple of the global batch ({global_batch}): a short last batch cannot be cut "
-                              "into the plan's micro-batches")
-        return split_loader(dataloader, global_batch, [global_batch], 0, lambda: self._batch_idx + 1)
-
-    @property
-    def current_local_samples(self) -> int | None:
-        """Samples of the global batch this rank's replica takes, counted on its first stage only (so a sum over
-        ranks is the global batch; ``ThroughputMonitor`` reads it)."""
-        if self.runner is None:
-            return None
-        return self.runner.batch.samples if self.runner.assignment.stage == 0 else 0
+        training = getattr(self.lightning_module.trainer.state.stage, "value", None) == "train"
+        return self.batches.process(dataloader, self.plan.global_batch_size, training)
 
     # -- steps ------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Replaces Strategy.training_step: PlanRunner runs forward, backward and step of the global batch."""
         assert self.runner is not None
-        inputs, labels = _pair(args[0] if args else kwargs["batch"], "training batch")
-        self._batch_idx = batch_index(args, kwargs)  # the loader's saved position is the next one
+        inputs, labels = batch_pair(args[0] if args else kwargs["batch"], "training batch")
+        self.batches.record(args, kwargs)
         self.last_loss = self.runner.train_step(inputs, labels)
         loss = torch.tensor(self.last_loss)
         self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True,
@@ -363,7 +291,7 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Replaces Strategy.validation_step: ``PlanRunner.eval_step`` on the global batch (the module is partial)."""
         assert self.runner is not None
-        inputs, labels = _pair(args[0] if args else kwargs["batch"], "validation batch")
+        inputs, labels = batch_pair(args[0] if args else kwargs["batch"], "validation batch")
         loss = torch.tensor(self.runner.eval_step(inputs, labels))
         # the same value on every rank: no sync_dist needed
         self.lightning_module.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True,
@@ -422,28 +350,6 @@ class HeteroDeepSpeedLogic(_DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Replaces Strategy's: nothing to do, DeepSpeed loaded the optimizer state in ``load_checkpoint``."""
-
-
-def _load_workload(workload: Any) -> WorkloadSpec:
-    from het_strategy.core.workload import load_workload
-
-    return load_workload(workload, dtype="fp32")
-
-
-def _module_workload(module: Any) -> WorkloadSpec:
-    """The workload an emulated run prices stages with: the module's ``workload_config()`` (as CharGPT has)."""
-    if not callable(getattr(module, "workload_config", None)):
-        raise field_error("workload", None, "be given for an emulated cluster (it prices each stage), or the "
-                          "LightningModule must define workload_config()", "pass workload= to the strategy")
-    from het_strategy.core.workload import transformer_workload
-
-    return transformer_workload(module.workload_config(), dtype="fp32")
-
-
-def _pair(batch: Any, where: str) -> tuple[Any, Any]:
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise field_error(where, type(batch).__name__, "be (inputs, labels)")
-    return batch[0], batch[1]
 
 
 def _keep_only(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:

@@ -1,0 +1,158 @@
+"""The cluster and the Plan a ``hetero_deepspeed`` run holds: ``DeepSpeedPlanHolder``.
+
+1. Construction (in the user's script, before any rank starts): a given plan
+   (a ``Plan`` or its JSON path, with an optional ZeRO-stage override) is
+   checked against the cluster (every device it names is one of the
+   cluster's) and against the ``deepspeed`` rule table of
+   ``core.runtime_rules``, the table the planner's ``planner.runtime=deepspeed``
+   filter and ``ds_runtime.engine.check_runnable`` read; without a plan, the
+   planning inputs are checked (workload, global batch, planner mode).
+2. ``ensure(rank, world_size)`` at setup: without a plan, rank 0 searches one
+   (``plan_for_runtime(..., runtime="deepspeed")``) and broadcasts it, so every
+   rank runs the same plan (an error on rank 0 stops every rank with the same
+   message); then the plan is checked against the launched world (one process
+   per device the plan uses).
+3. ``stage_padding(module)``: on a cluster with ``emulated_speed``s, the
+   cluster and the workload ``PlanRunner`` pads each stage with (the given
+   workload, else the module's ``workload_config()``).  With
+   ``emulation=False`` the cluster's emulated speeds are dropped at
+   construction: the run plans and runs at the devices' real speeds.
+
+The strategy runs Lightning's ``32-true`` precision only, so it takes fp32
+plans: that rule is the strategy's (its precision setting is not connected to
+DeepSpeed's mixed precision), not the runtime's, and is checked here beside
+the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.plan import Plan
+from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
+from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.workload import WorkloadSpec, load_workload, transformer_workload
+from het_strategy.emulation.speeds import cluster_is_emulated
+from het_strategy.planning.request import PlanMode
+
+__all__ = ["ZeroStage", "DeepSpeedPlanHolder", "load_plan_source"]
+
+ZeroStage = Literal[0, 1, 2, 3]
+"""A ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over the replicas."""
+
+
+def load_plan_source(plan: Any) -> Plan | None:
+    """``plan=`` as a ``Plan`` (``None``: plan at setup); a ``ConfigError`` naming ``plan`` otherwise."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise field_error("plan", type(plan).__name__, "be a Plan, a plan JSON path, or None (plan at setup)")
+
+
+class DeepSpeedPlanHolder:
+    """The cluster, the workload and the Plan of a ``hetero_deepspeed`` run (see the module docstring).
+
+    Args:
+        cluster: the run's cluster; it holds every device the plan names.
+        plan: the ``Plan`` (or its JSON path) to run; ``None``: rank 0 plans at setup.
+        zero_stage: ``None`` keeps the plan's (0 when planning); 0 to 3 overrides it.
+        workload: the model's layers for the planner (a ``WorkloadSpec``, a shipped model name or a mapping);
+            needed when ``plan`` is ``None``.
+        global_batch_size: with ``plan=None``: samples per optimizer step.
+        planner_mode: with ``plan=None``: the planners searched (``PlanMode``).
+        emulation: honour the cluster's emulated speeds (plan with them, pad each stage to them).
+    """
+
+    def __init__(self, cluster: ClusterSpec, plan: Any = None, *, zero_stage: ZeroStage | None = None,
+                 workload: Any = None, global_batch_size: int | None = None,
+                 planner_mode: PlanMode | str = PlanMode.auto, emulation: bool = True) -> None:
+        if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3)):
+            raise field_error("zero_stage", zero_stage, "be 0, 1, 2, 3 or None (the plan's)")
+        try:
+            self.planner_mode = PlanMode(planner_mode)
+        except ValueError:
+            raise field_error("planner_mode", planner_mode, f"be one of {', '.join(PlanMode)}") from None
+        if not isinstance(emulation, bool):
+            raise field_error("emulation", emulation, "be true or false")
+        self.cluster = cluster if emulation or not cluster_is_emulated(cluster) else cluster.without_emulation()
+        """The run's cluster (without its emulated speeds when ``emulation=False``)."""
+        self.workload: WorkloadSpec | None = None if workload is None else load_workload(workload, dtype="fp32")
+        """The model's layers as the planner prices them (``None`` when not given)."""
+        self.plan_summary: str | None = None
+        """With planning at setup: how the best runnable plan compares with the unconstrained best."""
+        self.settings: TrainSettings | None = None
+        """With ``plan=None``: the settings rank 0 plans with."""
+        loaded = load_plan_source(plan)
+        if loaded is None:
+            if self.workload is None:
+                raise field_error("workload", None, "be given when plan is None (the planner prices its layers)",
+                                  "pass workload= (a WorkloadSpec, a shipped model name or mapping) or plan=")
+            if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+                raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 when plan is None")
+            self.settings = TrainSettings(global_batch_size=global_batch_size, dtype="fp32",
+                                          zero_stage=zero_stage or 0)
+        else:
+            if zero_stage is not None:
+                loaded = dataclasses.replace(loaded, zero_stage=zero_stage)
+            self.check(loaded)
+        self.plan: Plan | None = loaded
+        """The plan run (``None`` until ``ensure`` when the strategy plans)."""
+
+    def check(self, plan: Plan, world_size: int | None = None) -> None:
+        """Refuse a plan of another cluster, one the deepspeed runtime cannot run, or one not in fp32."""
+        names = {d.name for d in self.cluster.devices}
+        missing = [d for d in plan.used_devices if d not in names]
+        if missing:
+            raise field_error("plan.cluster_devices", missing, f"name devices of cluster `{self.cluster.name}`",
+                              "pass the cluster the plan was made for")
+        raise_first(runtime_problems(plan, Runtime.deepspeed, world_size))
+        if plan.dtype != "fp32":
+            raise field_error("plan.dtype", plan.dtype, "be fp32 (the strategy runs Lightning's 32-true precision; "
+                              "DeepSpeed's mixed precision is not connected to it)", "plan with settings.dtype=fp32")
+
+    def ensure(self, rank: int, world_size: int) -> Plan:
+        """The plan every rank runs: the given one, or rank 0's search broadcast; checked against the world."""
+        if self.plan is None:
+            self.plan = self._plan_on_rank_zero(rank, world_size)
+        self.check(self.plan, world_size)
+        return self.plan
+
+    def _plan_on_rank_zero(self, rank: int, world_size: int) -> Plan:
+        """Rank 0 searches (``runtime="deepspeed"``) and broadcasts one Plan; an error stops every rank."""
+        from het_strategy.planning.runtimes import plan_for_runtime
+
+        assert self.settings is not None and self.workload is not None
+        payload: list[Any] = [None]
+        if rank == 0:
+            try:
+                choice = plan_for_runtime(self.cluster, self.workload, self.settings, mode=self.planner_mode,
+                                          runtime=Runtime.deepspeed)
+                payload[0] = ("plan", choice.plan.to_json(), choice.summary())
+            except ConfigError as exc:
+                payload[0] = ("error", str(exc), None)
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(payload, src=0)  # every rank runs rank 0's plan, or stops with its error
+        kind, value, summary = payload[0]
+        if kind == "error":
+            raise ConfigError(value)
+        self.plan_summary = summary
+        return Plan.from_dict(json.loads(value))
+
+    def stage_padding(self, module: Any) -> tuple[ClusterSpec | None, WorkloadSpec | None]:
+        """``(cluster, workload)`` that ``PlanRunner`` pads each stage to; ``(None, None)`` on real devices."""
+        if not cluster_is_emulated(self.cluster):
+            return None, None
+        if self.workload is not None:
+            return self.cluster, self.workload
+        if not callable(getattr(module, "workload_config", None)):
+            raise field_error("workload", None, "be given for an emulated cluster (it prices each stage), or the "
+                              "LightningModule must define workload_config()", "pass workload= to the strategy")
+        return self.cluster, transformer_workload(module.workload_config(), dtype="fp32")

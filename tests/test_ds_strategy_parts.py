@@ -1,0 +1,130 @@
+"""The collaborators of ``HeteroDeepSpeedStrategy``, each on its own: the plan holder and the global-batch loaders."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from het_strategy.core.cluster import load_cluster  # noqa: E402
+from het_strategy.core.errors import ConfigError  # noqa: E402
+from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
+from het_strategy.core.runtime_rules import Runtime, runtime_problems  # noqa: E402
+from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder  # noqa: E402
+from het_strategy.strategy.global_batches import GlobalBatches, batch_pair  # noqa: E402
+from het_strategy.strategy.loaders import HeteroDataLoader  # noqa: E402
+
+
+def _cluster(n=4, emulated=False):
+    devices = [{"name": f"cpu{i}", "type": "CPU", **({"emulated_speed": 1.0 / (i + 1)} if emulated else {})}
+               for i in range(n)]
+    return load_cluster({"name": "local", "nodes": [{"name": "local", "devices": devices}]})
+
+
+def _plan(pipes, zero_stage=0, dtype="fp32"):
+    return Plan(cluster="local", cluster_devices=tuple(f"cpu{i}" for i in range(4)),
+                model={"name": "tiny_gpt", "num_layers": 6}, global_batch_size=sum(p.samples for p in pipes),
+                dtype=dtype, mode="manual", zero_stage=zero_stage, pipelines=tuple(pipes))
+
+
+def _pipe(devs, bounds, micro=2, samples=4):
+    return Pipeline(tuple(Stage((d,), (a, b)) for d, a, b in zip(devs, bounds, bounds[1:])), micro, samples)
+
+
+PIPE = _plan([_pipe(["cpu0", "cpu1"], [0, 3, 6]), _pipe(["cpu2", "cpu3"], [0, 3, 6])])
+
+
+# -- DeepSpeedPlanHolder ----------------------------------------------------------------------------
+
+def test_a_given_plan_is_held_with_its_zero_override_and_checked_against_the_world():
+    holder = DeepSpeedPlanHolder(_cluster(), PIPE, zero_stage=1)
+    assert holder.plan.zero_stage == 1 and PIPE.zero_stage == 0 and holder.settings is None
+    assert holder.ensure(rank=0, world_size=4) is holder.plan and holder.plan_summary is None
+    with pytest.raises(ConfigError) as err:
+        holder.ensure(rank=0, world_size=3)
+    assert err.value.field == "WORLD_SIZE" and "device count (4)" in str(err.value)
+
+
+@pytest.mark.parametrize("plan, field", [
+    (_plan([_pipe(["cpu0", "cpu1"], [0, 3, 6]), _pipe(["cpu2"], [0, 6])], zero_stage=1), "plan.zero_stage"),
+    (_plan([_pipe(["cpu0"], [0, 6]), _pipe(["cpu1"], [0, 6])], dtype="bf16"), "plan.dtype"),
+    (_plan([Pipeline((Stage(("cpu0", "cpu1"), (0, 6)),), 2, 4)]), "plan.pipelines[0].stages[0].tp"),
+    (_plan([_pipe(["cpu0"], [0, 6]), _pipe(["gpu9"], [0, 6])]), "plan.cluster_devices"),
+])
+def test_the_construction_check_refuses_what_the_runtime_cannot_run(plan, field):
+    with pytest.raises(ConfigError) as err:
+        DeepSpeedPlanHolder(_cluster(), plan)
+    assert err.value.field == field
+
+
+def test_without_a_plan_rank_zero_plans_one_the_runtime_runs():
+    holder = DeepSpeedPlanHolder(_cluster(), None, workload="tiny_gpt", global_batch_size=8, planner_mode="pipeline")
+    assert holder.plan is None and holder.settings.global_batch_size == 8
+    with pytest.raises(ConfigError, match="WORLD_SIZE"):
+        holder.ensure(rank=0, world_size=1)  # a world of one (no broadcast): the planned plan uses 4 devices
+    plan = holder.plan
+    assert plan is not None and plan.global_batch_size == 8 and plan.num_pipelines == 1
+    assert len(plan.pipelines[0].stages) == 4 and runtime_problems(plan, Runtime.deepspeed, 4) == []
+    assert holder.plan_summary.startswith("runtime deepspeed:")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(), "workload"),
+    (dict(workload="tiny_gpt"), "global_batch_size"),
+    (dict(workload="tiny_gpt", global_batch_size=8, planner_mode="fast"), "planner_mode"),
+    (dict(workload="tiny_gpt", global_batch_size=8, zero_stage=True), "zero_stage"),
+])
+def test_planning_inputs_are_checked_at_construction(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        DeepSpeedPlanHolder(_cluster(), None, **kwargs)
+    assert err.value.field == field
+
+
+def test_stage_padding_follows_the_emulation_switch():
+    emulated = _cluster(emulated=True)
+    on = DeepSpeedPlanHolder(emulated, PIPE, workload="tiny_gpt")
+    cluster, workload = on.stage_padding(object())
+    assert cluster is emulated and workload.name == on.workload.name
+    with pytest.raises(ConfigError, match="workload_config"):
+        DeepSpeedPlanHolder(emulated, PIPE).stage_padding(object())  # nothing prices the stages
+    off = DeepSpeedPlanHolder(emulated, PIPE, emulation=False)
+    assert off.stage_padding(object()) == (None, None)
+    assert all(d.emulated_speed is None for d in off.cluster.devices)  # planned at the real speeds too
+    assert DeepSpeedPlanHolder(_cluster(), PIPE).stage_padding(object()) == (None, None)
+
+
+# -- GlobalBatches ----------------------------------------------------------------------------------
+
+def _data(n=12):
+    return TensorDataset(torch.arange(n, dtype=torch.float32).reshape(n, 1), torch.zeros(n))
+
+
+def test_the_training_loader_yields_whole_global_batches_and_saves_its_position():
+    batches = GlobalBatches()
+    loader = batches.process(DataLoader(_data(), batch_size=4), global_batch=4, training=True)
+    assert isinstance(loader, HeteroDataLoader)
+    got = [x.flatten().tolist() for x, _ in loader]
+    assert got == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
+    batches.record((None, 1), {})  # training_step(batch, batch_idx=1): the next position is 2
+    assert batches.batch_idx == 1 and loader.state_dict()
+    assert batches.process(loader, 4, True) is loader
+
+
+def test_loaders_of_another_batch_or_with_a_short_last_batch_are_refused():
+    batches = GlobalBatches()
+    with pytest.raises(ConfigError) as err:
+        batches.process(DataLoader(_data(), batch_size=3), global_batch=4, training=False)
+    assert err.value.field == "DataLoader.batch_size"
+    with pytest.raises(ConfigError) as err:
+        batches.process(DataLoader(_data(10), batch_size=4), global_batch=4, training=True)
+    assert err.value.field == "DataLoader.drop_last"
+    val = DataLoader(_data(10), batch_size=4)
+    assert batches.process(val, global_batch=4, training=False) is val  # evaluation loaders are used as given
+
+
+def test_a_batch_is_a_pair():
+    assert batch_pair((1, 2), "training batch") == (1, 2)
+    with pytest.raises(ConfigError, match="`training batch` is 'dict'"):
+        batch_pair({"x": 1}, "training batch")
