@@ -127,7 +127,7 @@ def test_bad_choices_and_settings_name_the_field() -> None:
     cluster, workload = cluster_from_dict(_two_nodes(3)), _workload()
     with pytest.raises(ConfigError, match=r"planner\.compression_choices\[1\]"):
         plan_jointly(cluster, workload, TrainSettings(global_batch_size=8), choices=("none", "zip"))
-    with pytest.raises(ConfigError, match="train.inter_node_compression"):
+    with pytest.raises(ConfigError, match="settings.inter_node_compression"):
         TrainSettings(global_batch_size=8, inter_node_compression="gzip")
 
 
@@ -152,7 +152,7 @@ def test_het_plan_joint_prints_both_plans_and_writes_the_choice(tmp_path: Path, 
     path = tmp_path / "cluster.yaml"
     path.write_text(json.dumps(_two_nodes(1.0)))
     big = ["model.hidden_size=1024", "model.seq_len=1024", "model.num_layers=2", "model.num_heads=8",
-           "model.vocab_size=4096", "train.global_batch_size=256", "train.micro_batch_sizes=[1,2]", "train.dtype=fp32"]
+           "model.vocab_size=4096", "settings.global_batch_size=256", "settings.micro_batch_sizes=[1,2]", "settings.dtype=fp32"]
     assert main([f"cluster={path}", *big, "planner.mode=dp", "planner.compression=joint",
                  f"output.dir={tmp_path}"]) == 0
     out = capsys.readouterr().out

@@ -36,8 +36,8 @@ def test_importing_the_planning_core_loads_no_torch_lightning_deepspeed_or_matpl
     assert "HEAVY []" in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["cluster=amp_v100_t4", "model=gpt2_amp", "train.global_batch_size=32",
-                                               "train.dtype=fp16", "output.dir={tmp}"]])
+@pytest.mark.parametrize("argv", [["--help"], ["cluster=amp_v100_t4", "model=gpt2_amp", "settings.global_batch_size=32",
+                                               "settings.dtype=fp16", "output.dir={tmp}"]])
 def test_het_plan_loads_no_torch(argv: list[str], tmp_path: Path) -> None:
     argv = [a.format(tmp=tmp_path) for a in argv]
     code = _REPORT_HEAVY + "from het_strategy.cli.plan_cli import main\nsys.exit(main(sys.argv[1:]))"

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from het_strategy.core.cluster import cluster_from_dict, load_cluster
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.network import TP_LINK_EFFICIENCY, Network, SyncRoute
 from het_strategy.core.plan import Plan
@@ -102,7 +103,7 @@ def test_tensor_parallel_allreduce_nvlink_vs_pcie() -> None:
 def test_gradients_move_in_fp32_unless_told() -> None:
     assert TrainSettings(8, dtype="bf16").grad_bytes == 4
     assert TrainSettings(8, dtype="bf16", grad_dtype="bf16").grad_bytes == 2
-    with pytest.raises(ConfigError, match="train.grad_dtype"):
+    with pytest.raises(ConfigError, match="settings.grad_dtype"):
         TrainSettings(8, grad_dtype="int8")
 
 

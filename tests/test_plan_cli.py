@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from het_strategy.cli._common import cluster_from_cfg, train_settings_from_cfg, workload_from_cfg
+from het_strategy.cli._common import cluster_from_cfg, workload_from_cfg
 from het_strategy.cli.plan_cli import compose_plan_config, main, run_plan
+from het_strategy.cli.plan_config import register_plan_schema, typed_plan_config
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.cost_model import CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.workload import load_workload
+from het_strategy.planning import PlanRequest
 
 SHIPPED = ["cluster=local_cpu4_mixed", "model=tiny_gpt"]  # 4 CPU ranks (rank0..rank3), 6 layers
 
@@ -37,8 +39,9 @@ def _write_cluster(path: Path, devices: str) -> Path:
 
 
 def test_compose_api_plans_writes_plan_json_and_scores_it_back(tmp_path: Path):
+    register_plan_schema()  # the schema plan.yaml's defaults list names (het-plan registers it itself)
     with initialize_config_module(version_base="1.3", config_module="het_strategy.configs"):
-        cfg = compose("plan", overrides=[*SHIPPED, "train.global_batch_size=32", f"output.dir={tmp_path}"])
+        cfg = compose("plan", overrides=[*SHIPPED, "settings.global_batch_size=32", f"output.dir={tmp_path}"])
     plan, score = run_plan(cfg, echo=False)
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads((tmp_path / "plan.json").read_text())
@@ -70,10 +73,12 @@ def test_score_option_uses_the_same_cost_model(tmp_path: Path):
 
 def test_overrides_reach_the_specs():
     cfg = compose_plan_config([*SHIPPED, "cluster.inter_node_bandwidth_gbs=5", "model.num_layers=2",
-                               "train.zero_stage=1", "train.micro_batch_sizes=[2,4]"])
+                               "settings.zero_stage=1", "settings.micro_batch_sizes=[2,4]"])
     cluster = cluster_from_cfg(cfg)
     assert cluster.name == "local_cpu4_mixed" and cluster.inter_node_bandwidth_gbs == 5
-    settings = train_settings_from_cfg(cfg)
+    typed = typed_plan_config(cfg)
+    settings = typed.settings
+    assert typed.planner == PlanRequest() and isinstance(settings, TrainSettings)
     assert (settings.zero_stage, settings.micro_batch_sizes, settings.global_batch_size) == (1, (2, 4), 64)
     workload = workload_from_cfg(cfg, settings.dtype)
     assert workload.name == "tiny_gpt" and workload.num_layers == 4  # embedding + 2 blocks + head
@@ -103,7 +108,7 @@ def _bad_cases():
         return [f"cluster={_write_cluster(tmp / 'c.yaml', devs)}"], ["memory_gb` is 'lots'", "be a number"]
 
     def unknown_key(tmp):
-        return ["train.global_bach_size=3"], ["`train.global_bach_size`", "unknown key", "global_batch_size"]
+        return ["settings.global_bach_size=3"], ["`settings.global_bach_size`", "unknown key", "global_batch_size"]
 
     def unknown_cluster(tmp):
         return ["cluster=no_such_cluster"], ["`cluster` is 'no_such_cluster'", "local_cpu4_mixed"]
@@ -113,8 +118,8 @@ def _bad_cases():
         return ["cluster=local_cpu2", f"score={tmp / 'p.json'}"], ["rank2", "name a device of cluster `local_cpu2`"]
 
     def batch_below_ranks(tmp):
-        return (["cluster=local_cpu4_mixed", "train.global_batch_size=2", "planner.mode=dp"],
-                ["`train.global_batch_size` is 2", "rank"])
+        return (["cluster=local_cpu4_mixed", "settings.global_batch_size=2", "planner.mode=dp"],
+                ["`settings.global_batch_size` is 2", "rank"])
 
     def unknown_runtime(tmp):
         return ["planner.runtime=fast"], ["`planner.runtime` is 'fast'", "any, deepspeed"]
@@ -147,15 +152,22 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path: Path, capsys, monkeypat
 
 
 def test_run_plan_raises_config_error_for_bad_train_values():
-    cfg = compose_plan_config([*SHIPPED, "train.activation_checkpointing=yes"])
-    with pytest.raises(ConfigError, match="train.activation_checkpointing"):
-        run_plan(cfg, echo=False)
+    with pytest.raises(ConfigError, match="`settings.activation_checkpointing` is 'maybe'; it must be true or false"):
+        compose_plan_config([*SHIPPED, "settings.activation_checkpointing=maybe"])
+    with pytest.raises(ConfigError, match="`planner.mode` is 'fast'; it must be one of auto, dp, pipeline, hybrid"):
+        compose_plan_config([*SHIPPED, "planner.mode=fast"])
+    with pytest.raises(ConfigError, match="`planner.profile` is 'mine'; it must be one of sailor or null"):
+        compose_plan_config([*SHIPPED, "planner.profile=mine"])
+    with pytest.raises(ConfigError, match=r"`train[.\w]*` is .*; it must not be there: .*settings"):
+        compose_plan_config([*SHIPPED, "train.dtype=fp32"])  # the section is `settings`
+    with pytest.raises(ConfigError, match="`planner.budget_per_hour` is -1.0; it must be null or a number > 0"):
+        run_plan(compose_plan_config([*SHIPPED, "planner.budget_per_hour=-1"]), echo=False)
 
 
 def test_help_and_cfg_print_without_planning(capsys):
     assert main(["--help"]) == 0
     assert "local_cpu4_mixed" in capsys.readouterr().out  # shipped clusters are listed
-    assert main(["--cfg", *SHIPPED, "train.global_batch_size=8"]) == 0
+    assert main(["--cfg", *SHIPPED, "settings.global_batch_size=8"]) == 0
     out = capsys.readouterr().out
     assert "global_batch_size: 8" in out and "emulated_speed: 0.25" in out
 

@@ -56,7 +56,7 @@ def models(tmp_path: Path) -> Path:
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
-    return [f"cluster={_CLUSTER}", "planner.mode=dp", "train.global_batch_size=32", "train.dtype=fp32",
+    return [f"cluster={_CLUSTER}", "planner.mode=dp", "settings.global_batch_size=32", "settings.dtype=fp32",
             "model_input.repeats=1", f"output.dir={tmp_path / 'out'}", *extra]
 
 

@@ -115,8 +115,8 @@ def test_dp_batch_smaller_than_devices_names_the_field():
     settings_ = TrainSettings(global_batch_size=1)
     with pytest.raises(ConfigError) as info:
         plan_data_parallel(CostModel(cluster, _tiny_model(), settings_))
-    assert info.value.field == "train.global_batch_size"
-    with pytest.raises(ConfigError, match="train.global_batch_size"):
+    assert info.value.field == "settings.global_batch_size"
+    with pytest.raises(ConfigError, match="settings.global_batch_size"):
         search_plan(cluster, _tiny_model(), settings_, mode="dp")
 
 

@@ -144,7 +144,7 @@ def test_the_hetero_strategys_plans_give_every_rank_a_share():
     s = TrainSettings(global_batch_size=6, micro_batch_sizes=(1, 2), idle_devices=False)
     assert min(search_plan(cluster, workload, s, mode="dp").rank_shares().values()) >= 1
     assert min(data_parallel_plan(cluster, workload, 6, "bf16").rank_shares().values()) >= 1
-    with pytest.raises(ConfigError, match="train.idle_devices"):
+    with pytest.raises(ConfigError, match="settings.idle_devices"):
         TrainSettings(global_batch_size=6, idle_devices="no")
 
 

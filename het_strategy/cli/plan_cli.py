@@ -3,7 +3,7 @@
 Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style)::
 
     het-plan                                               # shipped defaults
-    het-plan cluster=sailor_a100_v100_32_96 model=opt350 train.global_batch_size=256
+    het-plan cluster=sailor_a100_v100_32_96 model=opt350 settings.global_batch_size=256
     het-plan cluster=./my_cluster.yaml cluster.inter_node_bandwidth_gbs=5 planner.mode=dp
     het-plan planner.profile=sailor output.ds_config=true output.plot=true
     het-plan planner.objective=cost planner.min_throughput=200   # least $/iteration at >= 200 samples/s
@@ -14,16 +14,17 @@ Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style)::
 
 Steps of one run:
 
-1. compose the config (Hydra compose API: no output folders, no change of cwd);
-2. build ClusterSpec, WorkloadSpec (activations in ``train.dtype``), TrainSettings;
+1. compose the config (Hydra compose API: no output folders, no change of cwd) against the
+   structured schema ``cli/plan_config.HetPlanConfig``: ``settings`` is a TrainSettings,
+   ``planner`` a PlanRequest, each checked while Hydra composes and on construction;
+2. build ClusterSpec and WorkloadSpec (activations in ``settings.dtype``);
    with ``model=<python path>`` (``package.module:function`` or
    ``file.py:function``) the workload is that model's profile
    (``profiling.model_factory``), written next to the plan as ``<plan>.model.json``;
-3. plan with ``het_strategy.planning.plan`` (``planner.objective=cost``, a
-   ``planner.budget_per_hour`` or a ``planner.min_throughput``: over sub-clusters,
-   ``planning.objective``) — or, with ``score=<file>``, load that plan, check it
-   belongs to this cluster and model, and score it with the same CostModel; the
-   plan's money figures (its used devices' $/hour, $/iteration) join ``predicted``;
+3. ``het_strategy.planning.plan(cluster, workload, settings, request)`` — or, with
+   ``score=<file>``, load that plan, check it belongs to this cluster and model, and
+   ``planning.rescore`` it with the same CostModel; either way the plan's money
+   figures (its used devices' $/hour, $/iteration) are in ``predicted``;
 4. print the table; write ``output.dir/output.plan`` atomically, and, when asked,
    the DeepSpeed files and a PNG picture.
 
@@ -47,7 +48,6 @@ from het_strategy.cli._common import (
     cluster_from_cfg,
     cfg_to_dict,
     run_cli,
-    train_settings_from_cfg,
     workload_from_cfg,
 )
 from het_strategy.core.errors import ConfigError, check_keys, field_error
@@ -65,7 +65,6 @@ __all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
 PROG = "het-plan"
 CONFIG_NAME = "plan"
 _OUTPUT_KEYS = {"dir", "plan", "ds_config", "plot"}
-_PLANNER_KEYS = {"mode", "profile", "runtime", "compression", "objective", "budget_per_hour", "min_throughput"}
 _MODEL_INPUT_KEYS = {"shape", "dtype", "blocks", "repeats", "measured_type"}
 _PYTHON_PATH = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*|.+\.py):[A-Za-z_]\w*$")
 
@@ -79,8 +78,8 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
   model=<module:function>       your own nn.Module (package.module:function or file.py:function), profiled;
                                 model_input.shape=[4,1,28,28] model_input.dtype=float32 unless the
                                 function returns (module, sample_input)
-  train.global_batch_size=N     train.dtype=bf16|fp16|fp32   train.zero_stage=0..3
-  train.max_tp=1|2|4|8          train.micro_batch_sizes=[1,2,4,8]   train.activation_checkpointing=true
+  settings.global_batch_size=N  settings.dtype=bf16|fp16|fp32   settings.zero_stage=0..3
+  settings.max_tp=1|2|4|8       settings.micro_batch_sizes=[1,2,4,8]   settings.activation_checkpointing=true
   planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed
   planner.objective=time|cost   planner.budget_per_hour=USD   planner.min_throughput=samples/s
                                 cost: least $/iteration (idle devices not rented); budget: cap on the used
@@ -107,6 +106,9 @@ def compose_plan_config(overrides: Sequence[str] = ()) -> DictConfig:
     rest = [o for o in overrides if not _is_model_factory(o)]
     for ov in rest:
         _check_cluster_yaml(ov)
+    from het_strategy.cli.plan_config import register_plan_schema
+
+    register_plan_schema()  # the structured schema plan.yaml's defaults list starts with
     cfg = compose_config(CONFIG_NAME, rest)
     if factories:
         with open_dict(cfg):
@@ -145,14 +147,13 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     Paths in ``cfg.output`` and ``cfg.score`` are relative to the current directory.
     Raises ``ConfigError`` for every bad input.
     """
-    from het_strategy.planning import PlanRequest, plan, rescore
+    from het_strategy.cli.plan_config import typed_plan_config
+    from het_strategy.planning import plan, rescore
     from het_strategy.report.table import plan_table
 
+    typed = typed_plan_config(cfg)
     output = _output_settings(cfg)
-    planner = cfg_to_dict(cfg.get("planner") or {}, "planner")
-    check_keys(planner, _PLANNER_KEYS, "planner")
-    request = PlanRequest(**planner)
-    settings = train_settings_from_cfg(cfg)
+    request, settings = typed.planner, typed.settings
     cluster = cluster_from_cfg(cfg)
     made = _factory_model(cfg)
     factory = made[0] if made is not None else None
@@ -228,7 +229,7 @@ def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSp
     taken = {"global_batch_size": plan.global_batch_size, "dtype": plan.dtype, "zero_stage": plan.zero_stage}
     differing = {k: v for k, v in taken.items() if getattr(settings, k) != v}
     for key, value in differing.items():
-        print(f"{PROG}: note: scoring uses the plan's {key}={value} (train.{key}={getattr(settings, key)} "
+        print(f"{PROG}: note: scoring uses the plan's {key}={value} (settings.{key}={getattr(settings, key)} "
               f"does not apply to a given plan)", file=sys.stderr)
     return plan, dataclasses.replace(settings, **taken) if differing else settings
 

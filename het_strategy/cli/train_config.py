@@ -1,7 +1,7 @@
 """het-train's settings as typed dataclasses: the structured schema ``configs/train.yaml`` extends.
 
-``register_train_schema`` stores ``HetTrainConfig`` in Hydra's ConfigStore as
-``het_train_schema``, the first entry of train.yaml's defaults list, so Hydra
+``register_train_schema`` stores ``HetTrainConfig`` in Hydra's ConfigStore
+(``cli/structured.py``) as ``het_train_schema``, the first entry of train.yaml's defaults list, so Hydra
 checks every override and every group file against these types while it
 composes (``train.lr=abc`` fails there, naming ``train.lr``).  ``typed_config``
 turns the composed config into the dataclasses themselves, which check their
@@ -17,14 +17,15 @@ YAML schema, checked by ``core.cluster``), ``compression`` (checked by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf import MISSING, DictConfig
 
-from het_strategy.cli._common import schema_error
-from het_strategy.core.errors import ConfigError, field_error, require_int, require_number
+from het_strategy.cli.structured import store_schema, to_typed
+from het_strategy.core.errors import field_error, require_int, require_number
+from het_strategy.planning.request import PlanRequest
+from het_strategy.planning.run_plan import PRECISION_DTYPES
 
 __all__ = [
     "SCHEMA_NAME",
@@ -37,7 +38,6 @@ __all__ = [
     "CheckpointConfig",
     "StragglerConfig",
     "MoEConfig",
-    "PlannerConfig",
     "HetTrainConfig",
     "register_train_schema",
     "typed_config",
@@ -45,7 +45,6 @@ __all__ = [
 
 SCHEMA_NAME = "het_train_schema"
 WANDB_MODES = ("offline", "online", "disabled")
-_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything range
 
 
@@ -103,7 +102,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     precision: str = "32-true"
-    """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA)."""
+    """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA) | ... (``run_plan.PRECISION_DTYPES``)."""
     accumulate_grad_batches: int = 1
     """Batches accumulated per optimizer step."""
     val_every_n_steps: int = 50
@@ -119,8 +118,9 @@ class TrainConfig:
             require_int(getattr(self, name), f"train.{name}", minimum=1)
         require_number(self.lr, "train.lr")
         require_number(self.weight_decay, "train.weight_decay", allow_zero=True)
-        if self.precision not in _PRECISIONS:
-            raise field_error("train.precision", self.precision, f"be one of {', '.join(_PRECISIONS)}")
+        if self.precision not in PRECISION_DTYPES:
+            raise field_error("train.precision", self.precision, f"be one of {', '.join(PRECISION_DTYPES)} "
+                              "(Lightning's precision strings)")
         _require_seed(self.seed, "train.seed")
 
 
@@ -230,20 +230,6 @@ class MoEConfig:
 
 
 @dataclass
-class PlannerConfig:
-    """The ``planner`` section."""
-
-    mode: str = "auto"
-    """hetero_deepspeed: auto | dp | pipeline | hybrid; hetero: auto | dp."""
-
-    def __post_init__(self) -> None:
-        from het_strategy.planning import MODES
-
-        if self.mode not in MODES:
-            raise field_error("planner.mode", self.mode, f"be one of {', '.join(MODES)}")
-
-
-@dataclass
 class HetTrainConfig:
     """The whole het-train config (``configs/train.yaml`` and its groups)."""
 
@@ -270,7 +256,8 @@ class HetTrainConfig:
     """A checkpoint to resume from."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    planner: PlanRequest = field(default_factory=PlanRequest)
+    """The planning request (het-plan's ``planner`` section); het-train reads ``mode``, the rest stays default."""
 
     def __post_init__(self) -> None:
         if self.accelerator not in ("cpu", "cuda"):
@@ -281,36 +268,9 @@ class HetTrainConfig:
 
 def register_train_schema() -> None:
     """Store ``HetTrainConfig`` as ``het_train_schema`` (idempotent: the store replaces its entry)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=HetTrainConfig)
+    store_schema(SCHEMA_NAME, HetTrainConfig)
 
 
 def typed_config(cfg: DictConfig) -> HetTrainConfig:
     """The composed config as ``HetTrainConfig``; keys the schema lacks and bad values raise ConfigError."""
-    _refuse_added_keys(cfg, "")
-    try:
-        typed = OmegaConf.to_object(cfg)
-    except MissingMandatoryValue as exc:
-        key = str(getattr(exc, "full_key", "") or "config")
-        raise ConfigError(f"`{key}` is missing; it must be given (set {key}=...)", field=key) from None
-    except OmegaConfBaseException as exc:
-        raise schema_error(exc) from None
-    assert isinstance(typed, HetTrainConfig)
-    return typed
-
-
-def _refuse_added_keys(node: DictConfig, where: str) -> None:
-    """``+train.foo=1`` adds a key Hydra lets through and ``to_object`` would drop silently: refuse it."""
-    kind = OmegaConf.get_type(node)
-    if not (isinstance(kind, type) and is_dataclass(kind)):
-        return
-    known = {f.name for f in fields(kind)}
-    for key in node.keys():
-        path = f"{where}{key}"
-        if key not in known:
-            raise field_error(path, OmegaConf.select(node, str(key), throw_on_missing=False), "not be there: "
-                              "unknown key", f"known keys here: {', '.join(sorted(known))}")
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
-            _refuse_added_keys(child, f"{path}.")
+    return to_typed(cfg, HetTrainConfig)

@@ -19,7 +19,7 @@ import importlib.util
 import os
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,6 +28,9 @@ from het_strategy.cli.train_config import WANDB_MODES, HetTrainConfig, typed_con
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.files import check_readable_file
 from het_strategy.core.plan import Plan
+
+if TYPE_CHECKING:
+    from het_strategy.planning.request import PlanRequest
 
 __all__ = ["PLANNED", "STRATEGY_TARGETS", "TrainJob"]
 
@@ -98,6 +101,7 @@ class TrainJob:
         if self.strategy == "hetero" and c.planner.mode not in ("auto", "dp"):
             raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero (it plans data "
                               "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
+        _check_planner(c.planner)
         self.resume = c.resume
         if self.resume is not None:
             _check_checkpoint(self.resume)
@@ -350,3 +354,20 @@ def _check_checkpoint(path: str) -> None:
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise field_error("resume", path, "be a Lightning checkpoint (a dict with `state_dict`; this file holds "
                           f"{'a dict with keys ' + ', '.join(map(str, list(ckpt)[:5])) if isinstance(ckpt, dict) else type(ckpt).__name__})")
+
+
+def _check_planner(request: "PlanRequest") -> None:
+    """het-train's strategies plan by step time (``planner.mode`` chooses the planners): every other
+    ``planner`` field keeps its default."""
+    from dataclasses import fields
+
+    from het_strategy.planning.request import PlanRequest
+
+    default = PlanRequest()
+    for f in fields(PlanRequest):
+        value = getattr(request, f.name)
+        if f.name != "mode" and value != getattr(default, f.name):
+            raise field_error(f"planner.{f.name}", str(value), f"stay {getattr(default, f.name)} with het-train "
+                              "(its strategies plan the fastest plan they run; het-train reads planner.mode only)",
+                              "plan with het-plan and train its plan, or use compression=planned for the inter-node "
+                              "compression planned with the placement")

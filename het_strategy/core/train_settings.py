@@ -1,6 +1,6 @@
 """How the model is trained: batch, precision, ZeRO stage and the planner's search bounds.
 
-``TrainSettings`` is the ``train`` group of the configs.  It also owns the one
+``TrainSettings`` is the ``settings`` section of het-plan (``configs/plan.yaml``).  It also owns the one
 rule of ZeRO sharding (``zero_shards``): which training state is split over
 the data-parallel replicas at each stage, and so what one replica holds
 (``state_bytes_per_param``).  The cost model, the expert placement and the
@@ -69,28 +69,28 @@ class TrainSettings:
     ``core/compressed_sync.py`` prices it).  The joint planner chooses it; plans carry it in ``compression``."""
 
     def __post_init__(self) -> None:
-        require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
-        check_token(self.inter_node_compression, "train.inter_node_compression")
+        require_int(self.global_batch_size, "settings.global_batch_size", minimum=1)
+        check_token(self.inter_node_compression, "settings.inter_node_compression")
         if self.dtype not in DTYPE_BYTES:
-            raise field_error("train.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
+            raise field_error("settings.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise field_error("train.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
+            raise field_error("settings.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
         if self.max_tp not in (1, 2, 4, 8):
-            raise field_error("train.max_tp", self.max_tp, "be 1, 2, 4 or 8")
+            raise field_error("settings.max_tp", self.max_tp, "be 1, 2, 4 or 8")
         sizes = tuple(self.micro_batch_sizes)
         if not sizes:
-            raise field_error("train.micro_batch_sizes", list(sizes), "list at least one size")
+            raise field_error("settings.micro_batch_sizes", list(sizes), "list at least one size")
         for i, m in enumerate(sizes):
-            require_int(m, f"train.micro_batch_sizes[{i}]", minimum=1)
+            require_int(m, f"settings.micro_batch_sizes[{i}]", minimum=1)
         object.__setattr__(self, "micro_batch_sizes", tuple(sorted(set(sizes))))
-        require_number(self.memory_reserve_gb, "train.memory_reserve_gb", allow_zero=True)
-        require_int(self.max_stages, "train.max_stages", minimum=1)
+        require_number(self.memory_reserve_gb, "settings.memory_reserve_gb", allow_zero=True)
+        require_int(self.max_stages, "settings.max_stages", minimum=1)
         if not isinstance(self.equal_shares, bool):
-            raise field_error("train.equal_shares", self.equal_shares, "be true or false")
+            raise field_error("settings.equal_shares", self.equal_shares, "be true or false")
         if not isinstance(self.idle_devices, bool):
-            raise field_error("train.idle_devices", self.idle_devices, "be true or false")
+            raise field_error("settings.idle_devices", self.idle_devices, "be true or false")
         if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
-            raise field_error("train.grad_dtype", self.grad_dtype, f"be null or one of {sorted(DTYPE_BYTES)}")
+            raise field_error("settings.grad_dtype", self.grad_dtype, f"be null or one of {sorted(DTYPE_BYTES)}")
 
     @property
     def param_bytes(self) -> int:

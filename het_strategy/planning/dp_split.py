@@ -30,7 +30,7 @@ def plan_data_parallel(cm: CostModel) -> StructureResult | None:
     """
     n = cm.cluster.num_devices
     if cm.settings.global_batch_size < n:
-        raise field_error("train.global_batch_size", cm.settings.global_batch_size,
+        raise field_error("settings.global_batch_size", cm.settings.global_batch_size,
                           f"be >= the number of data-parallel ranks ({n}): every launched rank takes part in "
                           "every step", "to use fewer devices, leave them out of the cluster")
     return best_device_set(cm)[0]
@@ -41,7 +41,7 @@ def equal_split_plan(cm: CostModel) -> Plan:
     devices = [d.name for d in cm.cluster.devices]
     B, n = cm.settings.global_batch_size, len(devices)
     if B < n:
-        raise field_error("train.global_batch_size", B, f"be >= the number of ranks ({n})")
+        raise field_error("settings.global_batch_size", B, f"be >= the number of ranks ({n})")
     shares = [B // n + (1 if i < B % n else 0) for i in range(n)]
     L = cm.workload.num_layers
     m = max((m for m in cm.settings.micro_batch_sizes if m <= min(shares)), default=1)

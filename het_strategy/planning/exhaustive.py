@@ -2,7 +2,7 @@
 
 The space (the one ``benchmarks/plan_optimality.py`` enumerates by brute force):
 
-* a *unit* is (device class, tp) with tp in {1, 2, 4, 8}, tp <= ``train.max_tp``
+* a *unit* is (device class, tp) with tp in {1, 2, 4, 8}, tp <= ``settings.max_tp``
   and <= the class's size (a class: interchangeable devices, same cost key and node);
 * a *template* is a pipeline: an ordered sequence of 1..min(max_stages, L) units
   whose device use fits the class counts;

@@ -44,8 +44,8 @@ Assembly itself got cheaper too (``structure``, ``pipeline``): fronts and the
 splits' costs are shared by every pipeline with the same matrices or signature
 across rounds and structures, and the fronts' DPs run vectorised over caps.
 
-Tuning: ``train.max_stages`` bounds pipeline length; ``train.max_tp`` bounds
-tensor parallelism (the plain DDP runtime needs 1); ``train.micro_batch_sizes``
+Tuning: ``settings.max_stages`` bounds pipeline length; ``settings.max_tp`` bounds
+tensor parallelism (the plain DDP runtime needs 1); ``settings.micro_batch_sizes``
 is the micro-batch menu.
 """
 
