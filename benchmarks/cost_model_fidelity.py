@@ -33,7 +33,8 @@ import statistics
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_cluster  # noqa: E402
-from het_strategy.core.cost_model import CostModel, TrainSettings  # noqa: E402
+from het_strategy.core.cost_model import CostModel  # noqa: E402
+from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
 from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile  # noqa: E402
 from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402

@@ -87,7 +87,8 @@ def _worker(args: argparse.Namespace) -> None:
     from het_strategy import HeteroStrategy
     from het_strategy.callbacks.throughput import ThroughputMonitor
     from het_strategy.core.cluster import load_cluster
-    from het_strategy.core.cost_model import CostModel, TrainSettings
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.demo.moe_gpt import build_char_model
     from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
     from het_strategy.planning.run_plan import data_parallel_plan

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from het_strategy.core.cluster import cluster_from_dict  # noqa: E402
-from het_strategy.core.cost_model import TrainSettings  # noqa: E402
+from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.core.shipped import config_file  # noqa: E402
 from het_strategy.core.workload import TransformerConfig, load_workload, transformer_workload  # noqa: E402

@@ -24,7 +24,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.shipped import shipped_config_dir
 from het_strategy.core.workload import load_workload

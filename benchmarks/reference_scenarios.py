@@ -25,7 +25,8 @@ import time
 from plan_uneven_dp import brought_back_text, joint_speedup
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning import search_plan
 from het_strategy.planning.joint import JointResult, plan_jointly

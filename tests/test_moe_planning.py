@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from het_strategy.core.cluster import load_cluster
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.plan import Pipeline, Stage
 from het_strategy.core.workload import load_workload
 from het_strategy.planning.dp_split import equal_split_plan

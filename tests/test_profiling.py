@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from het_strategy.core.catalog import catalog_device_name
 from het_strategy.core.cluster import cluster_from_dict
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.profiling.module_profile import profile_module

@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import reference_scenarios as scen  # noqa: E402
 
 from het_strategy.core.cluster import load_cluster  # noqa: E402
-from het_strategy.core.cost_model import CostModel, TrainSettings  # noqa: E402
+from het_strategy.core.cost_model import CostModel  # noqa: E402
+from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.reference_profiles import load_sailor_profile  # noqa: E402
 from het_strategy.core.workload import load_workload  # noqa: E402
 

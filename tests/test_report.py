@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from het_strategy.core.cluster import cluster_from_dict
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.report.picture import plot_plan
 from het_strategy.report.table import compress_devices, group_pipelines, plan_table
@@ -109,7 +110,8 @@ def test_plot_writes_png_atomically(tmp_path: Path):
 
 def test_the_table_says_when_a_dtype_runs_at_the_fp32_rate() -> None:
     from het_strategy.core.cluster import load_cluster
-    from het_strategy.core.cost_model import CostModel, TrainSettings
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.workload import load_workload
     from het_strategy.planning.dp_split import equal_split_plan
     from het_strategy.report.table import plan_table

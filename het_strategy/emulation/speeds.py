@@ -24,7 +24,8 @@ import zlib
 from dataclasses import dataclass, field
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import field_error
 from het_strategy.core.workload import WorkloadSpec
 
