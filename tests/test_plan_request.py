@@ -121,3 +121,20 @@ def test_a_sailor_profile_and_a_given_profile_are_refused_together() -> None:
              load_sailor_profile(workload=workload))
     with pytest.raises(ConfigError, match="no Sailor profile"):
         plan(load_cluster("mixed_a100_v100_t4"), load_workload("gpt_small"), settings, PlanRequest(profile="sailor"))
+
+
+def test_het_train_reads_the_same_request_and_refuses_what_it_does_not_run(tmp_path: Path) -> None:
+    """het-train's ``planner`` section is a PlanRequest: its mode is used, every other field stays default."""
+    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+
+    cfg, auto = compose_train_config(["cluster=local_cpu2_pipeline", "strategy=hetero_deepspeed",
+                                      "planner.mode=pipeline", f"output.dir={tmp_path}"])
+    job = TrainJob(cfg, auto)
+    assert isinstance(job.planner, PlanRequest) and job.planner.mode is PlanMode.pipeline
+    for override, field in (("planner.objective=cost", "planner.objective"),
+                            ("planner.compression=joint", "planner.compression")):
+        cfg, auto = compose_train_config(["cluster=local_cpu2", override, f"output.dir={tmp_path}"])
+        with pytest.raises(ConfigError, match=f"`{field}` is '(cost|joint)'; it must stay (time|none) with het-train"):
+            TrainJob(cfg, auto)
+    with pytest.raises(ConfigError, match="`planner.mode` is 'fast'; it must be one of auto, dp, pipeline, hybrid"):
+        compose_train_config(["cluster=local_cpu2", "planner.mode=fast", f"output.dir={tmp_path}"])

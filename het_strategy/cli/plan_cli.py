@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
     from het_strategy.core.cost_model import PlanScore, TrainSettings
     from het_strategy.core.plan import Plan
-    from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
+    from het_strategy.core.workload import WorkloadSpec
     from het_strategy.profiling.module_profile import ProfileResult
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
@@ -80,10 +80,11 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
                                 function returns (module, sample_input)
   settings.global_batch_size=N  settings.dtype=bf16|fp16|fp32   settings.zero_stage=0..3
   settings.max_tp=1|2|4|8       settings.micro_batch_sizes=[1,2,4,8]   settings.activation_checkpointing=true
-  planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed
+  planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed|hetero
   planner.objective=time|cost   planner.budget_per_hour=USD   planner.min_throughput=samples/s
                                 cost: least $/iteration (idle devices not rented); budget: cap on the used
                                 devices' $/hour; min_throughput: floor on samples/s
+  planner.compression=none|joint  joint: placement and inter-node compression planned together (dp)
   score=<plan.json>             score this plan with the same cost model instead of searching
                                 (written as <name>.scored.json when output.plan would overwrite it)
   output.dir=.  output.plan=plan.json  output.ds_config=true  output.plot=true

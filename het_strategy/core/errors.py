@@ -9,10 +9,13 @@ from __future__ import annotations
 import math
 import re
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from enum import Enum
+from typing import Any, Iterator, Mapping, TypeVar
+
+E = TypeVar("E", bound=Enum)
 
 __all__ = ["ConfigError", "field_error", "fields_under", "check_keys", "is_positive", "require_number",
-           "require_int"]
+           "require_int", "require_option"]
 
 
 class ConfigError(ValueError):
@@ -71,6 +74,17 @@ def require_int(v: Any, field: str, minimum: int = 0) -> int:
     if v < minimum:
         raise field_error(field, v, f"be >= {minimum}")
     return v
+
+
+def require_option(kind: type[E], value: Any, field: str, rule: str | None = None) -> E:
+    """``value`` as a member of the option enum ``kind`` (a member, or its value), or ConfigError listing them."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        options = ", ".join(str(m.value) for m in kind)
+        raise field_error(field, value, f"be one of {options}" + (f" ({rule})" if rule else "")) from None
 
 
 def check_keys(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:

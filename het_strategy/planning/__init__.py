@@ -24,8 +24,8 @@ from het_strategy.planning.hybrid import plan_hybrid
 from het_strategy.planning.pipeline import plan_pipeline_stages
 from het_strategy.planning.planner import PlanResult, plan, rescore
 from het_strategy.planning.request import CompressionPlanning, Objective, PlanMode, PlanRequest, ProfileSource
-from het_strategy.planning.search import MODES, PlanningError, plan_pipeline, score_plan, search_plan
+from het_strategy.planning.search import MODES, PlanningError, plan_pipeline, search_plan
 
 __all__ = ["MODES", "PlanMode", "Objective", "CompressionPlanning", "ProfileSource", "PlanRequest", "PlanResult",
-           "PlanningError", "plan", "rescore", "search_plan", "score_plan", "plan_pipeline", "plan_data_parallel",
+           "PlanningError", "plan", "rescore", "search_plan", "plan_pipeline", "plan_data_parallel",
            "plan_hybrid", "plan_pipeline_stages", "allocate_min_max", "equal_split_plan", "place_experts"]

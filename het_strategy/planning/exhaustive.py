@@ -30,9 +30,8 @@ the structure, with the best step as cutoff and the structure's post bound as
 found: nothing left can beat it, so the result is the same as assembling every
 structure.  A structure is assembled only when its sharpest bound is the least
 of all bounds left; on real clusters that bound is within a few percent of the
-step, so a handful of structures are assembled where the old regime (bound
-``B / sum of unit rates``, structures in enumeration order) assembled them by
-the thousand: the 7-device ``mixed_vendors`` variant took ~100 s, now ~0.3 s.
+step, so a handful of structures are assembled (~0.3 s for a 7-device
+``mixed_vendors`` variant, where assembling every structure takes ~100 s).
 
 Budgets are work counts, never wall time, so the result is deterministic:
 

@@ -21,10 +21,9 @@ assembling all of them gives (up to ties).
 * Combinations: the same order; each is assembled with the best step as cutoff
   until the next bound reaches the best step.
 
-The 3 post rounds and the fixed in-flight memory (``exact_in_flight=False``)
-of the assembly are what they were: this regime was and stays a heuristic
-over a restricted space; only its cost changed.  (``mixed_families`` assembles
-its own candidates, with its own budget.)
+The assembly runs 3 post rounds with a fixed in-flight memory
+(``exact_in_flight=False``): this regime is a heuristic over a restricted
+space.  (``mixed_families`` assembles its own candidates, with its own budget.)
 """
 
 from __future__ import annotations

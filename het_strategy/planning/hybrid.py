@@ -19,15 +19,10 @@ exact: the result equals assembling every candidate.
 
 1. **Exhaustive** (<= ``EXHAUSTIVE_DEVICES`` devices, ``exhaustive``): every
    structure up to the symmetry of interchangeable devices, best bound first.
-   Before, structures were assembled in enumeration order with the weak bound
-   ``B / sum(unit rates)``, so a 7-device cluster of 3 types (``mixed_vendors``
-   less three MI250X) assembled over a thousand structures (~100 s for
-   gpt_small); now a few (~0.3 s; ~2 s for the 26-layer opt350, whose post
-   term the bound sees less well).  The old regime also gave up past 400
-   templates (any max_tp > 1 on such a cluster) and fell back to the families
-   regime: plans up to ~30% slower in ``benchmarks/plan_scaling.py``'s sweep of
-   small clusters, now exact or better.  Work budgets (counts, so results are
-   deterministic) cap the templates, structures and assemblies; past them the
+   A 7-device cluster of 3 types (``mixed_vendors`` less three MI250X)
+   assembles a few structures (~0.3 s for gpt_small; ~2 s for the 26-layer
+   opt350, whose post term the bound sees less well).  Work budgets (counts,
+   so results are deterministic) cap the templates, structures and assemblies; past them the
    space shrinks to block orders (a class's units contiguous) and the families
    regime runs too, the better plan kept.  Within the budgets the result is
    exact over the space (``benchmarks/plan_optimality.py`` checks it against
@@ -36,13 +31,12 @@ exact: the result equals assembling every candidate.
    pipelines of ``S`` units of ``tp`` devices; per type the best few (tp, S)
    options are kept, types that fit nowhere alone are paired with the roomiest
    type, ``mixed_families`` adds two-type pipelines, and the best combination
-   of options is assembled.  Options and combinations are now visited best
-   bound first (same result, far fewer assemblies); the regime itself stays a
-   heuristic over that restricted space.
+   of options is assembled.  Options and combinations are visited best bound
+   first; the regime is a heuristic over that restricted space.
 
-Assembly itself got cheaper too (``structure``, ``pipeline``): fronts and the
-splits' costs are shared by every pipeline with the same matrices or signature
-across rounds and structures, and the fronts' DPs run vectorised over caps.
+Assembly (``structure``, ``pipeline``) shares fronts and the splits' costs
+among every pipeline with the same matrices or signature, across rounds and
+structures, and runs the fronts' DPs vectorised over caps.
 
 Tuning: ``settings.max_stages`` bounds pipeline length; ``settings.max_tp`` bounds
 tensor parallelism (the plain DDP runtime needs 1); ``settings.micro_batch_sizes``

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
-from het_strategy.core.errors import field_error
+from het_strategy.core.errors import field_error, require_option
 from het_strategy.core.runtime_rules import Runtime
 
 __all__ = ["PlanMode", "Objective", "CompressionPlanning", "ProfileSource", "PlanRequest"]
@@ -65,15 +65,6 @@ class ProfileSource(StrEnum):
     """Sailor's published profiles of the models it measured (OPT-350, ...)."""
 
 
-def _enum(kind: type[StrEnum], value: Any, field: str, rule: str) -> Any:
-    if isinstance(value, kind):
-        return value
-    try:
-        return kind(value)
-    except ValueError:
-        raise field_error(field, value, f"be one of {', '.join(kind)} ({rule})") from None
-
-
 @dataclass(frozen=True)
 class PlanRequest:
     """One planning request: the ``planner`` section (defaults: the fastest plan of any mode, any runtime)."""
@@ -95,16 +86,18 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         convert = object.__setattr__  # frozen: the checked enum members replace the given strings
-        convert(self, "mode", _enum(PlanMode, self.mode, "planner.mode", "the planners searched"))
-        convert(self, "runtime", _enum(Runtime, self.runtime, "planner.runtime", "the runtime the plan runs on"))
-        convert(self, "compression", _enum(CompressionPlanning, self.compression, "planner.compression",
-                                           "none: compression-blind; joint: placement and inter-node compression "
-                                           "planned together"))
-        convert(self, "objective", _enum(Objective, self.objective, "planner.objective", "time: the fastest plan; "
-                                         "cost: the least USD per iteration, idle devices not rented"))
+        convert(self, "mode", require_option(PlanMode, self.mode, "planner.mode", "the planners searched"))
+        convert(self, "runtime", require_option(Runtime, self.runtime, "planner.runtime",
+                                                "the strategy the plan runs on"))
+        convert(self, "compression", require_option(
+            CompressionPlanning, self.compression, "planner.compression",
+            "none: compression-blind; joint: placement and inter-node compression planned together"))
+        convert(self, "objective", require_option(
+            Objective, self.objective, "planner.objective",
+            "time: the fastest plan; cost: the least USD per iteration, idle devices not rented"))
         if self.profile is not None:
-            convert(self, "profile", _enum(ProfileSource, self.profile, "planner.profile",
-                                           "or null: Sailor's measured per-layer times, or datasheet figures"))
+            convert(self, "profile", require_option(ProfileSource, self.profile, "planner.profile",
+                                                    "Sailor's measured per-layer times; null: datasheet figures"))
         for key, unit in (("budget_per_hour", "USD per hour for the plan's used devices"),
                           ("min_throughput", "samples/s")):
             value = getattr(self, key)

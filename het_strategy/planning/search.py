@@ -16,7 +16,7 @@ step every other search runs per cluster (``runtimes``, ``joint``,
 from __future__ import annotations
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.cost_model import GiB, CostModel, PlanScore, TrainSettings
+from het_strategy.core.cost_model import GiB, CostModel, TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
@@ -27,7 +27,7 @@ from het_strategy.planning.idle import replica_memory, structure_idle_reasons
 from het_strategy.planning.request import PlanMode
 from het_strategy.planning.structure import StructureResult, assemble_plan
 
-__all__ = ["MODES", "PlanningError", "search_plan", "score_plan", "plan_pipeline"]
+__all__ = ["MODES", "PlanningError", "search_plan", "plan_pipeline"]
 
 MODES = tuple(str(m) for m in PlanMode)
 """The mode names, ``auto`` first."""
@@ -38,7 +38,8 @@ class PlanningError(ConfigError):
 
 
 def plan_pipeline(cm: CostModel) -> StructureResult | None:
-    """One pipeline over every device (if within settings.max_stages); stage order: cluster order, or most memory first."""
+    """One pipeline over every device (within ``settings.max_stages``); stage order: cluster order, or most memory
+    first."""
     names = [d.name for d in cm.cluster.devices]
     by_memory = sorted(names, key=lambda n: -cm.cluster.device(n).memory_gb)
     best = None
@@ -84,12 +85,6 @@ def search_plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSet
         result.experts = place_experts(cm, result)
     result.predicted = cm.score(result).to_dict()
     return result
-
-
-def score_plan(plan_: Plan, cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
-               profile: MeasuredProfile | None = None) -> PlanScore:
-    """Score any plan (from a file, another tool, by hand) with the same cost model."""
-    return CostModel(cluster, workload, settings, profile).score(plan_)
 
 
 def _size(num_bytes: float) -> str:
