@@ -287,6 +287,8 @@ def test_the_quantize_alias_is_read_as_its_codec_with_a_note(caplog: pytest.LogC
     with caplog.at_level("INFO", logger="het_strategy"):
         CompressionConfig(method="q8")
     assert caplog.text == ""
+    with pytest.raises(ConfigError, match=r"`compression.bits` is 8; it must be left out with method q4 .*method: q8"):
+        CompressionConfig(method="q4", bits=8)  # bits alone would not change the codec
 
 
 def test_every_shipped_compression_config_loads() -> None:

@@ -89,6 +89,10 @@ class CompressionConfig:
             object.__setattr__(self, "bits", _BITS)  # as CompressionConfig(method="q<b>") has it
         if self.method != ADAPTIVE:
             object.__setattr__(self, "method", codec(self.method, "compression.method", METHODS))
+            if self.bits != _BITS:  # it would have no effect
+                raise field_error("compression.bits", self.bits, f"be left out with method {self.method}",
+                                  f"bits sets adaptive's error budget; {self.bits}-bit quantization is "
+                                  f"method: q{self.bits}")
         if self.scaling not in SCALINGS:
             raise field_error("compression.scaling", self.scaling, f"be one of {', '.join(SCALINGS)}")
         require_int(self.bucket_size, "compression.bucket_size", minimum=8)
