@@ -246,7 +246,7 @@ class StragglerMitigation(StepTelemetry):
         return name if name == f"rank{rank}" else f"{name} (rank{rank})"
 
     def _name_decisions(self) -> None:
-        """Decisions restored from a checkpoint older than ``Decision.devices`` get the names now."""
+        """Decisions restored with ranks but no device names get the names of the cluster's devices."""
         names = self._device_names()
         if names is None:
             return

@@ -32,7 +32,7 @@ import importlib as _importlib
 
 _registry = _importlib.import_module("het_strategy.strategy.registry")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL", "__version__"]
 

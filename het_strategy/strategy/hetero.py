@@ -123,7 +123,8 @@ class HeteroStrategy(DDPStrategy):
         config = None if hook is not None else compression_config(planned_compression(compression, plan))
         self.comm = CommHookBuilder(config, hook, compression_state, ddp_kwargs.pop("ddp_comm_wrapper", None))
         """The comm hook and the compression state."""
-        super().__init__(**ddp_kwargs)
+        # Lightning registers no hook without ``ddp_comm_hook``; it still reads the state (post-localSGD averaging)
+        super().__init__(ddp_comm_state=compression_state if hook is not None else None, **ddp_kwargs)
         self.plans = PlanHolder(cluster, plan, workload, emulation=emulation, probe_cache_dir=probe_cache_dir,
                                 probe_refresh=probe == "refresh", profile_input=profile_input, verbose=verbose)
         """The cluster, workload and Plan of the run."""

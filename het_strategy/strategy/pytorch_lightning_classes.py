@@ -65,15 +65,5 @@ def _rebound(value: Any, cell: types.CellType) -> Any:
     return value
 
 
-def _deepspeed_twin() -> type:
-    cls = vars(hetero_deepspeed).get("HeteroDeepSpeedStrategy")
-    if cls is not None and "HeteroDeepSpeedLogic" not in vars(hetero_deepspeed):
-        return twin(cls, pytorch_lightning.strategies.DDPStrategy)
-    # TRANSITIONAL (until hetero_deepspeed defines its class): the logic mixin on pytorch_lightning's DDPStrategy
-    logic = hetero_deepspeed.HeteroDeepSpeedLogic
-    return type("HeteroDeepSpeedStrategyPL", (logic, pytorch_lightning.strategies.DDPStrategy),
-                {"__doc__": logic.__doc__, "__module__": __name__, "__qualname__": "HeteroDeepSpeedStrategyPL"})
-
-
 HeteroStrategyPL = twin(HeteroStrategy, pytorch_lightning.strategies.DDPStrategy)
-HeteroDeepSpeedStrategyPL = _deepspeed_twin()
+HeteroDeepSpeedStrategyPL = twin(hetero_deepspeed.HeteroDeepSpeedStrategy, pytorch_lightning.strategies.DDPStrategy)

@@ -73,14 +73,7 @@ def lightning_class(kind: str) -> type:
     """The ``lightning.pytorch`` class of ``kind`` (imports its module)."""
     spec = KINDS[kind]
     module = importlib.import_module(spec.module)
-    cls = vars(module).get(spec.class_name)
-    if cls is None:  # TRANSITIONAL (until hetero_deepspeed defines its class): assemble the logic mixin
-        from lightning.pytorch.strategies import DDPStrategy
-
-        logic = vars(module)[spec.class_name.replace("Strategy", "Logic")]
-        cls = type(spec.class_name, (logic, DDPStrategy), {"__doc__": logic.__doc__, "__module__": spec.module})
-        setattr(module, spec.class_name, cls)
-    return cls
+    return getattr(module, spec.class_name)
 
 
 def class_named(name: str) -> type:
