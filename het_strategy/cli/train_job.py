@@ -130,14 +130,15 @@ class TrainJob:
 
     def _plan_jointly(self) -> None:
         """``compression=planned``: placement and the inter-node compression planned together here, before any
-        worker starts (``planning/joint.py``; ``het-plan planner.compression=joint``), the plan handed to the
+        worker starts (``planning.plan`` with ``PlanRequest(compression="joint")``, as ``het-plan
+        planner.compression=joint``), the plan handed to the
         hetero strategy with ``compression="planned"``, which runs the choice as the hierarchical exchange.
 
         Every rank re-runs this command (Lightning's launcher) and plans the same: the search is deterministic
         over the same cluster, model and batch, and rank 0 checks the given plan again at setup and broadcasts it.
         """
         from het_strategy.compression import compression_config
-        from het_strategy.planning.joint import plan_jointly
+        from het_strategy.planning import PlanRequest, plan as make_plan
         from het_strategy.planning.run_plan import data_parallel_plan, data_parallel_settings
         from het_strategy.strategy.arguments import planned_compression
         from het_strategy.strategy.compression_run import ranks_per_node
@@ -145,7 +146,8 @@ class TrainJob:
         cluster = self.cluster
         assert cluster is not None  # _check_planned refused cluster=auto
         gb = self.config.train.global_batch_size  # planned as the strategy's own data-parallel plan is
-        joint = plan_jointly(cluster, self.workload, data_parallel_settings(gb, self.dtype), mode="dp")
+        joint = make_plan(cluster, self.workload, data_parallel_settings(gb, self.dtype),
+                          PlanRequest(compression="joint"))
         plan = data_parallel_plan(cluster, self.workload, gb, self.dtype, joint.plan)  # what setup checks
         token = plan.compression.get("inter_node", "none")
         if token != "none":
