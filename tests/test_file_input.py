@@ -298,3 +298,16 @@ def test_a_model_factory_block_is_named_under_model_input(tmp_path: Path, capsys
                  "model_input.blocks=[nope]", "output.plan=null"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("het-plan: error: `model_input.blocks[0]` is 'nope'") and err.count("\n") == 1, err
+
+
+def test_the_strategy_refuses_a_directory_and_an_empty_file_at_construction(tmp_path: Path) -> None:
+    from het_strategy import HeteroStrategy
+
+    (tmp_path / "dir.yaml").mkdir()
+    (tmp_path / "empty.json").write_text("")
+    with pytest.raises(ConfigError, match=r"^`cluster` is '.*dir.yaml'; it must be a regular cluster YAML file; "
+                                          r"it is a directory$"):
+        HeteroStrategy(cluster=str(tmp_path / "dir.yaml"))
+    with pytest.raises(ConfigError, match=r"^`plan` is '.*empty.json'; it must be a plan JSON file with content; "
+                                          r"it is empty$"):
+        HeteroStrategy(cluster="local_cpu2", plan=tmp_path / "empty.json")
