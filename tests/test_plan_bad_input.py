@@ -26,7 +26,7 @@ _CASES = {
     "counts-multiply": ("nodes:\n  - name: n\n    count: 2000\n    devices: [{type: T4, count: 3}]\n",
                         ["`cluster.nodes[0].count` is 2000", "it would make 6000"]),
     "alias-loop": ("nodes: &n [{name: n0, devices: *n}]\n",
-                   ["YAML alias loop", "`nodes[0].devices` is `nodes` again"]),
+                   ["YAML alias loop", "`cluster.nodes[0].devices` is `cluster.nodes` again"]),
     "list-node-name": ("nodes:\n  - name: [a, b]\n    devices: [A100-80GB]\n",
                        ["`cluster.nodes[0].name` is ['a', 'b']", "non-empty string"]),
     "list-device-name": ("nodes:\n  - name: n\n    devices: [{type: T4, name: [x]}]\n",

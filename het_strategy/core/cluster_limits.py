@@ -106,4 +106,4 @@ def check_yaml_tree(raw: Any, source: str, field: str = "cluster") -> None:
         del on_path[id(node)]
         done.add(id(node))
 
-    walk(raw, "", 0)
+    walk(raw, field, 0)  # paths start at the field the tree was given for: `cluster.nodes[0].devices`
