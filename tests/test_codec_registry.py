@@ -160,3 +160,17 @@ def test_the_hook_sends_the_registrys_wire_bytes() -> None:
         assert sent == priced, (token, dtype, sent, priced)
     assert {r[:2] for r in results[0]} >= {("none", "bf16"), ("q4", "bf16")}
     assert all(math.isfinite(r[2]) and r[2] > 0 for r in results[0])
+
+
+def test_the_controller_prices_a_layer_in_its_gradients_dtype() -> None:
+    """A bf16 model's uncompressed layer costs 2 bytes per element on the wire, as the hook sends it."""
+    from het_strategy.compression import AdaptiveController, wire_bytes
+
+    config = CompressionConfig(candidates=("none", "q4"))
+    controller = AdaptiveController(config)
+    grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    controller.measure(["w"], [grad], 0, {}, torch.Generator().manual_seed(1))
+    measured = controller.stats["w"]
+    assert measured["dtype"] == "bf16" and measured["tokens"] == [Codec.NONE, Codec.Q4]
+    plain = wire_bytes(Codec.NONE, measured["shape"], 4, config, measured["dtype"])
+    assert plain == CODECS[Codec.NONE].wire_bytes((64, 64), 4, "bf16") == 2 * (4 - 1) * 2 * 64 * 64 // 4
