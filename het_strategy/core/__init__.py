@@ -2,6 +2,7 @@
 
 - ``errors.py``              ``ConfigError`` and the field/value/rule messages
 - ``shipped.py``             finding a config shipped in ``het_strategy.configs``
+- ``files.py``               reading a file a user names: one ConfigError per failure, naming field and file
 - ``atomic_file.py``         write a file whole or not at all
 - ``catalog.py`` + ``catalog.yaml``  device types, their datasheet figures and list prices
 - ``device_spec.py``         ``DeviceSpec``: one device, and the cluster YAML's device entry that builds it
