@@ -48,7 +48,7 @@ def regular_file(path: str | Path, field: str, what: str = "file") -> Path:
     except PermissionError:
         raise field_error(field, str(path), f"be a {what} this user can reach",
                           "permission denied on a folder of its path") from None
-    except (NotADirectoryError, OSError) as exc:
+    except OSError as exc:  # a file where a folder should be, a loop of links, a name too long, ...
         raise field_error(field, str(path), f"be an existing {what}", exc.strerror or type(exc).__name__) from None
     if not stat.S_ISREG(mode):
         raise field_error(field, str(path), f"be a regular {what}; it is {_kind(mode)}")
