@@ -311,3 +311,16 @@ def test_the_strategy_refuses_a_directory_and_an_empty_file_at_construction(tmp_
     with pytest.raises(ConfigError, match=r"^`plan` is '.*empty.json'; it must be a plan JSON file with content; "
                                           r"it is empty$"):
         HeteroStrategy(cluster="local_cpu2", plan=tmp_path / "empty.json")
+
+
+def test_a_name_too_long_is_one_error_not_an_oserror(tmp_path: Path, capsys, monkeypatch) -> None:
+    from het_strategy.cli.plan_cli import main
+
+    long_name = "a" * 300
+    for source in (long_name, f"{long_name}.yaml", tmp_path / f"{long_name}.yaml"):
+        with pytest.raises(ConfigError, match=r"^`cluster` is '.*'; it must be "):
+            load_cluster(source)
+    monkeypatch.chdir(tmp_path)
+    assert main([f"cluster={long_name}.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("het-plan: error: `cluster` is ") and err.count("\n") == 1, err

@@ -9,6 +9,7 @@ here, so there is one answer to "which clusters ship" and one rule for what
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from het_strategy.core.errors import field_error
@@ -31,7 +32,7 @@ def shipped_names(group: str) -> list[str]:
 def shipped_path(group: str, name: str | Path) -> Path | None:
     """The file of the shipped option ``name`` of ``group``, or None when none ships under that name."""
     candidate = shipped_config_dir(group) / f"{name}.yaml"
-    return candidate if candidate.is_file() else None
+    return candidate if os.path.isfile(candidate) else None  # False, not an OSError, for a name too long
 
 
 def config_file(group: str, source: str | Path) -> Path:
@@ -40,7 +41,7 @@ def config_file(group: str, source: str | Path) -> Path:
     path = Path(source)
     if not path.suffix:
         path = shipped_path(group, source) or path
-    if not path.exists():
+    if not os.path.lexists(path):  # False, not an OSError, for a name too long or a file used as a folder
         raise field_error(group, str(source), f"be a shipped {group} name or a YAML file path",
                           f"shipped: {', '.join(shipped_names(group))}")
     return path
