@@ -76,6 +76,7 @@ def test_planner_runtime_and_strategy_refuse_the_same_generated_plans():
         assert planner == _runtime_accepts(plan), runtime_problems(plan, Runtime.deepspeed)
         seen["runnable" if planner else "refused"] += 1
         assert _strategy_accepts(plan) == (planner and plan.dtype == "fp32")
+        assert runnable(plan, Runtime.hetero) == plan.is_pure_dp and runnable(plan, Runtime.any)
         for problem in runtime_problems(plan, Runtime.deepspeed):
             seen[problem.field.rsplit(".", 1)[-1]] += 1  # tp, zero_stage, dtype, samples
         if planner:

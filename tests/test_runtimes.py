@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from het_strategy.cli.plan_cli import compose_plan_config, run_plan
