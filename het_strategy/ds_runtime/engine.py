@@ -32,7 +32,9 @@ mean loss over all ``B`` samples.  The distributed invariants, in order:
 4. Collectives.  At ZeRO 0/1 DeepSpeed reduces gradients once per step, at the
    accumulation boundary, so replicas with different ``gas_r`` still meet in
    the same collectives in the same order; ZeRO 2/3 reduce on every
-   micro-step, so unequal micro-batch counts are refused there.
+   micro-step, so there every replica runs the largest micro-batch count
+   (``rank_batches``), and a replica with fewer samples than that count is
+   refused (``core.runtime_rules``).
 5. Shapes.  The pipeline engine caches the first activation shape it sends and
    receives; a short last micro-batch would then be received into a buffer of
    the wrong size.  The module is built with ``dynamic_shape=True`` (shape
