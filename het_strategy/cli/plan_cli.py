@@ -105,8 +105,6 @@ def compose_plan_config(overrides: Sequence[str] = ()) -> DictConfig:
     overrides = [str(o) for o in overrides]
     factories = [o.partition("=")[2] for o in overrides if _is_model_factory(o)]
     rest = [o for o in overrides if not _is_model_factory(o)]
-    for ov in rest:
-        _check_cluster_yaml(ov)
     from het_strategy.cli.plan_config import register_plan_schema
 
     register_plan_schema()  # the structured schema plan.yaml's defaults list starts with
@@ -121,25 +119,6 @@ def _is_model_factory(override: str) -> bool:
     key, sep, value = override.partition("=")
     return bool(sep) and key == "model" and not value.lower().endswith((".yaml", ".yml")) \
         and bool(_PYTHON_PATH.match(value))
-
-
-def _check_cluster_yaml(override: str) -> None:
-    """A ``cluster=<file.yaml>`` whose YAML has an alias loop is refused here (Hydra would recurse forever)."""
-    key, sep, value = override.partition("=")
-    if not sep or key.lstrip("+~") != "cluster" or not value.lower().endswith((".yaml", ".yml")):
-        return
-    path = Path(value).expanduser()
-    if not path.is_file():
-        return  # compose_config reports it
-    import yaml
-
-    from het_strategy.core.cluster_limits import check_yaml_tree
-
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, OSError, UnicodeDecodeError):
-        return  # compose_config reports it
-    check_yaml_tree(raw, f"`cluster` file {path}")
 
 
 def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
