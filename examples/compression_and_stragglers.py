@@ -24,7 +24,6 @@ the epoch, warm-up and the uncompressed small tensors included; accuracy 0.967).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -34,23 +33,21 @@ from torch.utils.data import DataLoader
 import het_strategy  # noqa: F401  (registers strategy="hetero")
 from het_strategy import HeteroStrategy
 from het_strategy.callbacks.straggler import StragglerMitigation
+from _run import QUIET_RUN, epochs_parser  # examples/_run.py
 from own_model_hetero import DigitsCNN, datasets  # examples/own_model_hetero.py
 
 CLUSTER = Path(__file__).parent / "clusters" / "three_cpus_slowdown.yaml"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--epochs", type=int, default=2)
-    args = ap.parse_args()
+    args = epochs_parser(__doc__, epochs=2).parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     train, val = datasets()
     straggler = StragglerMitigation(verbose=False)
     strategy = HeteroStrategy(cluster=str(CLUSTER), compression={"method": "q4", "warmup_steps": 5},
                               rebalance=straggler)
-    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=args.epochs, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=args.epochs, **QUIET_RUN)
     model = DigitsCNN()
     first_shares = None
 
