@@ -17,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from het_strategy.callbacks.runtime import HeteroRuntime
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import logger
@@ -24,7 +25,6 @@ from het_strategy.core.workload import load_workload
 from het_strategy.emulation.padding import BatchPadding, padded_comm_hook
 from het_strategy.emulation.speeds import emulation_summary
 from het_strategy.profiling.batch_contents import batch_length
-from het_strategy.callbacks.runtime import HeteroRuntime
 
 __all__ = ["EmulatedDeviceCallback", "EmulatedDeviceCallbackPL"]
 

@@ -31,12 +31,12 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from het_strategy.callbacks.runtime import HeteroRuntime
 from het_strategy.callbacks.straggler import StragglerMitigation
 from het_strategy.core.log import logger
 from het_strategy.emulation.speeds import cluster_is_emulated
 from het_strategy.report.run_record import PLAN_COLUMNS, decision_rows, plan_config, plan_rows
 from het_strategy.report.wandb_view import log_picture, log_table
-from het_strategy.callbacks.runtime import HeteroRuntime
 
 __all__ = ["RunReport", "STRAGGLER_COLUMNS", "COMPRESSION_COLUMNS"]
 

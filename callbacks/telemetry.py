@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from het_strategy.core.errors import field_error, require_int
 from het_strategy.callbacks.runtime import HeteroRuntime
+from het_strategy.core.errors import field_error, require_int
 
 __all__ = ["StepTelemetry", "FIELDS"]
 

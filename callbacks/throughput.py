@@ -30,11 +30,11 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from typing_extensions import override
 
-from het_strategy.core.errors import field_error
+from het_strategy.callbacks.runtime import HeteroRuntime
 from het_strategy.core.atomic_file import write_atomic
+from het_strategy.core.errors import field_error
 from het_strategy.profiling.batch_contents import batch_length
 from het_strategy.report.wandb_view import save_file
-from het_strategy.callbacks.runtime import HeteroRuntime
 
 __all__ = ["ThroughputMonitor"]
 

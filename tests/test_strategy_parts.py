@@ -293,3 +293,19 @@ def test_a_strategy_without_its_packages_raises_import_error_naming_them(hidden:
     out = _run(code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith(f"ImportError: {name} ") and __import__("re").search(needs, out.stdout), out.stdout
+
+
+@pytest.mark.parametrize("first", ["het_strategy.callbacks.telemetry", "het_strategy.strategy.hetero",
+                                   "het_strategy.strategy.pytorch_lightning_classes"])
+def test_a_module_of_ours_that_imports_lightning_first_still_registers_every_strategy(first: str) -> None:
+    """Lightning's import finishing inside one of our modules' imports waits for that module, then registers."""
+    pytest.importorskip("pytorch_lightning")
+    code = "\n".join([
+        f"import {first}",
+        "import lightning.pytorch as lp, pytorch_lightning as pl, het_strategy",
+        "assert lp.strategies.StrategyRegistry['hetero']['strategy'] is het_strategy.HeteroStrategy",
+        "assert lp.strategies.StrategyRegistry['hetero_deepspeed']['strategy'] is het_strategy.HeteroDeepSpeedStrategy",
+        "assert pl.strategies.StrategyRegistry['hetero_spawn']['strategy'] is het_strategy.HeteroStrategyPL",
+    ])
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -12,7 +12,8 @@ How the strategy classes are made (the contract every strategy of this package f
    package already imported at once, and in one imported later as soon as its ``__init__`` has run, through a
    meta-path finder that wraps only that package's loader: either import order gives a working
    ``Trainer(strategy="hetero")``, and importing the planning core alone loads no Lightning.  A Lightning
-   package whose import was started by a module of the classes is registered once that module is done.
+   package imported from inside a module of het_strategy (a callback, a strategy) is registered once that
+   module's import is done, so the classes' modules never meet a half-imported module of ours.
 4. ``class_named`` gives a public class by name; when torch, a Lightning package or another dependency of the
    class is not installed it raises ``ImportError`` naming what to install.
 """
@@ -91,17 +92,13 @@ def class_named(name: str) -> type:
         raise ImportError(f"{name} needs {_INSTALL[missing]}", name=exc.name) from exc
 
 
-def _class_modules() -> tuple[str, ...]:
-    return (*(kind.module for kind in KINDS.values()), PL_MODULE)
-
-
 def register_namespace(namespace: str, _finished_module: str = "") -> None:
     """Register every kind's names in ``namespace``'s StrategyRegistry (a second call does nothing).
 
-    While one of the classes' modules is being imported (it imports Lightning, whose import triggers this),
-    the registration waits until that module's import has finished.
+    While a module of het_strategy is being imported (it may import Lightning, whose import triggers this, and
+    the classes' modules may need it), the registration waits until that module's import has finished.
     """
-    if any(_initializing(name) for name in _class_modules() if name != _finished_module):
+    if any(name != _finished_module for name in _importing()):
         _waiting.add(namespace)
         return
     registry = importlib.import_module(namespace).strategies.StrategyRegistry
@@ -116,12 +113,17 @@ def _initializing(name: str) -> bool:
     return bool(getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False))
 
 
+def _importing() -> list[str]:
+    """The modules of het_strategy being imported now (the package itself aside: it calls the registration)."""
+    return [name for name in list(sys.modules) if name.startswith("het_strategy.") and _initializing(name)]
+
+
 def _imported(name: str) -> bool:
     return sys.modules.get(name) is not None and not _initializing(name)  # None: an import blocked
 
 
 def _finished(name: str) -> None:
-    """``name`` (a Lightning package or a module of the classes) has been imported: register what waits for it."""
+    """``name`` (a Lightning package or a module of het_strategy) has been imported: register what waits for it."""
     if name in NAMESPACES:
         register_namespace(name)
     for namespace in sorted(_waiting):
@@ -134,14 +136,14 @@ _waiting: set[str] = set()
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for a pending module (a Lightning package, a module of the classes) it asks the other
-    finders, then wraps the loader so that ``_finished`` runs when the module's import is done."""
+    """Finds nothing itself: for a pending Lightning package, and for a module of het_strategy while one is pending,
+    it asks the other finders, then wraps the loader so that ``_finished`` runs when the module's import is done."""
 
     def __init__(self) -> None:
         self.pending: set[str] = set()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.pending:
+        if fullname not in self.pending and not (self.pending and fullname.startswith("het_strategy.")):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -179,7 +181,6 @@ _finder = _RegisterAfterImport()
 
 def register_when_imported() -> None:
     """Register the strategies in every Lightning package imported now, and in the others when they are imported."""
-    _finder.pending.update(name for name in _class_modules() if name not in sys.modules)
     for namespace in NAMESPACES:
         if _imported(namespace):
             register_namespace(namespace)
