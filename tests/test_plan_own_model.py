@@ -90,7 +90,7 @@ def test_a_module_factory_returning_its_sample_input_needs_no_shape(models: Path
 
 
 @pytest.mark.parametrize("model,extra,expected", [
-    ("{models}:make", [], "`model_input.shape` is None"),
+    ("{models}:make", [], "`model_input.shape` is null"),
     ("{models}:make", ["model_input.shape=[4,0]"], "`model_input.shape` is [4, 0]"),
     ("{models}:make", ["model_input.shape=[4,8]", "model_input.dtype=float8"], "`model_input.dtype` is 'float8'"),
     ("{models}:make", ["model_input.shape=[4,9]"], "`model_input` is"),
