@@ -49,7 +49,7 @@ def test_compression_planned_builds_the_strategy_with_the_joint_plans_choice(
     job = _job([f"cluster={_two_nodes(tmp_path)}"], tmp_path)
     assert job.plan is not None and job.plan.compression == {"inter_node": "q4"}
     assert sorted(job.plan.used_devices) == ["a0", "b0"] and job.plan.global_batch_size == 16
-    planned = CompressionConfig(method="quantize", bits=4, scope="inter_node")
+    planned = CompressionConfig(method="q4", scope="inter_node")
     assert job.compression == planned
     strategy, callbacks = build_strategy(job)
     # the strategy runs the given joint plan, its inter-node hop in q4 through the hierarchical hook
