@@ -2,7 +2,7 @@
 
 A device's datasheet figures and list price come from the catalog (``catalog.py``)
 and one device entry is parsed in ``device_spec.py`` (both modules' public names are
-re-exported here).  A cluster YAML (schema in README.md) is loaded into ``ClusterSpec``; every
+re-exported here).  A cluster YAML (schema: docs/guide/cluster-schema.md) is loaded into ``ClusterSpec``; every
 field is checked on construction and a bad one raises ``ConfigError`` naming
 the field, the value and the rule.  Nothing here imports torch.
 """
@@ -26,12 +26,12 @@ from het_strategy.core.files import naming_file, read_yaml_file
 from het_strategy.core.shipped import config_file, shipped_config_dir
 
 __all__ = [
-    # the catalog's names (catalog.py), importable from here as before
+    # the catalog's names (catalog.py), re-exported
     "DTYPES",
     "DeviceType",
     "device_catalog",
     "lookup_device_type",
-    # one device (device_spec.py), importable from here as before
+    # one device (device_spec.py), re-exported
     "DeviceSpec",
     # clusters
     "NodeSpec",
@@ -304,7 +304,7 @@ def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> Cluste
 
 
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
-    """Build a ClusterSpec from the YAML schema documented in README.md (an OmegaConf node works too)."""
+    """Build a ClusterSpec from the YAML schema of docs/guide/cluster-schema.md (an OmegaConf node works too)."""
     check_yaml_tree(raw, "the cluster")
     raw = plain(raw)
     check_keys(raw, CLUSTER_KEYS, "cluster")

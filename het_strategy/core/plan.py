@@ -8,7 +8,7 @@ one may be smaller), through ``stages``; a stage is a tensor-parallel group of
 special case of one single-device stage per pipeline, and then
 ``rank_shares()`` gives each device's share of the global batch.
 
-JSON form (``SCHEMA_VERSION`` 1) is documented in README.md; ``Plan.load``
+JSON form (``SCHEMA_VERSION`` 1) is documented in docs/guide/plan-schema.md; ``Plan.load``
 reads it back (through ``files.read_json_file``), ``Plan.check_cluster``
 refuses a plan made for another cluster and ``Plan.check_against`` one made
 for another cluster or model.
