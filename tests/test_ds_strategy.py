@@ -160,7 +160,7 @@ def test_a_loader_batch_other_than_the_global_batch_is_refused(tmp_path):
     (dict(cluster=CLUSTER, plan="PLAN", emulation="no"), "emulation"),
     (dict(cluster=CLUSTER, plan="PLAN", gradient_clipping=-1.0), "gradient_clipping"),
     (dict(cluster={"name": "two", "nodes": [{"name": "n", "devices": [{"name": "a", "type": "CPU"}]}]},
-          plan="PLAN"), "plan.cluster_devices"),
+          plan="PLAN"), "plan.pipelines[0].stages[0].devices[0]"),  # a plan of another cluster
 ])
 def test_bad_construction_is_refused_naming_the_field(kwargs, field):
     from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
@@ -183,7 +183,7 @@ def test_construction():
     assert s.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     assert s.runner is None and s.last_loss is None and s.plan_summary is None and s.cluster.name == "local"
     # one-stage replicas run at every ZeRO stage (DeepSpeed's pipeline engine is not involved)
-    assert HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=base.dp_plan(), zero_stage=3).plan.zero_stage == 3
+    assert HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=worker.dp_plan(), zero_stage=3).plan.zero_stage == 3
 
 
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])

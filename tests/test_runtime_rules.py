@@ -40,7 +40,7 @@ def plans(draw: st.DrawFn) -> Plan:
                                                                  if draw(st.booleans()) else 1)), (a, b))
                        for a, b in zip(bounds, bounds[1:]))
         pipes.append(Pipeline(stages, micro_batch_size=draw(st.integers(1, 4)), samples=draw(st.integers(1, 8))))
-    return Plan(cluster="gen", cluster_devices=tuple(d for p in pipes for d in p.devices),
+    return Plan(cluster="gen", cluster_devices=tuple(f"d{i}" for i in range(64)),
                 model={"name": "m", "num_layers": NUM_LAYERS}, global_batch_size=sum(p.samples for p in pipes),
                 pipelines=tuple(pipes), zero_stage=draw(st.integers(0, 3)),
                 dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])), mode="manual")

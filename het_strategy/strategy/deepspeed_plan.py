@@ -2,8 +2,8 @@
 
 1. Construction (in the user's script, before any rank starts): a given plan
    (a ``Plan`` or its JSON path, with an optional ZeRO-stage override) is
-   checked against the cluster (every device it names is one of the
-   cluster's) and against the ``deepspeed`` rule table of
+   checked against the cluster (``Plan.check_cluster``: the devices it
+   names, in the cluster's rank order) and against the ``deepspeed`` rule table of
    ``core.runtime_rules``, the table the planner's ``planner.runtime=deepspeed``
    filter and ``ds_runtime.engine.check_runnable`` read; without a plan, the
    planning inputs are checked (workload, global batch, planner mode).
@@ -106,11 +106,7 @@ class DeepSpeedPlanHolder:
 
     def check(self, plan: Plan, world_size: int | None = None) -> None:
         """Refuse a plan of another cluster, one the deepspeed runtime cannot run, or one not in fp32."""
-        names = {d.name for d in self.cluster.devices}
-        missing = [d for d in plan.used_devices if d not in names]
-        if missing:
-            raise field_error("plan.cluster_devices", missing, f"name devices of cluster `{self.cluster.name}`",
-                              "pass the cluster the plan was made for")
+        plan.check_cluster(self.cluster)
         raise_first(runtime_problems(plan, Runtime.deepspeed, world_size))
         if plan.dtype != "fp32":
             raise field_error("plan.dtype", plan.dtype, "be fp32 (the strategy runs Lightning's 32-true precision; "
