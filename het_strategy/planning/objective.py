@@ -77,30 +77,20 @@ class _Goal:
 
     request: PlanRequest
 
-    @property
-    def objective(self) -> str:
-        return str(self.request.objective)
-
-    @property
-    def budget_per_hour(self) -> float | None:
-        return self.request.budget_per_hour
-
-    @property
-    def min_throughput(self) -> float | None:
-        return self.request.min_throughput
-
     def within_budget(self, c: "Candidate") -> bool:
-        return self.budget_per_hour is None or (c.dollars_per_hour or 0.0) <= self.budget_per_hour * (1 + 1e-12)
+        budget = self.request.budget_per_hour
+        return budget is None or (c.dollars_per_hour or 0.0) <= budget * (1 + 1e-12)
 
     def reaches_floor(self, c: "Candidate") -> bool:
-        return self.min_throughput is None or c.samples_per_s >= self.min_throughput * (1 - 1e-12)
+        floor = self.request.min_throughput
+        return floor is None or c.samples_per_s >= floor * (1 - 1e-12)
 
     def allows(self, c: "Candidate") -> bool:
         return self.within_budget(c) and self.reaches_floor(c)
 
     def score(self, c: "Candidate") -> tuple[float, ...]:
         """Smaller is better: (USD/iteration, step time, devices) for ``cost``; (step time, USD/hour, devices)."""
-        if self.objective == "cost":
+        if self.request.objective == "cost":
             return (c.dollars_per_iteration or 0.0, c.step_time_s, len(c.plan.used_devices))
         return (c.step_time_s, c.dollars_per_hour or 0.0, len(c.plan.used_devices))
 
@@ -177,28 +167,28 @@ def search_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: Tra
     ``plan_cluster(sub)`` plans one sub-cluster (``ConfigError``: nothing fits there).
     """
     goal = _Goal(request)
-    if goal.objective == "cost" or goal.budget_per_hour is not None:
-        require_prices(cluster, f"planner.objective={goal.objective}" if goal.objective == "cost"
+    if request.objective == "cost" or request.budget_per_hour is not None:
+        require_prices(cluster, f"planner.objective={request.objective}" if request.objective == "cost"
                        else "planner.budget_per_hour")
     search = _Search(cluster, workload, settings, profile, plan_cluster, goal, max_subsets)
     everything = tuple(d.name for d in cluster.devices)
     full = search.run(everything)
     if full is not None and not goal.reaches_floor(full):
         raise search.floor_error(full, within_budget=False)  # the planner's fastest plan misses it: every plan does
-    if goal.objective == "time" and full is not None and goal.allows(full):
+    if request.objective == "time" and full is not None and goal.allows(full):
         return search.result(full, full, "whole cluster", 1)
-    space, how = _subsets(cluster, max_subsets, goal)
+    space, how = _subsets(cluster, max_subsets, request)
     best = full if full is not None and goal.allows(full) else None
     bounds = _Bounds(CostModel(cluster, workload, settings, profile), settings)
-    order = sorted(space, key=lambda kept: (bounds.key(kept, goal.objective, search), kept))
+    order = sorted(space, key=lambda kept: (bounds.key(kept, request.objective, search), kept))
     for kept in order:
         if kept == everything:
             continue
-        if goal.budget_per_hour is not None and search.total_price(kept) > goal.budget_per_hour:
+        if request.budget_per_hour is not None and search.total_price(kept) > request.budget_per_hour:
             continue
-        if goal.min_throughput is not None and bounds.max_samples_per_s(kept) < goal.min_throughput:
+        if request.min_throughput is not None and bounds.max_samples_per_s(kept) < request.min_throughput:
             continue
-        if best is not None and bounds.key(kept, goal.objective, search) > goal.score(best)[0]:
+        if best is not None and bounds.key(kept, request.objective, search) > goal.score(best)[0]:
             break  # ordered by the bound: no later sub-cluster can beat the best
         found = search.run(kept)
         if found is not None and goal.allows(found) and (best is None or goal.score(found) < goal.score(best)):
@@ -218,6 +208,7 @@ class _Search:
                  max_subsets: int) -> None:
         self.cluster, self.workload, self.settings, self.profile = cluster, workload, settings, profile
         self.plan_cluster, self.goal, self.max_subsets = plan_cluster, goal, max_subsets
+        self.request = goal.request
         self.planned: dict[tuple[str, ...], Candidate | None] = {}
         self.errors: dict[tuple[str, ...], ConfigError] = {}
 
@@ -246,41 +237,41 @@ class _Search:
 
     def _on_whole_cluster(self, best: Candidate) -> Plan:
         """The chosen plan on every device of the cluster: the left-out ones idle (not rented), rescored."""
-        why = (f"not rented: planner.objective={self.goal.objective}" +
-               (f" within planner.budget_per_hour={self.goal.budget_per_hour:g}"
-                if self.goal.budget_per_hour is not None else "") + " leaves it out of the plan")
+        why = (f"not rented: planner.objective={self.request.objective}" +
+               (f" within planner.budget_per_hour={self.request.budget_per_hour:g}"
+                if self.request.budget_per_hour is not None else "") + " leaves it out of the plan")
         reasons = {d.name: best.plan.idle_reasons.get(d.name, why) for d in self.cluster.devices
                    if d.name not in set(best.plan.used_devices)}
         plan = dataclasses.replace(best.plan, cluster_devices=tuple(d.name for d in self.cluster.devices),
                                    idle_reasons=reasons, predicted={})
         score = CostModel(self.cluster, self.workload, self.settings, self.profile).score(plan)
         plan.predicted = {**score.to_dict(), **plan_price(plan, self.cluster, score.step_time_s).to_dict(),
-                          "objective": self.goal.request.objective_dict()}
+                          "objective": self.request.objective_dict()}
         return plan
 
     def nothing_meets(self, space: list[tuple[str, ...]]) -> ConfigError:
         """Why no plan meets the budget and floor, in the figures of the cheapest (or fastest) plan there is."""
-        goal = self.goal
+        goal, request = self.goal, self.request
         cheapest = self._cheapest(space)
         if cheapest is None:  # nothing fits anywhere: the planner's own reason, for the whole cluster
             err = self.errors.get(tuple(d.name for d in self.cluster.devices))
             return err if err is not None else ConfigError("no sub-cluster has a plan that fits", field="planner")
-        if goal.budget_per_hour is not None and not goal.within_budget(cheapest):
-            return field_error("planner.budget_per_hour", goal.budget_per_hour,
+        if request.budget_per_hour is not None and not goal.within_budget(cheapest):
+            return field_error("planner.budget_per_hour", request.budget_per_hour,
                                f"be met by some plan; the cheapest plan costs ${cheapest.dollars_per_hour:.2f}/hour "
                                f"({cheapest.samples_per_s:.1f} samples/s on "
                                f"{_devices(len(cheapest.plan.used_devices))})",
                                "raise the budget or add cheaper devices")
-        return self.floor_error(self._fastest_within_budget(), within_budget=goal.budget_per_hour is not None)
+        return self.floor_error(self._fastest_within_budget(), within_budget=request.budget_per_hour is not None)
 
     def floor_error(self, fastest: Candidate | None, within_budget: bool) -> ConfigError:
-        goal = self.goal
-        scope = f" within planner.budget_per_hour={goal.budget_per_hour:g}" if within_budget else ""
+        request = self.request
+        scope = f" within planner.budget_per_hour={request.budget_per_hour:g}" if within_budget else ""
         figures = "no plan fits" + scope if fastest is None else (
             f"the fastest plan{scope} reaches {fastest.samples_per_s:.1f} samples/s at "
             + ("an unknown price" if fastest.dollars_per_hour is None else f"${fastest.dollars_per_hour:.2f}/hour")
             + f" on {_devices(len(fastest.plan.used_devices))}")
-        return field_error("planner.min_throughput", goal.min_throughput, "be reached by some plan; " + figures,
+        return field_error("planner.min_throughput", request.min_throughput, "be reached by some plan; " + figures,
                            "lower the floor" + (", raise the budget" if scope else "") + " or add faster devices")
 
     def _cheapest(self, space: list[tuple[str, ...]]) -> Candidate | None:
@@ -320,7 +311,7 @@ def _node_class(cluster: ClusterSpec, n: NodeSpec, linked: set[str]) -> tuple:
             n.inter_flow_bandwidth_gbs)
 
 
-def _subsets(cluster: ClusterSpec, max_subsets: int, goal: _Goal) -> tuple[list[tuple[str, ...]], str]:
+def _subsets(cluster: ClusterSpec, max_subsets: int, request: PlanRequest) -> tuple[list[tuple[str, ...]], str]:
     """Every sub-cluster of the search (device names in cluster order) and how they were formed."""
     groups: dict[tuple, list[str]] = {}
     for d in cluster.devices:
@@ -334,8 +325,8 @@ def _subsets(cluster: ClusterSpec, max_subsets: int, goal: _Goal) -> tuple[list[
             classes.setdefault(_node_class(cluster, n, linked), []).append([d.name for d in n.devices])
         whole = math.prod(len(c) + 1 for c in classes.values()) - 1
         if whole > max_subsets:
-            field = "planner.objective" if goal.objective == "cost" else "planner.budget_per_hour"
-            raise field_error(field, goal.objective if goal.objective == "cost" else goal.budget_per_hour,
+            field = "planner.objective" if request.objective == "cost" else "planner.budget_per_hour"
+            raise field_error(field, request.objective if request.objective == "cost" else request.budget_per_hour,
                               f"go with a cluster of at most {max_subsets} sub-clusters to search: `{cluster.name}` "
                               f"has {size} (devices per node and kind) and {whole} (whole nodes per class of "
                               f"identical nodes)", "describe identical nodes with `count:` so they form one "
