@@ -159,7 +159,7 @@ class CodecSpec:
             return float(DTYPE_BYTES[self.wire_dtype or grad_dtype])
         if self.exchange is Exchange.QUANTIZED:
             assert self.bits is not None
-            return (self.bits + 32 * META_FLOATS[params.scaling] / params.bucket_size) / 8
+            return packed_bytes(params.bucket_size, self.bits, params) / params.bucket_size
         return None
 
     def wire_bytes(self, shape: Sequence[int], world: int, grad_dtype: str = "fp32",
