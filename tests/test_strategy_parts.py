@@ -26,7 +26,7 @@ from het_strategy.strategy.arguments import PROBE_MODES
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.experts import PLACEMENT_MODES, ExpertPlacer, check_resumable
 from het_strategy.strategy.hetero import ProbeMode
-from het_strategy.strategy.loaders import BatchSplitter, HeteroDataLoader
+from het_strategy.strategy.loaders import BatchSplitter, HeteroDataLoader, split_loader
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.pytorch_lightning_classes import twin
 from het_strategy.strategy.rank_context import RankContext
@@ -309,3 +309,25 @@ def test_a_module_of_ours_that_imports_lightning_first_still_registers_every_str
     ])
     out = _run(code)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_user_sampler_wrapped_by_lightning_gives_its_own_order() -> None:
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    class Backwards(torch.utils.data.Sampler):
+        def __init__(self) -> None:
+            self.draws = 0
+
+        def __len__(self) -> int:
+            return 10
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            self.draws += 1
+            return iter(range(9, -1, -1))
+
+    user = Backwards()
+    wrapped = DataLoader(list(range(10)), batch_size=2, sampler=DistributedSamplerWrapper(user, num_replicas=2,
+                                                                                          rank=1, shuffle=False))
+    loader = split_loader(wrapped, 4, [3, 1], 0, None)  # (the splitter then checks the order across ranks)
+    assert [b.tolist() for b in loader] == [[9, 8, 7], [5, 4, 3], [1, 0]]  # the user's whole order, not rank 1's half
+    assert user.draws >= 1

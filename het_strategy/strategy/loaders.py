@@ -14,16 +14,17 @@ Lightning's resumable-loader interface (``state_dict``/``load_state_dict``).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint
 
-__all__ = ["BatchSplitter", "HeteroDataLoader", "check_splittable", "split_loader", "check_same_order", "loader_at", "batch_index"]
+__all__ = ["BatchSplitter", "HeteroDataLoader", "WrappedSamplerOrder", "check_splittable", "split_loader", "check_same_order", "loader_at", "batch_index"]
 
 
 class HeteroDataLoader(DataLoader):
@@ -75,15 +76,32 @@ def _global_order_source(dl: DataLoader) -> tuple[bool, int, Any]:
     """(shuffle, seed, user sampler or None) of a DataLoader as Lightning handed it over."""
     sampler = dl.sampler
     if isinstance(sampler, DistributedSampler):
-        inner = getattr(sampler.dataset, "_sampler", None)  # Lightning's DistributedSamplerWrapper
-        if inner is not None and type(sampler).__name__ == "DistributedSamplerWrapper":
-            return False, 0, inner
+        if type(sampler).__name__ == "DistributedSamplerWrapper":  # Lightning's, around the user's own sampler
+            return False, 0, WrappedSamplerOrder(sampler.dataset)
         return bool(sampler.shuffle), int(sampler.seed), None
     if isinstance(sampler, RandomSampler):
         return True, int(os.environ.get("PL_GLOBAL_SEED", 0)), None
     if isinstance(sampler, SequentialSampler):
         return False, 0, None
     return False, 0, sampler
+
+
+class WrappedSamplerOrder(Sampler[int]):
+    """The order of a user's sampler that Lightning wrapped in a ``DistributedSamplerWrapper``.
+
+    Read through the wrapper's ``dataset``: an index view of the user's sampler whose ``reset()`` draws the
+    sampler's order again (once per epoch, as Lightning's own wrapper does).
+    """
+
+    def __init__(self, view: Any) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __iter__(self) -> Iterator[int]:
+        self.view.reset()
+        return iter([self.view[i] for i in range(len(self.view))])
 
 
 def loader_at(loaders: Any, dataloader_idx: int) -> Any:
