@@ -88,7 +88,7 @@ def main() -> None:
     import torch
     import deepspeed
 
-    from het_strategy.core.cost_model import TrainSettings
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.ds_runtime.config import deepspeed_config, hetero_pipeline_module, pipeline_parts, rank_batches
 
     _no_shm_op()

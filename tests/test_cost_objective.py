@@ -17,7 +17,8 @@ import pytest
 from het_strategy.cli.plan_cli import main
 from het_strategy.core.catalog import device_catalog, lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_cluster
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.pricing import plan_price
 from het_strategy.planning import PlanRequest, plan, search_plan

@@ -11,7 +11,8 @@ import types
 import pytest
 
 from het_strategy.core.cluster import cluster_from_dict
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.ds_runtime.config import (
     deepspeed_config,
     expert_map,
@@ -96,7 +97,7 @@ def test_planning_core_runs_without_torch_or_deepspeed():
     blocked = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None; "
                "import het_strategy; "
                "from het_strategy.core.cluster import load_cluster; from het_strategy.core.workload import load_workload; "
-               "from het_strategy.core.cost_model import TrainSettings; from het_strategy.planning import search_plan; "
+               "from het_strategy.core.train_settings import TrainSettings; from het_strategy.planning import search_plan; "
                "from het_strategy.ds_runtime.config import deepspeed_config; "
                "p = search_plan(load_cluster('local_cpu2'), load_workload('tiny_gpt', 'fp32'), "
                "TrainSettings(global_batch_size=8, dtype='fp32'), mode='dp'); "

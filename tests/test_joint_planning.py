@@ -13,7 +13,8 @@ import pytest
 
 from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.compressed_sync import JOINT_CHOICES, hierarchical_sync_s, wire_fraction
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.network import SyncRoute
 from het_strategy.core.plan import Plan

@@ -15,7 +15,8 @@ from het_strategy.cli._common import cluster_from_cfg, workload_from_cfg
 from het_strategy.cli.plan_cli import compose_plan_config, main, run_plan
 from het_strategy.cli.plan_config import register_plan_schema, typed_plan_config
 from het_strategy.core.cluster import load_cluster
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.workload import load_workload

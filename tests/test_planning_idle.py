@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from het_strategy.core.cluster import cluster_from_dict
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Plan
 from het_strategy.planning import PlanningError, search_plan

@@ -116,7 +116,8 @@ def test_inline_omegaconf_cluster_model_and_plan_are_accepted_where_a_dict_is() 
     from omegaconf import OmegaConf
 
     from het_strategy.core.cluster import load_cluster
-    from het_strategy.core.cost_model import CostModel, TrainSettings
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.plan import Plan
     from het_strategy.core.workload import load_workload
     from het_strategy.planning.dp_split import equal_split_plan

@@ -55,7 +55,8 @@ from het_strategy.core.shipped import shipped_names
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
-    from het_strategy.core.cost_model import PlanScore, TrainSettings
+    from het_strategy.core.cost_model import PlanScore
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.plan import Plan
     from het_strategy.core.workload import WorkloadSpec
     from het_strategy.profiling.module_profile import ProfileResult

@@ -51,10 +51,10 @@ from het_strategy.core.cluster import ClusterSpec, DeviceSpec
 from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync_s, wire_fraction
 from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.core.train_settings import TrainSettings  # also importable from here, as in 0.1.0
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
 
-__all__ = ["TrainSettings", "StageCost", "PlanScore", "CostModel"]
+__all__ = ["StageCost", "PlanScore", "CostModel"]
 
 GiB = 2**30
 

@@ -37,7 +37,8 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems, shares_boundaries
 
 if TYPE_CHECKING:
-    from het_strategy.core.cost_model import CostModel, PlanScore, TrainSettings
+    from het_strategy.core.cost_model import CostModel, PlanScore
+    from het_strategy.core.train_settings import TrainSettings
 
 __all__ = [
     "RankAssignment",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.compressed_sync import JOINT_CHOICES, check_token
-from het_strategy.core.cost_model import TrainSettings
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec

@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from het_strategy.core.cost_model import CostModel, TrainSettings
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.pricing import SECONDS_PER_HOUR, devices_price_per_hour, plan_price, require_prices

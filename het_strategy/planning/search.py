@@ -16,7 +16,8 @@ step every other search runs per cluster (``runtimes``, ``joint``,
 from __future__ import annotations
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.cost_model import GiB, CostModel, TrainSettings
+from het_strategy.core.cost_model import GiB, CostModel
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec

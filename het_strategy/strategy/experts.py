@@ -129,7 +129,8 @@ def place_model_experts(module: nn.Module, option: Any, cluster: ClusterSpec, wo
 
 def _planned(sizes: list[int], cluster: ClusterSpec, workload: WorkloadSpec | None, dtype: str,
              plan_source: Any) -> tuple[list[ExpertPlacement], str]:
-    from het_strategy.core.cost_model import CostModel, TrainSettings
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.planning.dp_split import equal_split_plan
     from het_strategy.planning.experts import expert_counts_by_speed, place_experts
 

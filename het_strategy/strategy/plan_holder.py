@@ -221,7 +221,8 @@ class PlanHolder:
 
     def log_plan(self, dtype: str, with_experts: bool) -> None:
         """The plan table (and the emulation summary) through the ``het_strategy`` logger (call on rank 0)."""
-        from het_strategy.core.cost_model import CostModel, TrainSettings
+        from het_strategy.core.cost_model import CostModel
+        from het_strategy.core.train_settings import TrainSettings
         from het_strategy.report.table import plan_table
 
         cluster = self._cluster()
