@@ -10,7 +10,8 @@
 - ``rank_context.py``   ``RankContext``: rank, world size, device and dtype handed to the collaborators
 - ``checkpoint.py``     what a checkpoint carries for the strategy, and its format
 - ``arguments.py``      the constructor's checks
-- ``hetero_deepspeed.py``, ``deepspeed_checkpoint.py``  the ``hetero_deepspeed`` strategy
+- ``hetero_deepspeed.py`` ``HeteroDeepSpeedStrategy``, with ``deepspeed_plan.py`` (its plan),
+  ``global_batches.py`` (its loaders) and ``deepspeed_checkpoint.py`` (its checkpoints)
 - ``pytorch_lightning_classes.py``  the ``pytorch_lightning`` twins of the strategies
 - ``registry.py``       the classes by name, and their registration in both Lightning packages
 
