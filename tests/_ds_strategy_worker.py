@@ -90,11 +90,11 @@ def main() -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(trainer.strategy.last_loss)
 
-    cluster = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU"}
-                                                                        for i in range(4)]}]}
     from het_strategy.core.errors import ConfigError
 
     one = mode == "badbatch"
+    cluster = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU"}
+                                                                        for i in range(1 if one else 4)]}]}
     plan = (one_device_plan() if one else base.asym_plan() if mode == "asym" else dp_plan() if mode == "dp"
             else base.pipe_plan())
     strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
