@@ -42,6 +42,7 @@ import numpy as np
 
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.network import NO_SYNC, SyncRoute
+from het_strategy.planning.bounds import min_bottleneck
 
 __all__ = ["Partition", "PartitionFront", "partition_front", "plan_pipeline_stages", "stage_matrices",
            "send_key", "EXACT_LAYER_LIMIT"]
@@ -180,14 +181,6 @@ def _compute_matrices(cm: CostModel, dev, tp: int, micro_batch: int, mask: np.nd
     return np.where(mask, np.maximum(c, send), np.inf), np.where(mask, c + send, np.inf)
 
 
-def _min_bottleneck(bott: list[np.ndarray]) -> float:
-    g = np.full(bott[0].shape[0], np.inf)
-    g[0] = 0.0
-    for b in bott:
-        g = np.maximum(g[:, None], b).min(axis=0)
-    return float(g[-1])
-
-
 def _min_fill(bott: list[np.ndarray], fill: list[np.ndarray], cap: float) -> tuple[float, tuple[int, ...]] | None:
     """Min-sum partition with every stage's bottleneck cost <= cap."""
     n = fill[0].shape[0]
@@ -292,7 +285,7 @@ def _front_splits(bott: list[np.ndarray], fill: list[np.ndarray], post: list[np.
     """(bounds, fill, bottleneck) of the front's splits, ascending bottleneck caps (module docstring)."""
     if math.isfinite(post_limit):
         bott = [np.where(p <= post_limit, b, np.inf) for b, p in zip(bott, post)]
-    c_star = _min_bottleneck(bott)
+    c_star = min_bottleneck(bott)
     if not math.isfinite(c_star):
         return ()
     loose = _min_fill(bott, fill, math.inf)
