@@ -387,10 +387,7 @@ class StragglerMitigation(StepTelemetry):
         super().load_state_dict(state_dict)
         self.decisions = [Decision(**d) for d in state_dict.get("decisions", [])]
         self._settle_until = int(state_dict.get("settle_until", 0))
-        if "levels" in state_dict:
-            restored = {"relative": state_dict.get("detectors", []), "levels": state_dict["levels"]}
-        else:  # a checkpoint from before relative detection: its detectors tracked seconds, i.e. the levels
-            restored = {"relative": None, "levels": state_dict.get("detectors", [])}
+        restored = {"relative": state_dict.get("detectors", []), "levels": state_dict.get("levels", [])}
         if self.detectors and len(self.levels) == len(restored["levels"]):
             self._load_detectors(restored)
         else:
@@ -400,10 +397,6 @@ class StragglerMitigation(StepTelemetry):
     def _load_detectors(self, restored: dict[str, Any]) -> None:
         for det, state in zip(self.levels, restored["levels"]):
             det.load_state_dict(state)
-        if restored["relative"] is None:
-            for det in self.detectors:
-                det.restart()  # ratios were not kept: the next values found the regime
-        else:
-            for det, state in zip(self.detectors, restored["relative"]):
-                det.load_state_dict(state)
+        for det, state in zip(self.detectors, restored["relative"]):
+            det.load_state_dict(state)
         self._restored = None

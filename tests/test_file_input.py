@@ -269,7 +269,7 @@ def test_named_pipes_never_hang_a_cli_or_the_api(tmp_path: Path) -> None:
 # -- the plan against the cluster -----------------------------------------------------------------------
 
 def test_plan_of_another_cluster_is_refused_at_construction(tmp_path: Path) -> None:
-    from het_strategy.strategy.arguments import check_cluster_source, check_plan_source
+    from het_strategy.strategy.arguments import check_cluster_source, check_plan_source, check_workload_source
 
     # local_cpu2's devices (rank0, rank1) are also local_cpu4_mixed's: names overlap, the clusters differ
     path = _plan_for("local_cpu2").save(tmp_path / "p.json")
@@ -277,9 +277,11 @@ def test_plan_of_another_cluster_is_refused_at_construction(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"^`plan.cluster_devices` is .*it must equal the devices of cluster "
                                           r"`local_cpu4_mixed` in rank order .*the plan was made for cluster "
                                           r"`local_cpu2`") as info:
-        check_plan_source(str(path), cluster, "tiny_gpt")  # the cluster is named, not "another model"
+        # the cluster is named, not "another model"
+        check_plan_source(str(path), cluster, check_workload_source("tiny_gpt"))
     assert "another model" not in str(info.value)
-    assert check_plan_source(str(path), check_cluster_source("local_cpu2"), "tiny_gpt").cluster == "local_cpu2"
+    same = check_plan_source(str(path), check_cluster_source("local_cpu2"), check_workload_source("tiny_gpt"))
+    assert same.cluster == "local_cpu2"
 
     from het_strategy import HeteroStrategy
 

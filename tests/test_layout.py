@@ -188,7 +188,7 @@ def test_no_import_circle_at_module_or_function_level() -> None:
 
 LAYERS = ("cli", "strategy", "callbacks", "ds_runtime", "compression", "emulation", "profiling", "report", "demo",
           "moe", "reference", "planning", "core")
-"""The folders in the README's "How it works" order: each imports only folders after it (or itself)."""
+"""The folders in the docs' "How it works" order: each imports only folders after it (or itself)."""
 
 
 def test_imports_point_down_the_layers_at_module_and_function_level() -> None:

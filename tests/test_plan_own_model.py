@@ -96,7 +96,7 @@ def test_a_module_factory_returning_its_sample_input_needs_no_shape(models: Path
     ("{models}:make", ["model_input.shape=[4,9]"], "`model_input` is"),
     ("{models}:not_a_model", [], "return an nn.Module or (nn.Module, sample_input)"),
     ("{models}:missing", [], "has no callable `missing`"),
-    ("{tmp}/nowhere.py:make", [], "name an existing Python file"),
+    ("{tmp}/nowhere.py:make", [], "be an existing Python file (no such file)"),
     ("no_such_package_xyz.models:make", [], "be importable"),
 ])
 def test_bad_model_factories_exit_2_with_one_line(model, extra, expected, models: Path, tmp_path: Path, capsys):

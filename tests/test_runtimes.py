@@ -79,7 +79,7 @@ def test_hetero_takes_pure_data_parallel_plans_only():
     assert runtime_problems(_plan([_pipe(["d0"], [0, 6]), _pipe(["d1"], [0, 6])], zero_stage=2), "hetero") == []
     problems = runtime_problems(_plan([_pipe(["d0"], [0, 6]), _pipe(["d1", "d2"], [0, 3, 6]),
                                        _pipe([("d3", "d4")], [0, 6])]), "hetero")
-    assert [(p.field, p.value) for p in problems] == [("plan.pipelines[1].stages", "2 stages"),
+    assert [(p.field, p.value) for p in problems] == [("plan.pipelines[1].stages", 2),
                                                       ("plan.pipelines[2].stages[0].tp", 2)]
     assert "data-parallel" in str(problems[0])
 
@@ -125,3 +125,14 @@ def test_runtime_hetero_plans_one_stage_replicas_where_the_best_is_a_pipeline():
     choice = plan_for_runtime(_asym_cluster(), _workload(), _settings(), mode="auto", runtime="hetero")
     assert runtime_problems(choice.unconstrained, "hetero") != []
     assert choice.plan.is_pure_dp and choice.runtime is Runtime.hetero and choice.slowdown > 0
+
+
+def test_at_zero_2_the_runtime_finds_data_parallel_plans_whose_micro_batch_counts_it_equalises():
+    # het-plan's default cluster at ZeRO 2: the fastest dp plan mixes micro-batch counts (ZeRO 2 reduces on every
+    # micro-step, so every replica must run the same count); a single micro-batch size finds a runnable plan
+    cluster, workload = load_cluster("mixed_a100_v100_t4"), transformer_workload(TransformerConfig(
+        name="gpt_small_like", num_layers=12, hidden_size=768, num_heads=12, seq_len=1024, vocab_size=50257))
+    choice = plan_for_runtime(cluster, workload, TrainSettings(global_batch_size=64, zero_stage=2),
+                              mode="auto", runtime="deepspeed")
+    assert runtime_problems(choice.plan, "deepspeed") == []
+    assert choice.plan.is_pure_dp and choice.slowdown > 0

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from het_strategy.core.cluster import load_cluster, shipped_cluster_dir
+from het_strategy.core.cluster import load_cluster
 from het_strategy.core.reference_profiles import sailor_peak_bandwidth_gbs
 from het_strategy.core.shipped import shipped_config_dir, shipped_names, shipped_path
 from het_strategy.core.workload import load_workload
@@ -107,7 +107,6 @@ def test_package_dir_maps_configs():
     # het_strategy.configs is the top-level configs/ folder (pyproject package-dir)
     assert shipped_config_dir("cluster").parent.name == "configs"
     assert shipped_config_dir("cluster").is_dir()
-    assert shipped_cluster_dir() == shipped_config_dir("cluster")  # 0.1.0's name still works
     assert shipped_path("cluster", "no_such_cluster") is None
 
 

@@ -153,6 +153,11 @@ def test_the_hook_builder_refuses_a_state_for_a_named_method() -> None:
         CommHookBuilder(CompressionConfig(method="fp16"), None, object())
 
 
+def test_the_hook_builder_refuses_a_state_without_a_users_hook() -> None:
+    with pytest.raises(ConfigError, match="`compression_state` is 'object'; it must go with a DDP comm hook"):
+        CommHookBuilder(None, None, object())
+
+
 # -- ExpertPlacer ---------------------------------------------------------------------------------------
 def test_the_placer_leaves_a_dense_model_alone_and_refuses_resuming_experts() -> None:
     dense = nn.Linear(4, 4)
@@ -273,11 +278,23 @@ def test_a_deepspeed_checkpoint_without_the_format_is_refused_before_loading(tmp
 
 
 # -- honest imports -------------------------------------------------------------------------------------
+def test_the_hetero_strategy_refuses_a_pipeline_plan_at_construction() -> None:
+    from het_strategy import HeteroStrategy
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    pipeline = Plan(cluster="c", cluster_devices=("d0", "d1"), model={"name": "m", "num_layers": 4},
+                    global_batch_size=8, pipelines=(Pipeline((Stage(("d0",), (0, 2)), Stage(("d1",), (2, 4))),
+                                                             micro_batch_size=1, samples=8),))
+    with pytest.raises(ConfigError, match=r"`plan.pipelines\[0\].stages` is 2; it must be 1 stage"):
+        HeteroStrategy(cluster="local_cpu2", plan=pipeline)
+
+
 @pytest.mark.parametrize("hidden, name, needs", [
     ("lightning", "HeteroStrategy", "needs lightning"),
     ("torch", "HeteroStrategy", "needs torch"),
     ("pytorch_lightning", "HeteroStrategyPL", "needs pytorch_lightning: pip install 'het_strategy\\[pl\\]'"),
     ("lightning", "HeteroDeepSpeedStrategy", "needs lightning"),
+    ("deepspeed", "HeteroDeepSpeedStrategy(cluster='local_cpu2')", "needs DeepSpeed.*het_strategy\\[deepspeed\\]"),
 ])
 def test_a_strategy_without_its_packages_raises_import_error_naming_them(hidden: str, name: str, needs: str) -> None:
     code = "\n".join([
@@ -292,7 +309,7 @@ def test_a_strategy_without_its_packages_raises_import_error_naming_them(hidden:
     ])
     out = _run(code)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith(f"ImportError: {name} ") and __import__("re").search(needs, out.stdout), out.stdout
+    assert out.stdout.startswith(f"ImportError: {name.split('(')[0]} ") and __import__("re").search(needs, out.stdout), out.stdout
 
 
 @pytest.mark.parametrize("first", ["het_strategy.callbacks.telemetry", "het_strategy.strategy.hetero",

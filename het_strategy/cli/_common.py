@@ -16,8 +16,7 @@
    unknown key lists the keys its section allows, and ``+key=value`` is
    suggested only where the section allows that key.  A ``+key=value`` that
    adds a top-level key no tool reads is refused.
-3. ``cluster_from_cfg`` / ``workload_from_cfg`` / ``train_settings_from_cfg``
-   turn the composed groups into the planning core's typed specs.
+3. ``cluster_from_cfg`` / ``workload_from_cfg`` turn the composed groups into the planning core's typed specs.
 4. ``run_cli`` runs a tool's body and turns every ``ConfigError`` into
    ``<prog>: error: <message>`` on stderr and exit code 2, without a traceback.
 """
@@ -42,7 +41,6 @@ from het_strategy.core.shipped import shipped_names
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
-    from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.workload import WorkloadSpec
 
 __all__ = [
@@ -54,7 +52,6 @@ __all__ = [
     "schema_error",
     "cluster_from_cfg",
     "workload_from_cfg",
-    "train_settings_from_cfg",
     "run_cli",
 ]
 
@@ -287,8 +284,10 @@ def _hydra_error(exc: Exception, overrides: Sequence[str], file_groups: Sequence
             value = _override_value(overrides, key)
             below = _override_below(overrides, key) if value is None else None
             if below is not None:  # `train.global_batch_size=8` where there is no `train` section
-                return field_error(below[0], below[1], f"not be there: `{key}` is no section of this config",
-                                   f"known keys at its level: {', '.join(known)}" if known else "check the spelling")
+                fix = f"known keys at its level: {', '.join(known)}" if known else "check the spelling"
+                if key == "train" and "settings" in known:  # het-plan's training settings section
+                    fix = f"het-plan's training settings are `settings.*`: write `settings.{below[0].split('.', 1)[1]}`"
+                return field_error(below[0], below[1], f"not be there: `{key}` is no section of this config", fix)
             if key.rsplit(".", 1)[-1] in known:
                 return field_error(key, value, "be set with `+` here: the key is allowed but this config does "
                                    "not set it", f"write `+{key}={value if value is not None else '...'}`")
@@ -333,24 +332,6 @@ def cluster_from_cfg(cfg: DictConfig) -> "ClusterSpec":
     from het_strategy.core.cluster import cluster_from_dict
 
     return cluster_from_dict(_named_group(cfg, "cluster"))
-
-
-def train_settings_from_cfg(cfg: DictConfig) -> "TrainSettings":
-    """The TrainSettings of ``cfg.train`` (unknown keys and non-boolean switches are errors)."""
-    from het_strategy.core.train_settings import TrainSettings
-    from het_strategy.core.errors import check_keys
-
-    raw = cfg_to_dict(cfg.get("train"), "train")
-    fields = {f.name for f in dataclasses.fields(TrainSettings)}
-    check_keys(raw, fields, "train")
-    if "activation_checkpointing" in raw and not isinstance(raw["activation_checkpointing"], bool):
-        raise field_error("train.activation_checkpointing", raw["activation_checkpointing"], "be true or false")
-    sizes = raw.get("micro_batch_sizes")
-    if sizes is not None and not isinstance(sizes, (list, tuple)):
-        raise field_error("train.micro_batch_sizes", sizes, "be a list of integers, e.g. [1,2,4]")
-    if "global_batch_size" not in raw:
-        raise field_error("train.global_batch_size", None, "be given (samples per optimizer step)")
-    return TrainSettings(**raw)
 
 
 def workload_from_cfg(cfg: DictConfig, dtype: str) -> "WorkloadSpec":

@@ -149,8 +149,12 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     score_path = cfg.get("score")
     if score_path is not None:
         if request.searches_sub_clusters:
-            raise field_error("planner.objective", str(request.objective), "stay time, with no budget_per_hour or "
-                              "min_throughput, when score= is given (a given plan is scored, not searched)")
+            key = next(k for k in ("budget_per_hour", "min_throughput") if getattr(request, k) is not None) \
+                if request.objective == "time" else "objective"
+            value = getattr(request, key)
+            raise field_error(f"planner.{key}", str(value) if isinstance(value, str) else value,
+                              "stay at its default (objective time, no budget_per_hour or min_throughput) when score= "
+                              "is given (a given plan is scored, not searched)")
         from het_strategy.planning.planner import request_profile
 
         given, settings = _load_plan_to_score(str(score_path), cluster, workload, settings)

@@ -23,7 +23,7 @@ from het_strategy.core.cluster_limits import bounded_figure as _figure, check_co
 from het_strategy.core.plain_data import plain
 from het_strategy.core.errors import ConfigError, check_keys, field_error, is_positive, require_int, require_number
 from het_strategy.core.files import naming_file, read_yaml_file
-from het_strategy.core.shipped import config_file, shipped_config_dir
+from het_strategy.core.shipped import config_file
 
 __all__ = [
     # the catalog's names (catalog.py), re-exported
@@ -281,11 +281,6 @@ CLUSTER_KEYS = {"name", "nodes", "inter_node_bandwidth_gbs", "links", "latency_u
 _SLOWDOWN_KEYS = {"device", "factor", "start_step", "end_step"}
 _NODE_KEYS = {"name", "devices", "intra_bandwidth_gbs", "inter_bandwidth_gbs", "inter_flow_bandwidth_gbs", "count"}
 _LINK_KEYS = {"nodes", "bandwidth_gbs"}
-
-
-def shipped_cluster_dir() -> Path:
-    """Folder of the cluster configs shipped in the wheel (``het_strategy/configs/cluster``)."""
-    return shipped_config_dir("cluster")
 
 
 def load_cluster(source: str | Path | Mapping[str, Any] | ClusterSpec) -> ClusterSpec:

@@ -23,7 +23,7 @@ not overlapped with backward here: the model errs on the slow side.
 
 Communication is priced by ``network.Network`` (one place for the link model):
 
-* gradients move in ``train.grad_dtype`` (fp32 unless set: mixed precision
+* gradients move in ``settings.grad_dtype`` (fp32 unless set: mixed precision
   keeps fp32 gradients), sharded by tp, in a ring over the replicas whose
   route (``ring_bandwidths``) knows which nodes it spans and how many other
   rings cross each node's interface at the same time; ZeRO-3 adds the

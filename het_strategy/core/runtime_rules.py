@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.plan import Plan
 
 __all__ = ["Runtime", "as_runtime", "Problem", "runtime_problems", "raise_first", "shares_boundaries"]
@@ -60,10 +60,7 @@ class Runtime(StrEnum):
 
 def as_runtime(value: Any, field: str = "planner.runtime") -> Runtime:
     """``value`` as a ``Runtime``, or a ``ConfigError`` naming ``field`` and the runtimes there are."""
-    try:
-        return Runtime(value)
-    except ValueError:
-        raise field_error(field, value, f"be one of {', '.join(Runtime)}") from None
+    return require_option(Runtime, value, field)
 
 
 @dataclass(frozen=True)
@@ -153,8 +150,8 @@ def _hetero(plan: Plan, world_size: int | None) -> list[Problem]:
     out: list[Problem] = []
     for p, pipe in enumerate(plan.pipelines):
         if len(pipe.stages) != 1:
-            out.append(Problem(f"plan.pipelines[{p}].stages", f"{len(pipe.stages)} stages",
-                               "be one stage (the hetero strategy runs pure data-parallel plans)",
+            out.append(Problem(f"plan.pipelines[{p}].stages", len(pipe.stages),
+                               "be 1 stage (the hetero strategy runs pure data-parallel plans)",
                                "plan with mode dp, or run pipeline plans on hetero_deepspeed"))
         elif pipe.stages[0].tp != 1:
             out.append(Problem(f"plan.pipelines[{p}].stages[0].tp", pipe.stages[0].tp,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from het_strategy.core.plain_data import plain
-from het_strategy.core.errors import check_keys, field_error, require_int, require_number
+from het_strategy.core.errors import check_keys, field_error, require_int
 from het_strategy.core.files import naming_file, read_yaml_file
 from het_strategy.core.shipped import config_file
 

@@ -311,7 +311,7 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     if plan.dtype == "fp16":
         cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16})
     if plan.dtype != "fp32":
-        # reduce gradients in the dtype the cost model priced (train.grad_dtype; fp32 unless set)
+        # reduce gradients in the dtype the cost model priced (settings.grad_dtype; fp32 unless set)
         cfg["communication_data_type"] = settings.grad_reduce_dtype
     return cfg
 

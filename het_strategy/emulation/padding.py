@@ -12,7 +12,6 @@ DDP does not sync (gradient accumulation) runs no hook; the runtime then calls
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 from het_strategy.core.cluster import ClusterSpec

@@ -4,11 +4,12 @@ A cluster config may give a device an ``emulated_speed``.  The rank that plays
 that device then takes, for every batch, the compute time the cost model gives
 that device: ``samples x t1``, with ``t1`` the forward + backward seconds of one
 sample at the device's declared sustained FLOP/s x efficiency x emulated speed
-(``emulated_seconds_per_sample``).  The runtime measures the real forward, and
-sleeps, before backward starts, for what is left of that time after the real
-forward and the expected real backward (``backward_ratio`` x forward).  So all
-of the step's gradient collectives start after the emulated compute, and the
-collectives themselves stay real (gloo or NCCL).
+(``emulated_seconds_per_sample``).  The runtime sleeps for what of that time
+the real forward and backward did not take: when the step's last gradient
+bucket is ready (``emulation.padding``), or, where no comm hook can be wrapped,
+before backward with the expected real backward (``backward_ratio`` x forward).
+So the step's last gradient collective starts after the emulated compute, and
+the collectives themselves stay real (gloo or NCCL).
 
 The shipped local clusters declare a CPU slower than a real core of this
 machine, so the emulated time, not contention between the processes, sets each

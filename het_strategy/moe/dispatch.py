@@ -99,7 +99,7 @@ def dispatch_capacity(rows: torch.Tensor, slot: torch.Tensor, position: torch.Te
     as the exact layout's counts, started before the gate), the only thing
     exchanged before the rows.
     """
-    world, n_local = placement.world_size, placement.counts[rank]
+    world = placement.world_size
     index = slot * capacity + position
     buffer = rows.new_zeros((placement.num_experts * capacity, rows.shape[1])).index_copy(0, index, rows)
     local = (announced or announce_capacity(capacity, placement, rank, group))()

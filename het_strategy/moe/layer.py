@@ -53,8 +53,9 @@ class HeteroMoE(nn.Module):
             a factory ``() -> nn.Module`` mapping ``[n, hidden_size]`` to itself.
         num_experts: experts of the layer (global).
         k: experts per token (top-k).
-        capacity_factor / eval_capacity_factor: capacity per expert in training /
-            eval, as a multiple of ``k x tokens / num_experts`` (``drop_tokens=True``).
+        capacity_factor: capacity per expert in training, as a multiple of
+            ``k x tokens / num_experts`` (``drop_tokens=True``).
+        eval_capacity_factor: the same in evaluation.
         min_capacity: capacity floor per expert.
         noisy_gate_policy: ``None``, ``"Jitter"`` (input noise) or ``"RSample"``
             (Gumbel noise on the selection), in training only.

@@ -46,7 +46,7 @@ pipeline part is at least the least T at which the pipelines' bounds let them
 take B samples together (shares relaxed to reals): for ``PipelineBound`` in
 closed form, ``sum_p (1 + (T - phi_p) / tau_p) = B`` (and T >= every phi_p),
 else by bisection on T.  The post part, max over pipelines, is at least
-max_p post_p.  The bound is their sum.  With ``train.equal_shares`` each
+max_p post_p.  The bound is their sum.  With ``settings.equal_shares`` each
 pipeline gets at least ``B // d`` samples instead.
 """
 
@@ -158,7 +158,7 @@ def curve_structure_bound(curves: Sequence[CurveBound], total: int, equal_shares
 def structure_bound(bounds: Sequence[PipelineBound], total: int, equal_shares: bool = False) -> float:
     """Lower bound on the step time of a structure with these pipelines and ``total`` samples.
 
-    ``equal_shares``: every pipeline gets at least ``total // d`` samples (``train.equal_shares``).
+    ``equal_shares``: every pipeline gets at least ``total // d`` samples (``settings.equal_shares``).
     """
     return counted_structure_bound([(b, 1) for b in bounds], total, equal_shares)
 

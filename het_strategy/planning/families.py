@@ -7,8 +7,7 @@ the type of most memory (``_add_mixed_options``); ``mixed_families`` adds
 pipelines that chain two types.  Then every combination of the kept options
 (a type may also stay idle) is assembled and the best kept.
 
-What is new here is the order, not the space: both steps visit candidates by
-a lower bound (``bounds``; memory as this regime assembles, S - s micro-batches
+Both steps visit candidates by a lower bound (``bounds``; memory as this regime assembles, S - s micro-batches
 in flight on stage s), so most are never assembled, and the result is the one
 assembling all of them gives (up to ties).
 

@@ -72,7 +72,7 @@ class PlanRequest:
     mode: PlanMode = PlanMode.auto
     """auto | dp | pipeline | hybrid: the planners searched."""
     runtime: Runtime = Runtime("any")
-    """any | deepspeed: only plans that runtime runs (the slowdown against the unconstrained best is reported)."""
+    """any | deepspeed | hetero: only plans that runtime runs (the slowdown against the unconstrained best is reported)."""
     compression: CompressionPlanning = CompressionPlanning.none
     """none | joint: placement and inter-node compression planned together (mode dp or auto, runtime any)."""
     objective: Objective = Objective.time
@@ -111,17 +111,16 @@ class PlanRequest:
             raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and "
                               "planner.runtime=any: the hetero strategy runs the hierarchical exchange for "
                               "data-parallel plans")
+        if self.runtime == Runtime.hetero and self.mode in (PlanMode.pipeline, PlanMode.hybrid):
+            raise field_error("planner.mode", str(self.mode), "be dp or auto with planner.runtime=hetero (the hetero "
+                              "strategy runs pure data-parallel plans)", "run pipeline plans with "
+                              "planner.runtime=deepspeed")
 
     @property
     def searches_sub_clusters(self) -> bool:
         """A money objective, budget or floor: the search runs over sub-clusters (``planning/objective.py``)."""
         return self.objective != Objective.time or self.budget_per_hour is not None \
             or self.min_throughput is not None
-
-    @property
-    def search_mode(self) -> PlanMode:
-        """The mode each cluster is searched in: dp for ``compression=joint`` (its plans are data-parallel)."""
-        return PlanMode.dp if self.compression == CompressionPlanning.joint else self.mode
 
     def describe_objective(self) -> str:
         """``objective cost (budget $8/hour, floor 50 samples/s)``."""

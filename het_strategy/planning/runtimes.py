@@ -41,14 +41,28 @@ def runnable(plan: Plan, runtime: Runtime | str) -> bool:
     return not runtime_problems(plan, runtime)
 
 
-def _search_modes(mode: str, runtime: Runtime, settings: TrainSettings) -> list[str]:
-    """The planners searched again at tp = 1 for ``runtime``: those whose plans it may run."""
+def _searches(mode: str, runtime: Runtime, settings: TrainSettings) -> list[tuple[str, TrainSettings]]:
+    """The searches run again at tp = 1 for ``runtime``: (mode, settings) of the planners whose plans it may run.
+
+    At ZeRO 2/3 the deepspeed runtime runs one-stage replicas whose micro-batch
+    counts it can equalise (rule 4 of ``core.runtime_rules``): beside the plain dp
+    search, one dp search per single micro-batch size and one with equal shares
+    find such plans where the fastest dp plan mixes counts.
+    """
     from het_strategy.planning.search import MODES
 
+    limited = dataclasses.replace(settings, max_tp=1)
     modes = [m for m in MODES if m != "auto"] if mode == "auto" else [mode]
-    if runtime is Runtime.hetero or (runtime is Runtime.deepspeed and settings.zero_stage >= 2):
-        modes = [m for m in modes if m == "dp"]  # one-stage replicas only
-    return modes
+    one_stage = runtime is Runtime.hetero or (runtime is Runtime.deepspeed and settings.zero_stage >= 2)
+    if not one_stage:
+        return [(m, limited) for m in modes]
+    if "dp" not in modes:
+        return []
+    searches = [("dp", limited)]
+    if runtime is Runtime.deepspeed:
+        searches += [("dp", dataclasses.replace(limited, micro_batch_sizes=(m,))) for m in settings.micro_batch_sizes]
+        searches.append(("dp", dataclasses.replace(limited, equal_shares=True)))
+    return searches
 
 
 @dataclass(frozen=True)
@@ -87,9 +101,8 @@ def plan_for_runtime(cluster: ClusterSpec, workload: WorkloadSpec, settings: Tra
     why = runtime_problems(best, target)
     if not why:
         return RuntimeChoice(best, best, target)
-    limited = dataclasses.replace(settings, max_tp=1)
     found = []
-    for m in _search_modes(mode, target, settings):
+    for m, limited in _searches(mode, target, settings):
         try:
             p = make_plan(cluster, workload, limited, mode=m, profile=profile)
         except ConfigError:

@@ -18,7 +18,7 @@ Steps:
    splits' (fill, bottleneck) per micro-batch size, cached per cost model by
    signature: rounds and structures that share a pipeline shape share them.
 3. Batch shares: exact min-max allocation (``allocation.allocate_min_max``),
-   each pipeline at least one sample; with ``train.equal_shares`` every
+   each pipeline at least one sample; with ``settings.equal_shares`` every
    pipeline gets B / dp (runtimes that cannot run uneven batches).
 4. Sync/update coupling: the post-step term depends on each stage's layers.
    Starting from no limit, the stages' post time is capped ever lower

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.core.files import read_json_file
+from het_strategy.core.files import check_readable_file, read_json_file
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 from het_strategy.profiling.module_profile import ProfileResult, profile_module
 from het_strategy.profiling.torch_device import DTYPE_NAMES
@@ -51,9 +51,7 @@ def load_factory(spec: str, field: str = "model") -> Callable[[], Any]:
     if not sep or not where or not attr.isidentifier():
         raise field_error(field, spec, "be `package.module:function` or `path/to/file.py:function`")
     if where.endswith(".py"):
-        path = Path(where).expanduser()
-        if not path.is_file():
-            raise field_error(field, spec, f"name an existing Python file ({path} is not one)")
+        path = check_readable_file(Path(where).expanduser(), field, "Python file")  # no fifo, folder or unreadable
         mod_name = f"_het_model_{abs(hash(str(path.resolve())))}"
         loader_spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(loader_spec)  # type: ignore[arg-type]

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, load_cluster

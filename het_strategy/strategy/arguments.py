@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
+from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
 from het_strategy.core.workload import WorkloadSpec, load_workload
 
 __all__ = ["PROBE_MODES", "check_cluster_source", "check_plan_source", "check_workload_source", "check_options",
@@ -39,11 +40,14 @@ def check_cluster_source(cluster: Any) -> ClusterSpec | str:
     return load_cluster(cluster)
 
 
-def check_plan_source(plan: Any, cluster: ClusterSpec | str | None = None, workload: Any = None) -> Plan | None:
+def check_plan_source(plan: Any, cluster: ClusterSpec | str | None = None,
+                      workload: WorkloadSpec | None = None) -> Plan | None:
     """None, a Plan, or a plan JSON file read now (missing, unreadable, malformed or unknown keys: ConfigError).
 
-    With ``cluster`` (a ClusterSpec; ``"auto"`` is checked at setup) the plan must be one made for it
-    (``Plan.check_cluster``); with ``workload`` too (any ``check_workload_source`` accepts), for that model.
+    The plan must be one the hetero strategy runs (``core.runtime_rules``, runtime ``hetero``: pure data
+    parallelism).  With ``cluster`` (a ClusterSpec; ``"auto"`` is checked at setup) it must be one made for it
+    (``Plan.check_cluster``); with ``workload`` too (a ``WorkloadSpec``, see ``check_workload_source``), for that
+    model.
     """
     if plan is None:
         return None
@@ -51,12 +55,12 @@ def check_plan_source(plan: Any, cluster: ClusterSpec | str | None = None, workl
         if isinstance(plan, bool) or not isinstance(plan, (str, Path)):
             raise field_error("plan", type(plan).__name__, "be a plan JSON path, a Plan, or None to plan at setup")
         plan = Plan.load(plan)
+    raise_first(runtime_problems(plan, Runtime.hetero))
     if isinstance(cluster, ClusterSpec):
-        spec = check_workload_source(workload)
-        if spec is None:
+        if workload is None:
             plan.check_cluster(cluster)
         else:
-            plan.check_against(cluster, spec)
+            plan.check_against(cluster, workload)
     return plan
 
 

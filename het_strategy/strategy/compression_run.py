@@ -87,6 +87,9 @@ class CommHookBuilder:
         if config is not None and user_state is not None:
             raise field_error("compression_state", type(user_state).__name__,
                               "be None when `compression` names a method (the strategy builds the state)")
+        if user_hook is None and user_state is not None:
+            raise field_error("compression_state", type(user_state).__name__,
+                              "go with a DDP comm hook passed as `compression=` (the state is that hook's)")
         self.config, self.user_hook, self.user_state, self.wrapper = config, user_hook, user_state, wrapper
         self.wire = WireBytes()
         """This rank's gradient bytes (uncompressed and on the wire)."""

@@ -135,7 +135,7 @@ def _planned(sizes: list[int], cluster: ClusterSpec, workload: WorkloadSpec | No
     from het_strategy.planning.experts import expert_counts_by_speed, place_experts
 
     devices = [d.name for d in cluster.devices]
-    given = None if plan_source is None else plan_source if isinstance(plan_source, Plan) else Plan.load(plan_source)
+    given: Plan | None = plan_source  # checked and loaded at construction (strategy.arguments)
     if given is not None and given.experts:
         return placements_from_plan(given.experts, devices, sizes), "the given plan's expert map"
     described = [layer.moe for layer in workload.layers if layer.moe is not None] if workload else []
@@ -220,6 +220,6 @@ class ExpertPlacer:
 def check_resumable(module: nn.Module) -> None:
     """Refuse resuming a module with HeteroMoE layers (each rank's optimizer state covers its own experts)."""
     if moe_layers(module):
-        raise ConfigError("resuming a run with HeteroMoE layers is not supported in this version: each "
+        raise ConfigError("resuming a run with HeteroMoE layers is not supported: each "
                           "rank's optimizer state covers only its own experts (the checkpoint's model weights "
                           "hold every expert: load them with strict=False to evaluate or start afresh)")

@@ -112,8 +112,8 @@ class HeteroStrategy(DDPStrategy):
                  moe_placement: PlacementOption = "planned", probe: ProbeMode = "cached", telemetry: bool = True,
                  **ddp_kwargs: Any) -> None:
         cluster = check_cluster_source(cluster)  # bad input fails here, in the user's script, before any rank starts
-        check_workload_source(workload)  # setup builds it again in the run's dtype
-        plan = check_plan_source(plan, cluster, workload)
+        workload_spec = check_workload_source(workload)  # setup builds it again in the run's dtype
+        plan = check_plan_source(plan, cluster, workload_spec)
         check_options(cluster, global_batch_size, emulation, profile_input, probe, telemetry)
         for key in ("ddp_comm_hook", "ddp_comm_state"):
             if key in ddp_kwargs:

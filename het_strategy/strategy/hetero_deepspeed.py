@@ -96,6 +96,7 @@ layers stay (untrained) in the LightningModule of each rank: its
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
@@ -146,6 +147,9 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
                  zero_stage: ZeroStage | None = None, gradient_clipping: float = 0.0, *,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
                  planner_mode: PlanMode | str = PlanMode.auto, emulation: bool = True, **ddp_kwargs: Any) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ImportError("HeteroDeepSpeedStrategy needs DeepSpeed, which is not installed: "
+                              "pip install 'het_strategy[deepspeed]'")
         if cluster is None:
             raise field_error("cluster", None, "be a shipped cluster name, a YAML path, a mapping or a ClusterSpec")
         if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) \
