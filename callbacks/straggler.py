@@ -186,7 +186,11 @@ class StragglerMitigation(StepTelemetry):
 
     Args:
         every_n_steps: telemetry exchange period (decisions happen then).
-        threshold, consecutive, window, warmup, z: the detectors' sensitivity.
+        threshold: the relative shift a detector reports (0.25: a 25% change of per-sample time).
+        consecutive: values in a row that must confirm a shift.
+        window: values a detector keeps for the regime's median.
+        warmup: values before a detector reports anything.
+        z: how many median absolute deviations off the regime's median a value must be to count toward a shift.
         min_share: the least fraction of the global batch a rank keeps (0 to 1/world).
         evict_ratio: rank slower than this x the median keeps only ``min_share`` (> 1; None: off).
         stop_ratio: rank slower than this x the median: checkpoint and stop (> 1; None: off).

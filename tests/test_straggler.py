@@ -319,17 +319,14 @@ def test_decisions_name_devices_as_the_cluster_does() -> None:
     assert d.ranks == [2] and d.devices == ["slow"]
     assert d.reason.startswith("slow (rank2) per-sample compute 10.00 -> 30.00 ms (+200%), 1.00x -> 3.00x the "
                                "median rank for 4 consecutive steps")
-    # a checkpoint from before Decision.devices and relative detection still loads, and its decisions get names
-    old = cb.state_dict()
-    old.pop("levels")
-    old["detectors"] = old["detectors"][:4]
-    for dec in old["decisions"]:
-        dec.pop("devices")
+    # the callback's state round-trips: decisions with their device names, both detector kinds
+    saved = cb.state_dict()
     restored = StragglerMitigation(verbose=False, log=False)
-    restored.load_state_dict(old)
+    restored.load_state_dict(saved)
     restored.setup(_FakeTrainer([10, 10, 2, 10], raw), None, "fit")  # type: ignore[arg-type]
     assert restored.decisions[0].devices == ["slow"]
-    assert [lv.state_dict() for lv in restored.levels] == old["detectors"]  # the old detectors tracked seconds
+    assert [lv.state_dict() for lv in restored.levels] == saved["levels"]
+    assert [det.state_dict() for det in restored.detectors] == saved["detectors"]
 
 
 def test_steps_prefetched_with_the_old_shares_feed_no_detector() -> None:

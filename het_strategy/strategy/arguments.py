@@ -13,7 +13,7 @@ refused before the model is compared.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, get_args
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import field_error
@@ -21,11 +21,13 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
 from het_strategy.core.workload import WorkloadSpec, load_workload
 
-__all__ = ["PROBE_MODES", "check_cluster_source", "check_plan_source", "check_workload_source", "check_options",
-           "planned_compression"]
+__all__ = ["ProbeMode", "PROBE_MODES", "check_cluster_source", "check_plan_source", "check_workload_source",
+           "check_options", "planned_compression"]
 
-PROBE_MODES = ("cached", "refresh")
+ProbeMode = Literal["cached", "refresh"]
 """``cluster="auto"``: reuse this host's cached measurements, or measure again (and re-cache)."""
+PROBE_MODES: tuple[str, ...] = get_args(ProbeMode)
+
 
 
 def check_cluster_source(cluster: Any) -> ClusterSpec | str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy import checkpoint as ckpt
-from het_strategy.strategy.arguments import check_cluster_source, check_options, check_plan_source, \
+from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, check_options, check_plan_source, \
     check_workload_source, planned_compression
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
@@ -57,9 +57,6 @@ from het_strategy.strategy.rank_context import RankContext
 from het_strategy.strategy.step_timing import StepPacing
 
 __all__ = ["HeteroStrategy", "ProbeMode"]
-
-ProbeMode = Literal["cached", "refresh"]
-"""``cluster="auto"``: ``cached`` reuses this host's measurements, ``refresh`` measures again."""
 
 
 class HeteroStrategy(DDPStrategy):
