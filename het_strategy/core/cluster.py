@@ -14,7 +14,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
 from het_strategy.core.device_spec import DEVICE_KEYS, DeviceSpec, device_from_dict, resolve_device_type
@@ -325,11 +325,7 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
     _require_unique(list(zip(node_fields, (n.name for n in nodes))))
     _require_unique(_device_name_fields(nodes_raw, nodes))
     links = []
-    for i, link_raw in enumerate(raw.get("links") or []):
-        lwhere = f"cluster.links[{i}]"
-        if not isinstance(link_raw, Mapping):
-            raise field_error(lwhere, link_raw, "be a mapping with `nodes` and `bandwidth_gbs`")
-        check_keys(link_raw, _LINK_KEYS, lwhere)
+    for lwhere, link_raw in _entries(raw, "links", _LINK_KEYS, "`nodes` and `bandwidth_gbs`"):
         pair = link_raw.get("nodes")
         if not isinstance(pair, list) or len(pair) != 2:
             raise field_error(f"{lwhere}.nodes", pair, "be a list of two node names")
@@ -338,11 +334,7 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
     latency = check_figure(require_number(raw.get("latency_us", 10.0), "cluster.latency_us", allow_zero=True),
                            "cluster.latency_us", "latency_us")
     slowdowns = []
-    for i, sd_raw in enumerate(raw.get("slowdowns") or []):
-        swhere = f"cluster.slowdowns[{i}]"
-        if not isinstance(sd_raw, Mapping):
-            raise field_error(swhere, sd_raw, "be a mapping with device, factor, start_step[, end_step]")
-        check_keys(sd_raw, _SLOWDOWN_KEYS, swhere)
+    for swhere, sd_raw in _entries(raw, "slowdowns", _SLOWDOWN_KEYS, "device, factor, start_step[, end_step]"):
         for key in ("device", "factor", "start_step"):
             if key not in sd_raw:
                 raise field_error(f"{swhere}.{key}", None, "be given")
@@ -353,6 +345,16 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterSpec:
     noise = require_number(raw.get("emulation_noise", 0.0), "cluster.emulation_noise", allow_zero=True)
     return ClusterSpec(name=name, nodes=tuple(nodes), inter_node_bandwidth_gbs=inter, links=tuple(links),
                        latency_us=latency, slowdowns=tuple(slowdowns), emulation_noise=noise)
+
+
+def _entries(raw: Mapping[str, Any], key: str, allowed: set[str], shape: str) -> Iterator[tuple[str, Mapping]]:
+    """``(cluster.<key>[i], entry)`` of a list section whose entries are mappings of ``allowed`` keys."""
+    for i, entry in enumerate(raw.get(key) or []):
+        where = f"cluster.{key}[{i}]"
+        if not isinstance(entry, Mapping):
+            raise field_error(where, entry, f"be a mapping with {shape}")
+        check_keys(entry, allowed, where)
+        yield where, entry
 
 
 def _node_from_dict(node_raw: Mapping[str, Any], node_name: str, where: str, inter_default: float) -> NodeSpec:
