@@ -120,16 +120,16 @@ class DeepSpeedPlanHolder:
         return self.plan
 
     def _plan_on_rank_zero(self, rank: int, world_size: int) -> Plan:
-        """Rank 0 searches (``runtime="deepspeed"``) and broadcasts one Plan; an error stops every rank."""
-        from het_strategy.planning.runtimes import plan_for_runtime
+        """Rank 0 plans (``planner.runtime=deepspeed``) and broadcasts one Plan; an error stops every rank."""
+        from het_strategy.planning import PlanRequest, plan
 
         assert self.settings is not None and self.workload is not None
         payload: list[Any] = [None]
         if rank == 0:
             try:
-                choice = plan_for_runtime(self.cluster, self.workload, self.settings, mode=self.planner_mode,
-                                          runtime=Runtime.deepspeed)
-                payload[0] = ("plan", choice.plan.to_json(), choice.summary())
+                result = plan(self.cluster, self.workload, self.settings,
+                              PlanRequest(mode=self.planner_mode, runtime=Runtime.deepspeed))
+                payload[0] = ("plan", result.plan.to_json(), result.summary())
             except ConfigError as exc:
                 payload[0] = ("error", str(exc), None)
         if world_size > 1:
