@@ -5,13 +5,11 @@ device; a batch's samples are its first tensor's length.  As under ``hetero``,
 a batch is padded to its emulated time when the last gradient bucket is ready,
 through the same comm-hook wrapper (``emulation/padding.py``) around DDP's
 allreduce; where the model already has a hook, it pads before backward
-instead, estimating the backward still to come.  ``EmulatedDeviceCallbackPL``
-is the same on ``pytorch_lightning``.
+instead, estimating the backward still to come.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,11 +24,17 @@ from het_strategy.emulation.padding import BatchPadding, padded_comm_hook
 from het_strategy.emulation.speeds import emulation_summary
 from het_strategy.profiling.batch_contents import batch_length
 
-__all__ = ["EmulatedDeviceCallback", "EmulatedDeviceCallbackPL"]
+__all__ = ["EmulatedDeviceCallback"]
 
 
-class _EmulatedDeviceLogic:
-    """The callback's hooks, mixed into each Lightning package's ``Callback``."""
+class EmulatedDeviceCallback(pl.Callback):
+    """Pads every batch of this rank to the time the cluster's device of the same rank would take.
+
+    Args:
+        cluster: the cluster (shipped name, YAML path, mapping or ``ClusterSpec``); one device per rank.
+        workload: the model's costs (shipped model name, YAML path, mapping or ``WorkloadSpec``).
+        dtype: the training dtype the devices are priced in.
+    """
 
     def __init__(self, cluster: Any, workload: Any, dtype: str = "fp32") -> None:
         self._cluster = load_cluster(cluster)
@@ -81,17 +85,3 @@ class _EmulatedDeviceLogic:
         if trainer.training and self._padding is not None:
             self._padding.finish()  # a backward without sync (gradient accumulation) ran no hook
 
-
-class EmulatedDeviceCallback(_EmulatedDeviceLogic, pl.Callback):
-    __doc__ = __doc__
-
-
-def __getattr__(name: str) -> Any:
-    """``EmulatedDeviceCallbackPL``, built on ``pytorch_lightning.Callback`` when first asked for."""
-    if name != "EmulatedDeviceCallbackPL":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    ptl = importlib.import_module("pytorch_lightning")
-    cls = type("EmulatedDeviceCallbackPL", (_EmulatedDeviceLogic, ptl.Callback),
-               {"__doc__": __doc__, "__module__": __name__, "__qualname__": "EmulatedDeviceCallbackPL"})
-    globals()[name] = cls
-    return cls
