@@ -151,9 +151,7 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
         if request.searches_sub_clusters:
             key = next(k for k in ("budget_per_hour", "min_throughput") if getattr(request, k) is not None) \
                 if request.objective == "time" else "objective"
-            value = getattr(request, key)
-            raise field_error(f"planner.{key}", str(value) if isinstance(value, str) else value,
-                              "stay at its default (objective time, no budget_per_hour or min_throughput) when score= "
+            raise field_error(f"planner.{key}", getattr(request, key), "stay at its default (objective time, no budget_per_hour or min_throughput) when score= "
                               "is given (a given plan is scored, not searched)")
         from het_strategy.planning.planner import request_profile
 

@@ -369,7 +369,7 @@ def _check_planner(request: "PlanRequest") -> None:
     for f in fields(PlanRequest):
         value = getattr(request, f.name)
         if f.name != "mode" and value != getattr(default, f.name):
-            raise field_error(f"planner.{f.name}", str(value) if isinstance(value, str) else value, f"stay {_yaml(getattr(default, f.name))} with het-train "
+            raise field_error(f"planner.{f.name}", value, f"stay {_yaml(getattr(default, f.name))} with het-train "
                               "(its strategies plan the fastest plan they run; het-train reads planner.mode only)",
                               "plan with het-plan and train its plan, or use compression=planned for the inter-node "
                               "compression planned with the placement")

@@ -30,9 +30,11 @@ class ConfigError(ValueError):
 def field_error(field: str, value: Any, rule: str, fix: str | None = None) -> ConfigError:
     """Build ``ConfigError`` in the house form: "`field` is value; it must rule (fix)".
 
-    A missing value (None) is shown as ``null``, the way config files and overrides spell it.
+    A missing value (None) is shown as ``null``, the way config files and overrides spell it, and an option
+    enum's member as its plain string.
     """
-    msg = f"`{field}` is {'null' if value is None else repr(value)}; it must {rule}"
+    shown = "null" if value is None else repr(str(value) if isinstance(value, str) else value)
+    msg = f"`{field}` is {shown}; it must {rule}"
     if fix:
         msg += f" ({fix})"
     return ConfigError(msg, field=field, value=value)

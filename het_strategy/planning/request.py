@@ -72,7 +72,8 @@ class PlanRequest:
     mode: PlanMode = PlanMode.auto
     """auto | dp | pipeline | hybrid: the planners searched."""
     runtime: Runtime = Runtime("any")
-    """any | deepspeed | hetero: only plans that runtime runs (the slowdown against the unconstrained best is reported)."""
+    """any | deepspeed | hetero: only plans that runtime runs (the slowdown against the unconstrained best is
+    reported)."""
     compression: CompressionPlanning = CompressionPlanning.none
     """none | joint: placement and inter-node compression planned together (mode dp or auto, runtime any)."""
     objective: Objective = Objective.time

@@ -60,7 +60,8 @@ def load_factory(spec: str, field: str = "model") -> Callable[[], Any]:
         try:
             loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
         except Exception as exc:  # the user's code: any error means the path does not give a model
-            raise field_error(field, spec, f"be importable; importing {path} raised {type(exc).__name__}: {exc}") from None
+            raise field_error(field, spec,
+                              f"be importable; importing {path} raised {type(exc).__name__}: {exc}") from None
         finally:
             sys.path.remove(str(path.resolve().parent))
     else:
