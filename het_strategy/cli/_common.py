@@ -244,13 +244,14 @@ def schema_error(exc: OmegaConfBaseException, value: Any = None) -> ConfigError:
     if kind is None:
         return field_error(key, shown, f"be a valid value ({str(exc).splitlines()[0]})")
     text = str(getattr(kind, "__name__", kind))  # "float", "Optional[int]", ... (annotations may be strings)
+    nullable = "Optional" in text or "None" in text  # Optional[X] or X | None
     options = _enum_options(owner, key.rsplit(".", 1)[-1])
     if options is not None:  # an option field (StrEnum): Hydra matches the member names
-        return field_error(key, shown, f"be one of {', '.join(options)}" + (" or null" if "Optional" in text else ""))
+        return field_error(key, shown, f"be one of {', '.join(options)}" + (" or null" if nullable else ""))
     for name, rule in (("bool", "be true or false"), ("int", "be an integer"), ("float", "be a number"),
                        ("str", "be a string")):
         if name in text:
-            return field_error(key, shown, rule + (" or null" if "Optional" in text or "None" in text else ""))
+            return field_error(key, shown, rule + (" or null" if nullable else ""))
     return field_error(key, shown, f"be of type {text}")
 
 

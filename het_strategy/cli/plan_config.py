@@ -21,6 +21,8 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig
 
 from het_strategy.cli.structured import store_schema, to_typed
+from het_strategy.core.dtypes import InputDtype
+from het_strategy.core.errors import require_option
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.planning.request import PlanRequest
 
@@ -36,7 +38,7 @@ class ModelInputConfig:
 
     shape: Optional[list[int]] = None
     """The sample input's shape when the factory returns only a module, e.g. [4,1,28,28]."""
-    dtype: str = "float32"
+    dtype: InputDtype = InputDtype.float32
     """float32 | float16 | bfloat16 | float64 | int64 (token ids: zeros)."""
     blocks: Optional[list[str]] = None
     """Dotted names of the blocks; null: the first ModuleList / Sequential found."""
@@ -44,6 +46,9 @@ class ModelInputConfig:
     """Timed passes of the profile."""
     measured_type: Optional[str] = None
     """File the times measured here under this cluster device type; null: the counted FLOPs and the figures."""
+
+    def __post_init__(self) -> None:
+        self.dtype = require_option(InputDtype, self.dtype, "model_input.dtype")
 
 
 @dataclass

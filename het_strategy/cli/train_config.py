@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
 
 from het_strategy.cli.structured import store_schema, to_typed
-from het_strategy.core.errors import field_error, require_int, require_number
+from het_strategy.core.errors import field_error, require_int, require_number, require_option
 from het_strategy.planning.request import PlanRequest
 from het_strategy.planning.run_plan import PRECISION_DTYPES
 
 __all__ = [
     "SCHEMA_NAME",
-    "WANDB_MODES",
+    "Accelerator",
+    "WandbMode",
+    "MoEPlacement",
     "ModelConfig",
     "TrainConfig",
     "DataConfig",
@@ -44,8 +47,36 @@ __all__ = [
 ]
 
 SCHEMA_NAME = "het_train_schema"
-WANDB_MODES = ("offline", "online", "disabled")
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything range
+
+
+class Accelerator(StrEnum):
+    """Where het-train's processes compute (``accelerator``; Lightning takes the same strings)."""
+
+    cpu = "cpu"
+    """CPU processes, gloo collectives."""
+    cuda = "cuda"
+    """One CUDA device per process, nccl collectives."""
+
+
+class WandbMode(StrEnum):
+    """How ``logger=wandb`` logs (``wandb.mode``; wandb's own mode strings)."""
+
+    offline = "offline"
+    """Logged to local files (``wandb sync`` uploads them later)."""
+    online = "online"
+    """Logged to the W&B server."""
+    disabled = "disabled"
+    """Nothing logged."""
+
+
+class MoEPlacement(StrEnum):
+    """Where the experts of an MoE model live (``moe.placement``; ``HeteroStrategy(moe_placement=...)``)."""
+
+    planned = "planned"
+    """Experts per device by its speed and memory (or the given plan's map)."""
+    uniform = "uniform"
+    """The same count of experts on every rank."""
 
 
 def _require_seed(value: int, name: str) -> None:
@@ -148,12 +179,11 @@ class WandbConfig:
 
     project: str = "het_strategy"
     """W&B project."""
-    mode: str = "offline"
+    mode: WandbMode = WandbMode.offline
     """offline | online | disabled."""
 
     def __post_init__(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise field_error("wandb.mode", self.mode, f"be one of {', '.join(WANDB_MODES)}")
+        self.mode = require_option(WandbMode, self.mode, "wandb.mode")
 
 
 @dataclass
@@ -208,7 +238,7 @@ class StragglerConfig:
 class MoEConfig:
     """The ``moe`` section: where experts live and how tokens route (models with experts)."""
 
-    placement: str = "planned"
+    placement: MoEPlacement = MoEPlacement.planned
     """planned (by device speed and memory) | uniform (the same count per rank)."""
     capacity_factor: float = 1.25
     """Tokens one expert takes per rank: k x tokens / experts x this."""
@@ -218,8 +248,7 @@ class MoEConfig:
     """Weight of the load-balancing loss."""
 
     def __post_init__(self) -> None:
-        if self.placement not in ("planned", "uniform"):
-            raise field_error("moe.placement", self.placement, "be planned or uniform")
+        self.placement = require_option(MoEPlacement, self.placement, "moe.placement")
         require_number(self.capacity_factor, "moe.capacity_factor")
         require_number(self.aux_loss_coef, "moe.aux_loss_coef", allow_zero=True)
 
@@ -243,7 +272,7 @@ class HetTrainConfig:
     """The logger group: logger name -> ``_target_`` node (wandb | csv | none)."""
     compression: Any = MISSING
     """The compression group (CompressionConfig fields)."""
-    accelerator: str = "cpu"
+    accelerator: Accelerator = Accelerator.cpu
     """cpu (gloo) | cuda (nccl)."""
     devices: Optional[int] = None
     """Processes on this node; null: the cluster's device count."""
@@ -260,8 +289,7 @@ class HetTrainConfig:
     """The planning request (het-plan's ``planner`` section); het-train reads ``mode``, the rest stays default."""
 
     def __post_init__(self) -> None:
-        if self.accelerator not in ("cpu", "cuda"):
-            raise field_error("accelerator", self.accelerator, "be cpu or cuda")
+        self.accelerator = require_option(Accelerator, self.accelerator, "accelerator")
         if self.devices is not None:
             require_int(self.devices, "devices", minimum=1)
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
-from het_strategy.cli.train_config import WANDB_MODES, HetTrainConfig, typed_config
-from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.cli.train_config import Accelerator, HetTrainConfig, MoEPlacement, WandbMode, typed_config
+from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.files import check_readable_file
 from het_strategy.core.plan import Plan
 
@@ -64,7 +64,7 @@ class TrainJob:
         self.auto_cluster = auto_cluster
         self.cluster = None if auto_cluster else cluster_from_cfg(cfg)
         self.devices = self._check_devices(c.devices)
-        if self.accelerator == "cuda":
+        if self.accelerator == Accelerator.cuda:
             _check_cuda(self.devices)
         self.dtype = precision_dtype(c.train.precision)
         fields_ = c.model.transformer_fields()
@@ -226,7 +226,7 @@ class TrainJob:
         if experts < self.devices:
             raise field_error("model.num_experts", experts, f"be >= devices ({self.devices}) so every rank "
                               "holds an expert")
-        if self.strategy == "hetero" and placement == "uniform" and experts % self.devices:
+        if self.strategy == "hetero" and placement == MoEPlacement.uniform and experts % self.devices:
             raise field_error("moe.placement", "uniform", f"go with model.num_experts ({experts}) divisible "
                               f"by devices ({self.devices})", "use moe.placement=planned")
 
@@ -300,8 +300,7 @@ def _logger_nodes(node: Any) -> dict[str, DictConfig]:
                 raise field_error("logger", "wandb", "name an installed logger (wandb is an optional dependency)",
                                   "pip install 'het_strategy[wandb]', or logger=csv")
             mode = OmegaConf.select(entry, "mode", default="offline")
-            if mode not in WANDB_MODES:
-                raise field_error(f"{where}.mode", mode, f"be one of {', '.join(WANDB_MODES)}")
+            require_option(WandbMode, mode, f"{where}.mode")
         try:
             get_class(target)
         except Exception as exc:  # ImportError, AttributeError, ValueError: all mean a wrong path

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from het_strategy.core.atomic_file import write_atomic
+from het_strategy.core.dtypes import Dtype, as_dtype
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int
 from het_strategy.core.files import naming_file, read_json_file
 from het_strategy.core.plain_data import plain
@@ -101,8 +102,8 @@ class Plan:
     """The data-parallel replicas."""
     zero_stage: int = 0
     """ZeRO stage the memory figures assume."""
-    dtype: str = "bf16"
-    """Training dtype."""
+    dtype: Dtype = Dtype.bf16
+    """Training dtype (a name is converted to the member; JSON holds the name)."""
     mode: str = "hybrid"
     """Planner that made it (dp, pipeline, hybrid, manual)."""
     experts: dict[int, dict[str, list[int]]] = field(default_factory=dict)
@@ -154,8 +155,7 @@ class Plan:
         if total != self.global_batch_size:
             raise field_error("plan.pipelines[*].samples", [p.samples for p in self.pipelines],
                               f"sum to global_batch_size ({self.global_batch_size}); they sum to {total}")
-        if self.dtype not in ("fp32", "fp16", "bf16"):
-            raise field_error("plan.dtype", self.dtype, "be fp32, fp16 or bf16")
+        self.dtype = as_dtype(self.dtype, "plan.dtype")
         if self.zero_stage not in (0, 1, 2, 3):
             raise field_error("plan.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
 
@@ -222,7 +222,7 @@ class Plan:
             "model": dict(self.model),
             "global_batch_size": self.global_batch_size,
             "mode": self.mode,
-            "dtype": self.dtype,
+            "dtype": self.dtype.value,
             "zero_stage": self.zero_stage,
             "pipelines": [p.to_dict() for p in self.pipelines],
         }
@@ -270,7 +270,7 @@ class Plan:
                 global_batch_size=raw["global_batch_size"],
                 pipelines=pipelines,
                 zero_stage=raw.get("zero_stage", 0),
-                dtype=raw.get("dtype", "bf16"),
+                dtype=raw.get("dtype", Dtype.bf16),
                 mode=raw.get("mode", "manual"),
                 experts=experts,
                 predicted=dict(raw.get("predicted") or {}),

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from het_strategy.core.compressed_sync import check_token
+from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, as_dtype
 from het_strategy.core.errors import field_error, require_int, require_number
-from het_strategy.core.workload import DTYPE_BYTES
 
 __all__ = ["ZeroShards", "TrainSettings"]
 
@@ -36,8 +36,8 @@ class TrainSettings:
 
     global_batch_size: int
     """Samples per optimizer step."""
-    dtype: str = "bf16"
-    """Training dtype: bf16, fp16 (mixed precision) or fp32."""
+    dtype: Dtype = Dtype.bf16
+    """Training dtype: bf16, fp16 (mixed precision) or fp32 (a name is converted to the member)."""
     zero_stage: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     activation_checkpointing: bool = False
@@ -53,7 +53,7 @@ class TrainSettings:
     equal_shares: bool = False
     """Give every pipeline the same share of the batch (for runtimes that cannot run uneven batches,
     e.g. Sailor's or Megatron's); the default lets the planner split it unevenly by speed."""
-    grad_dtype: str | None = None
+    grad_dtype: Dtype | None = None
     """Dtype gradients are reduced in.  None: fp32 — mixed precision (torch autocast, Lightning's
     ``*-mixed``, DeepSpeed's bf16 optimizer) keeps fp32 gradients and reduces them so.  Set fp16/bf16
     where the runtime reduces in half precision (DeepSpeed fp16 or its ``communication_data_type``,
@@ -71,8 +71,7 @@ class TrainSettings:
     def __post_init__(self) -> None:
         require_int(self.global_batch_size, "settings.global_batch_size", minimum=1)
         check_token(self.inter_node_compression, "settings.inter_node_compression")
-        if self.dtype not in DTYPE_BYTES:
-            raise field_error("settings.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
+        object.__setattr__(self, "dtype", as_dtype(self.dtype, "settings.dtype"))
         if self.zero_stage not in (0, 1, 2, 3):
             raise field_error("settings.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
         if self.max_tp not in (1, 2, 4, 8):
@@ -89,17 +88,19 @@ class TrainSettings:
             raise field_error("settings.equal_shares", self.equal_shares, "be true or false")
         if not isinstance(self.idle_devices, bool):
             raise field_error("settings.idle_devices", self.idle_devices, "be true or false")
-        if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
-            raise field_error("settings.grad_dtype", self.grad_dtype, f"be null or one of {sorted(DTYPE_BYTES)}")
+        if self.grad_dtype is not None:
+            if self.grad_dtype not in tuple(Dtype):
+                raise field_error("settings.grad_dtype", self.grad_dtype, f"be one of {', '.join(Dtype)} or null")
+            object.__setattr__(self, "grad_dtype", Dtype(self.grad_dtype))
 
     @property
     def param_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
     @property
-    def grad_reduce_dtype(self) -> str:
+    def grad_reduce_dtype(self) -> Dtype:
         """The dtype gradients cross the network in (``grad_dtype``, else fp32)."""
-        return self.grad_dtype or "fp32"
+        return self.grad_dtype or Dtype.fp32
 
     @property
     def grad_bytes(self) -> int:
@@ -109,7 +110,7 @@ class TrainSettings:
     @property
     def optimizer_bytes_per_param(self) -> int:
         """Adam: m and v in fp32, plus an fp32 master copy under mixed precision."""
-        return 8 if self.dtype == "fp32" else 12
+        return 8 if self.dtype == Dtype.fp32 else 12
 
     def zero_shards(self, dp: int) -> ZeroShards:
         """How ``zero_stage`` splits weights, gradients and optimizer state over ``dp`` data-parallel replicas."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, as_dtype
 from het_strategy.core.plain_data import plain
 from het_strategy.core.errors import check_keys, field_error, require_int
 from het_strategy.core.files import naming_file, read_yaml_file
@@ -35,11 +36,8 @@ __all__ = [
     "transformer_config",
     "load_workload",
     "MODEL_KEYS",
-    "DTYPE_BYTES",
+    "DTYPE_BYTES",  # core.dtypes' table, for the modules that import it from here
 ]
-
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -87,14 +85,13 @@ class WorkloadSpec:
     """Layers in execution order."""
     seq_len: int
     """Tokens per sample."""
-    dtype: str = "bf16"
-    """Dtype the activation figures were computed for."""
+    dtype: Dtype = Dtype.bf16
+    """Dtype the activation figures were computed for (a name is converted)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise field_error("model.layers", [], "list at least one layer")
-        if self.dtype not in DTYPE_BYTES:
-            raise field_error("model.dtype", self.dtype, f"be one of {sorted(DTYPE_BYTES)}")
+        object.__setattr__(self, "dtype", as_dtype(self.dtype, "model.dtype"))
 
     @property
     def num_layers(self) -> int:
@@ -110,7 +107,7 @@ class WorkloadSpec:
                 "seq_len": self.seq_len}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "seq_len": self.seq_len, "dtype": self.dtype,
+        return {"name": self.name, "seq_len": self.seq_len, "dtype": self.dtype.value,
                 "layers": [{k: v for k, v in layer.__dict__.items() if k != "moe"}
                            | ({"moe": dict(layer.moe.__dict__)} if layer.moe else {}) for layer in self.layers]}
 
@@ -160,13 +157,14 @@ class TransformerConfig:
             require_int(self.expert_ffn_hidden_size, "model.expert_ffn_hidden_size", minimum=1)
 
 
-def transformer_workload(cfg: TransformerConfig, dtype: str = "bf16") -> WorkloadSpec:
+def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16) -> WorkloadSpec:
     """Per-layer costs of an analytic transformer.
 
     FLOPs count multiply-adds as 2 (QKV, scores, scores x V, output projection,
     MLP; LM head 2·s·h·V).  Activation bytes per block follow Korthikanti et al.
     (2022): s·h·(34 + 5·a·s/h) bytes in a 16-bit dtype without recomputation.
     """
+    dtype = as_dtype(dtype, "model.dtype")
     s, h, a, v = cfg.seq_len, cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     f = cfg.ffn_hidden_size or 4 * h
     fe = cfg.expert_ffn_hidden_size or f
@@ -199,7 +197,8 @@ MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "voca
 """The keys a model mapping (a model YAML file) may hold."""
 
 
-def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec, dtype: str = "bf16") -> WorkloadSpec:
+def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec,
+                  dtype: Dtype | str = Dtype.bf16) -> WorkloadSpec:
     """A workload from a shipped model name, a YAML path, a mapping, or a WorkloadSpec.
 
     A file is read with ``files.read_yaml_file`` (one ConfigError naming ``model`` for a file that cannot be

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.dtypes import Dtype
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
@@ -29,13 +30,14 @@ from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, Work
 __all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan",
            "shares_in_rank_order"]
 
-PRECISION_DTYPES = {"32": "fp32", "32-true": "fp32", "64": "fp32", "64-true": "fp32",
-                    "transformer-engine": "bf16", "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16",
-                    "16": "fp16", "16-mixed": "fp16", "16-true": "fp16"}
+PRECISION_DTYPES: dict[str, Dtype] = {
+    "32": Dtype.fp32, "32-true": Dtype.fp32, "64": Dtype.fp32, "64-true": Dtype.fp32,
+    "transformer-engine": Dtype.bf16, "bf16": Dtype.bf16, "bf16-mixed": Dtype.bf16, "bf16-true": Dtype.bf16,
+    "16": Dtype.fp16, "16-mixed": Dtype.fp16, "16-true": Dtype.fp16}
 """Lightning's ``precision`` strings and the dtype the cost model prices each in."""
 
 
-def precision_dtype(precision: Any) -> str:
+def precision_dtype(precision: Any) -> Dtype:
     """The cost model's dtype for a Lightning precision setting (``"32-true"`` -> ``fp32``)."""
     key = str(precision)
     if key not in PRECISION_DTYPES:
@@ -43,7 +45,7 @@ def precision_dtype(precision: Any) -> str:
     return PRECISION_DTYPES[key]
 
 
-def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: str,
+def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: Dtype | str,
                       moe: Sequence[tuple[int, int, int]] = ()) -> WorkloadSpec:
     """A workload from the model's size: forward FLOPs ~ 2 x parameters x tokens per sample.
 
@@ -66,14 +68,14 @@ def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype:
     return WorkloadSpec(name=name, layers=tuple(layers), seq_len=tokens, dtype=dtype)
 
 
-def data_parallel_settings(global_batch_size: int, dtype: str, idle_devices: bool = False) -> TrainSettings:
+def data_parallel_settings(global_batch_size: int, dtype: Dtype | str, idle_devices: bool = False) -> TrainSettings:
     """The settings a run's data-parallel plan is searched with.  ``idle_devices=False`` (the hetero strategy's):
     a rank with no share would still run a filler sample and the sync every step, so every device takes part."""
     return TrainSettings(global_batch_size=global_batch_size, dtype=dtype, idle_devices=idle_devices,
                          micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})))
 
 
-def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: str,
+def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: Dtype | str,
                        given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None) -> Plan:
     """The run's pure data-parallel plan: ``given`` checked, or the planner's optimum.
 
