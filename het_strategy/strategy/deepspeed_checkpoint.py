@@ -14,7 +14,7 @@ module are fine) continues exactly, mid-epoch too.  As in Lightning's
 ``DeepSpeedStrategy`` the checkpoint is read after ``setup`` (the engine is
 built in ``setup_optimizers``): every rank's engine loads its stage's layers
 and optimizer state, and the client state gives Lightning its loops and the
-loader's position (the training loader is a ``HeteroDataLoader``: it resumes
+loader's position (the training loader saves its position through ``state_dict``: it resumes
 at the next step of the saved epoch, in that epoch's order).  A checkpoint
 without het_strategy's format, or of another one, is refused (``checkpoint.check_format``); one
 whose saved plan is not the strategy's plan (``zero_stage`` override

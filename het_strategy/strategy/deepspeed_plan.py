@@ -123,7 +123,7 @@ class DeepSpeedPlanHolder:
         """Rank 0 plans (``planner.runtime=deepspeed``) and broadcasts one Plan; an error stops every rank."""
         from het_strategy.planning import PlanRequest, plan
 
-        assert self.settings is not None and self.workload is not None
+        assert self.settings is not None and self.workload is not None  # invariant: with no plan given, __init__ set both
         payload: list[Any] = [None]
         if rank == 0:
             try:

@@ -6,8 +6,8 @@ rank must see the same batches in the same order:
 1. Lightning's injected ``DistributedSampler`` is made a one-replica sampler
    (``SAMPLER_KWARGS``): the whole dataset on every rank, in one (seeded) order.
 2. Every loader's ``batch_size`` must be the plan's global batch.
-3. The training loader becomes a ``HeteroDataLoader`` of one share (the whole
-   global batch), whose position a checkpoint saves, so a resumed fit
+3. The training loader is rebuilt, in its own class, with one share (the whole
+   global batch), and its position a checkpoint saves, so a resumed fit
    continues mid-epoch with the next batch; a short last batch cannot be cut
    into the plan's micro-batches, so ``drop_last=True`` is required when the
    dataset is not a multiple of the global batch.
@@ -22,7 +22,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from het_strategy.core.errors import field_error
-from het_strategy.strategy.loaders import HeteroDataLoader, batch_index, check_splittable, split_loader
+from het_strategy.strategy.loaders import batch_index, check_splittable, is_split, split_loader
 
 __all__ = ["SAMPLER_KWARGS", "GlobalBatches", "batch_pair"]
 
@@ -49,8 +49,8 @@ class GlobalBatches:
         self.batch_idx = batch_index(step_args, step_kwargs)
 
     def process(self, dataloader: Any, global_batch: int, training: bool) -> Any:
-        """Check a loader's batch size; a training ``DataLoader`` becomes a ``HeteroDataLoader`` of one share."""
-        if isinstance(dataloader, HeteroDataLoader):
+        """Check a loader's batch size; a training ``DataLoader`` is rebuilt with one share."""
+        if is_split(dataloader):
             return dataloader
         batch_size = getattr(dataloader, "batch_size", None)
         if batch_size is not None and batch_size != global_batch:

@@ -41,8 +41,8 @@ from typing_extensions import override
 from het_strategy.callbacks.attach import attach_callbacks
 from het_strategy.compression import CompressionState, WireBytes, compression_config
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.errors import field_error
-from het_strategy.core.log import rank_debug
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.log import logger, rank_debug
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.run_plan import precision_dtype
@@ -51,8 +51,9 @@ from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, che
     check_workload_source, planned_compression
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
-from het_strategy.strategy.loaders import BatchSplitter, HeteroDataLoader, batch_index
+from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
 from het_strategy.strategy.plan_holder import PlanHolder
+from het_strategy.strategy.sampler import split_by_shares
 from het_strategy.strategy.rank_context import RankContext
 from het_strategy.strategy.step_timing import StepPacing
 
@@ -200,6 +201,8 @@ class HeteroStrategy(DDPStrategy):
 
     def apply_plan(self, plan: Plan, first_step: int) -> None:
         """Run ``plan`` from step ``first_step`` of this epoch on (every rank, same arguments)."""
+        if self.batches.train_sampler is None:
+            raise ConfigError("apply_plan: " + self.batches.not_rebalanceable())
         self.plans.apply_plan(plan, first_step, self.batches.train_sampler, self.dtype)
 
     # -- setup ------------------------------------------------------------------------------------
@@ -213,9 +216,9 @@ class HeteroStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        assert self.cluster is not None
         # the experts are placed before DDP wraps the model and the optimizer is built
-        self.placer.place(self.lightning_module, self.cluster, self.dtype, self.global_rank, self.world_size)
+        self.placer.place(self.lightning_module, self.plans.require_cluster(), self.dtype, self.global_rank,
+                          self.world_size)
         super().setup(trainer)
         attach_callbacks(self, trainer, self.global_rank, self.rebalance, self.telemetry,
                          self._saved_callback_states)
@@ -231,32 +234,99 @@ class HeteroStrategy(DDPStrategy):
         rank_debug(self.global_rank, "comm hook: %s", hook.__qualname__)
 
     # -- data -------------------------------------------------------------------------------------
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's DDP sampler arguments; Lightning reads them only to add its distributed sampler to the
+        loader it hands over next, which the strategy then replaces by its planned split."""
+        self.batches.lightning_injects()
+        return super().distributed_sampler_kwargs
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        """Every loader Lightning gave a distributed sampler is split by the plan's shares (``loaders.py``).
+
+        A loader Lightning left alone (``use_distributed_sampler=False``, the user's ``DistributedSampler``)
+        runs as given on each rank, as under DDP.  Before the ranks are launched (``estimated_stepping_batches``
+        called outside ``fit``) a loader is split evenly: its length, the steps of an epoch, is the same for
+        any shares.
+        """
         dataloader = super().process_dataloader(dataloader)
-        if not isinstance(dataloader, DataLoader):
-            return dataloader
         trainer = self.lightning_module.trainer
         stage = trainer.state.stage.value if trainer.state.stage is not None else ""
-        if stage == "predict" or isinstance(dataloader, HeteroDataLoader):
+        if not isinstance(dataloader, DataLoader) or stage == "predict" or is_split(dataloader):
+            self.batches.forget_injection()
             return dataloader  # prediction keeps Lightning's sampler; ours is already split
-        training = stage == "train"
+        mode = self.batches.mode(dataloader)
+        training = stage in ("train", "")  # no stage: the fit loop's data set up outside fit
+        launched = dist.is_available() and dist.is_initialized()
+        if mode is LoaderMode.AS_IS:
+            if training and launched:
+                self._keep_as_is(dataloader)
+            return dataloader
         ctx = self.rank_context()
         global_batch = self.batches.global_batch(dataloader, training, ctx.world)
+        if not launched:
+            shares = split_by_shares(global_batch, [1] * ctx.world)
+            return self.batches.split(dataloader, mode, global_batch, shares, 0, 1, None)
         if training and self.plans.ensure_plan(self.lightning_module, dataloader, global_batch, ctx,
                                                self.batch_to_device):
             self._planned(ctx)
         shares = self.plans.shares_for(self.lightning_module, dataloader, global_batch, ctx,
                                        self.batches.train_sampler)
         next_step = (lambda: self.pacing.clock.step + 1) if training else None
-        loader = self.batches.split(dataloader, global_batch, shares, ctx.rank, ctx.world, next_step)
-        rank_debug(ctx.rank, "%s loader split: global batch %d, shares %s", stage, global_batch, shares)
+        loader = self.batches.split(dataloader, mode, global_batch, shares, ctx.rank, ctx.world, next_step)
+        rank_debug(ctx.rank, "%s loader split (%s): global batch %d, shares %s", stage, mode.value, global_batch,
+                   shares)
         return loader
+
+    def _keep_as_is(self, dataloader: DataLoader) -> None:
+        """The training loader runs as given: its batch sizes are the shares; say where they differ from the plan."""
+        ctx = self.rank_context()
+        sizes = self.batches.keep_as_is(dataloader, ctx.world)
+        if None in sizes:
+            planned = None
+        else:
+            global_batch = sum(s for s in sizes if s is not None)
+            if self.plans.ensure_plan(self.lightning_module, dataloader, global_batch, ctx, self.batch_to_device):
+                self._planned(ctx)
+            planned = self.plans.current_shares(None)
+        if ctx.rank != 0:
+            return
+        logger.info("hetero: Lightning added no distributed sampler (use_distributed_sampler=False, or your own "
+                    "DistributedSampler): each rank trains on its loader as given, batch sizes %s; the strategy "
+                    "cannot move samples between ranks in this mode", sizes)
+        if planned is not None and planned != sizes:
+            logger.warning("hetero: the ranks' batch sizes %s differ from the plan's shares %s for the global "
+                           "batch %d: build rank r's loader with strategy.planned_batch_size() for the planned "
+                           "speed-up", sizes, planned, sum(planned))
+
+    def planned_batch_size(self, global_batch_size: int | None = None) -> int:
+        """This rank's share of the training plan: the batch size to give its loader when you shard the data
+        yourself (``use_distributed_sampler=False``).
+
+        Call it on every rank once the ranks run (in ``setup``, ``train_dataloader``, ...): without a plan for
+        ``global_batch_size`` yet, rank 0 plans it and broadcasts it (a collective).  ``global_batch_size`` is
+        the strategy's ``global_batch_size`` when not given.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("planned_batch_size() needs the launched ranks: call it from a hook that runs "
+                              "during fit (setup, train_dataloader, configure_optimizers)")
+        global_batch = global_batch_size or self.batches.global_batch_size
+        if global_batch is None:
+            if self.plan is None:
+                raise field_error("global_batch_size", None, "be given (to planned_batch_size or the strategy) "
+                                  "before a training plan exists")
+            global_batch = self.plan.global_batch_size
+        ctx = self.rank_context()
+        if self.plans.ensure_plan(self.lightning_module, None, global_batch, ctx):
+            self._planned(ctx)
+        return self.plans.current_shares(self.batches.train_sampler)[ctx.rank]
 
     def _planned(self, ctx: RankContext) -> None:
         """A training plan was made: the emulated padding, the experts' share of it, the plan table."""
         cluster, workload, plan = self.plans.cluster, self.plans.workload, self.plans.plan
-        assert cluster is not None and workload is not None and plan is not None
+        assert cluster is not None and workload is not None and plan is not None  # invariant: ensure_plan made them
         with_experts = self.experts is not None
         padding = self.pacing.emulate(cluster, ctx.rank, workload, ctx.dtype, with_experts)
         self.placer.planned(plan, cluster, workload, ctx.dtype, ctx.rank, padding)
@@ -268,7 +338,9 @@ class HeteroStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch_idx = batch_index(args, kwargs)
         trainer = self.lightning_module.trainer
-        counts = self.batches.begin_batch(trainer.train_dataloader, batch_idx)
+        batch = args[0] if args else kwargs.get("batch")
+        counts = self.batches.begin_batch(trainer.train_dataloader, batch_idx, batch=batch, training=True,
+                                          device=self.root_device)
         self.pacing.begin(batch_idx, None if counts is None else counts[0], trainer.global_step)
         self._in_step = True
         try:

@@ -105,7 +105,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
-from het_strategy.core.errors import field_error
+from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.log import rank_zero_info
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
@@ -255,6 +255,13 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
                                  lambda params: _keep_only(optimizer, params), gradient_clipping=self.gradient_clipping,
                                  emulated_cluster=cluster, workload=workload)
 
+    def _running(self) -> PlanRunner:
+        """The plan's runner, built in ``setup``."""
+        if self.runner is None:
+            raise ConfigError("the hetero_deepspeed strategy has no runner yet: it is built in setup (Trainer.fit, "
+                              "validate or test)")
+        return self.runner
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -265,17 +272,18 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Check the global batch; the training loader becomes one whose position a checkpoint saves mid-epoch."""
         dataloader = super().process_dataloader(dataloader)
-        training = getattr(self.lightning_module.trainer.state.stage, "value", None) == "train"
+        if self.plan is None:  # before the ranks are launched: every rank will load the whole global batch
+            return dataloader
+        training = getattr(self.lightning_module.trainer.state.stage, "value", None) in ("train", None)
         return self.batches.process(dataloader, self.plan.global_batch_size, training)
 
     # -- steps ------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Replaces Strategy.training_step: PlanRunner runs forward, backward and step of the global batch."""
-        assert self.runner is not None
         inputs, labels = batch_pair(args[0] if args else kwargs["batch"], "training batch")
         self.batches.record(args, kwargs)
-        self.last_loss = self.runner.train_step(inputs, labels)
+        self.last_loss = self._running().train_step(inputs, labels)
         loss = torch.tensor(self.last_loss)
         self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True,
                                   batch_size=self.plan.global_batch_size)
@@ -294,9 +302,8 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Replaces Strategy.validation_step: ``PlanRunner.eval_step`` on the global batch (the module is partial)."""
-        assert self.runner is not None
         inputs, labels = batch_pair(args[0] if args else kwargs["batch"], "validation batch")
-        loss = torch.tensor(self.runner.eval_step(inputs, labels))
+        loss = torch.tensor(self._running().eval_step(inputs, labels))
         # the same value on every rank: no sync_dist needed
         self.lightning_module.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True,
                                   batch_size=self.plan.global_batch_size, sync_dist=False)
@@ -320,8 +327,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         if storage_options is not None:
             raise field_error("storage_options", type(storage_options).__name__,
                               "be None (DeepSpeed writes the checkpoint directory itself)")
-        assert self.runner is not None
-        save_plan_checkpoint(self.runner, self.plan, checkpoint, filepath)
+        save_plan_checkpoint(self._running(), self.plan, checkpoint, filepath)
 
     @property
     @override

@@ -1,20 +1,31 @@
-"""The DataLoader the strategy hands back: the user's loader with our batch sampler; ``BatchSplitter``.
+"""How the ``hetero`` strategy hands each rank its part of every loader: ``BatchSplitter``.
 
-``BatchSplitter`` is the ``hetero`` strategy's part that rebuilds every loader
-Lightning hands it, keeps the training loader's sampler (its shares change on
-``apply_plan``) and knows how many samples this rank uses in the current batch.
-``split_loader`` checks that a loader can be split (a map-style dataset, the
-default batch sampler), reads the global order it would have drawn — Lightning's
-seeded shuffle under DDP, sequential, or the user's own sampler — and rebuilds
-it with a ``HeteroBatchSampler`` that gives this rank its slice of every global
-batch.  ``HeteroDataLoader`` saves and restores the sampler's position through
-Lightning's resumable-loader interface (``state_dict``/``load_state_dict``).
+Lightning's DDP adds a distributed sampler to every loader (unless
+``Trainer(use_distributed_sampler=False)``) and builds the loader again around
+it.  The hetero strategy replaces what Lightning added by its planned split;
+what Lightning left alone stays the user's.  Three modes (``LoaderMode``):
+
+- ``split`` — the default batch sampler: the loader, in its own class, draws
+  from a ``HeteroBatchSampler`` that gives this rank ``shares[r]`` samples of
+  every global batch of one global order (Lightning's seeded shuffle,
+  sequential, or the user's sampler); shares change live (``apply_plan``) and
+  its position resumes mid-epoch;
+- ``user_batches`` — a custom ``BatchSampler``: built again over this rank's
+  shard with ``batch_size`` = the rank's share (``user_batches.py``);
+- ``as_is`` — Lightning added no distributed sampler (``use_distributed_sampler=False``,
+  or the user's own ``DistributedSampler``): the loader runs as given; the
+  rank's share is its batch size.
+
+In every mode the strategy knows how many samples each rank really uses in a
+training batch (``counts``), so each rank's loss is weighted and the update is
+the mean over the whole global batch.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from enum import StrEnum
 from typing import Any, Callable
 
 import torch
@@ -22,59 +33,87 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.profiling.batch_contents import batch_length
+from het_strategy.strategy.loader_rebuild import bind_position, rebuild_batch_sampler, rebuild_loader
 from het_strategy.strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint
+from het_strategy.strategy.user_batches import EqualSteps, RankShard
 
-__all__ = ["BatchSplitter", "HeteroDataLoader", "WrappedSamplerOrder", "check_splittable", "split_loader", "check_same_order", "loader_at", "batch_index"]
+__all__ = ["LoaderMode", "BatchSplitter", "WrappedSamplerOrder", "check_splittable", "split_loader",
+           "check_same_order", "loader_at", "batch_index", "is_split"]
 
 
-class HeteroDataLoader(DataLoader):
-    """A DataLoader over a ``HeteroBatchSampler``; Lightning saves and restores its position."""
+class LoaderMode(StrEnum):
+    """How a loader is given to this rank (see the module docstring)."""
 
-    def __init__(self, *args: Any, next_step: Callable[[], int] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._next_step = next_step
+    SPLIT = "split"
+    USER_BATCHES = "user_batches"
+    AS_IS = "as_is"
 
-    def state_dict(self) -> dict[str, Any]:
-        sampler: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
-        return sampler.state_dict(self._next_step() if self._next_step else 0)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.batch_sampler.load_state_dict(state)  # type: ignore[union-attr]
+def is_split(dataloader: Any) -> bool:
+    """Whether ``dataloader`` is one the strategy already rebuilt (Lightning may hand it over again)."""
+    return isinstance(getattr(dataloader, "batch_sampler", None), (HeteroBatchSampler, EqualSteps))
+
+
+def loader_mode(dataloader: DataLoader) -> LoaderMode:
+    """``split`` or ``user_batches`` for a loader Lightning gave a distributed sampler; refuses what can't be split."""
+    if isinstance(dataloader.dataset, torch.utils.data.IterableDataset):
+        raise field_error("DataLoader.dataset", type(dataloader.dataset).__name__,
+                          "be a map-style dataset (the hetero strategy splits indices by shares)",
+                          "or pass Trainer(use_distributed_sampler=False) and shard the stream per rank yourself")
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        raise field_error("DataLoader.batch_size", None, "be set, or a batch_sampler given (the hetero strategy "
+                          "splits every global batch by shares)")
+    return LoaderMode.SPLIT if type(batch_sampler) is BatchSampler else LoaderMode.USER_BATCHES
 
 
 def check_splittable(dataloader: DataLoader) -> None:
-    """Refuse what the strategy can't split: an IterableDataset, a custom batch sampler."""
-    if isinstance(dataloader.dataset, torch.utils.data.IterableDataset):
-        raise field_error("DataLoader.dataset", type(dataloader.dataset).__name__,
-                          "be a map-style dataset (the hetero strategy splits indices by shares)")
-    batch_sampler = dataloader.batch_sampler
-    if batch_sampler is None or (type(batch_sampler) is not BatchSampler
-                                 and not isinstance(batch_sampler, HeteroBatchSampler)):
-        raise field_error("DataLoader.batch_sampler", type(batch_sampler).__name__,
+    """Refuse what can't be cut into shares of one global batch: an IterableDataset, a custom batch sampler."""
+    if loader_mode(dataloader) is LoaderMode.USER_BATCHES:
+        raise field_error("DataLoader.batch_sampler", type(dataloader.batch_sampler).__name__,
                           "be the default one (give batch_size, and optionally a sampler)",
-                          "the hetero strategy builds each rank's batches itself from the global batch")
+                          "every rank loads the whole global batch and cuts the plan's micro-batches from it")
+
+
+def _global_order(dataloader: DataLoader) -> GlobalOrder:
+    shuffle, seed, base = _global_order_source(dataloader)
+    return GlobalOrder(len(dataloader.dataset), shuffle=shuffle, seed=seed, base_sampler=base)  # type: ignore[arg-type]
 
 
 def split_loader(dataloader: DataLoader, global_batch: int, shares: list[int], rank: int,
-                 next_step: Callable[[], int] | None) -> HeteroDataLoader:
-    """``dataloader`` drawing this rank's ``shares[rank]`` of every global batch of one global order."""
-    shuffle, seed, base = _global_order_source(dataloader)
-    order = GlobalOrder(len(dataloader.dataset), shuffle=shuffle, seed=seed, base_sampler=base)  # type: ignore[arg-type]
-    sampler = HeteroBatchSampler(order, global_batch, shares, rank, drop_last=bool(dataloader.drop_last))
-    kwargs: dict[str, Any] = dict(
-        dataset=dataloader.dataset, batch_sampler=sampler, num_workers=dataloader.num_workers,
-        collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
-        worker_init_fn=dataloader.worker_init_fn, multiprocessing_context=dataloader.multiprocessing_context,
-        generator=dataloader.generator, persistent_workers=dataloader.persistent_workers,
-        pin_memory_device=dataloader.pin_memory_device)
-    if dataloader.num_workers > 0:
-        kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return HeteroDataLoader(next_step=next_step, **kwargs)
+                 next_step: Callable[[], int] | None) -> DataLoader:
+    """``dataloader`` (its own class) drawing this rank's ``shares[rank]`` of every global batch of one global
+    order; with ``next_step`` its position resumes through Lightning's ``state_dict``/``load_state_dict``."""
+    sampler = HeteroBatchSampler(_global_order(dataloader), global_batch, shares, rank,
+                                 drop_last=bool(dataloader.drop_last))
+    loader = rebuild_loader(dataloader, sampler)
+    if next_step is not None:
+        bind_position(loader, lambda: sampler.state_dict(next_step()), sampler.load_state_dict)
+    return loader
+
+
+def user_batches_loader(dataloader: DataLoader, global_batch: int, shares: list[int], rank: int,
+                        steps_of_all: Callable[[int], int]) -> DataLoader:
+    """``dataloader`` with its own batch sampler class over this rank's shard, ``shares[rank]`` per batch.
+
+    ``steps_of_all(own)`` is the largest batch count of any rank (a collective across ranks).
+    """
+    slices = HeteroBatchSampler(_global_order(dataloader), global_batch, shares, rank,
+                                drop_last=bool(getattr(dataloader.batch_sampler, "drop_last", False)))
+    batches = rebuild_batch_sampler(dataloader.batch_sampler, RankShard(slices), max(shares[rank], 1))
+    try:
+        own = len(batches)
+    except TypeError:
+        raise field_error("DataLoader.batch_sampler", type(batches).__name__,
+                          "define __len__ (its batches per epoch): every rank must run the same number of steps")
+    return rebuild_loader(dataloader, EqualSteps(batches, steps_of_all(own)))
 
 
 def _global_order_source(dl: DataLoader) -> tuple[bool, int, Any]:
     """(shuffle, seed, user sampler or None) of a DataLoader as Lightning handed it over."""
-    sampler = dl.sampler
+    sampler = dl.sampler if dl.batch_sampler is None or type(dl.batch_sampler) is BatchSampler \
+        else getattr(dl.batch_sampler, "sampler", dl.sampler)
     if isinstance(sampler, DistributedSampler):
         if type(sampler).__name__ == "DistributedSamplerWrapper":  # Lightning's, around the user's own sampler
             return False, 0, WrappedSamplerOrder(sampler.dataset)
@@ -133,7 +172,7 @@ def batch_index(args: tuple, kwargs: dict) -> int:
 
 
 class BatchSplitter:
-    """Splits each DataLoader by shares and follows the current batch's sample counts.
+    """Gives each rank its part of every loader and follows the current batch's sample counts.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks for the training loader; None takes
@@ -143,38 +182,103 @@ class BatchSplitter:
     def __init__(self, global_batch_size: int | None = None) -> None:
         self.global_batch_size = global_batch_size
         self.train_sampler: HeteroBatchSampler | None = None
-        """The training loader's sampler (once the training loader is split)."""
+        """The training loader's sampler in ``split`` mode (its shares change on ``apply_plan``)."""
+        self.train_mode: LoaderMode | None = None
+        """How the training loader was given to this rank (once it was)."""
         self.counts: tuple[int, int] | None = None
-        """(this rank's samples, all ranks') of the current batch; None outside a split loader's batch."""
+        """(this rank's samples, all ranks') of the current batch; None when not known (evaluation as is)."""
+        self._lightning_injects = False
 
+    # -- which loaders are ours to split -------------------------------------------------------------
+    def lightning_injects(self) -> None:
+        """Lightning is about to add a distributed sampler to the loader it hands over next.
+
+        Lightning asks the strategy's ``distributed_sampler_kwargs`` only then: a loader it hands over without
+        having asked keeps the user's own sampling (``use_distributed_sampler=False``, the user's
+        ``DistributedSampler``), as under DDP.
+        """
+        self._lightning_injects = True
+
+    def mode(self, dataloader: DataLoader) -> LoaderMode:
+        """How ``dataloader``, just handed over by Lightning, is given to this rank."""
+        injected, self._lightning_injects = self._lightning_injects, False
+        return loader_mode(dataloader) if injected else LoaderMode.AS_IS
+
+    def forget_injection(self) -> None:
+        """A loader the strategy does not touch (prediction, already split) was handed over."""
+        self._lightning_injects = False
+
+    # -- split and user_batches ---------------------------------------------------------------------
     def global_batch(self, dataloader: DataLoader, training: bool, world: int) -> int:
-        """The global batch ``dataloader`` is split into (refusing a loader that cannot be split)."""
-        check_splittable(dataloader)
+        """The global batch ``dataloader`` is split into."""
         if training and self.global_batch_size is not None:
             return self.global_batch_size
-        if dataloader.batch_size is None:
+        batch_size = dataloader.batch_size if dataloader.batch_sampler is None or type(dataloader.batch_sampler) \
+            is BatchSampler else getattr(dataloader.batch_sampler, "batch_size", None)
+        if batch_size is None:
             raise field_error("DataLoader.batch_size", None, "be set (per-rank size; the global batch is "
                               "batch_size x world size)", "or pass HeteroStrategy(global_batch_size=...)")
-        return int(dataloader.batch_size) * world
+        return int(batch_size) * world
 
-    def split(self, dataloader: DataLoader, global_batch: int, shares: list[int], rank: int, world: int,
-              next_step: Callable[[], int] | None) -> HeteroDataLoader:
-        """``dataloader`` split by ``shares``; with ``next_step`` (the training loader) its sampler is kept.
+    def split(self, dataloader: DataLoader, mode: LoaderMode, global_batch: int, shares: list[int], rank: int,
+              world: int, next_step: Callable[[], int] | None) -> DataLoader:
+        """``dataloader`` split by ``shares``; with ``next_step`` (the training loader) it is the one followed.
 
-        A collective when the loader has a user sampler (every rank checks it draws the same order).
+        A collective when the loader has a user sampler (every rank checks it draws the same order) or a user
+        batch sampler (every rank runs as many batches as the longest); ``world == 1`` means no other rank
+        takes part yet (before the ranks are launched).
         """
-        loader = split_loader(dataloader, global_batch, shares, rank, next_step)
-        sampler: HeteroBatchSampler = loader.batch_sampler  # type: ignore[assignment]
-        if sampler.sampler.base_sampler is not None:
+        if mode is LoaderMode.USER_BATCHES:
+            loader = user_batches_loader(dataloader, global_batch, shares, rank,
+                                         lambda own: _largest(own, world))
+            sampler: HeteroBatchSampler = loader.batch_sampler.batches.sampler.slices  # type: ignore[union-attr]
+        else:
+            loader = split_loader(dataloader, global_batch, shares, rank, next_step)
+            sampler = loader.batch_sampler  # type: ignore[assignment]
+        if sampler.sampler.base_sampler is not None and world > 1:
             check_same_order(sampler, world)
         if next_step is not None:
-            self.train_sampler = sampler
+            self.train_mode = mode
+            self.train_sampler = sampler if mode is LoaderMode.SPLIT else None
         return loader
 
-    def begin_batch(self, loaders: Any, batch_idx: int, dataloader_idx: int = 0) -> tuple[int, int] | None:
-        """A step of ``loaders``' ``dataloader_idx``-th loader starts: its counts (None for a loader not split)."""
-        sampler = getattr(loader_at(loaders, dataloader_idx), "batch_sampler", None)
-        self.counts = sampler.step_counts(batch_idx) if isinstance(sampler, HeteroBatchSampler) else None
+    # -- as_is --------------------------------------------------------------------------------------
+    def keep_as_is(self, dataloader: DataLoader, world: int) -> list[int | None]:
+        """The training loader runs as given: every rank's batch size (a collective).
+
+        Refuses loaders of different lengths: ranks would run different numbers of steps and the last
+        gradient sync would wait forever.
+        """
+        batch_size = getattr(dataloader.batch_sampler, "batch_size", dataloader.batch_size)
+        length = len(dataloader) if _has_len(dataloader) else None
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (batch_size, length))
+        lengths = [g[1] for g in gathered]
+        if None not in lengths and len(set(lengths)) != 1:
+            raise field_error("train_dataloader", f"batches per rank {lengths}",
+                              "hold as many batches on every rank (use_distributed_sampler=False keeps each "
+                              "rank's loader as given; DDP needs the same steps on every rank)")
+        self.train_mode, self.train_sampler = LoaderMode.AS_IS, None
+        return [g[0] for g in gathered]
+
+    # -- the current batch --------------------------------------------------------------------------
+    def begin_batch(self, loaders: Any, batch_idx: int, dataloader_idx: int = 0, batch: Any = None,
+                    training: bool = False, device: Any = None) -> tuple[int, int] | None:
+        """A step of ``loaders``' ``dataloader_idx``-th loader starts: its counts (None when not known).
+
+        In training a ``user_batches`` or ``as_is`` loader's counts take a collective (every rank's samples
+        of the step are summed).
+        """
+        batch_sampler = getattr(loader_at(loaders, dataloader_idx), "batch_sampler", None)
+        local: int | None = None
+        if isinstance(batch_sampler, HeteroBatchSampler):
+            self.counts = batch_sampler.step_counts(batch_idx)
+            return self.counts
+        if training and isinstance(batch_sampler, EqualSteps):
+            local = batch_sampler.step_samples(batch_idx)
+        elif training and self.train_mode is LoaderMode.AS_IS:
+            local = batch_length(batch)
+        self.counts = None if local is None else (local, _summed(local, device))
         return self.counts
 
     @property
@@ -187,12 +291,43 @@ class BatchSplitter:
         if self.counts is None:
             return None
         local, total = self.counts
-        return local * world / total
+        return local * world / total if total else 0.0
 
     def next_safe_step(self, device: Any) -> int:
         """The first step of the epoch no rank has produced yet (a collective: call it on every rank)."""
         if self.train_sampler is None:
-            raise ConfigError("next_safe_step: no training DataLoader has been split yet")
+            raise ConfigError(self.not_rebalanceable())
         produced = torch.tensor([self.train_sampler.produced], dtype=torch.long, device=device)
         dist.all_reduce(produced, op=dist.ReduceOp.MAX)
         return int(produced.item())
+
+    def not_rebalanceable(self) -> str:
+        """Why the training shares can't change now."""
+        if self.train_mode is None:
+            return "no training DataLoader has been split yet"
+        return (f"the training DataLoader runs in {self.train_mode.value!r} mode: its per-rank batch sizes are "
+                "fixed for the epoch; live rebalancing needs the default batch sampler and "
+                "use_distributed_sampler=True")
+
+
+def _has_len(dataloader: DataLoader) -> bool:
+    try:
+        len(dataloader)
+    except TypeError:
+        return False
+    return True
+
+
+def _largest(own: int, world: int) -> int:
+    """The largest of every rank's ``own`` (a collective when ``world > 1``)."""
+    if world == 1:
+        return own
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, own)
+    return max(gathered)
+
+
+def _summed(local: int, device: Any) -> int:
+    value = torch.tensor([local], dtype=torch.long, device=device)
+    dist.all_reduce(value)
+    return int(value.item())

@@ -92,17 +92,20 @@ class PlanHolder:
         return cluster
 
     # -- the training plan ------------------------------------------------------------------------
-    def ensure_plan(self, module: nn.Module, dataloader: DataLoader, global_batch: int, ctx: RankContext,
-                    to_device: Callable[[Any, Any], Any]) -> bool:
+    def ensure_plan(self, module: nn.Module, dataloader: DataLoader | None, global_batch: int, ctx: RankContext,
+                    to_device: Callable[[Any, Any], Any] | None = None) -> bool:
         """The training plan (once per fit and global batch): restored from the checkpoint, given, or searched.
 
-        ``to_device(batch, device)`` moves a profiling batch.  Returns whether a plan was made now.
+        ``to_device(batch, device)`` moves a profiling batch; without a ``dataloader`` (a plan asked for before
+        the training loader exists) the model is not profiled and a sample is taken as one token.  Returns
+        whether a plan was made now.
         """
         if self.plan is not None and self.plan.global_batch_size == global_batch:
             return False
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         if self.workload is None:
-            if self.cluster_source == "auto" and self.profile_input is not None:
+            if (self.cluster_source == "auto" and self.profile_input is not None and dataloader is not None
+                    and to_device is not None):
                 self.workload, self.profile = self._profile_model(module, dataloader, ctx, to_device)
             else:
                 self.workload = self.resolve_workload(module, dataloader, ctx.dtype)
@@ -112,7 +115,7 @@ class PlanHolder:
 
     def broadcast_plan(self, global_batch: int, workload: WorkloadSpec, ctx: RankContext) -> Plan:
         """Rank 0 plans (or checks the given plan) and broadcasts it; an error stops every rank."""
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         payload: list[Any] = [None]
         if ctx.rank == 0:
             try:
@@ -134,7 +137,7 @@ class PlanHolder:
         Before any training plan exists (the sanity check, ``trainer.validate``)
         an evaluation loader gets its own plan for its global batch.
         """
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         if self.plan is not None:
             shares = self.current_shares(train_sampler)
         elif self.plan_source is not None:  # a given plan, checked, then scaled
@@ -163,7 +166,7 @@ class PlanHolder:
             return list(train_sampler.shares)
         if self.plan is None:
             raise ConfigError("current_shares: no training plan yet (the training DataLoader is not split)")
-        return shares_in_rank_order(self.plan, self._cluster())
+        return shares_in_rank_order(self.plan, self.require_cluster())
 
     def apply_plan(self, plan: Plan, first_step: int, train_sampler: HeteroBatchSampler | None, dtype: str) -> None:
         """Run ``plan`` from step ``first_step`` of this epoch on (every rank, same arguments).
@@ -179,15 +182,16 @@ class PlanHolder:
         self.plan = checked
 
     # -- workload ---------------------------------------------------------------------------------
-    def resolve_workload(self, module: nn.Module, dataloader: DataLoader, dtype: str) -> WorkloadSpec:
-        """The given workload, or one estimated from the module's size and a sample's length."""
+    def resolve_workload(self, module: nn.Module, dataloader: DataLoader | None, dtype: str) -> WorkloadSpec:
+        """The given workload, or one estimated from the module's size and a sample's length (one token
+        without a ``dataloader``)."""
         if self.workload_source is not None:
             return load_workload(self.workload_source, dtype)
         # experts differ per rank and run on routed tokens only (HeteroMoE pads them itself): not counted
         num_params = sum(p.numel() for p in module.parameters()
                          if p.requires_grad and not getattr(p, "het_expert", False))
         tokens = 1
-        if len(dataloader.dataset) > 0:  # type: ignore[arg-type]
+        if dataloader is not None and len(dataloader.dataset) > 0:  # type: ignore[arg-type]
             first = first_tensor(dataloader.dataset[0])
             if first is not None and not torch.is_floating_point(first) and first.dim() >= 1:
                 tokens = int(first.numel())  # token ids: one sample is a sequence
@@ -200,7 +204,7 @@ class PlanHolder:
         from het_strategy.profiling.module_profile import profile_module
         from het_strategy.profiling.torch_device import DTYPE_NAMES
 
-        assert self.profile_input is not None
+        assert self.profile_input is not None  # invariant: ensure_plan calls it only with profile_input
         n = min(len(dataloader.dataset), 4)  # type: ignore[arg-type]
         batch = dataloader.collate_fn([dataloader.dataset[i] for i in range(n)])  # type: ignore[misc]
         sample = to_device(self.profile_input(batch), ctx.device)
@@ -209,7 +213,7 @@ class PlanHolder:
         if dtype is None:
             raise field_error("profile_input", "a model in " + str(param.dtype),
                               "profile a model whose parameters are fp32, bf16 or fp16")
-        device_type = self._cluster().devices[ctx.rank].type
+        device_type = self.require_cluster().devices[ctx.rank].type
         result = profile_module(module, sample, dtype=dtype, device_type=device_type, name=type(module).__name__)
         gathered: list[Any] = [None] * ctx.world
         dist.all_gather_object(gathered, result.profile.times)
@@ -225,8 +229,9 @@ class PlanHolder:
         from het_strategy.core.train_settings import TrainSettings
         from het_strategy.report.table import plan_table
 
-        cluster = self._cluster()
-        assert self.plan is not None and self.workload is not None
+        cluster = self.require_cluster()
+        if self.plan is None or self.workload is None:
+            raise ConfigError("log_plan: no training plan yet")
         settings = TrainSettings(global_batch_size=self.plan.global_batch_size, dtype=dtype, micro_batch_sizes=(1,))
         score = CostModel(cluster, self.workload, settings, self.profile).score(self.plan)
         logger.info("%s", plan_table(self.plan, score, cluster))
@@ -237,7 +242,8 @@ class PlanHolder:
         if cluster_is_emulated(cluster):
             logger.info("%s", emulation_summary(cluster, self.workload, dtype, with_experts))
 
-    def _cluster(self) -> ClusterSpec:
+    def require_cluster(self) -> ClusterSpec:
+        """The cluster; a ``ConfigError`` before ``setup_environment`` resolved it."""
         if self.cluster is None:
             raise ConfigError("the hetero strategy has no cluster yet (it is resolved in setup_environment)")
         return self.cluster
