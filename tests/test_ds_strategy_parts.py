@@ -14,7 +14,7 @@ from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
 from het_strategy.core.runtime_rules import Runtime, runtime_problems  # noqa: E402
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder  # noqa: E402
 from het_strategy.strategy.global_batches import GlobalBatches, batch_pair  # noqa: E402
-from het_strategy.strategy.loaders import HeteroDataLoader  # noqa: E402
+from het_strategy.strategy.loaders import is_split  # noqa: E402
 
 
 def _cluster(n=4, emulated=False):
@@ -104,7 +104,7 @@ def _data(n=12):
 def test_the_training_loader_yields_whole_global_batches_and_saves_its_position():
     batches = GlobalBatches()
     loader = batches.process(DataLoader(_data(), batch_size=4), global_batch=4, training=True)
-    assert isinstance(loader, HeteroDataLoader)
+    assert is_split(loader)
     got = [x.flatten().tolist() for x, _ in loader]
     assert got == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
     batches.record((None, 1), {})  # training_step(batch, batch_idx=1): the next position is 2

@@ -27,7 +27,7 @@ from het_strategy.strategy.arguments import PROBE_MODES
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.experts import PLACEMENT_MODES, ExpertPlacer, check_resumable
 from het_strategy.strategy.hetero import ProbeMode
-from het_strategy.strategy.loaders import BatchSplitter, HeteroDataLoader, split_loader
+from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, is_split, loader_mode, split_loader
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.pytorch_lightning_classes import twin
 from het_strategy.strategy.rank_context import RankContext
@@ -71,7 +71,7 @@ def test_apply_plan_switches_the_training_sampler_at_the_step() -> None:
     holder.workload = workload
     holder.plan = data_parallel_plan(cluster, workload, 12, "fp32")
     splitter = BatchSplitter(12)
-    splitter.split(DataLoader(list(range(48)), batch_size=6), 12, [6, 6], 0, 2, lambda: 0)
+    splitter.split(DataLoader(list(range(48)), batch_size=6), LoaderMode.SPLIT, 12, [6, 6], 0, 2, lambda: 0)
     assert holder.current_shares(splitter.train_sampler) == [6, 6]
     holder.apply_plan(with_shares(holder.plan, cluster, [9, 3]), 2, splitter.train_sampler, "fp32")
     assert holder.current_shares(splitter.train_sampler) == [9, 3]
@@ -93,26 +93,26 @@ def test_the_splitter_takes_the_global_batch_from_the_option_or_the_loader() -> 
     loader = DataLoader(list(range(40)), batch_size=5)
     assert BatchSplitter(12).global_batch(loader, True, 2) == 12
     assert BatchSplitter(12).global_batch(loader, False, 2) == 10  # evaluation: batch_size x world
-    with pytest.raises(ConfigError, match="DataLoader.batch_sampler"):
-        BatchSplitter().global_batch(DataLoader(list(range(4)), batch_size=None), True, 2)
+    with pytest.raises(ConfigError, match="DataLoader.batch_size"):
+        loader_mode(DataLoader(list(range(4)), batch_size=None))
 
     class Stream(IterableDataset):
         def __iter__(self):  # type: ignore[no-untyped-def]
             return iter(range(4))
 
-    with pytest.raises(ConfigError, match="DataLoader.dataset"):
-        BatchSplitter().global_batch(DataLoader(Stream(), batch_size=2), True, 2)
+    with pytest.raises(ConfigError, match="DataLoader.dataset.*use_distributed_sampler=False"):
+        loader_mode(DataLoader(Stream(), batch_size=2))
 
 
 def test_the_splitter_follows_the_current_batch_and_weights_the_loss() -> None:
     splitter = BatchSplitter()
-    loader = splitter.split(DataLoader(list(range(20)), batch_size=4), 8, [6, 2], 1, 2, None)
-    assert isinstance(loader, HeteroDataLoader) and splitter.train_sampler is None  # evaluation: not kept
+    loader = splitter.split(DataLoader(list(range(20)), batch_size=4), LoaderMode.SPLIT, 8, [6, 2], 1, 2, None)
+    assert is_split(loader) and splitter.train_sampler is None  # evaluation: not kept
     assert [len(b) for b in loader] == [2, 2, 1]  # rank 1's 2 of 8, then its part of the short last batch
     assert splitter.begin_batch(loader, 0) == (2, 8) and splitter.local_samples == 2
     assert splitter.loss_weight(2) == pytest.approx(2 * 2 / 8)
     assert splitter.begin_batch(DataLoader([1, 2]), 0) is None and splitter.loss_weight(2) is None
-    with pytest.raises(ConfigError, match="next_safe_step"):
+    with pytest.raises(ConfigError, match="no training DataLoader has been split yet"):
         splitter.next_safe_step(torch.device("cpu"))
 
 

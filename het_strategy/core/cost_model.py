@@ -107,7 +107,7 @@ class PlanScore:
             "memory_gb": {d: round(b / GiB, 3) for d, b in self.memory_bytes.items()},
             "memory_capacity_gb": {d: round(b / GiB, 3) for d, b in self.memory_capacity_bytes.items()},
             "fits": self.fits,
-            "grad_dtype": self.grad_dtype,
+            "grad_dtype": str(self.grad_dtype),  # plain JSON (a Dtype is a StrEnum)
         }
 
 

@@ -1,0 +1,168 @@
+"""The Lightning data-loading cases the compatibility tests run under ``ddp`` and under ``hetero``.
+
+Each case is a module (and its loaders) that records, per rank and step, the sample indices it trained on and
+its batch shapes, and at the end its parameters; ``run_case`` fits it on 2 CPU ranks (Lightning's fork launcher)
+and returns every rank's record.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Subset
+
+from tests._strategy_worker import IndexedData, make_net
+
+N = 32
+"""Samples of every case's dataset (a multiple of the global batch: DDP's sampler then repeats none)."""
+
+EQUAL_CLUSTER = {"name": "two_equal", "inter_node_bandwidth_gbs": 10,
+                 "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU", "tflops": {"fp32": 1.0}}
+                                                         for i in range(2)]}]}
+
+
+class TaggedLoader(DataLoader):
+    """A DataLoader subclass with an argument and a method of its own."""
+
+    def __init__(self, dataset: Any, tag: str = "", **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.tag = tag
+
+    def describe(self) -> str:
+        return f"tagged:{self.tag}"
+
+
+class LengthBuckets(BatchSampler):
+    """A bucketing batch sampler: each batch's indices ordered by a (fake) sequence length, longest first."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for batch in super().__iter__():
+            yield sorted(batch, key=lambda i: (-(i % 5), i))
+
+
+def _indices(batch: Any) -> list[int]:
+    if isinstance(batch, dict):
+        return [i for part in batch.values() for i in part[2].tolist()]
+    if isinstance(batch, (list, tuple)) and isinstance(batch[0], (list, tuple)):
+        return [i for part in batch for i in part[2].tolist()]
+    return batch[2].tolist()
+
+
+def _xy(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = list(batch.values()) if isinstance(batch, dict) else (
+        list(batch) if isinstance(batch[0], (list, tuple)) else [batch])
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _combined(pl: Any, mode: str) -> Any:
+    """A ``CombinedLoader`` over two loaders of different sizes (each sample carries its index)."""
+    package = __import__("lightning.pytorch" if pl.__name__.startswith("lightning") else "pytorch_lightning",
+                         fromlist=["utilities"])
+    loaders = {"a": DataLoader(IndexedData(N), batch_size=4), "b": DataLoader(IndexedData(N // 2, seed=1),
+                                                                              batch_size=2)}
+    return package.utilities.CombinedLoader(loaders, mode)
+
+
+def make_module(case: str, out_dir: str, pl: Any) -> Any:
+    """The case's LightningModule on ``pl`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    class Recorded(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net()
+            self.rows: list[dict[str, Any]] = []
+            self.val_rows: list[dict[str, Any]] = []
+            self.info: dict[str, Any] = {}
+
+        def training_step(self, batch: Any, batch_idx: int, *rest: Any) -> torch.Tensor:
+            x, y = _xy(batch)
+            self.rows.append({"epoch": self.current_epoch, "step": batch_idx, "indices": _indices(batch),
+                              "shape": list(x.shape)})
+            return (self.net(x).squeeze(-1) - y).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.05)
+            if case != "one_cycle":
+                return opt
+            total = self.trainer.estimated_stepping_batches
+            self.info["estimated_in_configure_optimizers"] = total
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=int(total))
+            return [opt], [{"scheduler": sched, "interval": "step"}]
+
+        def train_dataloader(self) -> Any:
+            data = IndexedData(N)
+            if case == "own_shards":
+                r = self.global_rank
+                return DataLoader(Subset(data, list(range(r * N // 2, (r + 1) * N // 2))), batch_size=4)
+            if case == "subclass":
+                return TaggedLoader(data, tag="mine", batch_size=4)
+            if case == "bucketing":
+                return DataLoader(data, batch_sampler=LengthBuckets(torch.utils.data.SequentialSampler(data), 4,
+                                                                    drop_last=False))
+            if case in ("combined_max_size_cycle", "combined_max_size"):
+                return _combined(pl, case.removeprefix("combined_"))
+            return DataLoader(data, batch_size=4)
+
+        def val_dataloader(self) -> Any:
+            return _combined(pl, "sequential") if case == "combined_sequential" else []
+
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.val_rows.append({"epoch": self.current_epoch, "loader": dataloader_idx, "step": batch_idx,
+                                  "indices": batch[2].tolist(), "shape": list(batch[0].shape)})
+
+        def on_train_start(self) -> None:
+            loader = self.trainer.train_dataloader
+            self.info["loader_class"] = type(loader).__name__
+            self.info["describe"] = loader.describe() if isinstance(loader, TaggedLoader) else None
+
+        def on_train_end(self) -> None:
+            params = [p.detach().flatten().tolist() for p in self.net.parameters()]
+            out = {"rows": self.rows, "val_rows": self.val_rows, "params": params, "info": self.info}
+            Path(out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(out))
+
+    return Recorded()
+
+
+def make_datamodule(pl: Any) -> Any:
+    class IndexedDataModule(pl.LightningDataModule):
+        def setup(self, stage: str) -> None:
+            self.data = IndexedData(N)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.data, batch_size=4)
+
+    return IndexedDataModule()
+
+
+def run_case(case: str, strategy: str, out: Path, package: str = "lightning") -> list[dict[str, Any]]:
+    """Fit ``case`` under ``strategy`` ("ddp" or "hetero") on 2 CPU ranks; every rank's record."""
+    import importlib
+
+    pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
+    import het_strategy
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=120)
+    if strategy == "hetero":
+        cls = het_strategy.HeteroStrategy if package == "lightning" else het_strategy.HeteroStrategyPL
+        chosen = cls(cluster=EQUAL_CLUSTER, start_method="fork", verbose=False, telemetry=False, timeout=timeout)
+    else:
+        chosen = pl.strategies.DDPStrategy(start_method="fork", timeout=timeout)
+    kwargs: dict[str, Any] = dict(accelerator="cpu", devices=2, strategy=chosen, precision="64-true", max_epochs=2,
+                                  logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                  enable_checkpointing=False, num_sanity_val_steps=0)
+    if case == "own_shards":
+        kwargs["use_distributed_sampler"] = False
+    if case == "overfit_batches":
+        kwargs["overfit_batches"] = 2
+    if case == "limit_train_batches":
+        kwargs["limit_train_batches"] = 3
+    trainer = pl.Trainer(default_root_dir=str(out), **kwargs)
+    out.mkdir(parents=True, exist_ok=True)
+    module = make_module(case, str(out), pl)
+    datamodule = make_datamodule(pl) if case == "datamodule" else None
+    trainer.fit(module, datamodule=datamodule)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

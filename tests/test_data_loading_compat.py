@@ -1,0 +1,106 @@
+"""Lightning's data-loading contracts under ``hetero``: each case runs under ``ddp`` and under ``hetero`` on two
+equal CPU devices and must train on the same data with the same result.
+
+On equal devices the hetero split gives each rank half of every global batch, as DDP's sampler does, but a
+contiguous half rather than every other sample: the ranks' own indices differ, so the tests compare what
+decides the update — the samples of every step over all ranks, each rank's batch shapes, the final
+parameters — and, where the user shards the data (``use_distributed_sampler=False``), each rank's own samples.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from tests._data_compat_cases import N, run_case  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
+              pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
+
+
+def _steps(ranks: list[dict]) -> list[tuple[int, int, list[int]]]:
+    """(epoch, step, sorted indices over all ranks) of every training step."""
+    merged: dict[tuple[int, int], list[int]] = {}
+    for record in ranks:
+        for row in record["rows"]:
+            merged.setdefault((row["epoch"], row["step"]), []).extend(row["indices"])
+    return [(e, s, sorted(ix)) for (e, s), ix in sorted(merged.items())]
+
+
+def _shapes(ranks: list[dict]) -> list[list[list[int]]]:
+    return [[row["shape"] for row in record["rows"]] for record in ranks]
+
+
+def _same_training(ddp: list[dict], hetero: list[dict]) -> None:
+    assert _steps(hetero) == _steps(ddp)
+    assert _shapes(hetero) == _shapes(ddp)
+    for mine, theirs in zip(hetero, ddp):
+        for a, b in zip(mine["params"], theirs["params"]):
+            assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+
+
+def _both(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict], list[dict]]:
+    from het_strategy.emulation.local_ranks import free_port
+
+    ddp = run_case(case, "ddp", tmp_path / "ddp")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    return ddp, run_case(case, "hetero", tmp_path / "hetero")
+
+
+def test_own_shards_with_use_distributed_sampler_false_are_trained_as_given(tmp_path, monkeypatch) -> None:
+    ddp, hetero = _both("own_shards", tmp_path, monkeypatch)
+    for rank, record in enumerate(hetero):
+        seen = sorted(i for row in record["rows"] if row["epoch"] == 0 for i in row["indices"])
+        assert seen == list(range(rank * N // 2, (rank + 1) * N // 2))  # its whole shard, nothing else
+    _same_training(ddp, hetero)
+
+
+def test_a_dataloader_subclass_keeps_its_class_and_methods(tmp_path, monkeypatch) -> None:
+    ddp, hetero = _both("subclass", tmp_path, monkeypatch)
+    for record in hetero:
+        assert record["info"] == {"loader_class": "TaggedLoader", "describe": "tagged:mine"}
+    _same_training(ddp, hetero)
+
+
+def test_a_bucketing_batch_sampler_is_kept_and_uses_every_sample_once(tmp_path, monkeypatch) -> None:
+    ddp, hetero = _both("bucketing", tmp_path, monkeypatch)
+    for epoch in (0, 1):
+        seen = sorted(i for r in hetero for row in r["rows"] if row["epoch"] == epoch for i in row["indices"])
+        assert seen == list(range(N))
+    for record in hetero:  # the user's sampler ordered each batch (longest first)
+        assert all(row["indices"] == sorted(row["indices"], key=lambda i: (-(i % 5), i)) for row in record["rows"])
+    _same_training(ddp, hetero)
+
+
+def test_one_cycle_lr_sized_from_estimated_stepping_batches(tmp_path, monkeypatch) -> None:
+    ddp, hetero = _both("one_cycle", tmp_path, monkeypatch)
+    assert [r["info"]["estimated_in_configure_optimizers"] for r in hetero] == [8, 8]  # 2 epochs x 32 / 8
+    assert [r["info"]["estimated_in_configure_optimizers"] for r in ddp] == [8, 8]
+    _same_training(ddp, hetero)
+
+
+@pytest.mark.parametrize("case", ["datamodule", "combined_max_size_cycle", "combined_max_size", "overfit_batches",
+                                  "limit_train_batches"])
+def test_lightning_data_loading_examples_train_as_under_ddp(case, tmp_path, monkeypatch) -> None:
+    ddp, hetero = _both(case, tmp_path, monkeypatch)
+    _same_training(ddp, hetero)
+
+
+def test_a_sequential_combined_loader_validates_every_sample_once(tmp_path, monkeypatch) -> None:
+    """``CombinedLoader(mode="sequential")`` (evaluation only in Lightning): each loader's samples over all ranks
+    once per validation, as DDP's are (its sizes are multiples of the world, so DDP repeats none)."""
+    ddp, hetero = _both("combined_sequential", tmp_path, monkeypatch)
+
+    def seen(ranks: list[dict]) -> dict[tuple[int, int], list[int]]:
+        out: dict[tuple[int, int], list[int]] = {}
+        for record in ranks:
+            for row in record["val_rows"]:
+                out.setdefault((row["epoch"], row["loader"]), []).extend(row["indices"])
+        return {k: sorted(v) for k, v in out.items()}
+
+    assert seen(hetero) == seen(ddp) == {(e, 0): list(range(N)) for e in (0, 1)} | {
+        (e, 1): list(range(N // 2)) for e in (0, 1)}
