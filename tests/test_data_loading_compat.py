@@ -104,3 +104,16 @@ def test_a_sequential_combined_loader_validates_every_sample_once(tmp_path, monk
 
     assert seen(hetero) == seen(ddp) == {(e, 0): list(range(N)) for e in (0, 1)} | {
         (e, 1): list(range(N // 2)) for e in (0, 1)}
+
+
+@pytest.mark.parametrize("case", ["own_shards", "subclass", "bucketing"])
+def test_the_same_holds_on_pytorch_lightning(case, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("pytorch_lightning")
+    from het_strategy.emulation.local_ranks import free_port
+
+    ddp = run_case(case, "ddp", tmp_path / "ddp", package="pytorch_lightning")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    hetero = run_case(case, "hetero", tmp_path / "hetero", package="pytorch_lightning")
+    _same_training(ddp, hetero)
+    if case == "subclass":
+        assert all(r["info"]["describe"] == "tagged:mine" for r in hetero)
