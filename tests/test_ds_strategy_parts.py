@@ -112,6 +112,17 @@ def test_the_training_loader_yields_whole_global_batches_and_saves_its_position(
     assert batches.process(loader, 4, True) is loader
 
 
+def test_a_dataloader_subclass_keeps_its_class_and_a_custom_batch_sampler_is_refused_in_one_line():
+    from tests._data_compat_cases import LengthBuckets, TaggedLoader
+
+    loader = GlobalBatches().process(TaggedLoader(_data(), tag="mine", batch_size=4), global_batch=4, training=True)
+    assert type(loader) is TaggedLoader and loader.describe() == "tagged:mine" and is_split(loader)
+    data = _data()
+    bucketed = DataLoader(data, batch_sampler=LengthBuckets(torch.utils.data.SequentialSampler(data), 4, False))
+    with pytest.raises(ConfigError, match="DataLoader.batch_sampler.*whole global batch"):
+        GlobalBatches().process(bucketed, global_batch=4, training=True)
+
+
 def test_loaders_of_another_batch_or_with_a_short_last_batch_are_refused():
     batches = GlobalBatches()
     with pytest.raises(ConfigError) as err:
