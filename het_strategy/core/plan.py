@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -231,7 +232,7 @@ class Plan:
         if self.experts:
             out["experts"] = {str(layer): {d: list(ids) for d, ids in m.items()} for layer, m in self.experts.items()}
         if self.predicted:
-            out["predicted"] = self.predicted
+            out["predicted"] = _builtin(self.predicted)
         if self.idle_reasons:
             out["idle_reasons"] = dict(self.idle_reasons)
         if self.compression:
@@ -294,6 +295,19 @@ class Plan:
         path, raw = read_json_file(path, field, "plan JSON file")
         with naming_file(path, "plan file"):
             return cls.from_dict(raw)
+
+
+def _builtin(value: Any) -> Any:
+    """``value`` with every option enum member (a ``Dtype`` the cost model recorded, ...) as its plain string, in
+    nested dicts and lists: a plan's dict must load where only builtin types may (``torch.load(weights_only=True)``
+    of a checkpoint that holds it, a YAML dump)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {_builtin(k): _builtin(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_builtin(v) for v in value)
+    return value
 
 
 def _few(names: list[str], limit: int = 6) -> str:

@@ -206,6 +206,7 @@ def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec,
     """
     if isinstance(source, WorkloadSpec):
         return source
+    dtype = as_dtype(dtype, "model.dtype")  # before any file is read: a bad dtype is no error in the file
     if isinstance(source, Mapping):
         return transformer_workload(transformer_config(source), dtype=dtype)
     path, raw = read_yaml_file(config_file("model", source), "model", "model YAML file")
