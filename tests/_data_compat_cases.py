@@ -20,6 +20,12 @@ from tests._strategy_worker import IndexedData, make_net
 N = 32
 """Samples of every case's dataset (a multiple of the global batch: DDP's sampler then repeats none)."""
 
+FAST_SLOW_CLUSTER = {"name": "fast_slow", "inter_node_bandwidth_gbs": 10,
+                     "nodes": [{"name": "local", "devices": [
+                         {"name": "fast", "type": "CPU", "tflops": {"fp32": 3.0}},
+                         {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}}]}]}
+"""Speeds 3 : 1: the planned shares of a global batch of 8 are 6 and 2."""
+
 EQUAL_CLUSTER = {"name": "two_equal", "inter_node_bandwidth_gbs": 10,
                  "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU", "tflops": {"fp32": 1.0}}
                                                          for i in range(2)]}]}
@@ -97,6 +103,14 @@ def make_module(case: str, out_dir: str, pl: Any) -> Any:
             if case == "own_shards":
                 r = self.global_rank
                 return DataLoader(Subset(data, list(range(r * N // 2, (r + 1) * N // 2))), batch_size=4)
+            if case == "uneven_shards":  # rank 0: 4 batches, rank 1: 2
+                return DataLoader(Subset(data, list(range(16 if self.global_rank == 0 else 8))), batch_size=4)
+            if case == "planned_shards":  # the user shards by the plan: rank r gets its share of every step
+                share = self.trainer.strategy.planned_batch_size(8)
+                shares = self.trainer.strategy.current_shares()
+                start = 4 * sum(shares[:self.global_rank])
+                self.info["planned_batch_size"] = share
+                return DataLoader(Subset(data, list(range(start, start + 4 * share))), batch_size=share)
             if case == "subclass":
                 return TaggedLoader(data, tag="mine", batch_size=4)
             if case == "bucketing":
@@ -137,7 +151,8 @@ def make_datamodule(pl: Any) -> Any:
     return IndexedDataModule()
 
 
-def run_case(case: str, strategy: str, out: Path, package: str = "lightning") -> list[dict[str, Any]]:
+def run_case(case: str, strategy: str, out: Path, package: str = "lightning",
+             cluster: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Fit ``case`` under ``strategy`` ("ddp" or "hetero") on 2 CPU ranks; every rank's record."""
     import importlib
 
@@ -148,13 +163,13 @@ def run_case(case: str, strategy: str, out: Path, package: str = "lightning") ->
     timeout = datetime.timedelta(seconds=120)
     if strategy == "hetero":
         cls = het_strategy.HeteroStrategy if package == "lightning" else het_strategy.HeteroStrategyPL
-        chosen = cls(cluster=EQUAL_CLUSTER, start_method="fork", verbose=False, telemetry=False, timeout=timeout)
+        chosen = cls(cluster=cluster or EQUAL_CLUSTER, start_method="fork", verbose=False, telemetry=False, timeout=timeout)
     else:
         chosen = pl.strategies.DDPStrategy(start_method="fork", timeout=timeout)
     kwargs: dict[str, Any] = dict(accelerator="cpu", devices=2, strategy=chosen, precision="64-true", max_epochs=2,
                                   logger=False, enable_progress_bar=False, enable_model_summary=False,
                                   enable_checkpointing=False, num_sanity_val_steps=0)
-    if case == "own_shards":
+    if case in ("own_shards", "planned_shards", "uneven_shards"):
         kwargs["use_distributed_sampler"] = False
     if case == "overfit_batches":
         kwargs["overfit_batches"] = 2

@@ -117,3 +117,30 @@ def test_the_same_holds_on_pytorch_lightning(case, tmp_path, monkeypatch) -> Non
     _same_training(ddp, hetero)
     if case == "subclass":
         assert all(r["info"]["describe"] == "tagged:mine" for r in hetero)
+
+
+def test_shards_built_from_planned_batch_size_train_the_exact_update(tmp_path) -> None:
+    """With ``use_distributed_sampler=False`` on unequal devices (3 : 1), ranks that size their own shards with
+    ``planned_batch_size()`` train 6 and 2 samples a step, and the weighted update is the single-process one."""
+    import torch
+
+    from tests._data_compat_cases import FAST_SLOW_CLUSTER
+    from tests._strategy_worker import IndexedData, make_net
+
+    hetero = run_case("planned_shards", "hetero", tmp_path / "hetero", cluster=FAST_SLOW_CLUSTER)
+    assert [r["info"]["planned_batch_size"] for r in hetero] == [6, 2]
+    assert {tuple(row["shape"]) for row in hetero[0]["rows"]} == {(6, 4)}
+    assert {tuple(row["shape"]) for row in hetero[1]["rows"]} == {(2, 4)}
+    data, net = IndexedData(N), make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _, _, indices in _steps(hetero):
+        opt.zero_grad()
+        (net(data.x[indices]).squeeze(-1) - data.y[indices]).pow(2).mean().backward()
+        opt.step()
+    for mine, ref in zip(hetero[0]["params"], [p.detach().flatten().tolist() for p in net.parameters()]):
+        assert mine == pytest.approx(ref, rel=1e-9, abs=1e-12)
+
+
+def test_own_shards_of_different_lengths_are_refused_instead_of_hanging(tmp_path) -> None:
+    with pytest.raises(Exception, match=r"`train_dataloader` is 'batches per rank \[4, 2\]'.*same steps"):
+        run_case("uneven_shards", "hetero", tmp_path / "hetero")
