@@ -100,7 +100,7 @@ def test_the_splitter_takes_the_global_batch_from_the_option_or_the_loader() -> 
         def __iter__(self):  # type: ignore[no-untyped-def]
             return iter(range(4))
 
-    with pytest.raises(ConfigError, match="DataLoader.dataset.*use_distributed_sampler=False"):
+    with pytest.raises(ConfigError, match="DataLoader.dataset.*map-style"):
         loader_mode(DataLoader(Stream(), batch_size=2))
 
 

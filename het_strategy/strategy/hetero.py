@@ -5,8 +5,10 @@
 1. **Cluster and plan** (``PlanHolder``, ``plan_holder.py``) — the cluster is loaded or probed at
    setup; when the training DataLoader arrives rank 0 plans the uneven split of the
    global batch and broadcasts it; ``apply_plan`` switches to a new Plan at a step.
-2. **Batches** (``BatchSplitter``, ``loaders.py``, ``sampler.py``) — every loader is rebuilt so rank r
-   gets ``shares[r]`` samples of every global batch, every sample of an epoch once.
+2. **Batches** (``BatchSplitter``, ``loaders.py``, ``sampler.py``, ``user_batches.py``) — every loader
+   Lightning gave a distributed sampler is rebuilt, in its own class, so rank r gets ``shares[r]``
+   samples of every global batch, every sample of an epoch once (a custom batch sampler is rebuilt
+   over the rank's slices); a loader Lightning left alone (``use_distributed_sampler=False``) runs as given.
 3. **Exact update** — each rank's loss is scaled by ``n_r x world / N`` before
    backward, so DDP's gradient average is the gradient of the mean loss over the
    whole global batch; ``sync_dist`` logging inside a step is weighted the same way.

@@ -59,8 +59,7 @@ def loader_mode(dataloader: DataLoader) -> LoaderMode:
     """``split`` or ``user_batches`` for a loader Lightning gave a distributed sampler; refuses what can't be split."""
     if isinstance(dataloader.dataset, torch.utils.data.IterableDataset):
         raise field_error("DataLoader.dataset", type(dataloader.dataset).__name__,
-                          "be a map-style dataset (the hetero strategy splits indices by shares)",
-                          "or pass Trainer(use_distributed_sampler=False) and shard the stream per rank yourself")
+                          "be a map-style dataset (the strategy cuts every global batch by sample index)")
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:
         raise field_error("DataLoader.batch_size", None, "be set, or a batch_sampler given (the hetero strategy "
