@@ -163,7 +163,8 @@ def run_case(case: str, strategy: str, out: Path, package: str = "lightning",
     timeout = datetime.timedelta(seconds=120)
     if strategy == "hetero":
         cls = het_strategy.HeteroStrategy if package == "lightning" else het_strategy.HeteroStrategyPL
-        chosen = cls(cluster=cluster or EQUAL_CLUSTER, start_method="fork", verbose=False, telemetry=False, timeout=timeout)
+        chosen = cls(cluster=cluster or EQUAL_CLUSTER, start_method="fork", verbose=False, telemetry=False,
+                     timeout=timeout)
     else:
         chosen = pl.strategies.DDPStrategy(start_method="fork", timeout=timeout)
     kwargs: dict[str, Any] = dict(accelerator="cpu", devices=2, strategy=chosen, precision="64-true", max_epochs=2,

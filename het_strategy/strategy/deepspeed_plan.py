@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec, load_workload, transformer_workload
 from het_strategy.emulation.speeds import cluster_is_emulated
 from het_strategy.planning.request import PlanMode
+from het_strategy.strategy.rank_zero import decided_on_rank_zero
 
 __all__ = ["ZeroStage", "DeepSpeedPlanHolder", "load_plan_source"]
 
@@ -123,22 +124,15 @@ class DeepSpeedPlanHolder:
         """Rank 0 plans (``planner.runtime=deepspeed``) and broadcasts one Plan; an error stops every rank."""
         from het_strategy.planning import PlanRequest, plan
 
-        assert self.settings is not None and self.workload is not None  # invariant: with no plan given, __init__ set both
-        payload: list[Any] = [None]
-        if rank == 0:
-            try:
-                result = plan(self.cluster, self.workload, self.settings,
-                              PlanRequest(mode=self.planner_mode, runtime=Runtime.deepspeed))
-                payload[0] = ("plan", result.plan.to_json(), result.summary())
-            except ConfigError as exc:
-                payload[0] = ("error", str(exc), None)
-        if world_size > 1:
-            import torch.distributed as dist
+        settings, workload = self.settings, self.workload
+        assert settings is not None and workload is not None  # invariant: with no plan given, __init__ set both
 
-            dist.broadcast_object_list(payload, src=0)  # every rank runs rank 0's plan, or stops with its error
-        kind, value, summary = payload[0]
-        if kind == "error":
-            raise ConfigError(value)
+        def search() -> tuple[str, str]:
+            result = plan(self.cluster, workload, settings, PlanRequest(mode=self.planner_mode,
+                                                                         runtime=Runtime.deepspeed))
+            return result.plan.to_json(), result.summary()
+
+        value, summary = decided_on_rank_zero(rank, world_size, search)
         self.plan_summary = summary
         return Plan.from_dict(json.loads(value))
 

@@ -31,6 +31,7 @@ from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload
 from het_strategy.profiling.batch_contents import first_tensor
 from het_strategy.strategy.checkpoint import restored_plan
 from het_strategy.strategy.rank_context import RankContext
+from het_strategy.strategy.rank_zero import decided_on_rank_zero
 from het_strategy.strategy.sampler import HeteroBatchSampler, split_by_shares
 
 __all__ = ["PlanHolder"]
@@ -116,19 +117,9 @@ class PlanHolder:
     def broadcast_plan(self, global_batch: int, workload: WorkloadSpec, ctx: RankContext) -> Plan:
         """Rank 0 plans (or checks the given plan) and broadcasts it; an error stops every rank."""
         cluster = self.require_cluster()
-        payload: list[Any] = [None]
-        if ctx.rank == 0:
-            try:
-                profile = self.profile if workload is self.workload else None
-                payload[0] = ("plan", data_parallel_plan(cluster, workload, global_batch, ctx.dtype,
-                                                         self.plan_source, profile).to_dict())
-            except ConfigError as exc:
-                payload[0] = ("error", str(exc))
-        dist.broadcast_object_list(payload, src=0)
-        kind, value = payload[0]
-        if kind == "error":
-            raise ConfigError(value)
-        return Plan.from_dict(value)
+        profile = self.profile if workload is self.workload else None
+        return Plan.from_dict(decided_on_rank_zero(ctx.rank, ctx.world, lambda: data_parallel_plan(
+            cluster, workload, global_batch, ctx.dtype, self.plan_source, profile).to_dict()))
 
     def shares_for(self, module: nn.Module, dataloader: DataLoader, global_batch: int, ctx: RankContext,
                    train_sampler: HeteroBatchSampler | None) -> list[int]:
