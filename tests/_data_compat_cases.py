@@ -50,6 +50,13 @@ class LengthBuckets(BatchSampler):
             yield sorted(batch, key=lambda i: (-(i % 5), i))
 
 
+class FixedFour(BatchSampler):
+    """A batch sampler whose class fixes its batch size at 4 (it takes no batch_size argument)."""
+
+    def __init__(self, sampler: Any, drop_last: bool = False) -> None:
+        super().__init__(sampler, 4, drop_last)
+
+
 def _indices(batch: Any) -> list[int]:
     if isinstance(batch, dict):
         return [i for part in batch.values() for i in part[2].tolist()]
@@ -116,6 +123,8 @@ def make_module(case: str, out_dir: str, pl: Any) -> Any:
             if case == "bucketing":
                 return DataLoader(data, batch_sampler=LengthBuckets(torch.utils.data.SequentialSampler(data), 4,
                                                                     drop_last=False))
+            if case == "fixed_size":
+                return DataLoader(data, batch_sampler=FixedFour(torch.utils.data.SequentialSampler(data)))
             if case in ("combined_max_size_cycle", "combined_max_size"):
                 return _combined(pl, case.removeprefix("combined_"))
             return DataLoader(data, batch_size=4)

@@ -83,9 +83,10 @@ def test_one_cycle_lr_sized_from_estimated_stepping_batches(tmp_path, monkeypatc
     _same_training(ddp, hetero)
 
 
-@pytest.mark.parametrize("case", ["datamodule", "combined_max_size_cycle", "combined_max_size", "overfit_batches",
+@pytest.mark.parametrize("case", ["fixed_size", "datamodule", "combined_max_size_cycle", "combined_max_size", "overfit_batches",
                                   "limit_train_batches"])
 def test_lightning_data_loading_examples_train_as_under_ddp(case, tmp_path, monkeypatch) -> None:
+    """(``fixed_size``: a batch sampler that fixes its batch size runs in whole batches, here one per rank.)"""
     ddp, hetero = _both(case, tmp_path, monkeypatch)
     _same_training(ddp, hetero)
 

@@ -11,11 +11,11 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from het_strategy.core.errors import ConfigError
-from het_strategy.strategy.loader_rebuild import rebuild_batch_sampler, rebuild_loader
+from het_strategy.strategy.loader_rebuild import fixed_batch_size, rebuild_loader
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, is_split, user_batches_loader
 from het_strategy.strategy.sampler import GlobalOrder, HeteroBatchSampler
 from het_strategy.strategy.user_batches import EqualSteps, RankShard
-from tests._data_compat_cases import EQUAL_CLUSTER, LengthBuckets, TaggedLoader
+from tests._data_compat_cases import EQUAL_CLUSTER, FixedFour, LengthBuckets, TaggedLoader
 from tests._strategy_worker import IndexedData
 
 
@@ -47,12 +47,12 @@ def test_a_subclass_whose_arguments_are_not_attributes_is_refused_naming_them() 
     with pytest.raises(ConfigError, match=r"`DataLoader` is 'Hidden'.*\['secret'\]"):
         rebuild_loader(Hidden(list(range(4)), 1, batch_size=2), HeteroBatchSampler(GlobalOrder(4), 2, [1, 1], 0))
 
-    class FixedSize(BatchSampler):
-        def __init__(self, sampler):  # type: ignore[no-untyped-def]
-            super().__init__(sampler, 4, False)
+    class OwnIndices(BatchSampler):
+        def __init__(self, size):  # type: ignore[no-untyped-def]
+            super().__init__(range(size), 4, False)
 
-    with pytest.raises(ConfigError, match="DataLoader.batch_sampler.*`sampler` and `batch_size`.*planned_batch_size"):
-        rebuild_batch_sampler(FixedSize(range(8)), range(4), 2)
+    with pytest.raises(ConfigError, match="DataLoader.batch_sampler.*`sampler` argument.*planned_batch_size"):
+        fixed_batch_size(OwnIndices(8))
 
 
 def test_a_bucketing_batch_sampler_gets_the_ranks_share_and_every_sample_once() -> None:
@@ -70,6 +70,23 @@ def test_a_bucketing_batch_sampler_gets_the_ranks_share_and_every_sample_once() 
         assert all(b == sorted(b, key=lambda i: (-(i % 5), i)) for b in batches)  # the user's own ordering
     assert sorted(seen) == list(range(20))
     assert shapes == [[6, 6, 3], [2, 2, 1]] and lengths == [3, 3]
+
+
+def test_a_fixed_size_batch_sampler_gets_whole_batches_and_every_sample_once() -> None:
+    data = IndexedData(24)
+    loader = DataLoader(data, batch_sampler=FixedFour(SequentialSampler(data)))
+    per_rank = []
+    for rank in (0, 1):  # planned shares 9 and 3 of 12 run as whole batches of 4: 8 and 4
+        rank_loader = user_batches_loader(loader, 12, [9, 3], rank, lambda own: own)
+        per_rank.append([b[2].tolist() for b in rank_loader])
+    assert [[len(b) for b in batches] for batches in per_rank] == [[8, 8], [4, 4]]
+    assert per_rank[0][0] == list(range(8)) and per_rank[1][0] == list(range(8, 12))
+    assert sorted(i for batches in per_rank for b in batches for i in b) == list(range(24))
+    idle = user_batches_loader(loader, 12, [11, 1], 1, lambda own: max(own, 2))  # 1 of 12 rounds to no batch
+    assert [b[2].tolist() for b in idle] == [[0], [0]]  # fillers, counted 0
+    assert [idle.batch_sampler.step_samples(s) for s in (0, 1)] == [0, 0]  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"`DataLoader.batch_sampler.batch_size` is 4; it must divide the global"):
+        user_batches_loader(loader, 10, [5, 5], 0, lambda own: own)
 
 
 def test_equal_steps_pads_a_short_rank_with_fillers_counted_zero() -> None:

@@ -21,7 +21,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from het_strategy.core.errors import field_error
 
-__all__ = ["rebuild_loader", "rebuild_batch_sampler", "bind_position"]
+__all__ = ["rebuild_loader", "rebuild_batch_sampler", "fixed_batch_size", "bind_position"]
 
 # The DataLoader arguments a rebuilt loader carries over (its sampling ones are the strategy's).
 _LOADER_FIELDS = ("dataset", "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -39,25 +39,40 @@ def rebuild_loader(dataloader: DataLoader, batch_sampler: Sampler[list[int]]) ->
     return _reinstantiated(dataloader, DataLoader, values, "DataLoader", required=("dataset", "batch_sampler"))
 
 
-def rebuild_batch_sampler(batch_sampler: Any, sampler: Sampler[int], batch_size: int) -> Any:
-    """The user's batch sampler class over ``sampler`` with ``batch_size`` samples per batch.
+def fixed_batch_size(batch_sampler: Any) -> int | None:
+    """The batch size of a user's batch sampler whose class does not take one (``None`` when it does).
 
-    It must take ``sampler`` and ``batch_size`` like torch's ``BatchSampler``: the strategy sets the
-    rank's share through them.
+    Such a sampler still must take a ``sampler`` (as Lightning requires to add its distributed sampler), and
+    say its size in a ``batch_size`` attribute: the strategy then gives each rank whole batches.
     """
     cls = type(batch_sampler)
     params = inspect.signature(cls.__init__).parameters
-    if not {"sampler", "batch_size"} <= params.keys():
+    if "sampler" not in params:
         raise field_error("DataLoader.batch_sampler", cls.__name__,
-                          "take `sampler` and `batch_size` arguments (as torch's BatchSampler does) so the hetero "
-                          "strategy can give each rank its share of every global batch",
+                          "take a `sampler` argument (as torch's BatchSampler does) so the hetero strategy can give "
+                          "it this rank's slices of every global batch",
                           "or pass Trainer(use_distributed_sampler=False) and size each rank's batches with "
                           "strategy.planned_batch_size()")
-    values = {"sampler": sampler, "batch_size": batch_size}
+    if "batch_size" in params:
+        return None
+    size = getattr(batch_sampler, "batch_size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise field_error("DataLoader.batch_sampler.batch_size", size,
+                          "be its batches' size (an integer >= 1) when its class takes no batch_size argument: the "
+                          "hetero strategy then gives each rank whole batches")
+    return size
+
+
+def rebuild_batch_sampler(batch_sampler: Any, sampler: Sampler[int], batch_size: int | None) -> Any:
+    """The user's batch sampler class over ``sampler``, with ``batch_size`` samples per batch (``None``: its
+    own fixed size, see ``fixed_batch_size``)."""
+    values: dict[str, Any] = {"sampler": sampler}
+    if batch_size is not None:
+        values["batch_size"] = batch_size
     if hasattr(batch_sampler, "drop_last"):
         values["drop_last"] = batch_sampler.drop_last
     return _reinstantiated(batch_sampler, BatchSampler, values, "DataLoader.batch_sampler",
-                           required=("sampler", "batch_size"))
+                           required=tuple(values.keys() - {"drop_last"}))
 
 
 def bind_position(loader: DataLoader, state_dict: Callable[[], dict[str, Any]],

@@ -33,10 +33,11 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.log import logger
 from het_strategy.profiling.batch_contents import batch_length
-from het_strategy.strategy.loader_rebuild import bind_position, rebuild_batch_sampler, rebuild_loader
+from het_strategy.strategy.loader_rebuild import bind_position, fixed_batch_size, rebuild_batch_sampler, rebuild_loader
 from het_strategy.strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint
-from het_strategy.strategy.user_batches import EqualSteps, RankShard
+from het_strategy.strategy.user_batches import EqualSteps, RankShard, whole_batch_shares
 
 __all__ = ["LoaderMode", "BatchSplitter", "WrappedSamplerOrder", "check_splittable", "split_loader",
            "check_same_order", "loader_at", "batch_index", "is_split"]
@@ -94,19 +95,25 @@ def split_loader(dataloader: DataLoader, global_batch: int, shares: list[int], r
 
 def user_batches_loader(dataloader: DataLoader, global_batch: int, shares: list[int], rank: int,
                         steps_of_all: Callable[[int], int]) -> DataLoader:
-    """``dataloader`` with its own batch sampler class over this rank's shard, ``shares[rank]`` per batch.
+    """``dataloader`` with its own batch sampler class over this rank's shard, ``shares[rank]`` per step.
 
-    ``steps_of_all(own)`` is the largest batch count of any rank (a collective across ranks).
+    A sampler that fixes its batch size gets whole batches (the shares rounded to multiples of it).
+    ``steps_of_all(own)`` is the largest step count of any rank (a collective across ranks).
     """
+    user = dataloader.batch_sampler
+    fixed = fixed_batch_size(user)
+    if fixed is not None:
+        rounded = whole_batch_shares(global_batch, shares, fixed, "DataLoader.batch_sampler.batch_size")
+        if rounded != shares and rank == 0:
+            logger.info("hetero: %s makes batches of a fixed %d samples: the shares %s run as whole batches %s",
+                        type(user).__name__, fixed, shares, rounded)
+        shares = rounded
     slices = HeteroBatchSampler(_global_order(dataloader), global_batch, shares, rank,
-                                drop_last=bool(getattr(dataloader.batch_sampler, "drop_last", False)))
-    batches = rebuild_batch_sampler(dataloader.batch_sampler, RankShard(slices), max(shares[rank], 1))
-    try:
-        own = len(batches)
-    except TypeError:
-        raise field_error("DataLoader.batch_sampler", type(batches).__name__,
-                          "define __len__ (its batches per epoch): every rank must run the same number of steps")
-    return rebuild_loader(dataloader, EqualSteps(batches, steps_of_all(own)))
+                                drop_last=bool(getattr(user, "drop_last", False)))
+    batches = rebuild_batch_sampler(user, RankShard(slices), None if fixed is not None else max(shares[rank], 1))
+    steps = EqualSteps(batches, 0, group=1 if fixed is None else shares[rank] // fixed)
+    steps.steps = steps_of_all(steps.own_steps())
+    return rebuild_loader(dataloader, steps)
 
 
 def _global_order_source(dl: DataLoader) -> tuple[bool, int, Any]:

@@ -7,6 +7,11 @@ this rank's slice of every global batch of the epoch's one order (the slices
 every sample of an epoch is still used once, by one rank, and each rank's
 batches are its share's size; how the sampler groups them (buckets) is its own.
 
+A batch sampler whose class fixes its batch size (it takes no ``batch_size``)
+gets whole batches instead: the shares are rounded to multiples of its size
+(``whole_batch_shares``) and each step of rank r joins its next ``shares[r] / size``
+batches.
+
 A batch sampler may give ranks different numbers of batches (a short last
 slice, bucket remainders), and DDP needs the same number of steps on every
 rank: ``EqualSteps`` pads a rank's epoch with *filler* batches (one sample,
@@ -22,9 +27,19 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.strategy.sampler import HeteroBatchSampler
+from het_strategy.strategy.sampler import HeteroBatchSampler, split_by_shares
 
-__all__ = ["RankShard", "EqualSteps"]
+__all__ = ["RankShard", "EqualSteps", "whole_batch_shares"]
+
+
+def whole_batch_shares(global_batch: int, shares: list[int], batch_size: int, field: str) -> list[int]:
+    """``shares`` rounded to whole batches of ``batch_size`` (largest remainder), still summing to the global
+    batch, which must be a multiple of ``batch_size``."""
+    if global_batch % batch_size:
+        raise field_error(field, batch_size, f"divide the global batch ({global_batch}): the hetero strategy gives "
+                          "each rank whole batches of a sampler that fixes its batch size",
+                          "pass HeteroStrategy(global_batch_size=<a multiple>)")
+    return [units * batch_size for units in split_by_shares(global_batch // batch_size, shares)]
 
 
 class RankShard(Sampler[int]):
@@ -51,12 +66,14 @@ class EqualSteps(Sampler[list[int]]):
 
     Args:
         batches: the user's batch sampler, built over a ``RankShard``.
-        steps: batches per epoch on every rank (the largest ``len(batches)`` of any rank).
+        steps: steps per epoch on every rank (the largest ``own_steps`` of any rank).
+        group: the user's batches joined into one step's batch (whole batches of a fixed-size sampler; 1
+            otherwise; 0 for a rank with no share).
         filler_index: the sample a filler batch holds (its gradient counts 0).
     """
 
-    def __init__(self, batches: Any, steps: int, filler_index: int = 0) -> None:
-        self.batches, self.steps, self.filler_index = batches, steps, filler_index
+    def __init__(self, batches: Any, steps: int, group: int = 1, filler_index: int = 0) -> None:
+        self.batches, self.steps, self.group, self.filler_index = batches, steps, group, filler_index
         self.counts: dict[int, int] = {}
         """Samples really used by each step of the epoch being drawn (0 for a filler), until the step starts."""
 
@@ -73,21 +90,39 @@ class EqualSteps(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.steps
 
+    def own_steps(self) -> int:
+        """The steps this rank's batches fill (before fillers)."""
+        try:
+            count = len(self.batches)
+        except TypeError:
+            raise field_error("DataLoader.batch_sampler", type(self.batches).__name__,
+                              "define __len__ (its batches per epoch): every rank must run the same number of steps")
+        return -(-count // self.group) if self.group else 0
+
     def __iter__(self) -> Iterator[list[int]]:
         self.counts = {}
-        step = 0
-        for batch in self.batches:
-            if step == self.steps:
-                raise ConfigError(f"DataLoader.batch_sampler ({type(self.batches).__name__}) yielded more batches "
-                                  f"than its len() ({self.steps}) said: every rank must run the same steps, so "
-                                  "its len() must count the batches it yields")
-            batch = list(batch)
-            self.counts[step] = len(batch)
+        step, joined, parts = 0, [], 0
+        for batch in self.batches if self.group else ():
+            joined += list(batch)
+            parts += 1
+            if parts < self.group:
+                continue
+            yield from self._step(step, joined)
+            step, joined, parts = step + 1, [], 0
+        if joined:
+            yield from self._step(step, joined)
             step += 1
-            yield batch
         for filler in range(step, self.steps):
             self.counts[filler] = 0
             yield [self.filler_index]
+
+    def _step(self, step: int, batch: list[int]) -> Iterator[list[int]]:
+        if step == self.steps:
+            raise ConfigError(f"DataLoader.batch_sampler ({type(self.batches).__name__}) yielded more batches "
+                              f"than its len() said: every rank must run the same steps ({self.steps}), so its "
+                              "len() must count the batches it yields")
+        self.counts[step] = len(batch)
+        yield batch
 
     def step_samples(self, step: int) -> int:
         """Samples of this rank in ``step`` (0 for a filler); forgets the step."""
