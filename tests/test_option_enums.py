@@ -13,7 +13,8 @@ import pytest
 
 from het_strategy.cli import plan_cli, train_cli
 from het_strategy.cli.plan_config import ModelInputConfig
-from het_strategy.cli.train_config import Accelerator, HetTrainConfig, MoEConfig, MoEPlacement, WandbConfig, WandbMode
+from het_strategy.cli.train_config import Accelerator, HetTrainConfig, MoEConfig, WandbConfig, WandbMode
+from het_strategy.planning.experts import MoEPlacement
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, InputDtype
 from het_strategy.core.errors import ConfigError

@@ -25,7 +25,8 @@ from het_strategy.planning.rebalance import with_shares
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import PROBE_MODES
 from het_strategy.strategy.compression_run import CommHookBuilder
-from het_strategy.strategy.experts import PLACEMENT_MODES, ExpertPlacer, check_resumable
+from het_strategy.planning.experts import MoEPlacement
+from het_strategy.strategy.experts import ExpertPlacer, check_resumable
 from het_strategy.strategy.hetero import ProbeMode
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, is_split, loader_mode, split_loader
 from het_strategy.strategy.plan_holder import PlanHolder
@@ -184,7 +185,7 @@ def test_the_placer_places_experts_once() -> None:
 
 def test_the_options_are_typed_with_the_values_the_checks_accept() -> None:
     assert get_args(ProbeMode) == PROBE_MODES
-    assert PLACEMENT_MODES == ("planned", "uniform")
+    assert [str(m) for m in MoEPlacement] == ["planned", "uniform"]
 
 
 # -- the pytorch_lightning twin -------------------------------------------------------------------------

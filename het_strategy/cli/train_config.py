@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig
 
 from het_strategy.cli.structured import store_schema, to_typed
 from het_strategy.core.errors import field_error, require_int, require_number, require_option
+from het_strategy.planning.experts import MoEPlacement
 from het_strategy.planning.request import PlanRequest
 from het_strategy.planning.run_plan import PRECISION_DTYPES
 
@@ -32,7 +33,6 @@ __all__ = [
     "SCHEMA_NAME",
     "Accelerator",
     "WandbMode",
-    "MoEPlacement",
     "ModelConfig",
     "TrainConfig",
     "DataConfig",
@@ -68,15 +68,6 @@ class WandbMode(StrEnum):
     """Logged to the W&B server."""
     disabled = "disabled"
     """Nothing logged."""
-
-
-class MoEPlacement(StrEnum):
-    """Where the experts of an MoE model live (``moe.placement``; ``HeteroStrategy(moe_placement=...)``)."""
-
-    planned = "planned"
-    """Experts per device by its speed and memory (or the given plan's map)."""
-    uniform = "uniform"
-    """The same count of experts on every rank."""
 
 
 def _require_seed(value: int, name: str) -> None:

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
-from het_strategy.cli.train_config import Accelerator, HetTrainConfig, MoEPlacement, WandbMode, typed_config
+from het_strategy.cli.train_config import Accelerator, HetTrainConfig, WandbMode, typed_config
 from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.files import check_readable_file
 from het_strategy.core.plan import Plan
+from het_strategy.planning.experts import MoEPlacement
 
 if TYPE_CHECKING:
     from het_strategy.planning.request import PlanRequest

@@ -12,11 +12,23 @@ Expert ids are then given out in contiguous ranges, holder by holder.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.plan import Plan
 from het_strategy.planning.allocation import allocate_min_max
 
-__all__ = ["place_experts", "expert_counts_by_speed"]
+__all__ = ["MoEPlacement", "place_experts", "expert_counts_by_speed"]
+
+
+class MoEPlacement(StrEnum):
+    """Where the experts of an MoE model live (het-train's ``moe.placement``; ``HeteroStrategy(moe_placement=...)``,
+    which also takes one placement per layer)."""
+
+    planned = "planned"
+    """Experts per device by its speed and memory (or the given plan's map)."""
+    uniform = "uniform"
+    """The same count of experts on every rank."""
 
 
 def place_experts(cm: CostModel, plan: Plan) -> dict[int, dict[str, list[int]]]:

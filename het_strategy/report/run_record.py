@@ -66,7 +66,7 @@ def plan_config(plan: "Plan", cluster: "ClusterSpec", workload: "WorkloadSpec | 
         "devices": [{"rank": r, "name": d.name, "type": d.type, "node": d.node, "emulated_speed": d.emulated_speed}
                     for r, d in enumerate(cluster.devices)],
         "plan": {
-            "mode": plan.mode, "dtype": plan.dtype, "global_batch_size": plan.global_batch_size,
+            "mode": plan.mode, "dtype": str(plan.dtype), "global_batch_size": plan.global_batch_size,
             "model": plan.model.get("name"),
             "shares": [int(shares.get(d.name, 0)) for d in cluster.devices] if shares else None,
             "pipelines": [{"samples": p.samples, "micro_batch_size": p.micro_batch_size,

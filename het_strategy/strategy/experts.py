@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence, Union, get_args
+from typing import Any, Sequence, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -36,15 +36,13 @@ from het_strategy.emulation.speeds import emulated_expert_seconds_per_token, emu
 from het_strategy.moe import ExpertPlacement, HeteroMoE, check_placement, moe_layers, placement_from_counts, \
     placements_from_plan, prepare_for_ddp, uniform_placement
 from het_strategy.moe.padding import ExpertPadding, MoEClock
+from het_strategy.planning.experts import MoEPlacement
 
-__all__ = ["ExpertRun", "ExpertPlacer", "PlacementMode", "PlacementOption", "place_model_experts",
-           "gather_expert_state", "check_resumable", "PLACEMENT_MODES"]
+__all__ = ["ExpertRun", "ExpertPlacer", "PlacementOption", "place_model_experts", "gather_expert_state",
+           "check_resumable"]
 
-PlacementMode = Literal["planned", "uniform"]
-"""``planned``: by device speed and memory (or the given plan's map); ``uniform``: the same count per rank."""
-PlacementOption = Union[PlacementMode, Sequence[Any]]
-"""A ``PlacementMode``, or one placement per HeteroMoE layer (one expert-id list per rank)."""
-PLACEMENT_MODES: tuple[PlacementMode, ...] = get_args(PlacementMode)
+PlacementOption = Union[MoEPlacement, str, Sequence[Any]]
+"""A ``MoEPlacement`` (or its string), or one placement per HeteroMoE layer (one expert-id list per rank)."""
 
 
 @dataclass
@@ -109,17 +107,17 @@ def place_model_experts(module: nn.Module, option: Any, cluster: ClusterSpec, wo
     if not layers:
         return None
     sizes = [layer.num_experts for layer in layers]
-    if isinstance(option, str) and option == "uniform":
+    if isinstance(option, str) and option == MoEPlacement.uniform:
         placements = [uniform_placement(n, world, "moe_placement") for n in sizes]
         source = "uniform"
-    elif isinstance(option, str) and option == "planned":
+    elif isinstance(option, str) and option == MoEPlacement.planned:
         placements, source = _planned(sizes, cluster, workload, dtype, plan_source)
     elif isinstance(option, (list, tuple)) and len(option) == len(layers):
         placements = [check_placement(p, n, world, f"moe_placement[{i}]") for i, (p, n) in
                       enumerate(zip(option, sizes))]
         source = "given"
     else:
-        raise field_error("moe_placement", option, f"be one of {', '.join(PLACEMENT_MODES)} or a list of "
+        raise field_error("moe_placement", option, f"be one of {', '.join(MoEPlacement)} or a list of "
                           f"{len(layers)} placement(s), one per HeteroMoE layer (one expert-id list per rank)")
     for layer, placement in zip(layers, placements):
         layer.place(placement)
