@@ -17,12 +17,13 @@ from typing import Mapping
 
 import yaml
 
+from het_strategy.core.dtypes import Dtype
 from het_strategy.core.errors import ConfigError, field_error
 
 __all__ = ["DTYPES", "DeviceType", "device_catalog", "lookup_device_type", "catalog_device_name"]
 
-DTYPES = ("fp32", "fp16", "bf16")
-"""The training dtypes a catalog entry (and a device) gives TFLOPS for."""
+DTYPES: tuple[str, ...] = tuple(str(d) for d in Dtype)
+"""The training dtypes a catalog entry (and a device) gives TFLOPS for: every ``Dtype``."""
 _CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
 _SIZE_OR_FORM_FACTOR = re.compile(r"\d+GB|SXM\d*|PCIE")
 

@@ -52,7 +52,8 @@ from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync
 from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
-from het_strategy.core.workload import DTYPE_BYTES, MeasuredProfile, WorkloadSpec
+from het_strategy.core.dtypes import DTYPE_BYTES
+from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = ["StageCost", "PlanScore", "CostModel"]
 

@@ -53,7 +53,8 @@ from torch import nn
 
 from het_strategy.core.catalog import catalog_device_name
 from het_strategy.core.errors import field_error, require_int
-from het_strategy.core.workload import DTYPE_BYTES, LayerCost, MeasuredProfile, WorkloadSpec
+from het_strategy.core.dtypes import DTYPE_BYTES
+from het_strategy.core.workload import LayerCost, MeasuredProfile, WorkloadSpec
 from het_strategy.profiling.batch_contents import first_tensor
 from het_strategy.profiling.block_counts import count_pass
 from het_strategy.profiling.block_times import adam_update_s, time_passes
