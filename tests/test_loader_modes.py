@@ -61,7 +61,7 @@ def test_a_bucketing_batch_sampler_gets_the_ranks_share_and_every_sample_once() 
     seen, shapes = [], []
     lengths = []
     for rank, share in enumerate([6, 2]):  # a global batch of 8: 2 full ones and a short last one of 4
-        rank_loader = user_batches_loader(loader, 8, [6, 2], rank, lambda own: max(own, 3))
+        rank_loader = user_batches_loader(loader, 8, [6, 2], rank, lambda own: max(own, 3))[0]
         lengths.append(len(rank_loader))
         batches = [b[2].tolist() for b in rank_loader]
         shapes.append([len(b) for b in batches])
@@ -77,16 +77,16 @@ def test_a_fixed_size_batch_sampler_gets_whole_batches_and_every_sample_once() -
     loader = DataLoader(data, batch_sampler=FixedFour(SequentialSampler(data)))
     per_rank = []
     for rank in (0, 1):  # planned shares 9 and 3 of 12 run as whole batches of 4: 8 and 4
-        rank_loader = user_batches_loader(loader, 12, [9, 3], rank, lambda own: own)
+        rank_loader = user_batches_loader(loader, 12, [9, 3], rank, lambda own: own)[0]
         per_rank.append([b[2].tolist() for b in rank_loader])
     assert [[len(b) for b in batches] for batches in per_rank] == [[8, 8], [4, 4]]
     assert per_rank[0][0] == list(range(8)) and per_rank[1][0] == list(range(8, 12))
     assert sorted(i for batches in per_rank for b in batches for i in b) == list(range(24))
-    idle = user_batches_loader(loader, 12, [11, 1], 1, lambda own: max(own, 2))  # 1 of 12 rounds to no batch
+    idle = user_batches_loader(loader, 12, [11, 1], 1, lambda own: max(own, 2))[0]  # 1 of 12 rounds to no batch
     assert [b[2].tolist() for b in idle] == [[0], [0]]  # fillers, counted 0
     assert [idle.batch_sampler.step_samples(s) for s in (0, 1)] == [0, 0]  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match=r"`DataLoader.batch_sampler.batch_size` is 4; it must divide the global"):
-        user_batches_loader(loader, 10, [5, 5], 0, lambda own: own)
+        user_batches_loader(loader, 10, [5, 5], 0, lambda own: own)[0]
 
 
 def test_equal_steps_pads_a_short_rank_with_fillers_counted_zero() -> None:
@@ -137,7 +137,7 @@ def test_the_share_of_a_distributed_sampler_in_a_user_batch_sampler_is_read_thro
     data = IndexedData(8)
     inner = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
     loader = DataLoader(data, batch_sampler=LengthBuckets(inner, 2, drop_last=False))
-    rank_loader = user_batches_loader(loader, 4, [2, 2], 0, lambda own: own)
+    rank_loader = user_batches_loader(loader, 4, [2, 2], 0, lambda own: own)[0]
     expected = torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
     got = [i for b in rank_loader for i in b[2].tolist()]
     assert sorted(got) == sorted(expected[0:2] + expected[4:6])

@@ -94,8 +94,9 @@ def split_loader(dataloader: DataLoader, global_batch: int, shares: list[int], r
 
 
 def user_batches_loader(dataloader: DataLoader, global_batch: int, shares: list[int], rank: int,
-                        steps_of_all: Callable[[int], int]) -> DataLoader:
-    """``dataloader`` with its own batch sampler class over this rank's shard, ``shares[rank]`` per step.
+                        steps_of_all: Callable[[int], int]) -> tuple[DataLoader, HeteroBatchSampler]:
+    """``dataloader`` with its own batch sampler class over this rank's shard, ``shares[rank]`` per step, and the
+    slices it is cut from.
 
     A sampler that fixes its batch size gets whole batches (the shares rounded to multiples of it).
     ``steps_of_all(own)`` is the largest step count of any rank (a collective across ranks).
@@ -113,7 +114,7 @@ def user_batches_loader(dataloader: DataLoader, global_batch: int, shares: list[
     batches = rebuild_batch_sampler(user, RankShard(slices), None if fixed is not None else max(shares[rank], 1))
     steps = EqualSteps(batches, 0, group=1 if fixed is None else shares[rank] // fixed)
     steps.steps = steps_of_all(steps.own_steps())
-    return rebuild_loader(dataloader, steps)
+    return rebuild_loader(dataloader, steps), slices
 
 
 def _global_order_source(dl: DataLoader) -> tuple[bool, int, Any]:
@@ -235,9 +236,8 @@ class BatchSplitter:
         takes part yet (before the ranks are launched).
         """
         if mode is LoaderMode.USER_BATCHES:
-            loader = user_batches_loader(dataloader, global_batch, shares, rank,
-                                         lambda own: _largest(own, world))
-            sampler: HeteroBatchSampler = loader.batch_sampler.batches.sampler.slices  # type: ignore[union-attr]
+            loader, sampler = user_batches_loader(dataloader, global_batch, shares, rank,
+                                                  lambda own: _largest(own, world))
         else:
             loader = split_loader(dataloader, global_batch, shares, rank, next_step)
             sampler = loader.batch_sampler  # type: ignore[assignment]
