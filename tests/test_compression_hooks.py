@@ -10,8 +10,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from het_strategy.compression import CompressionState, LinkModel, compression_hook
+from het_strategy.compression.config import CompressionConfig
 from het_strategy.compression.exchange import quantized_mean
 from het_strategy.compression.quantize import QuantizerSpec
+from het_strategy.core.codecs import CODECS, Codec
 from het_strategy.emulation.local_ranks import run_local_ranks
 from tests._compression_worker import MixedNet
 from tests._quantizer_bounds import two_phase_bound
@@ -30,8 +32,10 @@ def _rank_input(rank: int, n: int = 1000) -> torch.Tensor:
 
 
 def _quantized_means(rank: int, world: int) -> list[torch.Tensor]:
-    return [quantized_mean(_rank_input(rank), spec, dist.group.WORLD,
-                           torch.Generator().manual_seed(10 + rank)).mean for spec in QUANTIZERS]
+    return [quantized_mean(_rank_input(rank), CODECS[Codec(f"q{spec.bits}")],
+                           CompressionConfig(scaling=spec.scaling, bucket_size=spec.bucket_size,
+                                             stochastic_rounding=spec.stochastic),
+                           dist.group.WORLD, torch.Generator().manual_seed(10 + rank)).mean for spec in QUANTIZERS]
 
 
 def _sum_bound(spec: QuantizerSpec, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,9 @@ from het_strategy.compression.config import CompressionConfig, compression_confi
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods
 from het_strategy.compression.state import CompressionState
-from het_strategy.compression.quantize import QuantizerSpec, dequantize, error_bound, pack_codes, \
-    packed_row_bytes, quantize, unpack_codes
-from het_strategy.core.codecs import Codec
+from het_strategy.compression.quantize import QuantizerSpec, dequantize, error_bound, pack_codes, quantize, \
+    unpack_codes, zero_padded
+from het_strategy.core.codecs import Codec, CodecParams, packed_bytes
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.shipped import shipped_config_dir
 
@@ -113,13 +113,22 @@ def test_stochastic_rounding_is_unbiased(scaling: str) -> None:
 
 @pytest.mark.parametrize("scaling", ["maxmin", "maxnorm"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
-def test_packed_row_bytes_counts_codes_and_metadata(bits: int, scaling: str) -> None:
+def test_packed_bytes_counts_codes_and_metadata(bits: int, scaling: str) -> None:
     spec = QuantizerSpec(bits=bits, scaling=scaling, bucket_size=32)
     x = torch.randn(32 * 9, generator=torch.Generator().manual_seed(bits))
     q = quantize(x, spec)
     actual = pack_codes(q.codes, bits).numel() * 1 + q.meta.numel() * 4  # uint8 codes, fp32 metadata
-    assert packed_row_bytes(x.numel(), spec) == actual
+    assert packed_bytes(x.numel(), bits, CodecParams(bucket_size=32, scaling=scaling)) == actual
     assert actual == 9 * (32 * bits // 8 + 4 * (2 if scaling == "maxmin" else 1))
+
+
+def test_zero_padded_fills_whole_buckets_and_keeps_a_whole_fp32_tensor() -> None:
+    x = torch.arange(1.0, 11.0)
+    padded = zero_padded(x, 8)
+    assert padded.tolist() == [*x.tolist(), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert zero_padded(padded, 8) is padded  # already whole: no copy
+    half = torch.ones(16, dtype=torch.bfloat16)
+    assert zero_padded(half, 8).dtype == torch.float32  # always fp32, whole or not
 
 
 # -- controller.py -----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ Imports point one way: quantize <- config <- codecs <- exchange; controller; ada
 """
 
 from het_strategy.core.codecs import CODECS, Codec
-from het_strategy.compression.config import METHODS, CompressionConfig, compression_config
+from het_strategy.compression.config import METHODS, CompressionConfig, Scope, compression_config
 from het_strategy.compression.codecs import TORCH_CODECS, wire_bytes
 from het_strategy.compression.controller import LayerOption, LinkModel, solve_layer_methods
 from het_strategy.compression.adaptive import AdaptiveController, format_decisions
@@ -27,6 +27,6 @@ from het_strategy.compression.state import CompressionState
 from het_strategy.compression.hook import compression_hook
 from het_strategy.compression.wire_count import WireBytes, counted_comm_hook
 
-__all__ = ["Codec", "CODECS", "TORCH_CODECS", "METHODS", "CompressionConfig", "compression_config",
+__all__ = ["Codec", "CODECS", "TORCH_CODECS", "METHODS", "CompressionConfig", "Scope", "compression_config",
            "CompressionState", "compression_hook", "AdaptiveController", "format_decisions", "LayerOption",
            "LinkModel", "solve_layer_methods", "wire_bytes", "WireBytes", "counted_comm_hook"]

@@ -1,10 +1,27 @@
 """The torch side of the codec registry: each codec's encoder and decoder, its bound, its wire bytes.
 
-``core/codecs.py`` holds each codec's pure facts (``CodecSpec``: exchange,
-wire bytes, bound).  ``TORCH_CODECS`` attaches, per token, the encoder and
-decoder one rank's gradient goes through; importing this module fails unless
-it covers exactly the codecs of ``core.codecs.CODECS``.  The collectives that
-carry the encoded layers are ``exchange.py``'s, one per ``Exchange``.
+``core/codecs.py`` registers each codec once, with its pure facts
+(``CodecSpec``: exchange, wire bytes, bound).  The torch side follows from
+that registration: ``ENCODINGS`` holds one ``TorchCodec`` (encoder and
+decoder) per ``Exchange``, reading the codec's own figures (wire dtype, bits)
+from its spec, and ``TORCH_CODECS`` gives every token its exchange's; importing
+this module fails unless ``ENCODINGS`` covers every ``Exchange``.  These
+encoders and decoders are the only place a codec's encoding is written: the
+comm hook's collectives (``exchange.py``) carry and sum their payloads, the
+adaptive controller measures their round trips.  PowerSGD's exchange is
+torch's ``powerSGD_hook`` (warm-started factors, its own error feedback); its
+encoder here is that hook's first step, which the controller measures.
+
+What each exchange's payload is (the tensors that go on the wire):
+
+- ``ALLREDUCE`` — one tensor the backend can sum: ``flat`` as it is (``none``;
+  the hook passes it in the gradients' dtype) or cast to the wire dtype;
+- ``QUANTIZED`` — ``(packed codes, per-bucket fp32 metadata, element count)``,
+  padded with zeros to whole buckets;
+- ``ALLGATHER`` — ``(fp32 values, int32 indices, element count)`` of the
+  entries top-k keeps;
+- ``LOW_RANK`` — PowerSGD's factors ``(P, Q)``, or the whole tensor where
+  factors would not be smaller.
 
 - ``round_trip`` — what a flat fp32 gradient becomes through a codec, without
   communication (the adaptive controller measures each candidate's error so);
@@ -24,11 +41,11 @@ import torch
 
 from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.quantize import Quantized, dequantize, error_bound, pack_codes, quantize, \
-    unpack_codes
-from het_strategy.core.codecs import CODECS, Bound, Codec, CodecSpec, codec, low_rank, topk_count
+    unpack_codes, zero_padded
+from het_strategy.core.codecs import CODECS, Bound, Codec, CodecSpec, Exchange, codec, low_rank, topk_count
 from het_strategy.profiling.torch_device import TORCH_DTYPES
 
-__all__ = ["TorchCodec", "TORCH_CODECS", "round_trip", "bound_ratio", "wire_bytes", "topk_select"]
+__all__ = ["TorchCodec", "ENCODINGS", "TORCH_CODECS", "round_trip", "bound_ratio", "wire_bytes"]
 
 Encoder = Callable[[CodecSpec, torch.Tensor, Sequence[int], CompressionConfig, "torch.Generator | None"], Any]
 Decoder = Callable[[CodecSpec, Any, CompressionConfig], torch.Tensor]
@@ -44,13 +61,9 @@ class TorchCodec:
     """``(spec, payload, config) -> flat fp32``."""
 
 
-def _same(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
-          generator: torch.Generator | None) -> torch.Tensor:
-    return x
-
-
 def _cast(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
           generator: torch.Generator | None) -> torch.Tensor:
+    """``x`` in the codec's wire dtype, or as it is for a codec without one (``none``)."""
     return x.to(TORCH_DTYPES[spec.wire_dtype]) if spec.wire_dtype else x
 
 
@@ -62,9 +75,7 @@ def _quantize(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: Compr
               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(packed codes, per-bucket metadata, element count), the tensor padded with zeros to whole buckets."""
     q_spec = quantizer_for(spec.token, cfg)
-    padded = torch.zeros(math.ceil(x.numel() / q_spec.bucket_size) * q_spec.bucket_size, device=x.device)
-    padded[:x.numel()] = x
-    q = quantize(padded, q_spec, generator)
+    q = quantize(zero_padded(x, q_spec.bucket_size), q_spec, generator)
     return pack_codes(q.codes, q_spec.bits), q.meta, x.numel()
 
 
@@ -75,16 +86,11 @@ def _dequantize(spec: CodecSpec, payload: tuple[torch.Tensor, torch.Tensor, int]
     return dequantize(Quantized(unpack_codes(packed, q_spec.bits), meta), q_spec)[:n]
 
 
-def topk_select(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, int64 indices) of the ``topk_count`` largest-magnitude entries of flat ``x``."""
-    top = x.abs().topk(topk_count(x.numel(), ratio), sorted=False).indices
-    return x[top], top
-
-
 def _topk(spec: CodecSpec, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    values, indices = topk_select(x, cfg.topk_ratio)
-    return values, indices.to(torch.int32), x.numel()
+    """(values, int32 indices, element count) of the ``topk_count`` largest-magnitude entries of flat ``x``."""
+    top = x.abs().topk(topk_count(x.numel(), cfg.topk_ratio), sorted=False).indices
+    return x[top], top.to(torch.int32), x.numel()
 
 
 def _scatter(spec: CodecSpec, payload: tuple[torch.Tensor, torch.Tensor, int],
@@ -116,29 +122,21 @@ def _unfactor(spec: CodecSpec, payload: tuple[torch.Tensor, torch.Tensor] | torc
     return (p @ q.T).reshape(-1)
 
 
-_PLAIN = TorchCodec(_same, _to_fp32)
-_HALF = TorchCodec(_cast, _to_fp32)
-_QUANTIZED = TorchCodec(_quantize, _dequantize)
-
-TORCH_CODECS: dict[Codec, TorchCodec] = {
-    Codec.NONE: _PLAIN,
-    Codec.FP16: _HALF,
-    Codec.BF16: _HALF,
-    Codec.Q8: _QUANTIZED,
-    Codec.Q7: _QUANTIZED,
-    Codec.Q6: _QUANTIZED,
-    Codec.Q5: _QUANTIZED,
-    Codec.Q4: _QUANTIZED,
-    Codec.Q3: _QUANTIZED,
-    Codec.Q2: _QUANTIZED,
-    Codec.TOPK: TorchCodec(_topk, _scatter),
-    Codec.POWERSGD: TorchCodec(_factor, _unfactor),
+ENCODINGS: dict[Exchange, TorchCodec] = {
+    Exchange.ALLREDUCE: TorchCodec(_cast, _to_fp32),
+    Exchange.QUANTIZED: TorchCodec(_quantize, _dequantize),
+    Exchange.ALLGATHER: TorchCodec(_topk, _scatter),
+    Exchange.LOW_RANK: TorchCodec(_factor, _unfactor),
 }
-"""Every codec's encoder and decoder (one entry per ``core.codecs.CODECS`` entry)."""
+"""The encoder and decoder of each ``Exchange``'s payload; a codec's own figures (wire dtype, bits) come from
+its ``CodecSpec``."""
 
-if set(TORCH_CODECS) != set(CODECS):
-    raise ImportError(f"compression/codecs.py: TORCH_CODECS covers {sorted(TORCH_CODECS)}, core.codecs.CODECS "
-                      f"{sorted(CODECS)}; register a new codec in both")
+if set(ENCODINGS) != set(Exchange):
+    raise ImportError(f"compression/codecs.py: ENCODINGS covers {sorted(ENCODINGS)}, core.codecs.Exchange "
+                      f"{sorted(Exchange)}; a new exchange needs its encoder and decoder here")
+
+TORCH_CODECS: dict[Codec, TorchCodec] = {token: ENCODINGS[spec.exchange] for token, spec in CODECS.items()}
+"""Every codec's encoder and decoder, by token: its exchange's (one entry per ``core.codecs.CODECS`` entry)."""
 
 
 def round_trip(token: str, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
@@ -165,9 +163,7 @@ def bound_ratio(token: str, x: torch.Tensor, got: torch.Tensor, shape: Sequence[
         bound = spec.unit_roundoff * x.abs() + info.tiny * info.eps / 2
     elif spec.bound is Bound.HALF_STEP:
         q_spec = quantizer_for(spec.token, cfg)
-        padded = torch.zeros(math.ceil(x.numel() / q_spec.bucket_size) * q_spec.bucket_size, device=x.device)
-        padded[:x.numel()] = x
-        bound = error_bound(padded, q_spec)[:x.numel()]
+        bound = error_bound(zero_padded(x, q_spec.bucket_size), q_spec)[:x.numel()]
     else:  # DROPPED: an element above the k-th largest magnitude is sent exactly
         kth = x.abs().topk(topk_count(x.numel(), cfg.topk_ratio)).values[-1]
         bound = torch.where(x.abs() <= kth, x.abs(), torch.zeros_like(x))

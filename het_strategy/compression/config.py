@@ -16,22 +16,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
 from typing import Any, Literal, Mapping
 
 from het_strategy.compression.quantize import QuantizerSpec
 from het_strategy.core.codecs import CODECS, SCALINGS, Codec, CodecParams, Scaling, codec
-from het_strategy.core.errors import check_keys, field_error, require_int
+from het_strategy.core.errors import check_keys, field_error, require_int, require_option
 from het_strategy.core.log import logger
 
-__all__ = ["CompressionConfig", "METHODS", "ADAPTIVE", "compression_config", "quantizer_for"]
+__all__ = ["CompressionConfig", "Scope", "METHODS", "ADAPTIVE", "compression_config", "quantizer_for"]
 
 ADAPTIVE = "adaptive"
 METHODS: tuple[str, ...] = (ADAPTIVE, *Codec)
 """What ``CompressionConfig.method`` may be: adaptive, or any codec token."""
-SCOPES = ("all", "inter_node")
 _QUANTIZE_ALIAS = "quantize"  # method: quantize + bits: b, read as q<b>
 _BITS = 4  # CompressionConfig.bits's default
 _DEFAULTS = CodecParams()
+
+
+class Scope(StrEnum):
+    """Which ranks' exchange is compressed (``CompressionConfig.scope``)."""
+
+    ALL = "all"
+    """Every rank's exchange, flat (``compression_hook`` over all ranks)."""
+    INTER_NODE = "inter_node"
+    """Only the exchange among nodes: reduced within each node uncompressed first (``hierarchical.py``)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,7 @@ class CompressionConfig:
     """adaptive: plan for a link of this many Mbit/s instead of timing allreduces (None: measure at each solve)."""
     verbose: bool = True
     """Print the per-layer decisions (rank 0) whenever they change."""
-    scope: str = "all"
+    scope: Scope = Scope.ALL
     """all: every rank's exchange is compressed (flat); inter_node: reduce within each node uncompressed and
     compress only the exchange among nodes (``hierarchical.py``; the cluster's nodes, equal in size)."""
 
@@ -120,8 +129,7 @@ class CompressionConfig:
             link = self.link_mbit
             if isinstance(link, bool) or not isinstance(link, (int, float)) or not math.isfinite(link) or link <= 0:
                 raise field_error("compression.link_mbit", link, "be a number > 0 (Mbit/s) or null to measure")
-        if self.scope not in SCOPES:
-            raise field_error("compression.scope", self.scope, f"be one of {', '.join(SCOPES)}")
+        object.__setattr__(self, "scope", require_option(Scope, self.scope, "compression.scope"))
         if not self.candidates:
             raise field_error("compression.candidates", list(self.candidates), "name at least one method token")
         object.__setattr__(self, "candidates", tuple(codec(token, f"compression.candidates[{i}]")
@@ -142,6 +150,7 @@ class CompressionConfig:
         """Plain data (tokens as strings): for checkpoints, logs and YAML."""
         out = asdict(self)
         out["method"] = str(self.method)
+        out["scope"] = str(self.scope)
         out["candidates"] = [str(token) for token in self.candidates]
         return out
 

@@ -31,11 +31,9 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.compression.codecs import wire_bytes
-from het_strategy.compression.config import quantizer_for
-from het_strategy.compression.exchange import allreduce_mean, half_precision_mean, quantized_mean, topk_mean
+from het_strategy.compression.exchange import allreduce_mean, quantized_mean, topk_mean
 from het_strategy.compression.state import CompressionState
 from het_strategy.core.codecs import CODECS, Codec, Exchange, ring_allreduce_bytes
-from het_strategy.profiling.torch_device import TORCH_DTYPES
 
 __all__ = ["compression_hook"]
 
@@ -127,7 +125,7 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
                                [inputs[i] for i in members])
             continue
         if spec.exchange is Exchange.ALLGATHER:
-            means, delivered, sent = topk_mean([inputs[i] for i in members], cfg.topk_ratio, group)
+            means, delivered, sent = topk_mean([inputs[i] for i in members], spec, cfg, group)
             for i, mean, got in zip(members, means, delivered):
                 grads[i].copy_(mean.view_as(grads[i]))
                 if cfg.error_feedback:
@@ -135,15 +133,12 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
             state.bytes_sent += sent
             continue
         flat = torch.cat([inputs[i] for i in members])
-        if spec.exchange is Exchange.ALLREDUCE and spec.wire_dtype is None:
-            # in the gradients' own dtype (a bf16 model's stay bf16 on the wire)
-            out = allreduce_mean(flat.to(grads[members[0]].dtype), group)
-        elif spec.exchange is Exchange.ALLREDUCE:
-            out = half_precision_mean(flat, TORCH_DTYPES[spec.wire_dtype], group)
+        if spec.exchange is Exchange.ALLREDUCE:
+            # a codec without a wire dtype goes in the gradients' own (a bf16 model's stay bf16 on the wire)
+            out = allreduce_mean(flat if spec.wire_dtype else flat.to(grads[members[0]].dtype), spec, cfg, group)
         else:
             key = f"{token}:" + "|".join(names[i] for i in members)
-            out = quantized_mean(flat, quantizer_for(token, cfg), group, state.generator,
-                                 state.chunk_residuals.pop(key, None))
+            out = quantized_mean(flat, spec, cfg, group, state.generator, state.chunk_residuals.pop(key, None))
             if cfg.error_feedback and out.chunk_residual is not None:
                 state.keep_chunk_residual(key, out.chunk_residual)
         state.bytes_sent += out.bytes_sent

@@ -10,19 +10,21 @@ its own scale, so one large value spoils only its row (CGX's bucketing):
 
 Rounding is to the nearest level (error <= step/2 per element) or stochastic
 (unbiased, error < step).  Codes are packed densely: 8 codes of b bits into b
-bytes, so 3-bit codes cost 3/8 byte each.
+bytes, so 3-bit codes cost 3/8 byte each.  A tensor that is not a whole number
+of buckets is first ``zero_padded``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from het_strategy.core.codecs import META_FLOATS, CodecParams, Scaling, packed_bytes
+from het_strategy.core.codecs import META_FLOATS, Scaling
 
-__all__ = ["QuantizerSpec", "Quantized", "quantize", "dequantize", "pack_codes", "unpack_codes",
-           "packed_row_bytes", "error_bound"]
+__all__ = ["QuantizerSpec", "Quantized", "zero_padded", "quantize", "dequantize", "pack_codes", "unpack_codes",
+           "error_bound"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,17 @@ class Quantized:
 
     codes: torch.Tensor
     meta: torch.Tensor
+
+
+def zero_padded(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Flat ``x`` in fp32, followed by zeros up to the next multiple of ``multiple`` elements (whole quantization
+    buckets; the two-phase exchange pads to ``world x bucket_size``); ``x`` itself when it is fp32 and whole."""
+    whole = math.ceil(x.numel() / multiple) * multiple
+    if whole == x.numel() and x.dtype == torch.float32:
+        return x
+    padded = torch.zeros(whole, dtype=torch.float32, device=x.device)
+    padded[:x.numel()] = x
+    return padded
 
 
 def quantize(x: torch.Tensor, spec: QuantizerSpec, generator: torch.Generator | None = None) -> Quantized:
@@ -141,8 +154,3 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.int64, device=packed.device) * bits
     return ((words >> shifts) & (2 ** bits - 1)).to(torch.uint8).reshape(-1)
 
-
-def packed_row_bytes(num_elements: int, spec: QuantizerSpec) -> int:
-    """Bytes that ``num_elements`` (a multiple of the bucket size) take packed, metadata included
-    (``core.codecs.packed_bytes``)."""
-    return packed_bytes(num_elements, spec.bits, CodecParams(bucket_size=spec.bucket_size, scaling=spec.scaling))

@@ -15,13 +15,17 @@ sync.  Each is registered here once, by its token (``Codec``), with
 The comm hook, the adaptive controller, the wire counter (all in
 ``het_strategy.compression``) and the cost model's compressed-sync price
 (``core/compressed_sync.py``) read this table; nothing else spells a codec's
-bytes.  The torch encoders and decoders are attached in
-``het_strategy.compression.codecs``, which checks at import that it covers
-exactly the codecs named here.
+bytes.  The torch encoders and decoders (``het_strategy.compression.codecs``)
+are one per ``Exchange`` and take a codec's own figures from its spec, so they
+need no entry of their own.
 
-Adding a codec: a member of ``Codec``, its ``CodecSpec`` in ``CODECS`` (an
-existing ``Exchange`` and ``Bound``, or a new one with its formula here), and
-its encoder/decoder in ``compression/codecs.py``.  Pure Python: no torch.
+Adding a codec of an existing exchange (a cast to another dtype the backend sums) is one
+registration: a member of ``Codec`` and its ``CodecSpec`` in ``CODECS``.  A
+codec whose payload no exchange carries yet needs a new ``Exchange``: its
+wire-byte formula in ``CodecSpec.wire_bytes``, its bound (an existing
+``Bound`` or a new one), its encoder and decoder in
+``compression/codecs.py``'s ``ENCODINGS`` and its collective in
+``compression/exchange.py``.  Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ class Exchange(StrEnum):
     """CGX's two phases: an all-to-all of each rank's packed codes, then an allgather of the re-quantized
     chunk means; each phase sends ``(W-1)/W`` of the packed tensor."""
     ALLGATHER = "allgather"
-    """An allgather of each rank's kept (fp32 value, int32 index) pairs."""
+    """An allgather of the (fp32 value, int32 index) pairs of each rank's largest-magnitude entries (top-k)."""
     LOW_RANK = "low_rank"
     """torch's PowerSGD: ring allreduces of the fp32 factors P (rows x r) and Q (cols x r); a matrix that the
     factors would not shrink goes as a plain fp32 allreduce."""
