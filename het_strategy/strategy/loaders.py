@@ -220,8 +220,7 @@ class BatchSplitter:
         """The global batch ``dataloader`` is split into."""
         if training and self.global_batch_size is not None:
             return self.global_batch_size
-        batch_size = dataloader.batch_size if dataloader.batch_sampler is None or type(dataloader.batch_sampler) \
-            is BatchSampler else getattr(dataloader.batch_sampler, "batch_size", None)
+        batch_size = rank_batch_size(dataloader)
         if batch_size is None:
             raise field_error("DataLoader.batch_size", None, "be set (per-rank size; the global batch is "
                               "batch_size x world size)", "or pass HeteroStrategy(global_batch_size=...)")
@@ -255,7 +254,7 @@ class BatchSplitter:
         Refuses loaders of different lengths: ranks would run different numbers of steps and the last
         gradient sync would wait forever.
         """
-        batch_size = getattr(dataloader.batch_sampler, "batch_size", dataloader.batch_size)
+        batch_size = rank_batch_size(dataloader)
         length = len(dataloader) if _has_len(dataloader) else None
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (batch_size, length))
@@ -314,6 +313,11 @@ class BatchSplitter:
         return (f"the training DataLoader runs in {self.train_mode.value!r} mode: its per-rank batch sizes are "
                 "fixed for the epoch; live rebalancing needs the default batch sampler and "
                 "use_distributed_sampler=True")
+
+
+def rank_batch_size(dataloader: DataLoader) -> int | None:
+    """Samples per batch of ``dataloader`` on one rank: its batch sampler's ``batch_size`` (None if it has none)."""
+    return getattr(dataloader.batch_sampler, "batch_size", dataloader.batch_size)
 
 
 def _has_len(dataloader: DataLoader) -> bool:
