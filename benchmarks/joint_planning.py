@@ -63,10 +63,11 @@ def _workload() -> Any:
 def plans(cluster: Any, workload: Any, batch: int) -> Any:
     """The ``JointResult`` on ``cluster`` (``.blind``, ``.plan``: the joint one): pure data parallelism planned as
     the strategy plans it, except that devices may stay idle (the blind plan's point)."""
-    from het_strategy.planning.joint import plan_jointly
+    from het_strategy.planning import PlanRequest, plan
     from het_strategy.planning.run_plan import data_parallel_settings
 
-    return plan_jointly(cluster, workload, data_parallel_settings(batch, "fp32", idle_devices=True), mode="dp")
+    return plan(cluster, workload, data_parallel_settings(batch, "fp32", idle_devices=True),
+                PlanRequest(compression="joint", mode="dp")).joint
 
 
 def sub_cluster(source: dict[str, Any], used: list[str]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ the model, as plain DDP does) and are scored by the same cost model; ratio =
 equal-split step time / planned step time (> 1: the planned split is faster).
 Clusters whose devices cannot all hold the model are reported and skipped.
 
-The second table (multi-node clusters only) is ``planning.joint.plan_jointly``:
+The second table (multi-node clusters only) is ``planning.plan`` with
+``PlanRequest(compression="joint", mode="dp")``:
 placement searched once per inter-node method (none, q8, q4), the fastest
 kept.  Its ``blind`` plan is the first table's planned one; ratio = blind step
 time / joint step time; "brought back" lists the devices the joint plan trains
@@ -29,8 +30,8 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.shipped import shipped_config_dir
 from het_strategy.core.workload import load_workload
-from het_strategy.planning import equal_split_plan, search_plan
-from het_strategy.planning.joint import JointResult, plan_jointly
+from het_strategy.planning import PlanRequest, equal_split_plan, plan, search_plan
+from het_strategy.planning.joint import JointResult
 
 JOINT_HEADER = (f"{'cluster':<26} {'blind_step_s':>12} {'blind_sps':>9} {'joint_step_s':>12} {'joint_sps':>9} "
                 f"{'inter_node':>10} {'ratio':>6}  brought back into use")
@@ -102,7 +103,7 @@ def main() -> None:
         print(f"{path.stem:<26} {cluster.num_devices:>7} {equal.step_time_s:>12.4f} "
               f"{planned.predicted['step_time_s']:>14.4f} {ratio:>6.2f}  {shares}")
         if len(cluster.nodes) > 1:  # one node: no inter-node hop, the joint plan is the blind one
-            joint = plan_jointly(cluster, workload, settings, mode="dp")
+            joint = plan(cluster, workload, settings, PlanRequest(compression="joint", mode="dp")).joint
             joint_rows.append(joint_row(path.stem, joint, cluster))
             joint_best, most_back = max(joint_best, joint_speedup(joint)), max(most_back, len(joint.brought_back()))
     print(f"\nplanned jointly with the inter-node compression (none, q8, q4) vs compression-blind, multi-node "

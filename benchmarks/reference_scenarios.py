@@ -7,9 +7,9 @@ profiles (vendored in het_strategy/core/data/sailor) in place of datasheet figur
 Sailor's own figures (0.170 / 0.523 it/s) come from Sailor's simulator, a
 different model, and are printed only as the anchor.
 
-Each scenario is also planned jointly with the inter-node compression
-(``planning.joint.plan_jointly``, same mode and settings as ours, which is its
-compression-blind plan): placement searched once per inter-node method (none,
+Each scenario is also planned jointly with the inter-node compression (the
+joint search step ``planning.joint.search_joint``, in the same mode and
+settings as ours, which is its compression-blind plan): placement searched once per inter-node method (none,
 q8, q4), the fastest kept, printed beside ours with the devices it brings back
 into use.  Predicted by the cost model; for pipeline and hybrid plans it is a
 what-if (only the hetero strategy's data-parallel runs apply the choice, as
@@ -29,7 +29,7 @@ from het_strategy.core.cost_model import CostModel
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning import search_plan
-from het_strategy.planning.joint import JointResult, plan_jointly
+from het_strategy.planning.joint import JointResult, search_joint
 from het_strategy.core.reference_profiles import load_sailor_profile
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
 from het_strategy.reference.amp_plans import amp_measured_plans
@@ -43,8 +43,9 @@ def _manual(cluster: ClusterSpec, workload: WorkloadSpec, batch: int, pipelines:
 
 def run_joint(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
               profile: MeasuredProfile | None = None) -> JointResult:
-    """Ours planned jointly with the inter-node compression (``plan``'s default mode, like ours)."""
-    return plan_jointly(cluster, workload, settings, mode="auto", profile=profile)
+    """Ours planned jointly with the inter-node compression in ``plan``'s default mode, like ours: a what-if,
+    since ``plan`` searches the joint choice over data-parallel plans only (the ones the hetero strategy runs)."""
+    return search_joint(cluster, workload, settings, mode="auto", profile=profile)
 
 
 def metis_plan(cluster: ClusterSpec, workload: WorkloadSpec, batch: int) -> Plan:

@@ -22,7 +22,6 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.pricing import plan_price
 from het_strategy.planning import PlanRequest, plan, search_plan
-from het_strategy.planning.joint import plan_jointly
 from het_strategy.planning.objective import MAX_SUBSETS, search_objective, sub_cluster
 from het_strategy.report.table import plan_table
 
@@ -186,7 +185,7 @@ def test_cost_composes_with_joint_compression_planning() -> None:
     cluster = cluster_from_dict({"name": "two", "inter_node_bandwidth_gbs": 1, "nodes": [
         {"name": "f", "intra_bandwidth_gbs": 100, "devices": [_kind("FAST", 40.0, FAST_PRICE, 2)]},
         {"name": "s", "intra_bandwidth_gbs": 100, "devices": [_kind("SLOW", 10.0, SLOW_PRICE, 2)]}]})
-    joint = lambda sub: plan_jointly(sub, small_workload(), SETTINGS, mode="dp").plan  # noqa: E731
+    joint = lambda sub: plan(sub, small_workload(), SETTINGS, PlanRequest(compression="joint", mode="dp")).plan  # noqa: E731
     best = min(_brute_force(cluster, joint), key=lambda r: (r["per_iteration"], r["step"]))
     result = _objective(cluster, objective="cost", compression="joint", min_throughput=1.0)
     assert result.plan.predicted["dollars_per_iteration"] == pytest.approx(best["per_iteration"], rel=1e-12)

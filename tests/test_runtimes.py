@@ -11,7 +11,8 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import TransformerConfig, transformer_workload
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.runtime_rules import Problem, Runtime, runtime_problems
-from het_strategy.planning.runtimes import plan_for_runtime
+from het_strategy.planning import PlanRequest, plan as make_plan
+from het_strategy.planning.runtimes import RuntimeChoice
 
 
 def runnable_problem(plan, runtime):
@@ -84,15 +85,22 @@ def test_hetero_takes_pure_data_parallel_plans_only():
     assert "data-parallel" in str(problems[0])
 
 
+def _runtime_choice(cluster, workload, settings, mode: str, runtime: str) -> RuntimeChoice:
+    """``planning.plan``'s runtime search: the runnable best beside the unconstrained best."""
+    choice = make_plan(cluster, workload, settings, PlanRequest(mode=mode, runtime=runtime)).runtime
+    assert choice is not None
+    return choice
+
+
 def test_an_unknown_runtime_is_a_config_error_naming_the_choices():
     with pytest.raises(ConfigError, match="`runtime` is 'torchrun'; it must be one of any, deepspeed, hetero"):
         runtime_problems(_plan([_pipe(["d0"], [0, 6])]), "torchrun")
     with pytest.raises(ConfigError, match="`planner.runtime` is 'ds'"):
-        plan_for_runtime(_asym_cluster(), _workload(), _settings(), runtime="ds")
+        PlanRequest(runtime="ds")
 
 
 def test_asymmetric_best_is_runnable_at_zero_0_so_nothing_is_lost():
-    choice = plan_for_runtime(_asym_cluster(), _workload(), _settings(), mode="hybrid", runtime="deepspeed")
+    choice = _runtime_choice(_asym_cluster(), _workload(), _settings(), mode="hybrid", runtime="deepspeed")
     assert len({tuple(p.boundaries()) for p in choice.plan.pipelines}) > 1  # asymmetric
     assert choice.plan is choice.unconstrained and choice.slowdown == 0.0
     assert "0.0% slower" in choice.summary()
@@ -100,7 +108,7 @@ def test_asymmetric_best_is_runnable_at_zero_0_so_nothing_is_lost():
 
 def test_at_zero_1_the_runtime_takes_the_best_aligned_plan_and_says_what_it_costs():
     cluster, workload = _asym_cluster(), _workload()
-    choice = plan_for_runtime(cluster, workload, _settings(zero_stage=1), mode="auto", runtime="deepspeed")
+    choice = _runtime_choice(cluster, workload, _settings(zero_stage=1), mode="auto", runtime="deepspeed")
     assert runnable_problem(choice.unconstrained, "deepspeed") is not None  # the unconstrained best is asymmetric
     assert runnable_problem(choice.plan, "deepspeed") is None
     assert len({tuple(p.boundaries()) for p in choice.plan.pipelines}) == 1
@@ -122,7 +130,7 @@ def test_tensor_parallel_best_is_replaced_by_a_tp_1_plan():
 
 def test_runtime_hetero_plans_one_stage_replicas_where_the_best_is_a_pipeline():
     # the asymmetric cluster's best plan pipelines over the slow devices; hetero keeps pure data parallelism
-    choice = plan_for_runtime(_asym_cluster(), _workload(), _settings(), mode="auto", runtime="hetero")
+    choice = _runtime_choice(_asym_cluster(), _workload(), _settings(), mode="auto", runtime="hetero")
     assert runtime_problems(choice.unconstrained, "hetero") != []
     assert choice.plan.is_pure_dp and choice.runtime is Runtime.hetero and choice.slowdown > 0
 
@@ -132,7 +140,7 @@ def test_at_zero_2_the_runtime_finds_data_parallel_plans_whose_micro_batch_count
     # micro-step, so every replica must run the same count); a single micro-batch size finds a runnable plan
     cluster, workload = load_cluster("mixed_a100_v100_t4"), transformer_workload(TransformerConfig(
         name="gpt_small_like", num_layers=12, hidden_size=768, num_heads=12, seq_len=1024, vocab_size=50257))
-    choice = plan_for_runtime(cluster, workload, TrainSettings(global_batch_size=64, zero_stage=2),
-                              mode="auto", runtime="deepspeed")
+    choice = _runtime_choice(cluster, workload, TrainSettings(global_batch_size=64, zero_stage=2),
+                             mode="auto", runtime="deepspeed")
     assert runtime_problems(choice.plan, "deepspeed") == []
     assert choice.plan.is_pure_dp and choice.slowdown > 0

@@ -4,7 +4,7 @@
 ``plan`` exactly (an empty list: it can).  Each ``Problem`` names the plan
 field by its full dotted path with indices (``plan.pipelines[1].stages[0].tp``),
 its value and the rule it breaks, so one list serves the planner's filter
-(``planning.runtimes.plan_for_runtime`` keeps plans with no problem), the
+(``planning.runtimes.search_runtime`` keeps plans with no problem), the
 DeepSpeed runtime (``ds_runtime.engine.check_runnable`` raises the first) and
 the construction checks of both Lightning strategies.
 

@@ -7,8 +7,8 @@ composes the searches in one documented order:
 - ``search.search_plan``: the mode search (``dp``: uneven data parallelism,
   ``dp_split``; ``pipeline``: one pipeline through every device; ``hybrid``:
   pipelines x stages x tensor parallelism, ``hybrid``; ``auto``: the best);
-- ``runtimes.plan_for_runtime``: only plans a runtime runs;
-- ``joint.plan_jointly``: placement x inter-node compression;
+- ``runtimes.search_runtime``: only plans a runtime runs;
+- ``joint.search_joint``: placement x inter-node compression;
 - ``objective.search_objective``: money objective, budget and floor over sub-clusters.
 
 MoE workloads get an expert placement (``experts``).  ``PlanResult`` holds the

@@ -3,7 +3,7 @@
 A compression-blind planner prices the gradient sync uncompressed, so behind a
 slow inter-node link it leaves devices idle whose sync costs more than their
 compute saves — and a controller compressing afterwards cannot bring them
-back.  ``plan_jointly`` searches both: for each method the inter-node hop may
+back.  ``search_joint`` searches both: for each method the inter-node hop may
 run in (``compressed_sync.JOINT_CHOICES``: uncompressed, and the quantizers
 within the adaptive controller's quality budget), the planner's exact search
 over placement with the sync priced in that method; the fastest wins.  A
@@ -21,14 +21,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.compressed_sync import JOINT_CHOICES, check_token
+from het_strategy.core.compressed_sync import JOINT_CHOICES
+from het_strategy.core.errors import ConfigError
 from het_strategy.core.train_settings import TrainSettings
-from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.search import search_plan
 
-__all__ = ["JointResult", "plan_jointly"]
+__all__ = ["JointResult", "search_joint"]
 
 
 @dataclass
@@ -50,22 +50,17 @@ class JointResult:
         return sorted(set(self.plan.used_devices) - set(blind.used_devices))
 
 
-def plan_jointly(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "dp",
-                 profile: MeasuredProfile | None = None, choices: tuple[str, ...] = JOINT_CHOICES) -> JointResult:
-    """The fastest plan over ``choices`` x placement (see the module docstring); ``planning.plan`` runs it for
-    ``PlanRequest(compression="joint")`` in mode dp."""
-    if not choices:
-        raise field_error("planner.compression_choices", list(choices), "name at least one method token")
-    for i, token in enumerate(choices):
-        check_token(token, f"planner.compression_choices[{i}]")
-    if len(cluster.nodes) < 2:
-        choices = ("none",)
+def search_joint(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "dp",
+                 profile: MeasuredProfile | None = None) -> JointResult:
+    """Step 2 of ``planning.plan`` for ``PlanRequest(compression="joint")``: the fastest plan over
+    ``JOINT_CHOICES`` x placement (see the module docstring), each choice searched in ``mode``."""
+    choices = JOINT_CHOICES if len(cluster.nodes) >= 2 else ("none",)
     by_choice: dict[str, Plan] = {}
     errors: list[str] = []
-    for token in dict.fromkeys(choices):
+    for token in choices:
         try:
             found = search_plan(cluster, workload, dataclasses.replace(settings, inter_node_compression=token), mode,
-                           profile)
+                                profile)
         except ConfigError as exc:
             errors.append(f"{token}: {exc}")
             continue

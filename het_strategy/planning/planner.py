@@ -7,10 +7,12 @@ composes them in one order:
    times of the workload (``core.reference_profiles``); a ``profile`` argument
    (e.g. a model profiled on this machine) is used as given; both is an error.
 2. **One cluster** is planned by ``_plan_cluster``, in this order of precedence:
-   ``compression=joint``: placement x inter-node compression (``joint.plan_jointly``,
-   data parallelism); ``runtime`` other than ``any``: the best plan that runtime
-   runs, beside the unconstrained best (``runtimes.plan_for_runtime``);
-   otherwise the mode search (``search.search_plan``).
+   ``compression=joint``: placement x inter-node compression (``joint.search_joint``)
+   over data-parallel plans, the plans whose hierarchical exchange the ``hetero``
+   strategy runs (``mode=auto`` reads as ``dp`` here); ``runtime`` other than
+   ``any``: the best plan that runtime runs, beside the unconstrained best
+   (``runtimes.search_runtime``); otherwise the mode search (``search.search_plan``).
+   The three steps are the modules' own; ``plan`` is the one public entry.
 3. **Sub-clusters**, when the request has a money objective, a budget or a
    throughput floor: ``objective.search_objective`` plans sub-clusters, each by
    step 2, and returns the winner on the whole cluster's device list.
@@ -34,10 +36,10 @@ from het_strategy.core.cost_model import CostModel, PlanScore
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.pricing import plan_price
-from het_strategy.planning.joint import JointResult, plan_jointly
+from het_strategy.planning.joint import JointResult, search_joint
 from het_strategy.planning.objective import ObjectiveResult, search_objective
-from het_strategy.planning.request import CompressionPlanning, PlanRequest
-from het_strategy.planning.runtimes import RuntimeChoice, plan_for_runtime
+from het_strategy.planning.request import CompressionPlanning, PlanMode, PlanRequest
+from het_strategy.planning.runtimes import RuntimeChoice, search_runtime
 from het_strategy.planning.search import search_plan
 
 if TYPE_CHECKING:
@@ -141,11 +143,11 @@ def _plan_cluster(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "T
                   profile: "MeasuredProfile | None") -> tuple[Plan, RuntimeChoice | None, JointResult | None]:
     """Step 2: the plan of one cluster, with the runtime's or the joint search's detail."""
     if request.compression == CompressionPlanning.joint:
-        joint = plan_jointly(cluster, workload, settings, mode="dp", profile=profile)
+        joint = search_joint(cluster, workload, settings, mode=str(PlanMode.dp), profile=profile)
         return joint.plan, None, joint
     if request.runtime != "any":
-        choice = plan_for_runtime(cluster, workload, settings, mode=str(request.mode), profile=profile,
-                                  runtime=request.runtime)
+        choice = search_runtime(cluster, workload, settings, mode=str(request.mode), profile=profile,
+                                runtime=request.runtime)
         return choice.plan, choice, None
     return search_plan(cluster, workload, settings, str(request.mode), profile), None, None
 

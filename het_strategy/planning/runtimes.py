@@ -15,7 +15,7 @@ run (ZeRO >= 1, not fp32) is then represented by the aligned searches (one
 pipeline over every device, one-stage replicas), so an aligned multi-pipeline
 plan may be missed there.
 
-``plan_for_runtime`` returns the best runnable plan and the unconstrained
+``search_runtime`` returns the best runnable plan and the unconstrained
 best, so the caller can say how much slower (by the cost model) the runnable
 one is; for ``deepspeed`` the gap is 0 for fp32 ZeRO-0 plans without tensor
 parallelism, asymmetric replicas included.
@@ -33,7 +33,7 @@ from het_strategy.core.runtime_rules import Runtime, as_runtime, runtime_problem
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
-__all__ = ["Runtime", "RuntimeChoice", "runnable", "plan_for_runtime"]
+__all__ = ["Runtime", "RuntimeChoice", "runnable", "search_runtime"]
 
 
 def runnable(plan: Plan, runtime: Runtime | str) -> bool:
@@ -91,9 +91,10 @@ class RuntimeChoice:
                 f"model than the unconstrained best, which it cannot run: {problems[0]}")
 
 
-def plan_for_runtime(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "auto",
-                     profile: MeasuredProfile | None = None, runtime: Runtime | str = Runtime.any) -> RuntimeChoice:
-    """Search as ``planning.plan`` does, keeping only plans ``runtime`` runs (``runtime_problems`` empty)."""
+def search_runtime(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "auto",
+                   profile: MeasuredProfile | None = None, runtime: Runtime | str = Runtime.any) -> RuntimeChoice:
+    """Step 2 of ``planning.plan`` for ``PlanRequest(runtime=...)``: the mode search, keeping only plans
+    ``runtime`` runs (``runtime_problems`` empty)."""
     from het_strategy.planning.search import PlanningError, search_plan as make_plan
 
     target = as_runtime(runtime)

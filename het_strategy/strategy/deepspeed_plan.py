@@ -8,7 +8,7 @@
    filter and ``ds_runtime.engine.check_runnable`` read; without a plan, the
    planning inputs are checked (workload, global batch, planner mode).
 2. ``ensure(rank, world_size)`` at setup: without a plan, rank 0 searches one
-   (``plan_for_runtime(..., runtime="deepspeed")``) and broadcasts it, so every
+   (``planning.plan`` with ``PlanRequest(runtime="deepspeed")``) and broadcasts it, so every
    rank runs the same plan (an error on rank 0 stops every rank with the same
    message); then the plan is checked against the launched world (one process
    per device the plan uses).
