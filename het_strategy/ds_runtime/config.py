@@ -92,8 +92,10 @@ class RankBatch:
 
 # -- layout -------------------------------------------------------------------------------------
 
-def _deepspeed_runnable(plan: Plan) -> bool:
-    """All pipelines have the same number of stages and every stage has tp = 1."""
+def _on_deepspeed_grid(plan: Plan) -> bool:
+    """The ranks are numbered on DeepSpeed's stage x replica grid: all pipelines have the same number of stages
+    and every stage has tp = 1 (the boundaries may differ: ``core.runtime_rules.shares_boundaries`` tells an
+    aligned plan from an asymmetric one)."""
     num_stages = {len(p.stages) for p in plan.pipelines}
     return len(num_stages) == 1 and all(s.tp == 1 for p in plan.pipelines for s in p.stages)
 
@@ -112,7 +114,7 @@ def rank_layout(plan: Plan) -> list[RankAssignment]:
     not run.
     """
     out: list[RankAssignment] = []
-    if _deepspeed_runnable(plan):
+    if _on_deepspeed_grid(plan):
         num_stages = len(plan.pipelines[0].stages)
         dp = plan.num_pipelines
         for stage in range(num_stages):

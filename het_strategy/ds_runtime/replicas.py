@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from het_strategy.core.plan import Plan
+from het_strategy.core.runtime_rules import shares_boundaries
 from het_strategy.ds_runtime.config import rank_layout
 
 __all__ = ["ReplicaLayout", "replica_layout"]
@@ -31,6 +32,9 @@ class ReplicaLayout:
     """``stage_ranks[p][s]``: the global rank running stage ``s`` of replica ``p``."""
     parts: tuple[tuple[int, ...], ...]
     """``parts[p]``: replica ``p``'s boundaries; stage ``s`` holds layers ``[parts[p][s], parts[p][s + 1])``."""
+    is_aligned: bool
+    """Every replica has the same boundaries (``core.runtime_rules.shares_boundaries``): DeepSpeed's own grid of
+    stages x replicas runs it."""
 
     @property
     def num_replicas(self) -> int:
@@ -43,11 +47,6 @@ class ReplicaLayout:
     @property
     def world_size(self) -> int:
         return sum(len(r) for r in self.stage_ranks)
-
-    @property
-    def is_aligned(self) -> bool:
-        """Every replica has the same boundaries (DeepSpeed's own grid of stages x replicas runs it)."""
-        return len(set(self.parts)) == 1
 
     def where(self, rank: int) -> tuple[int, int]:
         """``(replica, stage)`` of a global rank."""
@@ -90,4 +89,5 @@ def replica_layout(plan: Plan) -> ReplicaLayout:
     for ra in rank_layout(plan):
         ranks[ra.pipeline][ra.stage] = ra.rank
     return ReplicaLayout(stage_ranks=tuple(tuple(r) for r in ranks),
-                         parts=tuple(tuple(p.boundaries()) for p in plan.pipelines))
+                         parts=tuple(tuple(p.boundaries()) for p in plan.pipelines),
+                         is_aligned=shares_boundaries(plan))
