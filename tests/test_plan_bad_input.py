@@ -128,3 +128,24 @@ def test_score_refuses_another_clusters_plan_whose_device_names_overlap(tmp_path
     assert main(["cluster=local_cpu4_mixed", "model=tiny_gpt", f"score={tmp_path / 'p.json'}",
                  f"output.dir={tmp_path}", "output.plan=p.json"]) == 0
     assert (tmp_path / "p.scored.json").is_file()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model_input.shape=x", "`model_input.shape` is 'x'; it must be a list of integers or null"),
+    ("model_input.shape=[4,a]", "`model_input.shape[1]` is 'a'; it must be an integer"),
+    ("model_input.blocks=3", "`model_input.blocks` is '3'; it must be a list of strings or null"),
+    ("model_input.repeats=0", "`model_input.repeats` is 0; it must be >= 1"),
+    ("settings.micro_batch_sizes=x", "`settings.micro_batch_sizes` is 'x'; it must be a list of integers"),
+    ("settings.micro_batch_sizes=[1,x]", "`settings.micro_batch_sizes[1]` is 'x'; it must be an integer"),
+    ("output.dir=''", "`output.dir` is ''; it must be a folder path"),
+    ("output.plan=' '", "`output.plan` is ' '; it must be a file name (or null to not write the plan)"),
+    ("output.plot=maybe", "`output.plot` is 'maybe'; it must be true or false"),
+])
+def test_a_bad_typed_section_value_names_the_field_and_its_type(override: str, message: str, tmp_path: Path,
+                                                                  capsys, monkeypatch) -> None:
+    """The schema's field types are the rules: a list field says so, an item of one is named with its index."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["cluster=local_cpu4_mixed", "model=tiny_gpt", override]) == 2
+    err = capsys.readouterr().err
+    assert err == f"het-plan: error: {message}\n"
+    assert not (tmp_path / "plan.json").exists()

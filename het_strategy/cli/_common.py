@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from het_strategy.core.errors import ConfigError, field_error
@@ -236,18 +236,30 @@ def schema_error(exc: OmegaConfBaseException, value: Any = None) -> ConfigError:
     key = str(getattr(exc, "full_key", "") or "config")
     shown = value if value is not None else getattr(exc, "value", None)
     parent = getattr(exc, "parent_node", None)
+    element = re.fullmatch(r"(.+)\[\d+\]", key)  # an item of a list field (model_input.shape[0])
+    if element and isinstance(parent, ListConfig):
+        parent = parent._get_parent()
+    name = (element.group(1) if element else key).rsplit(".", 1)[-1]
     kind = None
     if isinstance(parent, DictConfig):
         owner = OmegaConf.get_type(parent)
         if isinstance(owner, type) and dataclasses.is_dataclass(owner):
-            kind = {f.name: f.type for f in dataclasses.fields(owner)}.get(key.rsplit(".", 1)[-1])
+            kind = {f.name: f.type for f in dataclasses.fields(owner)}.get(name)
     if kind is None:
         return field_error(key, shown, f"be a valid value ({str(exc).splitlines()[0]})")
     text = str(getattr(kind, "__name__", kind))  # "float", "Optional[int]", ... (annotations may be strings)
     nullable = "Optional" in text or "None" in text  # Optional[X] or X | None
-    options = _enum_options(owner, key.rsplit(".", 1)[-1])
+    options = _enum_options(owner, name)
     if options is not None:  # an option field (StrEnum): Hydra matches the member names
         return field_error(key, shown, f"be one of {', '.join(options)}" + (" or null" if nullable else ""))
+    listed = re.search(r"(?:list|tuple|List|Tuple)\[(\w+)", text)
+    if listed:  # Optional[list[str]], tuple[int, ...]: the whole list, or one item of it
+        singular = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}
+        plural = {"str": "strings", "int": "integers", "float": "numbers", "bool": "booleans"}
+        item = listed.group(1)
+        if element:
+            return field_error(key, shown, f"be {singular.get(item, item)}")
+        return field_error(key, shown, f"be a list of {plural.get(item, item)}" + (" or null" if nullable else ""))
     for name, rule in (("bool", "be true or false"), ("int", "be an integer"), ("float", "be a number"),
                        ("str", "be a string")):
         if name in text:

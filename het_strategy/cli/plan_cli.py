@@ -46,14 +46,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from het_strategy.cli._common import (
     compose_config,
     cluster_from_cfg,
-    cfg_to_dict,
     run_cli,
     workload_from_cfg,
 )
-from het_strategy.core.errors import ConfigError, check_keys, field_error
+from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.shipped import shipped_names
 
 if TYPE_CHECKING:
+    from het_strategy.cli.plan_config import ModelInputConfig, PlanOutputConfig
     from het_strategy.core.cluster import ClusterSpec
     from het_strategy.core.cost_model import PlanScore
     from het_strategy.core.train_settings import TrainSettings
@@ -65,8 +65,6 @@ __all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
 
 PROG = "het-plan"
 CONFIG_NAME = "plan"
-_OUTPUT_KEYS = {"dir", "plan", "ds_config", "plot"}
-_MODEL_INPUT_KEYS = {"shape", "dtype", "blocks", "repeats", "measured_type"}
 _PYTHON_PATH = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*|.+\.py):[A-Za-z_]\w*$")
 
 _USAGE = f"""usage: {PROG} [--cfg] [key=value ...]
@@ -133,10 +131,10 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     from het_strategy.report.table import plan_table
 
     typed = typed_plan_config(cfg)
-    output = _output_settings(cfg)
+    output = _output_settings(typed.output)
     request, settings = typed.planner, typed.settings
     cluster = cluster_from_cfg(cfg)
-    made = _factory_model(cfg)
+    made = _factory_model(cfg, typed.model_input)
     factory = made[0] if made is not None else None
     if made is None:
         workload, measured = workload_from_cfg(cfg, dtype=settings.dtype), None
@@ -179,24 +177,14 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     return chosen, score
 
 
-def _output_settings(cfg: DictConfig) -> dict[str, Any]:
-    out = cfg_to_dict(cfg.get("output") or {}, "output")
-    check_keys(out, _OUTPUT_KEYS, "output")
-    for key in ("ds_config", "plot"):
-        if not isinstance(out.get(key, False), bool):
-            raise field_error(f"output.{key}", out[key], "be true or false")
-    if not isinstance(out.get("dir", "."), str) or not str(out.get("dir", ".")).strip():
-        raise field_error("output.dir", out.get("dir"), "be a folder path")
-    folder = Path(out.get("dir", ".")).expanduser()
+def _output_settings(out: "PlanOutputConfig") -> dict[str, Any]:
+    """The ``output`` section with its folder resolved; a folder path through an existing file is refused."""
+    folder = Path(out.dir).expanduser()
     for above in (folder, *folder.parents):
         if above.exists() and not above.is_dir():
-            raise field_error("output.dir", str(out.get("dir")), f"be a folder path; {above} is an existing file",
+            raise field_error("output.dir", out.dir, f"be a folder path; {above} is an existing file",
                               "name a folder (it is created when missing)")
-    plan_name = out.get("plan", "plan.json")
-    if plan_name is not None and (not isinstance(plan_name, str) or not plan_name.strip()):
-        raise field_error("output.plan", plan_name, "be a file name (or null to not write the plan)")
-    return {"dir": Path(out.get("dir", ".")).expanduser(), "plan": plan_name,
-            "ds_config": out.get("ds_config", False), "plot": out.get("plot", False)}
+    return {"dir": folder, "plan": out.plan, "ds_config": out.ds_config, "plot": out.plot}
 
 
 def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSpec",
@@ -217,29 +205,20 @@ def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSp
     return plan, dataclasses.replace(settings, **taken) if differing else settings
 
 
-def _factory_model(cfg: DictConfig) -> "tuple[ProfileResult, bool] | None":
+def _factory_model(cfg: DictConfig, model_input: "ModelInputConfig") -> "tuple[ProfileResult, bool] | None":
     """The profile of ``model=<python path>`` (None for a model YAML), and whether its measured times price a
     device type of the cluster (``model_input.measured_type``); ``model_input`` describes its input."""
     node = cfg.get("model")
     factory = node.get("factory") if isinstance(node, (DictConfig, dict)) else None
-    raw = cfg_to_dict(cfg.get("model_input") or {}, "model_input")
-    check_keys(raw, _MODEL_INPUT_KEYS, "model_input")
     if factory is None:
         return None
-    from het_strategy.core.errors import fields_under, require_int
+    from het_strategy.core.errors import fields_under
     from het_strategy.profiling.model_factory import profile_factory
 
-    blocks = raw.get("blocks")
-    if blocks is not None and (not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks)):
-        raise field_error("model_input.blocks", blocks, "be null or a list of dotted module names")
-    measured = raw.get("measured_type")
-    if measured is not None and not isinstance(measured, str):
-        raise field_error("model_input.measured_type", measured, "be null or a device type name of the cluster")
     with fields_under("model_input", "blocks"):
-        result = profile_factory(str(factory), raw.get("shape"), str(raw.get("dtype", "float32")), blocks=blocks,
-                                 repeats=require_int(raw.get("repeats", 3), "model_input.repeats", minimum=1),
-                                 device_type=measured)
-    return result, measured is not None  # without measured_type: the counted FLOPs and the cluster's figures
+        result = profile_factory(str(factory), model_input.shape, str(model_input.dtype), blocks=model_input.blocks,
+                                 repeats=model_input.repeats, device_type=model_input.measured_type)
+    return result, model_input.measured_type is not None  # else: the counted FLOPs and the cluster's figures
 
 
 def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", settings: "TrainSettings",

@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig
 
 from het_strategy.cli.structured import store_schema, to_typed
 from het_strategy.core.dtypes import InputDtype
-from het_strategy.core.errors import require_option
+from het_strategy.core.errors import field_error, require_int, require_option
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.planning.request import PlanRequest
 
@@ -49,6 +49,7 @@ class ModelInputConfig:
 
     def __post_init__(self) -> None:
         self.dtype = require_option(InputDtype, self.dtype, "model_input.dtype")
+        require_int(self.repeats, "model_input.repeats", minimum=1)
 
 
 @dataclass
@@ -63,6 +64,12 @@ class PlanOutputConfig:
     """Also write DeepSpeed files (ds_config.json, ...)."""
     plot: bool = False
     """Also write a PNG picture of the plan."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir.strip():
+            raise field_error("output.dir", self.dir, "be a folder path")
+        if self.plan is not None and (not isinstance(self.plan, str) or not self.plan.strip()):
+            raise field_error("output.plan", self.plan, "be a file name (or null to not write the plan)")
 
 
 @dataclass
