@@ -138,6 +138,7 @@ class CostModel:
         self._max_act = [layer.activation_bytes_per_sample * act_scale for layer in layers]
         self._total_params = _prefix([layer.total_params for layer in layers])
         self._representative: dict[tuple, DeviceSpec] = {}
+        self._device_keys: dict[str, tuple[DeviceSpec, tuple]] = {}
         self._prefix_cache: dict[tuple, tuple[list[float], list[float]]] = {}
         self._replicated_prefix_cache: dict[tuple, np.ndarray] = {}
 
@@ -148,10 +149,15 @@ class CostModel:
 
     # -- per-layer times ------------------------------------------------------------------------
     def device_key(self, device: DeviceSpec) -> tuple:
-        """Devices with equal keys cost the same per layer (the planner groups them)."""
+        """Devices with equal keys cost the same per layer (the planner groups them).  Kept per device object: the
+        planner asks for every device of a large cluster many times."""
+        hit = self._device_keys.get(device.name)
+        if hit is not None and hit[0] is device:
+            return hit[1]
         key = (device.type, tuple(sorted(device.tflops.items())), device.efficiency, device.memory_gb,
                device.memory_bandwidth_gbs, device.emulated_speed, self.cluster.node(device.node).intra_bandwidth_gbs)
         self._representative.setdefault(key, device)
+        self._device_keys[device.name] = (device, key)
         return key
 
     def uses_profile(self, device: DeviceSpec, tp: int) -> bool:

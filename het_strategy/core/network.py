@@ -54,7 +54,7 @@ import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec
 
-__all__ = ["SyncRoute", "Network", "NO_SYNC", "TP_LINK_EFFICIENCY", "routes"]
+__all__ = ["NodeTuple", "SyncRoute", "Network", "NO_SYNC", "TP_LINK_EFFICIENCY", "routes"]
 
 TP_LINK_EFFICIENCY = 0.36
 """Fraction of the node link's peak that a blocking Megatron activation allreduce reaches.
@@ -66,6 +66,18 @@ allreduce — over the intra-node fit's peak has median 0.36 (spread 0.1-1.3; PC
 and NVLink nodes alike).  ``reference_profiles.measured_tp_link_efficiency``
 recomputes it from the data, and a test keeps the two together.
 """
+
+
+class NodeTuple(tuple):
+    """A tuple that computes its hash once.  The routes of one structure share one ``NodeTuple`` of a ring's
+    nodes (``routes``), and the planner hashes routes in its cache keys: a ring over thousands of nodes is
+    then hashed once, not on every lookup.  Equal to (and hashed as) the plain tuple of the same items."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("hash")
+        if cached is None:
+            cached = self.__dict__["hash"] = tuple.__hash__(self)
+        return cached
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ class Network:
     def __init__(self, cluster: ClusterSpec) -> None:
         self.cluster = cluster
         self.latency_s = cluster.latency_us * 1e-6
+        self._edges: dict[tuple[int, int], tuple[tuple[str, ...], tuple[int, ...], list]] = {}
 
     def describe(self) -> str:
         """One line for the plan table."""
@@ -149,18 +162,9 @@ class Network:
         """
         if not route.inter_node:
             return self.intra_bandwidth(route.nodes[0], route.members, num_bytes)
-        classes: dict[tuple, list[str]] = {}
-        for node, f in zip(route.nodes, route.flows):
-            classes.setdefault((self.node_class(node), f), []).append(node)
-        reps = [(nodes[0], f, len(nodes)) for (_, f), nodes in classes.items()]
         worst: Any = math.inf
-        for i, (node, f, count) in enumerate(reps):
-            for j, (peer, pf, _) in enumerate(reps):
-                if i == j and count < 2:
-                    continue
-                if i == j:
-                    peer = classes[(self.node_class(node), f)][1]
-                worst = np.minimum(worst, self.inter_flow_bandwidth(node, peer, f, pf, num_bytes))
+        for node, f, peer, pf in self._ring_edges(route):
+            worst = np.minimum(worst, self.inter_flow_bandwidth(node, peer, f, pf, num_bytes))
         if self.cluster.links:
             flows = dict(zip(route.nodes, route.flows))
             for link in self.cluster.links:
@@ -168,6 +172,24 @@ class Network:
                 if a in flows and b in flows:
                     worst = np.minimum(worst, self.inter_flow_bandwidth(a, b, flows[a], flows[b], num_bytes))
         return worst
+
+    def _ring_edges(self, route: SyncRoute) -> list[tuple[str, int, str, int]]:
+        """``(node, flows, peer, peer_flows)``: one ring edge per pair of node classes of ``route`` (a class with
+        one node pairs only with the others).  Kept per ``(nodes, flows)`` tuple pair, by identity: the routes of
+        one structure share those tuples (``routes``), so a plan of thousands of replicas classes its nodes once."""
+        key = (id(route.nodes), id(route.flows))
+        hit = self._edges.get(key)
+        if hit is not None and hit[0] is route.nodes and hit[1] is route.flows:
+            return hit[2]
+        classes: dict[tuple, list[str]] = {}
+        for node, f in zip(route.nodes, route.flows):
+            classes.setdefault((self.node_class(node), f), []).append(node)
+        reps = [(nodes[0], f, nodes) for (_, f), nodes in classes.items()]
+        edges = [(node, f, peer if i != j else same[1], pf)
+                 for i, (node, f, same) in enumerate(reps) for j, (peer, pf, _) in enumerate(reps)
+                 if i != j or len(same) >= 2]
+        self._edges[key] = (route.nodes, route.flows, edges)  # the tuples are held, so their ids stay theirs
+        return edges
 
     def node_class(self, node: str) -> tuple:
         """Nodes with equal classes have equal link figures."""
@@ -242,8 +264,8 @@ def routes(cluster: ClusterSpec, structure: Sequence[Sequence[tuple[str, ...]]])
             hit = memo.get(key)
             if hit is None:
                 nodes = frozenset().union(*(ring_nodes[(len(slots), s, r)] for r in range(len(slot))))
-                ordered = tuple(sorted(nodes))
-                hit = memo[key] = (ordered, tuple(max(1, flows.get(n, 1)) for n in ordered)
+                ordered = NodeTuple(sorted(nodes))
+                hit = memo[key] = (ordered, NodeTuple(max(1, flows.get(n, 1)) for n in ordered)
                                    if len(ordered) > 1 else ())
             stage_routes.append(SyncRoute(dp, hit[0], hit[1], send_flows(slots, s)))
         out.append(stage_routes)

@@ -132,11 +132,20 @@ def _node_unions(cm: CostModel, fitting: list[str]) -> list[list[str]]:
     """Every union of device classes within one node: the fastest kind spread over several nodes can lose to
     one node of it (no inter-node sync), which the dropping of whole groups from the best union never reaches
     when that union is a slower kind on one node."""
+    by_node: dict[str, list[str]] = {}
+    for n in fitting:
+        by_node.setdefault(cm.cluster.device(n).node, []).append(n)
     out: list[list[str]] = []
-    for node in dict.fromkeys(cm.cluster.device(n).node for n in fitting):
-        classes = _classes(cm, [n for n in fitting if cm.cluster.device(n).node == node], cm.device_key)
-        if len(classes) > EXHAUSTIVE_CLASSES:
+    seen: set[tuple] = set()
+    for node, names in by_node.items():
+        classes = _classes(cm, names, cm.device_key)
+        # nodes alike (figures, and the same count of each device class) plan alike within themselves: the
+        # first of them stands for the rest, which ``best_of`` would not prefer (it keeps the first best)
+        alike = (cm.network.node_class(node), tuple((cm.device_key(cm.cluster.device(cl[0])), len(cl))
+                                                     for cl in classes))
+        if len(classes) > EXHAUSTIVE_CLASSES or alike in seen:
             continue
+        seen.add(alike)
         out += _unions(classes)
     return out
 
@@ -181,7 +190,8 @@ def _add_back(cm: CostModel, search: _Search, best: StructureResult, fitting: li
     """Let an idle device join while one joining makes the step faster (one per (class, node) group tried)."""
     while True:
         used = list(best.plan.used_devices)
-        idle = [n for n in fitting if n not in set(used)]
+        taken = set(used)
+        idle = [n for n in fitting if n not in taken]
         reps = [g[0] for g in _idle_groups(cm, idle)]
         trial = search.best_of([used + [r] for r in reps])
         if trial is None or trial.step_time_s >= best.step_time_s * (1 - 1e-12):
