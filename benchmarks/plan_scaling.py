@@ -1,6 +1,6 @@
 """Planning time vs cluster size, and a sweep of small heterogeneous clusters.
 
-Part 1, scaling: 8, 64, 512, 4,096 and 16,384 devices of 4 types (H100,
+Part 1, scaling: 8, 64, 512, 4,096, 16,384 and 131,072 devices of 4 types (H100,
 A100-80GB, V100-32GB, T4; 8 a node), a 96-block model (~5B parameters), ZeRO 1,
 max_tp 8, max_stages 16, batch max(2048, devices).  For reference: HARP's
 stage construction took 164 s for three GPUs.
@@ -16,7 +16,8 @@ with max_tp 8.  The worst time is printed.
 Every plan is a fresh ``search_plan(..., mode="auto")`` on one core (the planner is
 single-threaded; numpy is pinned to one thread).  ``--repeat N`` plans each N
 times and reports the median.  The last line is
-``RESULT devices=4096 seconds=... devices_16384_seconds=... worst_small_seconds=... worst_small_cluster=<name>``.
+``RESULT devices=4096 seconds=... devices_16384_seconds=... devices_131072_seconds=... worst_small_seconds=...
+worst_small_cluster=<name>``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from het_strategy.core.workload import TransformerConfig, load_workload, transfo
 from het_strategy.planning import search_plan  # noqa: E402
 
 TYPES = ("H100-SXM", "A100-80GB", "V100-32GB", "T4")
-SIZES = (8, 64, 512, 4096, 16384)
+SIZES = (8, 64, 512, 4096, 16384, 131072)
 SMALL_MODELS = ("gpt_small", "opt350", "gpt_96l")
 
 
@@ -172,7 +173,8 @@ def main() -> None:
     times = run_scaling(args.sizes, args.repeat) if args.sizes else {}
     worst_s, worst_name = (math.nan, "none") if args.no_small else run_small(args.repeat)
     print(f"RESULT devices=4096 seconds={times.get(4096, math.nan):.2f} "
-          f"devices_16384_seconds={times.get(16384, math.nan):.2f} worst_small_seconds={worst_s:.2f} "
+          f"devices_16384_seconds={times.get(16384, math.nan):.2f} "
+          f"devices_131072_seconds={times.get(131072, math.nan):.2f} worst_small_seconds={worst_s:.2f} "
           f"worst_small_cluster={worst_name}")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from het_strategy.cli.plan_cli import main
 from het_strategy.core.cluster import cluster_from_dict, load_cluster
-from het_strategy.core.cluster_limits import MAX_DEVICES
+from het_strategy.core.cluster_limits import MAX_DEVICES, check_count
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.workload import load_workload
@@ -23,8 +23,8 @@ _CASES = {
                      ["`cluster.nodes[0].devices[0].count` is 100000000", f"within {MAX_DEVICES} devices"]),
     "node-count": ("nodes:\n  - name: n\n    count: 100000000\n    devices: [A100-80GB]\n",
                    ["`cluster.nodes[0].count` is 100000000", f"within {MAX_DEVICES} devices"]),
-    "counts-multiply": ("nodes:\n  - name: n\n    count: 2000\n    devices: [{type: T4, count: 3}]\n",
-                        ["`cluster.nodes[0].count` is 2000", "it would make 6000"]),
+    "counts-multiply": ("nodes:\n  - name: n\n    count: 400000\n    devices: [{type: T4, count: 3}]\n",
+                        ["`cluster.nodes[0].count` is 400000", "it would make 1200000"]),
     "alias-loop": ("nodes: &n [{name: n0, devices: *n}]\n",
                    ["YAML alias loop", "`cluster.nodes[0].devices` is `cluster.nodes` again"]),
     "list-node-name": ("nodes:\n  - name: [a, b]\n    devices: [A100-80GB]\n",
@@ -71,9 +71,11 @@ def test_bad_cluster_file_raises_config_error_through_the_api(case: str, tmp_pat
 
 
 def test_the_device_bound_is_exact():
-    at_bound = cluster_from_dict({"nodes": [{"name": "n", "count": MAX_DEVICES // 4, "devices": [
-        {"type": "T4", "count": 4}]}]})
-    assert at_bound.num_devices == MAX_DEVICES
+    assert check_count(MAX_DEVICES // 4, "cluster.nodes[0].count", 0, per_unit=4) == MAX_DEVICES // 4
+    with pytest.raises(ConfigError, match=f"it would make {MAX_DEVICES + 4}"):
+        check_count(MAX_DEVICES // 4 + 1, "cluster.nodes[0].count", 0, per_unit=4)
+    at_bound = cluster_from_dict({"nodes": [{"name": "n", "count": 1024, "devices": [{"type": "T4", "count": 4}]}]})
+    assert at_bound.num_devices == 4096
     with pytest.raises(ConfigError, match=f"it would make {MAX_DEVICES + 4}"):
         cluster_from_dict({"nodes": [{"name": "n", "count": MAX_DEVICES // 4 + 1, "devices": [
             {"type": "T4", "count": 4}]}]})

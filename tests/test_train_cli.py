@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from het_strategy.cli.train_cli import main
+from het_strategy.core.cluster_limits import MAX_DEVICES
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train.global_batch_size=16",
         "data.max_bytes=200000", "train.val_every_n_steps=3", "train.val_batches=2"]
@@ -68,8 +69,8 @@ def test_a_cluster_with_an_emulated_speed_of_zero_is_refused(tmp_path: Path,
 
 @pytest.mark.parametrize("text, needle", [
     ("nodes: &n [{name: n0, devices: *n}]\n", "YAML alias loop"),
-    ("nodes: [{name: n0, devices: [{type: CPU, count: 100000000}]}]\n", "within 4096 devices"),
-    ("nodes: [{name: n0, count: 100000000, devices: [{type: CPU}]}]\n", "within 4096 devices"),
+    ("nodes: [{name: n0, devices: [{type: CPU, count: 100000000}]}]\n", f"within {MAX_DEVICES} devices"),
+    ("nodes: [{name: n0, count: 100000000, devices: [{type: CPU}]}]\n", f"within {MAX_DEVICES} devices"),
     ("nodes: [{name: [a, b], devices: [{type: CPU, count: 2}]}]\n", "nodes[0].name"),
     ("nodes: [{name: n0, devices: [{type: CPU, count: 2, tflops: 1.0e+308}]}]\n", "tflops"),
 ])

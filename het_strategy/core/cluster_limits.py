@@ -1,7 +1,7 @@
 """What a cluster file may ask for: device and node counts, plausible figures, a finite YAML tree.
 
 A typo can ask for absurd things: ``count: 100000000`` (a hundred million
-device specs, planned for hours), ``tflops: 1e308`` (every time becomes 0 and
+device specs, built and planned for hours), ``tflops: 1e308`` (every time becomes 0 and
 every ratio inf/nan), a YAML alias that contains itself (a structure with no
 end).  The loader refuses each with one clear error instead:
 
@@ -23,8 +23,10 @@ from het_strategy.core.errors import ConfigError, field_error, require_int, requ
 __all__ = ["MAX_DEVICES", "MAX_YAML_DEPTH", "FIGURE_RANGES", "check_count", "devices_per_node", "check_figure",
            "bounded_figure", "check_name", "check_yaml_tree"]
 
-MAX_DEVICES = 4096
-"""Most devices (and so nodes) one cluster may describe."""
+MAX_DEVICES = 1_048_576
+"""Most devices (and so nodes) one cluster may describe: 2**20, beyond the largest training clusters (about
+100k GPUs).  Planning scales with the device count (``benchmarks/plan_scaling.py``: 131,072 devices in about
+30 s), so a typo such as ``count: 100000000`` is refused here rather than planned for hours."""
 MAX_YAML_DEPTH = 64
 """Deepest nesting of lists and mappings a cluster file may have."""
 
