@@ -40,6 +40,7 @@ from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_pr
 from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
 from het_strategy.planning import search_plan  # noqa: E402
 from het_strategy.reference.amp_plans import amp_measured_plans  # noqa: E402
+from het_strategy.reference.amp_profile import load_amp_profile  # noqa: E402
 from het_strategy.reference.sailor_simulator import sailor_iteration_time  # noqa: E402
 
 SAILOR_PUBLISHED_S = {"sailor_a100_v100_80_240": 2.77, "sailor_a100_v100_128_384": 1.91}
@@ -169,25 +170,31 @@ def main() -> None:
               f"Sailor/ours under Sailor's sim {ratios[name]:.3f}")
         print("    our plan: " + "; ".join(f"{n} x [{k}]" for k, n in shape.items()))
 
-    print("(c) AMP's measured plans, 3x4 V100 + 4 T4, GPT-2 1024h/24L, batch 32 (s/iteration):")
+    print("(c) AMP's measured plans, 3x4 V100 + 4 T4, GPT-2 1024h/24L, batch 32 (s/iteration), priced from the "
+          "datasheets and from AMP's measured per-layer profiles (reference/amp_profile.py):")
     cluster, gpt2 = load_cluster("amp_v100_t4"), load_workload("gpt2_amp", dtype="fp16")
-    cm = CostModel(cluster, gpt2, TrainSettings(32, dtype="fp16", max_tp=2))
-    measured, predicted, labels = [], [], []
+    settings = TrainSettings(32, dtype="fp16", max_tp=2)
+    datasheet, profiled = CostModel(cluster, gpt2, settings), CostModel(cluster, gpt2, settings, load_amp_profile(gpt2))
+    measured, by_sheet, by_profile, labels = [], [], [], []
     for amp in amp_measured_plans(cluster, gpt2):
         labels.append(amp.label)
         measured.append(amp.measured_s)
-        predicted.append(cm.score(amp.plan).step_time_s)
-    ranks = _ranks(predicted)
-    for lab, m, p, r in zip(labels, measured, predicted, ranks):
-        print(f"  (mbs, tp, dp, pp) = {lab}: measured {m:.2f}  ours {p:.3f}  our rank {r}")
-    rho = spearman(measured, predicted)
+        by_sheet.append(datasheet.score(amp.plan).step_time_s)
+        by_profile.append(profiled.score(amp.plan).step_time_s)
+    sheet_ranks, ranks = _ranks(by_sheet), _ranks(by_profile)
+    for lab, m, d, p, rd, r in zip(labels, measured, by_sheet, by_profile, sheet_ranks, ranks):
+        print(f"  (mbs, tp, dp, pp) = {lab}: measured {m:.2f}  datasheet {d:.3f} (rank {rd})  "
+              f"AMP's profiles {p:.3f} (rank {r})")
+    rho_sheet, rho = spearman(measured, by_sheet), spearman(measured, by_profile)
     best = ranks[labels.index((1, 1, 2, 8))]
     tp2 = sorted(r for lab, r in zip(labels, ranks) if lab[1] == 2)
-    print(f"  rank correlation (Spearman) {rho:.2f}; (1,1,2,8) ranked {best}; tp-2 plans ranked {tp2}")
+    print(f"  rank correlation (Spearman): datasheet {rho_sheet:.2f}, AMP's profiles {rho:.2f}; with the profiles "
+          f"(1,1,2,8) ranked {best}, tp-2 plans ranked {tp2} (measured: 1st; 5th and 6th)")
     print(f"RESULT layer_median_err={statistics.median(errs):.3f} layer_worst_err={max(errs):.3f} "
           f"tp_scaling_median_err={statistics.median(tp_errs):.3f} "
           f"sailor_32_96={ratios['sailor_a100_v100_32_96']:.3f} sailor_80_240={ratios['sailor_a100_v100_80_240']:.3f} "
-          f"sailor_128_384={ratios['sailor_a100_v100_128_384']:.3f} amp_spearman={rho:.2f} amp_best_rank={best} "
+          f"sailor_128_384={ratios['sailor_a100_v100_128_384']:.3f} amp_datasheet_spearman={rho_sheet:.2f} "
+          f"amp_spearman={rho:.2f} amp_best_rank={best} "
           f"amp_tp2_ranks={','.join(map(str, tp2))}")
 
 

@@ -179,15 +179,16 @@ class CostModel:
             rows = self.profile.layer_times(device.type, tp, micro_batch)  # type: ignore[union-attr]
             comp = [f + b + (f if ckpt else 0.0) for f, b, _ in rows]
             upd = [u for _, _, u in rows]
+            if any(u is None for u in upd):  # not measured (AMP times forward only): priced as below
+                analytic = self._update_s(device, tp)
+                upd = [a if u is None else u for u, a in zip(upd, analytic)]
         else:
             rate = device.flops_per_second(self.settings.dtype) * tp
             comp = []
             for layer in self.workload.layers:
                 fwd = layer.flops_per_sample * micro_batch / rate
                 comp.append(fwd * (4.0 if ckpt else 3.0))
-            # Adam update is memory bound: read/write fp32 master, m, v and the gradient
-            bw = device.memory_bandwidth_gbs * 1e9
-            upd = [layer.total_params / tp * 16 / bw for layer in self.workload.layers]
+            upd = self._update_s(device, tp)
             if tp > 1:
                 # Megatron: 2 allreduces of the block's output forward, 2 backward, +2 in a recomputed forward
                 count = 6 if ckpt else 4
@@ -195,6 +196,12 @@ class CostModel:
                     if layer.name.startswith("block") or layer.moe:
                         comp[i] += count * self.network.tp_allreduce_s(self._out[i] * micro_batch, device.node, tp)
         return _prefix(comp), _prefix(upd)
+
+    def _update_s(self, device: DeviceSpec, tp: int) -> list[float]:
+        """Optimizer-update seconds per layer: Adam is memory bound (read/write the fp32 master, m, v and the
+        gradient: 16 bytes per parameter)."""
+        bw = device.memory_bandwidth_gbs * 1e9
+        return [layer.total_params / tp * 16 / bw for layer in self.workload.layers]
 
     def replicated_compute_prefix(self, device: DeviceSpec, tp: int, micro_batch: int) -> np.ndarray:
         """Prefix sums over layers of one micro-batch's forward + backward seconds, every expert held locally.

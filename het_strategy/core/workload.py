@@ -233,13 +233,15 @@ class MeasuredProfile:
     """Per-layer times measured on real devices, replacing datasheet throughput.
 
     ``times[(device_type, tp)][micro_batch] = [(forward_s, backward_s, update_s), ...]``
-    one tuple per layer of the workload.  Micro-batch sizes between measured ones
+    one tuple per layer of the workload; ``update_s`` None: not measured (AMP's
+    profiles time the forward pass only), the cost model prices the update from
+    the device's memory bandwidth.  Micro-batch sizes between measured ones
     are interpolated linearly; beyond the largest, time grows proportionally.
     """
 
     model: str
     """Model the times belong to (checked against the workload's name)."""
-    times: dict[tuple[str, int], dict[int, list[tuple[float, float, float]]]] = field(default_factory=dict)
+    times: dict[tuple[str, int], dict[int, list[tuple[float, float, float | None]]]] = field(default_factory=dict)
     """Measured seconds per (device type, tp) and micro-batch size, per layer."""
     network: Any = None
     """Optional factory ``cluster -> network.Network`` for links measured with the same profile (Sailor's
@@ -251,7 +253,7 @@ class MeasuredProfile:
     def device_types(self) -> set[str]:
         return {dt for dt, _ in self.times}
 
-    def layer_times(self, device_type: str, tp: int, micro_batch: int) -> list[tuple[float, float, float]]:
+    def layer_times(self, device_type: str, tp: int, micro_batch: int) -> list[tuple[float, float, float | None]]:
         """(forward, backward, update) seconds per layer at ``micro_batch``."""
         table = self.times[(device_type, tp)]
         sizes = sorted(table)

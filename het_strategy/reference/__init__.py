@@ -4,6 +4,8 @@
                            with Sailor's vendored measurements (``core/data/sailor``)
 - ``amp_plans.py``         AMP's measured plans on its V100 + T4 cluster (NeurIPS'22), as our ``Plan`` objects,
                            with AMP's measured iteration times (``data/amp/measured_plans.json``)
+- ``amp_profile.py``       AMP's measured per-layer GPT-2 times on T4 and V100 at tp 1, 2, 4, as a
+                           ``MeasuredProfile`` of ``gpt2_amp`` (``data/amp/known_cost.json``)
 
 These import the planning core; the core and the planners never import them.  Pure Python: no torch.
 """
