@@ -40,16 +40,22 @@ Each phase sends ``(W-1)/W`` of the packed tensor per rank, the same
 ``2 (W-1)/W`` factor as a ring allreduce: the wire saving is the full
 ``32 / bits`` minus metadata.
 
-These run synchronously inside the hook: on gloo, a collective launched from a
-future's callback could interleave with the next bucket's collectives in a
-different order on different ranks.
+Each exchange is written once, as *steps*: a generator that launches a
+collective (``async_op=True``), yields its future and, sent that future's
+value, finishes the phase (decodes, launches the next phase's collective, ...)
+until it returns its result.  ``settle`` runs steps to completion, waiting on
+every future (the synchronous path: launch, wait, finish); ``chain`` runs them
+from the futures' ``then`` callbacks and returns a future of the result (the
+overlapped path).  ``run_steps`` picks one by ``overlaps(group)``, the only
+place that decides; the hooks compose their own steps from these with
+``yield from``, so a bucket's codec groups chain one after another.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,7 +65,12 @@ from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.quantize import zero_padded
 from het_strategy.core.codecs import CodecSpec, ring_allreduce_bytes
 
-__all__ = ["Exchanged", "allreduce_mean", "quantized_mean", "topk_mean"]
+__all__ = ["Exchanged", "Steps", "overlaps", "settle", "chain", "run_steps", "allreduce_steps", "quantized_steps",
+           "topk_steps", "allreduce_mean", "quantized_mean", "topk_mean"]
+
+T = TypeVar("T")
+Steps = Generator[torch.futures.Future, Any, T]
+"""An exchange in steps: yields the future of each collective it launched, is sent its value, returns ``T``."""
 
 
 @dataclass
@@ -75,19 +86,87 @@ class Exchanged:
     """quantized_mean: what re-encoding this rank's chunk of the mean left out (its next error feedback)."""
 
 
-def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+def overlaps(group: dist.ProcessGroup) -> bool:
+    """Whether the hooks chain their collectives on futures (NCCL) rather than run each to completion.
+
+    The ordering rule: every rank must issue the same collectives in the same order.  NCCL enqueues a
+    collective on its stream and completes its future at once (the future carries CUDA events), so a ``then``
+    callback runs right away in the launching thread, on side streams that wait for the collective, before the
+    hook returns and before DDP's next bucket: the order is the program's, and backward's stream does not wait
+    for the wire.  On
+    gloo (and any other backend) a future completes on the backend's worker thread, and a collective launched
+    from its callback could interleave with the next bucket's collectives in a different order on different
+    ranks: there every collective runs to completion inside the hook.
+    """
+    return dist.get_backend(group) == dist.Backend.NCCL
+
+
+def settle(steps: Steps[T]) -> T:
+    """Run ``steps`` synchronously: wait for each collective, then run the step after it; the result."""
+    sent = None
+    while True:
+        try:
+            launched = steps.send(sent)
+        except StopIteration as stop:
+            return stop.value
+        sent = launched.wait()
+
+
+def chain(steps: Steps[T], device: torch.device) -> torch.futures.Future[T]:
+    """Run ``steps`` from the ``then`` callback of each collective's future; a future of the result (on
+    ``device``'s streams, for CUDA), or of the first error."""
+    result: torch.futures.Future[T] = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+
+    def advance(sent: Any) -> None:
+        try:
+            launched = steps.send(sent)
+        except StopIteration as stop:
+            result.set_result(stop.value)
+        except Exception as exc:  # the error is the result's: DDP raises it where it waits
+            result.set_exception(exc)
+        else:
+            launched.then(resume)
+
+    def resume(done: torch.futures.Future) -> None:
+        try:
+            value = done.value()
+        except Exception as exc:  # a failed collective
+            steps.close()
+            result.set_exception(exc)
+            return
+        advance(value)
+
+    advance(None)
+    return result
+
+
+def run_steps(steps: Steps[T], group: dist.ProcessGroup, device: torch.device) -> torch.futures.Future[T]:
+    """``steps`` chained (``overlaps(group)``: NCCL) or run to completion (any other backend, see ``overlaps``),
+    as a future of their result (already completed on the synchronous path)."""
+    if overlaps(group):
+        return chain(steps, device)
+    result: torch.futures.Future[T] = torch.futures.Future()
+    result.set_result(settle(steps))
+    return result
+
+
+def _launched(work: Any) -> torch.futures.Future:
+    return work.get_future()
+
+
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    return _launched(gather(output, tensor, group=group, async_op=True))
 
 
-def allreduce_mean(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig,
-                   group: dist.ProcessGroup) -> Exchanged:
+def allreduce_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig,
+                    group: dist.ProcessGroup) -> Steps[Exchanged]:
     """An ``ALLREDUCE`` codec's mean: ``flat / W`` through its encoder (``none``: ``flat``'s own dtype, which
     the hook sets to the gradients'; fp16, bf16: cast), summed in place by an allreduce, decoded to fp32."""
     world = group.size()
     coder = TORCH_CODECS[spec.token]
     payload = coder.encode(spec, flat / world, flat.shape, config, None)
-    dist.all_reduce(payload, group=group)
+    yield _launched(dist.all_reduce(payload, group=group, async_op=True))
     return Exchanged(coder.decode(spec, payload, config), None,
                      ring_allreduce_bytes(payload.numel() * payload.element_size(), world))
 
@@ -107,9 +186,9 @@ def _payload(rows: torch.Tensor, code_bytes: int, meta_floats: int, chunk: int) 
     return packed, meta, rows.shape[0] * chunk
 
 
-def quantized_mean(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig, group: dist.ProcessGroup,
-                   generator: torch.Generator | None = None,
-                   chunk_residual: torch.Tensor | None = None) -> Exchanged:
+def quantized_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig, group: dist.ProcessGroup,
+                    generator: torch.Generator | None = None,
+                    chunk_residual: torch.Tensor | None = None) -> Steps[Exchanged]:
     """A ``QUANTIZED`` codec's two-phase mean (module docstring); ``chunk_residual``: the last call's, for this
     rank's chunk."""
     world = group.size()
@@ -123,7 +202,7 @@ def quantized_mean(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfi
     delivered = coder.decode(spec, first, config)[:n]
     send = _rows(first, world)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    yield _launched(dist.all_to_all_single(recv, send, group=group, async_op=True))
     received = coder.decode(spec, _payload(recv, code_bytes, q_spec.meta_floats, chunk), config)
     chunk_mean = received.reshape(world, chunk).sum(dim=0) / world
     if chunk_residual is not None and chunk_residual.numel() == chunk:
@@ -132,15 +211,15 @@ def quantized_mean(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfi
     left_out = chunk_mean - coder.decode(spec, second, config)
     row = _rows(second, 1)
     gathered = torch.empty(world * row.shape[1], dtype=torch.uint8, device=flat.device)
-    _all_gather(gathered, row.reshape(-1), group)
+    yield _all_gather(gathered, row.reshape(-1), group)
     mean = coder.decode(spec, _payload(gathered.reshape(world, -1), code_bytes, q_spec.meta_floats, chunk),
                         config)[:n]
     # the all-to-all sends W-1 of this rank's W rows, the allgather its one row to W-1 ranks
     return Exchanged(mean, delivered, (world - 1) * (send.numel() // world + row.numel()), left_out)
 
 
-def topk_mean(flats: list[torch.Tensor], spec: CodecSpec, config: CompressionConfig,
-              group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+def topk_steps(flats: list[torch.Tensor], spec: CodecSpec, config: CompressionConfig,
+               group: dist.ProcessGroup) -> Steps[tuple[list[torch.Tensor], list[torch.Tensor], int]]:
     """An ``ALLGATHER`` codec's mean: each tensor encoded to (values, int32 indices); every tensor's pairs
     allgathered in one message and summed into the mean.
 
@@ -162,7 +241,7 @@ def topk_mean(flats: list[torch.Tensor], spec: CodecSpec, config: CompressionCon
     # one message: the fp32 values, then the int32 indices reinterpreted as 4-byte words
     payload = torch.cat([vals, torch.cat(indices).view(torch.float32)])
     gathered = torch.empty(world * payload.numel(), dtype=torch.float32, device=payload.device)
-    _all_gather(gathered, payload, group)
+    yield _all_gather(gathered, payload, group)
     gathered = gathered.reshape(world, 2, -1)
     total = torch.zeros(offset, dtype=torch.float32, device=payload.device)
     total.index_add_(0, gathered[:, 1].contiguous().view(torch.int32).reshape(-1).long(),
@@ -173,3 +252,22 @@ def topk_mean(flats: list[torch.Tensor], spec: CodecSpec, config: CompressionCon
         means.append(total[start:start + flat.numel()])
         start += flat.numel()
     return means, delivered, (world - 1) * payload.numel() * payload.element_size()
+
+
+def allreduce_mean(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig,
+                   group: dist.ProcessGroup) -> Exchanged:
+    """``allreduce_steps``, run synchronously."""
+    return settle(allreduce_steps(flat, spec, config, group))
+
+
+def quantized_mean(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig, group: dist.ProcessGroup,
+                   generator: torch.Generator | None = None,
+                   chunk_residual: torch.Tensor | None = None) -> Exchanged:
+    """``quantized_steps``, run synchronously."""
+    return settle(quantized_steps(flat, spec, config, group, generator, chunk_residual))
+
+
+def topk_mean(flats: list[torch.Tensor], spec: CodecSpec, config: CompressionConfig,
+              group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """``topk_steps``, run synchronously."""
+    return settle(topk_steps(flats, spec, config, group))

@@ -22,6 +22,12 @@ the order of the fp32 additions.  Every node must hold the same number of
 ranks (DDP's buckets are the same on every rank, so every rank runs the same
 collectives in the same order).
 
+On NCCL the three steps are chained on their collectives' futures (the
+reduce's ``then`` launches the leaders' exchange, whose future's ``then``
+launches the broadcast) and the hook returns at once; on gloo and every other
+backend each runs to completion inside the hook (``exchange.overlaps``, decided
+on the node's group).
+
 Usage on any DDP model::
 
     groups = node_groups(ranks_per_node=2)                  # every rank calls it (it makes process groups)
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from het_strategy.compression.exchange import Steps, run_steps
 from het_strategy.compression.hook import compression_hook
 from het_strategy.compression.state import CompressionState
 from het_strategy.core.errors import field_error
@@ -112,21 +119,24 @@ class HierarchicalState:
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: node sum, compressed exchange among node leaders, broadcast (module docstring)."""
-    groups = state.groups
     buffer = bucket.buffer()
+    return run_steps(_hierarchical_steps(state, bucket, buffer), state.groups.intra, buffer.device)
+
+
+def _hierarchical_steps(state: HierarchicalState, bucket: dist.GradBucket, buffer: torch.Tensor) -> Steps[torch.Tensor]:
+    """The hook's three steps, each a collective's future; the bucket's buffer holding ``sum / world``."""
+    groups = state.groups
     local = groups.ranks_per_node
     if local > 1:
         # the node's sum on its leader, over the fast link (half an allreduce's traffic: the broadcast below
         # overwrites whatever the others' buffers hold after it)
-        dist.reduce(buffer, dst=groups.leader, group=groups.intra)
+        yield dist.reduce(buffer, dst=groups.leader, group=groups.intra, async_op=True).get_future()
         state.bytes_intra += (local - 1) * buffer.numel() * buffer.element_size() // local
     if groups.num_nodes > 1 and groups.is_leader:
         # the leaders' mean of node sums (compression_hook divides by the leaders' count), in place
-        compression_hook(state.inter, bucket).wait()
+        yield compression_hook(state.inter, bucket)
     if local > 1:
-        dist.broadcast(buffer, src=groups.leader, group=groups.intra)
+        yield dist.broadcast(buffer, src=groups.leader, group=groups.intra, async_op=True).get_future()
         state.bytes_intra += buffer.numel() * buffer.element_size() * (local - 1) // local
     buffer.div_(local)  # sum / world = (mean over nodes of node sums) / ranks per node
-    fut = torch.futures.Future()
-    fut.set_result(buffer)
-    return fut
+    return buffer

@@ -20,9 +20,17 @@ What one call does, for one gradient bucket:
    residual, exchange each codec's group of layers through the collective of
    its ``Exchange`` (``core/codecs.py``, ``exchange.py``; groups in ``Codec``
    order, so every rank issues the same collectives), write the means into the
-   bucket and keep the new residuals.
+   bucket and keep the new residuals.  On NCCL the compressed exchange is
+   chained on its collectives' futures (``exchange.run_steps``): each phase is
+   launched from the ``then`` of the one before, the means and residuals are
+   written in those callbacks in the same fixed order, and the hook returns at
+   once; on gloo and every other backend each collective runs to completion
+   inside the hook and the returned future is already completed
+   (``exchange.overlaps`` states why).
 4. On the last bucket of a step, ``CompressionState.end_step``: count the step
-   and, for ``adaptive``, let the controller re-solve when due.
+   and, for ``adaptive``, let the controller re-solve when due (for a
+   compressed bucket, as the last step of its exchange: its collectives follow
+   the bucket's).
 """
 
 import zlib
@@ -31,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.compression.codecs import wire_bytes
-from het_strategy.compression.exchange import allreduce_mean, quantized_mean, topk_mean
+from het_strategy.compression.exchange import Steps, allreduce_steps, quantized_steps, run_steps, topk_steps
 from het_strategy.compression.state import CompressionState
 from het_strategy.core.codecs import CODECS, Codec, Exchange, ring_allreduce_bytes
 
@@ -86,26 +94,33 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         tokens = [state.token_for(n, g) for n, g in zip(names, grads)]
         if all(t == Codec.NONE for t in tokens) and not any(n in state.residuals for n in names):
             tokens = []
-    if not tokens:
-        # the common fast path: one asynchronous allreduce of the whole bucket, like DDP's default
-        buffer = bucket.buffer()
-        buffer.div_(world)
-        state.bytes_sent += uncompressed
-        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-        result = fut.then(lambda f: f.value()[0])
-    else:
-        _exchange_mixed(state, names, grads, tokens, group)
-        result = torch.futures.Future()
-        result.set_result(bucket.buffer())
-
+    if tokens:
+        return run_steps(_compressed(state, names, grads, tokens, group, bucket.buffer(), bucket.is_last()),
+                         group, bucket.buffer().device)
+    # the common fast path: one asynchronous allreduce of the whole bucket, like DDP's default
+    buffer = bucket.buffer()
+    buffer.div_(world)
+    state.bytes_sent += uncompressed
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    result = fut.then(lambda f: f.value()[0])
     if bucket.is_last():
         state.end_step(group, world, bucket.buffer().device)
     return result
 
 
+def _compressed(state: CompressionState, names: list[str], grads: list[torch.Tensor], tokens: list[Codec],
+                group: dist.ProcessGroup, buffer: torch.Tensor, last: bool) -> Steps[torch.Tensor]:
+    """A compressed bucket's steps: its exchange, then, on the step's last bucket, ``end_step``; the buffer."""
+    yield from _exchange_mixed(state, names, grads, tokens, group)
+    if last:
+        state.end_step(group, group.size(), buffer.device)
+    return buffer
+
+
 def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch.Tensor], tokens: list[Codec],
-                    group: dist.ProcessGroup) -> None:
-    """Exchange each codec's layers of this bucket, in ``Codec`` order (the same collectives on every rank)."""
+                    group: dist.ProcessGroup) -> Steps[None]:
+    """Exchange each codec's layers of this bucket, in ``Codec`` order (the same collectives on every rank),
+    one group after the other."""
     cfg = state.config
     inputs: list[torch.Tensor] = []
     for name, grad in zip(names, grads):
@@ -121,11 +136,11 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
         members = sorted(by_token[token], key=names.__getitem__)
         spec = CODECS[token]
         if spec.exchange is Exchange.LOW_RANK:
-            _powersgd_exchange(state, [names[i] for i in members], [grads[i] for i in members],
-                               [inputs[i] for i in members])
+            yield from _powersgd_exchange(state, [names[i] for i in members], [grads[i] for i in members],
+                                          [inputs[i] for i in members])
             continue
         if spec.exchange is Exchange.ALLGATHER:
-            means, delivered, sent = topk_mean([inputs[i] for i in members], spec, cfg, group)
+            means, delivered, sent = yield from topk_steps([inputs[i] for i in members], spec, cfg, group)
             for i, mean, got in zip(members, means, delivered):
                 grads[i].copy_(mean.view_as(grads[i]))
                 if cfg.error_feedback:
@@ -135,10 +150,12 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
         flat = torch.cat([inputs[i] for i in members])
         if spec.exchange is Exchange.ALLREDUCE:
             # a codec without a wire dtype goes in the gradients' own (a bf16 model's stay bf16 on the wire)
-            out = allreduce_mean(flat if spec.wire_dtype else flat.to(grads[members[0]].dtype), spec, cfg, group)
+            out = yield from allreduce_steps(flat if spec.wire_dtype else flat.to(grads[members[0]].dtype), spec,
+                                             cfg, group)
         else:
             key = f"{token}:" + "|".join(names[i] for i in members)
-            out = quantized_mean(flat, spec, cfg, group, state.generator, state.chunk_residuals.pop(key, None))
+            out = yield from quantized_steps(flat, spec, cfg, group, state.generator,
+                                             state.chunk_residuals.pop(key, None))
             if cfg.error_feedback and out.chunk_residual is not None:
                 state.keep_chunk_residual(key, out.chunk_residual)
         state.bytes_sent += out.bytes_sent
@@ -152,16 +169,17 @@ def _exchange_mixed(state: CompressionState, names: list[str], grads: list[torch
 
 
 def _powersgd_exchange(state: CompressionState, names: list[str], grads: list[torch.Tensor],
-                       inputs: list[torch.Tensor]) -> None:
-    """torch's ``powerSGD_hook`` on a bucket of only these layers (its state keyed by their names)."""
+                       inputs: list[torch.Tensor]) -> Steps[None]:
+    """torch's ``powerSGD_hook`` on a bucket of only these layers (its state keyed by their names); its future
+    is this step's (torch chains its own allreduces on it)."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
     psgd = state.powersgd_state()
     key = zlib.crc32("|".join(names).encode())
     sub = _SubBucket(key, [x.view_as(g) for x, g in zip(inputs, grads)])
     world = (state.process_group or dist.group.WORLD).size()
-    # wait here: torch's hook launches its later allreduces from callbacks (see exchange.py on ordering)
-    mean = powerSGD_hook(psgd, sub).wait()
+    # torch's hook launches its later allreduces from callbacks: waited for at once off NCCL (exchange.overlaps)
+    mean = yield powerSGD_hook(psgd, sub)
     start = 0
     for grad in grads:
         grad.copy_(mean[start:start + grad.numel()].view_as(grad))
