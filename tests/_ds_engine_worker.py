@@ -1,4 +1,4 @@
-"""One rank of the PlanRunner test: ``python _ds_engine_worker.py {pipe|dp|asym} OUT_DIR [ZERO_STAGE [CLIP]]``.
+"""One rank of the PlanRunner test: ``python _ds_engine_worker.py {pipe|dp|asym} OUT_DIR [ZERO [CLIP [DTYPE [INF]]]]``.
 
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and DS_ACCELERATOR=cpu
 come from the environment.  Trains ``STEPS`` steps through
@@ -89,28 +89,58 @@ def dp_plan(zero_stage: int = 0):
                            Pipeline((Stage(("cpu1",), (0, NUM_LAYERS)),), micro_batch_size=3, samples=3)))
 
 
+def inject_inf(runner, rank: int) -> None:
+    """Make ``rank``'s first backward put an inf into one of its gradients (a hook on its first parameter)."""
+    import torch
+
+    if runner.rank != rank:
+        return
+    param = next(q for q in runner.engine.module.parameters() if q.requires_grad)
+    fired = []
+
+    def poison(grad):
+        if fired:
+            return grad
+        fired.append(True)
+        return torch.full_like(grad, float("inf"))
+
+    param.register_hook(poison)
+
+
 def main() -> None:
+    """argv: mode out_dir [zero_stage [clip [dtype [inf_rank]]]]; dtype fp32 | bf16 | fp16 (layers stay fp32 and
+    DeepSpeed runs them in the plan's dtype); inf_rank: that rank's first backward yields an inf gradient."""
+    import dataclasses
+
     mode, out_dir = sys.argv[1], sys.argv[2]
     zero_stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     clip = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "fp32"
+    inf_rank = int(sys.argv[6]) if len(sys.argv) > 6 else None
     import torch
 
     from het_strategy.ds_runtime.engine import PlanRunner
 
     plan = {"pipe": pipe_plan, "dp": dp_plan, "asym": asym_plan}[mode](zero_stage)
+    if dtype != "fp32":
+        plan = dataclasses.replace(plan, dtype=dtype)
     # ZeRO 3: shard every parameter (the default keeps small ones whole, which these are)
     overrides = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
-    runner = PlanRunner(plan, layers(mode), torch.nn.functional.mse_loss, optimizer, gradient_clipping=clip,
+    model = layers(mode) if dtype == "fp32" else [layer.float() for layer in build_layers()]
+    runner = PlanRunner(plan, model, torch.nn.functional.mse_loss, optimizer, gradient_clipping=clip,
                         timeout_s=60, ds_config_overrides=overrides)
-    x, y = batch(mode)
+    if inf_rank is not None:
+        inject_inf(runner, inf_rank)
+    x, y = batch(mode) if dtype == "fp32" else (t.float() for t in batch("pipe"))
     result: dict = {"rank": runner.rank, "losses": [runner.train_step(x, y) for _ in range(STEPS)]}
+    result["skipped_steps"] = int(runner.engine.skipped_steps)
     result["eval_loss"] = runner.eval_step(x, y)
     result["micro_batch_sizes"] = list(runner.batch.micro_batch_sizes)
     result["gas"] = runner.engine.gradient_accumulation_steps()
     result["global_steps"] = runner.engine.global_steps
     result["sharded"] = any(getattr(q, "ds_tensor", None) is not None and q.ds_tensor.numel() < q.ds_numel
                             for q in runner.engine.module.parameters())
-    result["params"] = {n: p.flatten().tolist() for n, p in runner.named_parameters().items()}
+    result["params"] = {n: p.double().flatten().tolist() for n, p in runner.named_parameters().items()}
     with open(os.path.join(out_dir, f"rank{runner.rank}.json"), "w") as fh:
         json.dump(result, fh)
     torch.distributed.barrier()

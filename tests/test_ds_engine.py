@@ -36,13 +36,14 @@ def _run_ranks(world: int, args: list[str], out_dir: Path) -> list[dict]:
     return run_ds_ranks(WORKER, world, args, out_dir, TIMEOUT_S)
 
 
-def _reference(clip: float = 0.0, mode: str = "pipe") -> tuple[list[float], float, dict[str, list[float]]]:
+def _reference(clip: float = 0.0, mode: str = "pipe",
+               steps: int = worker.STEPS) -> tuple[list[float], float, dict[str, list[float]]]:
     """One process, whole batch: (loss per step, loss after the last step, parameters)."""
     model = torch.nn.Sequential(*worker.layers(mode))
     opt = worker.optimizer(model.parameters())
     x, y = worker.batch(mode)
     losses = []
-    for _ in range(worker.STEPS):
+    for _ in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -121,6 +122,40 @@ def test_uneven_pure_data_parallel_matches_one_process(tmp_path, zero_stage):
     _assert_matches_reference(ranks)
 
 
+# bf16 keeps 8 mantissa bits: after 3 steps the losses and the parameters (held in bf16) are within these of fp32
+MIXED_TOL = {"bf16": dict(rel=2e-2, abs=4e-3), "fp16": dict(rel=2e-3, abs=5e-4)}
+
+
+def _assert_tracks_fp32(ranks: list[dict], dtype: str, steps: int = worker.STEPS, skipped: int = 0) -> None:
+    ref_losses, _, ref_params = _reference(mode="pipe", steps=steps)
+    tol = MIXED_TOL[dtype]
+    for r in ranks:
+        assert r["skipped_steps"] == skipped, f"rank {r['rank']}"
+        assert r["losses"][skipped:] == pytest.approx(ref_losses, **tol), f"rank {r['rank']}"
+        for name, values in r["params"].items():
+            assert values == pytest.approx(ref_params[name], **tol), f"rank {r['rank']}: {name}"
+    assert len({tuple(r["losses"]) for r in ranks}) == 1  # every rank reports the same global-batch loss
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, zero_stage, dtype", [("pipe", 0, "bf16"), ("asym", 0, "bf16"), ("pipe", 1, "fp16")])
+def test_mixed_precision_tracks_fp32(tmp_path, mode, zero_stage, dtype):
+    """The aligned grid (BF16_Optimizer at ZeRO 0, DeepSpeed's ZeRO-1 fp16 optimizer) and the asymmetric replicas
+    (the holder-set reduction of BF16_Optimizer's fp32 gradient buffers) train the fp32 layers in bf16/fp16 with
+    fp32 master weights: 3 steps stay within MIXED_TOL of the fp32 single-process reference."""
+    ranks = _run_ranks(4, [mode, str(zero_stage), "0.0", dtype], tmp_path)
+    _assert_tracks_fp32(ranks, dtype)
+
+
+@pytest.mark.multiprocess
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Rank 3 (replica 2, holding every layer) gets an inf gradient in its first backward; the holder-set
+    reduction carries it to each layer's other holders, so every replica's bf16 optimizer skips step 1, and
+    the two steps after it are those of a 2-step fp32 run."""
+    ranks = _run_ranks(4, ["asym", "0", "0.0", "bf16", "3"], tmp_path)
+    _assert_tracks_fp32(ranks, "bf16", steps=worker.STEPS - 1, skipped=1)
+
+
 def _plan(pipelines, zero_stage=0, devices=8, dtype="fp32"):
     return Plan(cluster="local", cluster_devices=tuple(f"d{i}" for i in range(devices)),
                 model={"name": "mlp6", "num_layers": 6}, global_batch_size=sum(p.samples for p in pipelines),
@@ -135,7 +170,7 @@ def _pipe(devs, bounds, micro=2, samples=4):
 
 @pytest.mark.parametrize("plan, field, world", [
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), "plan.zero_stage", None),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16"), "plan.dtype", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16"), "plan.zero_stage", None),
     (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])]), "plan.pipelines[0].stages[0].tp", None),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])], zero_stage=1), "plan.zero_stage",
      None),

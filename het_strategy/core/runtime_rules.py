@@ -19,14 +19,19 @@ The rules, by runtime:
        pipeline engine asserts against ZeRO 2 and 3.  One-stage replicas (pure
        data parallelism) run at every ZeRO stage.
     3. Replicas with different stage boundaries (an asymmetric plan, run by
-       ``ds_runtime.replica_engine``) run at ZeRO 0 and in fp32: no two ranks
-       hold the same parameters for ZeRO to shard over, and each layer's
-       gradients are reduced by the runtime itself, outside DeepSpeed's
-       mixed-precision optimizers.
-    4. At ZeRO 2 and 3 DeepSpeed reduces on every micro-step, so every replica
+       ``ds_runtime.replica_engine``) run at ZeRO 0: no two ranks hold the
+       same parameters for ZeRO to shard over.  Every dtype runs (the runtime
+       reduces the gradients DeepSpeed's mixed-precision optimizer steps on).
+    4. fp16 runs at ZeRO 1 or more: DeepSpeed 0.19's ZeRO-0 fp16 optimizers
+       (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) unscale the gradients
+       by the loss scale at the step, but its ``engine.backward`` scales the
+       loss only for ZeRO optimizers, so every update is 1/loss-scale too small
+       (measured: a 3-step run moves the loss 1/13 as far as fp32's).  An
+       asymmetric plan therefore runs in fp32 or bf16.
+    5. At ZeRO 2 and 3 DeepSpeed reduces on every micro-step, so every replica
        runs the largest micro-batch count of any replica: a replica with fewer
        samples than that count cannot be cut into it.
-    5. With ``world_size`` given: one process per device the plan uses.
+    6. With ``world_size`` given: one process per device the plan uses.
 
 ``hetero`` (the ``hetero`` strategy: uneven data parallelism on Lightning's DDP)
     1. Every pipeline is one stage of one device (a pure data-parallel plan);
@@ -120,15 +125,16 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
         out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "
                            "(DeepSpeed's pipeline engine refuses ZeRO 2 and 3)",
                            "use zero_stage 0 or 1, or plan pure data parallelism (mode dp)"))
+    if plan.dtype == "fp16" and zero == 0:
+        out.append(Problem("plan.zero_stage", zero, "be 1 or more for fp16 (DeepSpeed 0.19's ZeRO-0 fp16 optimizers "
+                           "unscale gradients by a loss scale its backward never applied, so every update is "
+                           "1/loss-scale too small)", "use zero_stage 1, or dtype bf16"))
     if not shares_boundaries(plan):
         bounds = [pipe.boundaries() for pipe in plan.pipelines]
         if zero != 0:
             out.append(Problem("plan.zero_stage", zero, f"be 0 for an asymmetric plan (its replicas have the "
                                f"different boundaries {bounds}, so no two ranks hold the same parameters for ZeRO "
                                "to shard)", "use zero_stage 0, or re-plan with mode pipeline (shared boundaries)"))
-        if plan.dtype != "fp32":
-            out.append(Problem("plan.dtype", plan.dtype, "be fp32 for an asymmetric plan (the runtime reduces its "
-                               "gradients itself, outside DeepSpeed's mixed-precision optimizers)", "use dtype fp32"))
     counts = [pipe.num_micro_batches for pipe in plan.pipelines]
     if zero >= 2 and len(set(counts)) > 1:
         common = max(counts)

@@ -261,8 +261,9 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
 
     Asymmetric plans (replicas with different boundaries) run each replica as
     its own one-replica grid (``ds_runtime.replica_engine``): their
-    ``train_batch_size`` is ``micro * gas`` and ``gradient_clipping`` is 0 (the
-    runtime clips by the global norm after its own reduction).
+    ``train_batch_size`` is ``micro * gas``; in fp32 ``gradient_clipping`` is 0
+    (the runtime clips by the global norm after its own reduction), in bf16 and
+    fp16 DeepSpeed's mixed-precision optimizer clips, after that reduction.
 
     Refused: plans the deepspeed runtime cannot run (``core.runtime_rules``) and
     asymmetric plans with offload.
@@ -302,8 +303,9 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         "train_batch_size": micro * gas * dp,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        # asymmetric: the runtime clips by the global norm itself, after its own gradient reduction
-        "gradient_clipping": float(gradient_clipping) if aligned else 0.0,
+        # asymmetric fp32: the runtime clips by the global norm itself, after its own gradient reduction; in
+        # bf16/fp16 DeepSpeed's optimizer clips (the norm over the replica's stages, after that reduction)
+        "gradient_clipping": float(gradient_clipping) if aligned or plan.dtype != "fp32" else 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": plan.dtype == "bf16"},
         "fp16": {"enabled": plan.dtype == "fp16"},

@@ -69,6 +69,7 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.config import deepspeed_config, rank_batches, rank_layout
 from het_strategy.ds_runtime.replicas import ReplicaLayout, replica_layout
+from het_strategy.profiling.torch_device import TORCH_DTYPES
 
 __all__ = ["init_deepspeed_distributed", "check_runnable", "PlanRunner"]
 
@@ -267,11 +268,21 @@ class PlanRunner:
         return out
 
     def _weight(self, w: float, like: torch.Tensor) -> torch.Tensor:
-        dtype = like.dtype if like.is_floating_point() else torch.float32
+        """The micro-batch's loss weight, in the labels' dtype, at least fp32 (a bf16 weight would round)."""
+        dtype = torch.promote_types(like.dtype, torch.float32) if like.is_floating_point() else torch.float32
         return torch.tensor(w, dtype=dtype)
 
+    def _compute_inputs(self, x: Any) -> Any:
+        """Floating-point inputs in the plan's compute dtype (DeepSpeed runs the layers in bf16/fp16 there)."""
+        if self.plan.dtype == "fp32":  # the layers' own dtype (fp32, or fp64 in the exactness tests)
+            return x
+        dtype = TORCH_DTYPES[self.plan.dtype]
+        if isinstance(x, (tuple, list)):
+            return tuple(t.to(dtype) if t.is_floating_point() else t for t in x)
+        return x.to(dtype) if x.is_floating_point() else x
+
     def _pipe_data(self, micro: list[tuple[Any, Any, int, float]]) -> list[tuple[Any, Any]]:
-        return [(x, (y, self._weight(w, y))) for x, y, _, w in micro]
+        return [(self._compute_inputs(x), (y, self._weight(w, y))) for x, y, _, w in micro]
 
     def _from_last_stage(self, value: torch.Tensor | None) -> float:
         """The global-batch value on every rank, in float64 (invariant 6).
@@ -314,6 +325,7 @@ class PlanRunner:
         eng.train()
         total = torch.zeros((), dtype=torch.float64)
         for x, y, m, w in micro:
+            x = self._compute_inputs(x)
             out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
             loss = self.loss_fn(out, y.to(eng.device))
             eng.backward(loss * w)  # DeepSpeed divides by gas_r; the allreduce averages over replicas
@@ -335,6 +347,7 @@ class PlanRunner:
         total = torch.zeros((), dtype=torch.float64)
         try:
             for x, y, m, _ in micro:
+                x = self._compute_inputs(x)
                 out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
                 total += m * self.loss_fn(out, y.to(eng.device)).double().cpu()
         finally:

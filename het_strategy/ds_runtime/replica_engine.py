@@ -21,11 +21,19 @@ module runs it with subclasses and public entry points only:
   and the grid is replaced before the engine reads it.
 - ``ReplicaPipelineEngine`` (a ``PipelineEngine``) maps the schedule's
   ``ReduceGrads`` instruction (``_INSTRUCTION_MAP``) to ``HolderSetReducer``:
-  per holder set, in the shared order, one flat allreduce of this rank's
-  layers' gradients, divided by the replica count; then clipping by the
-  global norm (``clipping.clip_by_global_norm`` over one replica's stages;
-  replicas agree after the reduction).  DeepSpeed's own clipping is off in
-  this config.
+  per holder set, in the shared order, one flat allreduce (in fp32 at least)
+  of this rank's layers' gradients, divided by the replica count.  The gradients are those
+  the optimizer steps on: ``param.grad`` in fp32 and fp16 (DeepSpeed's fp16
+  optimizers unscale them at the step), the fp32 accumulation buffers of
+  ``BF16_Optimizer`` in bf16 (``bf16_groups[i][j]``'s gradient is
+  ``fp32_groups_gradients[i][j]``, the buffer DeepSpeed's own tied-weight
+  reduction reads too).  Then clipping by the global norm over one
+  replica's stages (replicas agree after the reduction): in fp32 the
+  reducer's (``clipping.clip_by_global_norm``; DeepSpeed's clipping is off in
+  this config), in bf16 and fp16 DeepSpeed's mixed-precision optimizer's,
+  whose norm and overflow check run over the replica's pipeline group.  An
+  inf or nan on one rank reaches every holder of its layer through the
+  reduction, so every replica's optimizer skips the same step.
   The engine is constructed directly, as ``deepspeed.initialize`` does for
   a ``PipelineModule`` (it picks the class from the module's type).
 
@@ -33,7 +41,7 @@ Loss weights are those of ``rank_batches`` with ``dp = replicas``: DeepSpeed
 divides each micro-batch loss by the rank's own accumulation count, the
 reducer averages over replicas, so the update is the global-batch mean.
 ZeRO >= 1 is refused (no two ranks hold the same parameter set to shard
-over); fp32 or fp64 layers.
+over); fp32 or fp64 layers, or DeepSpeed's bf16 / fp16 mixed precision.
 """
 
 from __future__ import annotations
@@ -105,40 +113,60 @@ def broadcast_from_first_replica(layout: ReplicaLayout, rank: int, groups: PlanG
 
 
 class HolderSetReducer:
-    """Average each layer's gradient over the ranks holding it, then clip by the global norm."""
+    """Average each layer's gradient over the ranks holding it, then clip by the global norm (fp32 plans)."""
 
     def __init__(self, layout: ReplicaLayout, rank: int, groups: PlanGroups, gradient_clipping: float) -> None:
         self.layout, self.rank, self.groups = layout, rank, groups
         self.gradient_clipping = float(gradient_clipping)
+        """The largest global norm the reducer clips to (0: off, or DeepSpeed's optimizer clips: bf16/fp16)."""
         self.last_norm: float | None = None
-        """The global gradient norm of the last step (after the reduction, before clipping)."""
+        """The global gradient norm of the last step (after the reduction, before clipping; fp32 plans)."""
         self.last_reduce_s = 0.0
         """Wall seconds of the last step's reduction (waiting for the other holders included)."""
         self._buckets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]] | None = None
         """This rank's parameters per holder set, in the shared order (found on the first step: fixed after)."""
 
     @torch.no_grad()
-    def __call__(self, module: torch.nn.Module) -> None:
+    def __call__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
+        """Reduce this step's gradients; ``optimizer``: the engine's, when it keeps them outside ``param.grad``
+        (``BF16_Optimizer``)."""
         import deepspeed.comm as dist
 
         t0 = time.perf_counter()
         replicas = self.layout.num_replicas
         if self._buckets is None:
             self._buckets = list(_flat_groups(self.layout, self.rank, module))
+        kept = _gradient_buffers(optimizer)
         for hs, params in self._buckets:
-            for q in params:
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
-            flat = torch.cat([q.grad.reshape(-1) for q in params])
+            grads = [_gradient_of(q, kept) for q in params]
+            wire = torch.promote_types(grads[0].dtype, torch.float32)  # fp16 gradients are reduced in fp32
+            flat = torch.cat([g.reshape(-1).to(wire) for g in grads])
             dist.all_reduce(flat, group=self.groups.holders[hs])
             flat.div_(replicas)
             k = 0
-            for q in params:
-                q.grad.copy_(flat[k:k + q.numel()].view_as(q.grad))
-                k += q.numel()
+            for g in grads:
+                g.copy_(flat[k:k + g.numel()].view_as(g))
+                k += g.numel()
         if self.gradient_clipping > 0:  # one replica's stages cover every layer once
             self.last_norm = clip_by_global_norm(module, self.gradient_clipping, self.groups.pipe)
         self.last_reduce_s = time.perf_counter() - t0
+
+
+def _gradient_buffers(optimizer: Any) -> dict[int, torch.Tensor] | None:
+    """``BF16_Optimizer``'s fp32 gradient buffer of each bf16 parameter (by id); None: gradients are ``.grad``."""
+    groups = getattr(optimizer, "bf16_groups", None)
+    if groups is None:
+        return None
+    return {id(lp): hp for lps, hps in zip(groups, optimizer.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
+
+
+def _gradient_of(q: torch.nn.Parameter, kept: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    """The gradient the optimizer steps on for ``q`` (zeros when this step gave it none)."""
+    if kept is not None:
+        return kept[id(q)]
+    if q.grad is None:
+        q.grad = torch.zeros_like(q)
+    return q.grad
 
 
 def _grid_class() -> type:
@@ -216,7 +244,7 @@ def _engine_class() -> type:
 
         def _exec_plan_reduce_grads(self) -> None:
             self._force_grad_boundary = True
-            self.plan_reducer(self.module)
+            self.plan_reducer(self.module, self.optimizer if self.using_bf16_optimizer else None)
             self._force_grad_boundary = False
 
         _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _exec_plan_reduce_grads}
@@ -235,7 +263,10 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
     module = _module_class()(list(layers), layout.layers_of(rank), grid, loss_fn=loss_fn,
                              activation_checkpoint_interval=activation_checkpoint_interval, dynamic_shape=True)
     broadcast_from_first_replica(layout, rank, groups, module)
-    reducer = HolderSetReducer(layout, rank, groups, gradient_clipping)
+    # in bf16/fp16 DeepSpeed's mixed-precision optimizer clips (ds_config's gradient_clipping), after the reduction
+    own_clip = gradient_clipping if not (ds_config.get("bf16", {}).get("enabled") or
+                                         ds_config.get("fp16", {}).get("enabled")) else 0.0
+    reducer = HolderSetReducer(layout, rank, groups, own_clip)
     optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
     mpu = module.mpu()
     engine = _engine_class()(args=None, model=module, optimizer=optimizer, model_parameters=None,

@@ -45,7 +45,7 @@ def _searches(mode: str, runtime: Runtime, settings: TrainSettings) -> list[tupl
     """The searches run again at tp = 1 for ``runtime``: (mode, settings) of the planners whose plans it may run.
 
     At ZeRO 2/3 the deepspeed runtime runs one-stage replicas whose micro-batch
-    counts it can equalise (rule 4 of ``core.runtime_rules``): beside the plain dp
+    counts it can equalise (rule 5 of ``core.runtime_rules``): beside the plain dp
     search, one dp search per single micro-batch size and one with equal shares
     find such plans where the fastest dp plan mixes counts.
     """
