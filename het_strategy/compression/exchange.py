@@ -53,6 +53,8 @@ place that decides; the hooks compose their own steps from these with
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -91,9 +93,9 @@ def overlaps(group: dist.ProcessGroup) -> bool:
 
     The ordering rule: every rank must issue the same collectives in the same order.  NCCL enqueues a
     collective on its stream and completes its future at once (the future carries CUDA events), so a ``then``
-    callback runs right away in the launching thread, on side streams that wait for the collective, before the
-    hook returns and before DDP's next bucket: the order is the program's, and backward's stream does not wait
-    for the wire.  On
+    callback runs right away in the launching thread, before the hook returns and before DDP's next bucket: the
+    order is the program's, and the steps' GPU work waits for the wire on ``chain``'s side stream, not on
+    backward's.  On
     gloo (and any other backend) a future completes on the backend's worker thread, and a collective launched
     from its callback could interleave with the next bucket's collectives in a different order on different
     ranks: there every collective runs to completion inside the hook.
@@ -113,8 +115,20 @@ def settle(steps: Steps[T]) -> T:
 
 
 def chain(steps: Steps[T], device: torch.device) -> torch.futures.Future[T]:
-    """Run ``steps`` from the ``then`` callback of each collective's future; a future of the result (on
-    ``device``'s streams, for CUDA), or of the first error."""
+    """Run ``steps`` from the ``then`` callback of each collective's future; a future of the result, or of the
+    first error.
+
+    On CUDA every step runs on one side stream that first waits for the launching (backward's) stream and then,
+    step by step, for each collective: the steps' arithmetic overlaps backward, and a tensor one step allocates
+    and a later one reads is freed only to that same stream (the caching allocator reuses a block on its own
+    stream), so backward cannot reuse it while a later step still reads it.  The result's future carries that
+    stream's event, which DDP waits for.
+    """
+    on_side = contextlib.nullcontext
+    if device.type == "cuda":
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        on_side = functools.partial(torch.cuda.stream, side)  # type: ignore[assignment]
     result: torch.futures.Future[T] = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
 
     def advance(sent: Any) -> None:
@@ -128,16 +142,24 @@ def chain(steps: Steps[T], device: torch.device) -> torch.futures.Future[T]:
             launched.then(resume)
 
     def resume(done: torch.futures.Future) -> None:
-        try:
-            value = done.value()
-        except Exception as exc:  # a failed collective
-            steps.close()
-            result.set_exception(exc)
-            return
-        advance(value)
+        with on_side():
+            try:
+                value = done.wait()  # completed already; on CUDA: the side stream waits for the collective
+            except Exception as exc:  # a failed collective
+                steps.close()
+                result.set_exception(exc)
+                return
+            advance(value)
 
-    advance(None)
+    with on_side():
+        advance(None)
     return result
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> Any:
+    """The stream ``chain`` runs its steps on, one per CUDA device."""
+    return torch.cuda.Stream(device)
 
 
 def run_steps(steps: Steps[T], group: dist.ProcessGroup, device: torch.device) -> torch.futures.Future[T]:
