@@ -1,4 +1,4 @@
-"""Rank 0 of the Trainer test: ``python _ds_strategy_worker.py OUT_DIR ZERO_STAGE [pipe|asym|dp|badbatch]`` runs fit.
+"""Rank 0 of the Trainer test: ``python _ds_strategy_worker.py OUT_DIR ZERO_STAGE [pipe|asym|dp|badbatch|asym_bf16]``.
 
 Lightning's subprocess launcher starts ranks 1..3 by re-running this command
 line.  DS_ACCELERATOR=cpu and MASTER_ADDR/MASTER_PORT come from the
@@ -10,7 +10,8 @@ dataset is ``SAMPLES`` samples, 3 global batches of 8, which Lightning shuffles
 DataLoader batch_size of 4, not 8; writes the ConfigError's field.  After fit
 ``pipe``/``asym``/``dp`` (``dp_plan``: four one-stage replicas) saves ``OUT_DIR/last.ckpt`` and loads it back into the runner; then a new
 Trainer + model resumes from it (``fit(ckpt_path=...)``, ``max_epochs=2``) and
-a third, of the other ZeRO stage (another plan), must be refused.
+a third, of the other ZeRO stage (another plan), must be refused.  ``asym_bf16``: the asymmetric plan in bf16
+under ``Trainer(precision="bf16-mixed")``, fit only.
 """
 
 from __future__ import annotations
@@ -95,15 +96,20 @@ def main() -> None:
     one = mode == "badbatch"
     cluster = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": f"cpu{i}", "type": "CPU"}
                                                                         for i in range(1 if one else 4)]}]}
-    plan = (one_device_plan() if one else base.asym_plan() if mode == "asym" else dp_plan() if mode == "dp"
+    plan = (one_device_plan() if one else base.asym_plan() if mode.startswith("asym") else dp_plan() if mode == "dp"
             else base.pipe_plan())
+    mixed = mode == "asym_bf16"
+    if mixed:
+        import dataclasses
+
+        plan = dataclasses.replace(plan, dtype="bf16")
     strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
     data = DataLoader(dataset(), batch_size=4 if one else base.BATCH)
     val = DataLoader(TensorDataset(*base.batch()), batch_size=base.BATCH)
     losses = Losses()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1 if one else 4, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=1, callbacks=[losses])
+                         num_sanity_val_steps=1, callbacks=[losses], precision="bf16-mixed" if mixed else "32-true")
     if one:
         try:
             trainer.fit(PipeModel(), data, val)
@@ -116,7 +122,12 @@ def main() -> None:
     result = {"rank": trainer.global_rank, "global_step": trainer.global_step, "losses": losses.losses,
               "logged": float(trainer.callback_metrics["train_loss"]),
               "val_loss": float(trainer.callback_metrics["val_loss"]),
-              "params": {n: p.flatten().tolist() for n, p in runner.named_parameters().items()}}
+              "params": {n: p.double().flatten().tolist() for n, p in runner.named_parameters().items()}}
+    if mixed:
+        result["param_dtype"] = str(next(runner.engine.module.parameters()).dtype)
+        result["optimizer"] = type(runner.engine.optimizer).__name__
+        _write(out_dir, trainer.global_rank, result)
+        return
     # a checkpoint round trip: save (every rank), spoil this rank's weights, load them back through DeepSpeed
     from het_strategy.strategy.hetero_deepspeed import CHECKPOINT_TAG, PLAN_KEY
 
@@ -171,7 +182,11 @@ def main() -> None:
         result["refused"] = None
     except ConfigError as exc:
         result["refused"] = {"field": exc.field, "message": str(exc)}
-    final = os.path.join(out_dir, f"rank{trainer.global_rank}.json")
+    _write(out_dir, trainer.global_rank, result)
+
+
+def _write(out_dir: str, rank: int, result: dict) -> None:
+    final = os.path.join(out_dir, f"rank{rank}.json")
     with open(final + ".tmp", "w") as fh:
         json.dump(result, fh)
     os.replace(final + ".tmp", final)  # the test polls for these files: never show a half-written one

@@ -144,6 +144,24 @@ def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stag
 
 
 @pytest.mark.multiprocess
+def test_trainer_fit_in_bf16_mixed_on_asymmetric_replicas_tracks_fp32(tmp_path):
+    """``Trainer(precision="bf16-mixed")`` with the asymmetric plan in bf16: DeepSpeed's bf16 optimizer (fp32 master
+    weights) on every replica, the holder-set reduction of its fp32 gradients; within bf16's rounding of the fp32
+    single-process run."""
+    ranks = _fit(tmp_path, 0, "asym_bf16")
+    ref_losses, ref_val, ref_params = _reference()
+    tol = dict(rel=2e-2, abs=4e-3)  # bf16 keeps 8 mantissa bits (the parameters are compared as held, in bf16)
+    for r in ranks:
+        assert r["param_dtype"] == "torch.bfloat16" and r["optimizer"] == "BF16_Optimizer"
+        assert r["global_step"] == base.STEPS
+        assert r["losses"] == pytest.approx(ref_losses, **tol), f"rank {r['rank']}"
+        assert r["val_loss"] == pytest.approx(ref_val, **tol)
+        for name, values in r["params"].items():
+            assert values == pytest.approx(ref_params[name], **tol), f"rank {r['rank']}: {name}"
+    assert len({tuple(r["losses"]) for r in ranks}) == 1
+
+
+@pytest.mark.multiprocess
 def test_a_loader_batch_other_than_the_global_batch_is_refused(tmp_path):
     (result,) = _fit(tmp_path, 0, "badbatch", world=1)
     assert result["field"] == "DataLoader.batch_size", result

@@ -49,7 +49,7 @@ def test_a_given_plan_is_held_with_its_zero_override_and_checked_against_the_wor
 
 @pytest.mark.parametrize("plan, field", [
     (_plan([_pipe(["cpu0", "cpu1"], [0, 3, 6]), _pipe(["cpu2"], [0, 6])], zero_stage=1), "plan.zero_stage"),
-    (_plan([_pipe(["cpu0"], [0, 6]), _pipe(["cpu1"], [0, 6])], dtype="bf16"), "plan.dtype"),
+    (_plan([_pipe(["cpu0"], [0, 6]), _pipe(["cpu1"], [0, 6])], dtype="fp16"), "plan.zero_stage"),
     (_plan([Pipeline((Stage(("cpu0", "cpu1"), (0, 6)),), 2, 4)]), "plan.pipelines[0].stages[0].tp"),
     (_plan([_pipe(["cpu0"], [0, 6]), _pipe(["gpu9"], [0, 6])]), "plan.pipelines[1].stages[0].devices[0]"),
 ])
@@ -57,6 +57,43 @@ def test_the_construction_check_refuses_what_the_runtime_cannot_run(plan, field)
     with pytest.raises(ConfigError) as err:
         DeepSpeedPlanHolder(_cluster(), plan)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("16-mixed", "fp16")])
+def test_the_trainers_precision_sets_the_dtype_a_given_plan_must_have(precision, dtype):
+    bf16 = _plan([_pipe(["cpu0", "cpu1"], [0, 3, 6]), _pipe(["cpu2"], [0, 6])], dtype="bf16")  # asymmetric
+    holder = DeepSpeedPlanHolder(_cluster(), bf16)  # the precision is not known before a Trainer attaches it
+    if dtype == "bf16":
+        holder.use_precision(precision)
+        assert holder.dtype == "bf16" and holder.ensure(rank=0, world_size=3) is holder.plan
+        return
+    with pytest.raises(ConfigError) as err:
+        holder.use_precision(precision)
+    assert err.value.field == "plan.dtype" and f"be {dtype}, the dtype of Trainer(precision='{precision}')" \
+        in str(err.value)
+    with pytest.raises(ConfigError, match="`plan.dtype` is 'bf16'; it must be fp32"):
+        holder.ensure(rank=0, world_size=3)  # no precision attached: the run is fp32
+
+
+def test_without_a_plan_rank_zero_plans_in_the_trainers_dtype():
+    holder = DeepSpeedPlanHolder(_cluster(), None, workload="tiny_gpt", global_batch_size=8, planner_mode="pipeline")
+    holder.use_precision("bf16-mixed")
+    assert holder.settings.dtype == "bf16"
+    with pytest.raises(ConfigError, match="WORLD_SIZE"):
+        holder.ensure(rank=0, world_size=1)
+    assert holder.plan.dtype == "bf16"
+    with pytest.raises(ConfigError) as err:
+        holder.use_precision("bf16-true")
+    assert err.value.field == "Trainer.precision" and "32-true, bf16-mixed, 16-mixed" in str(err.value)
+
+
+def test_a_trainer_in_another_precision_than_the_plan_is_refused_at_its_construction():
+    pl = pytest.importorskip("lightning.pytorch")
+    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+
+    strategy = HeteroDeepSpeedStrategy(cluster=_cluster(), plan=PIPE)  # fp32
+    with pytest.raises(ConfigError, match="`plan.dtype` is 'fp32'; it must be bf16"):
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, precision="bf16-mixed", logger=False)
 
 
 def test_without_a_plan_rank_zero_plans_one_the_runtime_runs():

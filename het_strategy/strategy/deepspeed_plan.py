@@ -18,10 +18,12 @@
    ``emulation=False`` the cluster's emulated speeds are dropped at
    construction: the run plans and runs at the devices' real speeds.
 
-The strategy runs Lightning's ``32-true`` precision only, so it takes fp32
-plans: that rule is the strategy's (its precision setting is not connected to
-DeepSpeed's mixed precision), not the runtime's, and is checked here beside
-the table.
+4. ``use_precision(precision)`` when the Trainer attaches its precision
+   (``Trainer(precision=...)``, before any rank starts): ``32-true`` runs
+   fp32, ``bf16-mixed`` DeepSpeed's bf16 and ``16-mixed`` its fp16, each with
+   fp32 master weights (``DEEPSPEED_PRECISIONS``).  A given plan must be in
+   that dtype; without one, rank 0 plans in it.  Before a Trainer attaches
+   one, the run is fp32.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.dtypes import Dtype
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
@@ -39,12 +42,17 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec, load_workload, transformer_workload
 from het_strategy.emulation.speeds import cluster_is_emulated
 from het_strategy.planning.request import PlanMode
+from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy.rank_zero import decided_on_rank_zero
 
-__all__ = ["ZeroStage", "DeepSpeedPlanHolder", "load_plan_source"]
+__all__ = ["ZeroStage", "DEEPSPEED_PRECISIONS", "DeepSpeedPlanHolder", "load_plan_source"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 """A ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over the replicas."""
+
+DEEPSPEED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+"""Lightning's precisions the strategy runs, each in the dtype ``run_plan.precision_dtype`` gives it: DeepSpeed's
+bf16 and fp16 keep fp32 master weights, which is Lightning's ``-mixed`` (its ``-true`` keeps none)."""
 
 
 def load_plan_source(plan: Any) -> Plan | None:
@@ -89,6 +97,8 @@ class DeepSpeedPlanHolder:
         """With planning at setup: how the best runnable plan compares with the unconstrained best."""
         self.settings: TrainSettings | None = None
         """With ``plan=None``: the settings rank 0 plans with."""
+        self.dtype = Dtype.fp32
+        """The dtype the run trains in (``use_precision``; fp32 until a Trainer attaches its precision)."""
         loaded = load_plan_source(plan)
         if loaded is None:
             if self.workload is None:
@@ -106,18 +116,34 @@ class DeepSpeedPlanHolder:
         """The plan run (``None`` until ``ensure`` when the strategy plans)."""
 
     def check(self, plan: Plan, world_size: int | None = None) -> None:
-        """Refuse a plan of another cluster, one the deepspeed runtime cannot run, or one not in fp32."""
+        """Refuse a plan of another cluster, or one the deepspeed runtime cannot run."""
         plan.check_cluster(self.cluster)
         raise_first(runtime_problems(plan, Runtime.deepspeed, world_size))
-        if plan.dtype != "fp32":
-            raise field_error("plan.dtype", plan.dtype, "be fp32 (the strategy runs Lightning's 32-true precision; "
-                              "DeepSpeed's mixed precision is not connected to it)", "plan with settings.dtype=fp32")
+
+    def use_precision(self, precision: Any) -> None:
+        """Train in Lightning's ``precision`` (``DEEPSPEED_PRECISIONS``): a given plan must be in its dtype; without
+        one, rank 0 plans in it (the deepspeed rule table then applies to that dtype: fp16 needs ZeRO >= 1)."""
+        if str(precision) not in DEEPSPEED_PRECISIONS:
+            raise field_error("Trainer.precision", precision, f"be one of {', '.join(DEEPSPEED_PRECISIONS)} "
+                              "(DeepSpeed's bf16 and fp16 keep fp32 master weights: Lightning's -mixed)")
+        dtype = precision_dtype(precision)
+        if self.plan is not None and self.plan.dtype != dtype:
+            raise field_error("plan.dtype", self.plan.dtype, f"be {dtype}, the dtype of Trainer(precision="
+                              f"{str(precision)!r})", f"plan with settings.dtype={dtype}, or set the Trainer's "
+                              "precision to the plan's")
+        if self.settings is not None:
+            self.settings = dataclasses.replace(self.settings, dtype=dtype)
+        self.dtype = dtype
 
     def ensure(self, rank: int, world_size: int) -> Plan:
-        """The plan every rank runs: the given one, or rank 0's search broadcast; checked against the world."""
+        """The plan every rank runs: the given one, or rank 0's search broadcast; checked against the world and
+        the run's dtype."""
         if self.plan is None:
             self.plan = self._plan_on_rank_zero(rank, world_size)
         self.check(self.plan, world_size)
+        if self.plan.dtype != self.dtype:
+            raise field_error("plan.dtype", self.plan.dtype, f"be {self.dtype}, the dtype the run trains in",
+                              "set Trainer(precision=...) to the plan's dtype")
         return self.plan
 
     def _plan_on_rank_zero(self, rank: int, world_size: int) -> Plan:

@@ -81,15 +81,19 @@ every plan the ``deepspeed`` rule table of ``core.runtime_rules`` accepts
 (tp = 1; aligned replicas on DeepSpeed's own grid, at ZeRO 0 or 1 when they
 pipeline and at any ZeRO stage as one-stage replicas; asymmetric replicas,
 of different lengths and boundaries, ``ds_runtime.replica_engine``, at ZeRO
-0), in fp32 (``precision="32-true"``); automatic optimization; gradient
-clipping by the global norm (``gradient_clipping=``; DeepSpeed's own, except
-for aligned pipelines at ZeRO 0 and asymmetric plans, which the runtime clips
-after its own reduction, see ``ds_runtime/clipping.py``).
+0); ``Trainer(precision=...)`` ``32-true`` (fp32), ``bf16-mixed`` (DeepSpeed's
+bf16) or ``16-mixed`` (its fp16 with dynamic loss scaling, at ZeRO >= 1), with
+fp32 master weights, checked against the plan's dtype when the Trainer is
+built (without a plan, rank 0 plans in that dtype; on CPU Lightning turns
+``16-mixed`` into ``bf16-mixed``); automatic optimization; gradient clipping
+by the global norm (``gradient_clipping=``; DeepSpeed's own, except for fp32
+aligned pipelines at ZeRO 0 and fp32 asymmetric plans, which the runtime
+clips after its own reduction, see ``ds_runtime/clipping.py``).
 
 Refused with ``ConfigError``: ``test`` and ``predict``,
 ``validate`` on a fresh Trainer, a short last training batch (use
 ``drop_last=True``), ``trainer.gradient_clip_val``, ``accumulate_grad_batches``
-> 1, manual optimization, mixed precision, live re-planning.  The non-local
+> 1, manual optimization, the ``-true`` and 64-bit precisions, live re-planning.  The non-local
 layers stay (untrained) in the LightningModule of each rank: its
 ``state_dict`` is not the trained model.
 """
@@ -195,6 +199,21 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
             return None
         return self.runner.batch.samples if self.runner.assignment.stage == 0 else 0
 
+    # -- precision --------------------------------------------------------------------------------
+    @property
+    @override
+    def precision_plugin(self) -> Any:
+        """Lightning's precision plugin; the run trains in its dtype (``DeepSpeedPlanHolder.use_precision``)."""
+        return super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        """Lightning attaches the Trainer's precision here, in ``Trainer(...)``: a plan in another dtype, or a
+        precision DeepSpeed does not run, is refused there, before any rank starts."""
+        _inherited_property(type(self), __class__, "precision_plugin").fset(self, plugin)
+        if plugin is not None:
+            self.plans.use_precision(plugin.precision)
+
     # -- setup ------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
@@ -220,10 +239,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         if fn != "fit":
             raise field_error("trainer function", fn, "be fit, or validate after fit on the same Trainer "
                               "(hetero_deepspeed has no test/predict, and validate needs the trained engine)")
-        precision = self.precision_plugin.precision
-        if precision != "32-true":
-            raise field_error("Trainer.precision", precision, "be 32-true (the strategy runs fp32; DeepSpeed's mixed "
-                              "precision is not connected to Lightning's precision setting)")
+        self.plans.use_precision(self.precision_plugin.precision)  # set when the Trainer attached it; re-checked
         module = trainer.lightning_module
         if not module.automatic_optimization:
             raise field_error("automatic_optimization", False, "be true (the strategy makes the step)")
@@ -360,6 +376,16 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Replaces Strategy's: nothing to do, DeepSpeed loaded the optimizer state in ``load_checkpoint``."""
+
+
+def _inherited_property(cls: type, owner: type, name: str) -> property:
+    """The property ``name`` that ``owner`` overrides, found after ``owner`` in ``cls``'s MRO (a property setter
+    cannot be reached through ``super()``)."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(owner) + 1:]:
+        if isinstance(vars(klass).get(name), property):
+            return vars(klass)[name]
+    raise AttributeError(name)  # invariant: Lightning's Strategy defines every property the strategy overrides
 
 
 def _keep_only(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
