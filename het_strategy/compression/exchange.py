@@ -95,10 +95,9 @@ def overlaps(group: dist.ProcessGroup) -> bool:
     collective on its stream and completes its future at once (the future carries CUDA events), so a ``then``
     callback runs right away in the launching thread, before the hook returns and before DDP's next bucket: the
     order is the program's, and the steps' GPU work waits for the wire on ``chain``'s side stream, not on
-    backward's.  On
-    gloo (and any other backend) a future completes on the backend's worker thread, and a collective launched
-    from its callback could interleave with the next bucket's collectives in a different order on different
-    ranks: there every collective runs to completion inside the hook.
+    backward's.  On gloo (and any other backend) a future completes on the backend's worker thread, and a
+    collective launched from its callback could interleave with the next bucket's collectives in a different
+    order on different ranks: there every collective runs to completion inside the hook.
     """
     return dist.get_backend(group) == dist.Backend.NCCL
 
