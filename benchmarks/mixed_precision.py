@@ -1,0 +1,158 @@
+"""bf16 and fp16 pipelines on ``hetero_deepspeed``'s runtime against fp32, on the same samples: the validation loss.
+
+The char GPT (4 blocks, hidden 128, sequence 64: 6 pipeline layers) trains on the standard library's source
+(``demo.stdlib_text``) through ``ds_runtime.PlanRunner`` on 4 CPU ranks, the same global batches in the same
+order and the same initial weights in every run, with AdamW:
+
+- **aligned**: 2 pipelines x 2 stages split at layer 3 (DeepSpeed's own grid), in fp32 and bf16 at ZeRO 0
+  and in fp16 at ZeRO 1 (DeepSpeed 0.19 trains fp16 at ZeRO >= 1 only: ``core.runtime_rules``);
+- **asymmetric**: one rank holding every layer, a pipeline of two ranks split at layer 2, one more rank
+  holding every layer (``ds_runtime.replica_engine``), in fp32 and bf16 (ZeRO 0, so no fp16).
+
+After the last step, the mean loss over ``--val-batches`` held-out batches (files the training set does not
+have).  ``loss_gap_<dtype>`` is the largest relative gap to the fp32 run of the same plan; ``seed_noise`` is the
+relative gap between two fp32 aligned runs of different seeds (weights and batch order), the scale a precision
+gap is read against.  It checks that the mixed-precision paths train like fp32 on the same samples; it cannot
+say anything about speed (a CPU has no fast bf16/fp16 units) or about per-device precision (not built: every
+rank of a run computes in one dtype).
+Last line: ``RESULT loss_gap_bf16=... loss_gap_fp16=... seed_noise=... val_fp32=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256}
+DEVICES = tuple(f"cpu{i}" for i in range(4))
+
+
+def plans(batch: int, micro: int) -> dict[str, Any]:
+    """The aligned and the asymmetric plan of the module docstring, over 6 layers and ``batch`` samples."""
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    layers = MODEL["num_layers"] + 2
+
+    def pipe(devices: tuple[str, ...], bounds: tuple[int, ...], samples: int) -> Pipeline:
+        return Pipeline(tuple(Stage((d,), (a, b)) for d, a, b in zip(devices, bounds, bounds[1:])),
+                        micro_batch_size=micro, samples=samples)
+
+    def plan(pipes: tuple[Pipeline, ...]) -> Plan:
+        return Plan(cluster="local", cluster_devices=DEVICES, model={"name": "char_gpt", "num_layers": layers},
+                    global_batch_size=batch, pipelines=pipes, dtype="fp32", mode="manual")
+
+    half = batch // 2
+    quarter = batch // 4
+    # rank = stage * dp + pipeline on DeepSpeed's grid: pipeline 0 on cpu0 -> cpu2, pipeline 1 on cpu1 -> cpu3
+    aligned = plan((pipe(("cpu0", "cpu2"), (0, 3, layers), half), pipe(("cpu1", "cpu3"), (0, 3, layers), half)))
+    asymmetric = plan((pipe(("cpu0",), (0, layers), quarter), pipe(("cpu1", "cpu2"), (0, 2, layers), half),
+                       pipe(("cpu3",), (0, layers), batch - half - quarter)))
+    return {"aligned": aligned, "asymmetric": asymmetric}
+
+
+def run(plan: Any, dtype: str, zero_stage: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``plan`` in ``dtype`` on 4 ranks; rank 0's ``{"train_loss", "val_loss"}``."""
+    import dataclasses
+
+    from het_strategy.emulation.local_ranks import run_script_ranks
+
+    chosen = dataclasses.replace(plan, dtype=dtype, zero_stage=zero_stage)
+    with tempfile.TemporaryDirectory(prefix="het_mixed_") as tmp:
+        out = Path(tmp)
+        spec = {"plan": json.loads(chosen.to_json()), "steps": args.steps, "val_batches": args.val_batches,
+                "seed": seed, "lr": args.lr, "out": str(out / "result.json")}
+        (out / "spec.json").write_text(json.dumps(spec))
+        env = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        world = len(chosen.used_devices)
+        codes = run_script_ranks([sys.executable, __file__, "--worker", str(out / "spec.json")], world, out,
+                                 args.timeout, env)
+        if codes != [0] * world:
+            tails = "\n----\n".join((out / f"log{r}.txt").read_text()[-2500:] for r in range(world))
+            raise RuntimeError(f"ranks exited {codes}:\n{tails}")
+        return json.loads((out / "result.json").read_text())
+
+
+def _worker(spec_path: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from het_strategy.core.plan import Plan
+    from het_strategy.core.workload import TransformerConfig
+    from het_strategy.demo.char_gpt import CharGPT
+    from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
+    from het_strategy.ds_runtime.engine import PlanRunner
+
+    spec = json.loads(Path(spec_path).read_text())
+    plan = Plan.from_dict(spec["plan"])
+    cfg = TransformerConfig(name="char_gpt", **MODEL)
+    torch.manual_seed(spec["seed"])
+    model = CharGPT.from_workload_config(cfg)
+    runner = PlanRunner(plan, model.pipeline_layers(), CharGPT.pipeline_loss,
+                        lambda params: torch.optim.AdamW(params, lr=spec["lr"]), timeout_s=300)
+    corpus = stdlib_corpus(max_bytes=2_000_000)
+    train, val = CharDataset(corpus.train, cfg.seq_len), CharDataset(corpus.val, cfg.seq_len)
+    batch = plan.global_batch_size
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(spec["seed"]))
+
+    def stacked(data: CharDataset, indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(data[int(i)] for i in indices))
+        return torch.stack(xs), torch.stack(ys)
+
+    train_loss = 0.0
+    for step in range(spec["steps"]):
+        train_loss = runner.train_step(*stacked(train, order[step * batch:(step + 1) * batch]))
+    val_losses = [runner.eval_step(*stacked(val, range(k * batch, (k + 1) * batch)))
+                  for k in range(spec["val_batches"])]
+    if runner.rank == 0:
+        tmp = spec["out"] + ".tmp"
+        Path(tmp).write_text(json.dumps({"train_loss": train_loss, "val_loss": sum(val_losses) / len(val_losses)}))
+        os.replace(tmp, spec["out"])
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args()
+    runs = {"aligned": (("fp32", 0), ("bf16", 0), ("fp16", 1)), "asymmetric": (("fp32", 0), ("bf16", 0))}
+    gaps: dict[str, float] = {}
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    print(f"char GPT {MODEL}, global batch {args.batch} (micro {args.micro}), {args.steps} steps of AdamW "
+          f"lr {args.lr}, 4 CPU ranks; validation: {args.val_batches} held-out batches")
+    print(f"  {'plan':<11} {'dtype':<5} {'ZeRO':>4} {'train loss':>10} {'val loss':>9} {'gap to fp32':>11}")
+    for name, plan in plans(args.batch, args.micro).items():
+        for dtype, zero in runs[name]:
+            res = results[(name, dtype)] = run(plan, dtype, zero, 0, args)
+            ref = results[(name, "fp32")]["val_loss"]
+            gap = abs(res["val_loss"] - ref) / ref
+            if dtype != "fp32":
+                gaps[dtype] = max(gaps.get(dtype, 0.0), gap)
+            print(f"  {name:<11} {dtype:<5} {zero:>4} {res['train_loss']:>10.4f} {res['val_loss']:>9.4f} "
+                  f"{gap:>11.2%}", flush=True)
+    other = run(plans(args.batch, args.micro)["aligned"], "fp32", 0, 1, args)
+    base = results[("aligned", "fp32")]["val_loss"]
+    noise = abs(other["val_loss"] - base) / base
+    print(f"  aligned     fp32     0 {other['train_loss']:>10.4f} {other['val_loss']:>9.4f} {noise:>11.2%}  "
+          "(seed 1: weights and batch order)")
+    print(f"RESULT loss_gap_bf16={gaps['bf16']:.4f} loss_gap_fp16={gaps['fp16']:.4f} seed_noise={noise:.4f} "
+          f"val_fp32={base:.4f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2])
+    else:
+        main()

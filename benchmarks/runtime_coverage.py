@@ -1,0 +1,55 @@
+"""How much the ``hetero_deepspeed`` runtime's rules cost: the runnable best against the unconstrained best.
+
+For every shipped cluster and each training dtype (fp32 and bf16 at ZeRO 0, fp16 at ZeRO 1, the lowest stage
+DeepSpeed 0.19 trains fp16 at), ``planning.plan`` with ``PlanRequest(runtime="deepspeed")`` plans the
+best plan the runtime runs and reports its predicted slowdown against the best plan of any runtime (the cost
+model's figures; ``settings.max_tp`` at its default, 1).  0.0%: the runtime runs the winning plan.
+Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... clusters=N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from het_strategy.core.cluster import load_cluster
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.shipped import shipped_names
+from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.workload import load_workload
+from het_strategy.planning import PlanRequest, plan
+
+DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 1))
+"""(dtype, ZeRO stage) of each column."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt_small", help="shipped model name")
+    ap.add_argument("--batch", type=int, default=64, help="global batch size")
+    args = ap.parse_args()
+    worst = {dtype: 0.0 for dtype, _ in DTYPES}
+    names = shipped_names("cluster")
+    print(f"model {args.model}, global batch {args.batch}; predicted slowdown of the best plan hetero_deepspeed "
+          "runs against the unconstrained best")
+    print(f"{'cluster':<26}" + "".join(f"{f'{d} (ZeRO {z})':>16}" for d, z in DTYPES))
+    for name in names:
+        cluster = load_cluster(name)
+        cells = []
+        for dtype, zero in DTYPES:
+            settings = TrainSettings(global_batch_size=args.batch, dtype=dtype, zero_stage=zero)
+            try:
+                result = plan(cluster, load_workload(args.model, dtype=dtype), settings, PlanRequest(runtime="deepspeed"))
+            except ConfigError as exc:
+                cells.append("no plan")
+                print(f"  {name} {dtype}: {exc}")
+                worst[dtype] = float("inf")
+                continue
+            slowdown = result.runtime_slowdown or 0.0
+            worst[dtype] = max(worst[dtype], slowdown)
+            cells.append(f"{slowdown * 100:.1f}%")
+        print(f"{name:<26}" + "".join(f"{c:>16}" for c in cells), flush=True)
+    print("RESULT " + " ".join(f"max_slowdown_{d}={worst[d] * 100:.1f}%" for d, _ in DTYPES) + f" clusters={len(names)}")
+
+
+if __name__ == "__main__":
+    main()
