@@ -316,7 +316,7 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16})
     if plan.dtype != "fp32":
         # reduce gradients in the dtype the cost model priced (settings.grad_dtype; fp32 unless set)
-        cfg["communication_data_type"] = settings.grad_reduce_dtype
+        cfg["communication_data_type"] = str(settings.grad_reduce_dtype)  # plain JSON: the config is saved too
     return cfg
 
 

@@ -373,7 +373,11 @@ class PlanRunner:
         self.engine.save_checkpoint(str(self.checkpoint_dir(path)), tag=tag, client_state=client_state)
 
     def load_checkpoint(self, path: str | Path, tag: str, **kwargs: Any) -> tuple[Any, Any]:
-        """``engine.load_checkpoint`` from this rank's ``checkpoint_dir``: ``(load_path, client_state)``."""
+        """``engine.load_checkpoint`` from this rank's ``checkpoint_dir``: ``(load_path, client_state)``; every file
+        is read as data (``checkpoint_files.read_as_data``: a file that needs more is refused, naming it)."""
+        from het_strategy.ds_runtime.checkpoint_files import read_as_data
+
+        read_as_data(self.engine)
         return self.engine.load_checkpoint(str(self.checkpoint_dir(path)), tag=tag, **kwargs)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:

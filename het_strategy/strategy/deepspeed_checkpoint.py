@@ -32,10 +32,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
+from het_strategy.ds_runtime.checkpoint_files import load_as_data
 from het_strategy.ds_runtime.engine import PlanRunner
 from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_KEY, FORMAT_KEY, check_format
 
@@ -65,7 +64,7 @@ def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *
     if not meta.is_file():
         raise field_error("ckpt_path", str(checkpoint_path), "be a checkpoint directory written by "
                           f"hetero_deepspeed's save_checkpoint (no {meta.relative_to(path)} in it)")
-    meta_state = torch.load(meta, map_location="cpu", weights_only=False)
+    meta_state = load_as_data(meta)
     check_format(meta_state.get(CHECKPOINT_KEY), checkpoint_path, f"client state entry {CHECKPOINT_KEY!r}")
     saved = meta_state.get(PLAN_KEY)
     mine = plan.to_dict()
