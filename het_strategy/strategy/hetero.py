@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,9 +51,10 @@ from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, check_options, check_plan_source, \
-    check_workload_source, planned_compression
+    check_timeouts, check_workload_source, planned_compression
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
+from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, Liveness
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.sampler import split_by_shares
@@ -98,6 +100,10 @@ class HeteroStrategy(DDPStrategy):
         probe: with ``cluster="auto"``: ``"cached"`` reuses this host's measurements, ``"refresh"`` measures again.
         telemetry: log the plan, per-rank step times, bytes and decisions to the Trainer's loggers
             (``het_strategy.callbacks.attach``).
+        heartbeat_timeout_s: a rank that gives no heartbeat for this long is gone: every other rank ends,
+            the lowest of them naming it in one line (``strategy/liveness.py``); ``None`` turns the heartbeat
+            off.  The collectives' own timeout is Lightning's ``timeout=``, here ``COLLECTIVE_TIMEOUT_S``
+            unless given.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``,
             ``find_unused_parameters``, ``timeout``, ``ddp_comm_wrapper``, ...).
     """
@@ -110,7 +116,7 @@ class HeteroStrategy(DDPStrategy):
                  emulation: bool = True, probe_cache_dir: str | Path | None = None,
                  profile_input: Callable[[Any], Any] | None = None, verbose: bool = True,
                  moe_placement: PlacementOption = "planned", probe: ProbeMode = "cached", telemetry: bool = True,
-                 **ddp_kwargs: Any) -> None:
+                 heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S, **ddp_kwargs: Any) -> None:
         cluster = check_cluster_source(cluster)  # bad input fails here, in the user's script, before any rank starts
         workload_spec = check_workload_source(workload)  # setup builds it again in the run's dtype
         plan = check_plan_source(plan, cluster, workload_spec)
@@ -123,6 +129,8 @@ class HeteroStrategy(DDPStrategy):
         config = None if hook is not None else compression_config(planned_compression(compression, plan))
         self.comm = CommHookBuilder(config, hook, compression_state, ddp_kwargs.pop("ddp_comm_wrapper", None))
         """The comm hook and the compression state."""
+        check_timeouts(heartbeat_timeout_s, ddp_kwargs.get("timeout"))
+        ddp_kwargs.setdefault("timeout", timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         # Lightning registers no hook without ``ddp_comm_hook``; it still reads the state (post-localSGD averaging)
         super().__init__(ddp_comm_state=compression_state if hook is not None else None, **ddp_kwargs)
         self.plans = PlanHolder(cluster, plan, workload, emulation=emulation, probe_cache_dir=probe_cache_dir,
@@ -135,6 +143,9 @@ class HeteroStrategy(DDPStrategy):
         self.placer = ExpertPlacer(moe_placement, workload, plan, verbose)
         """Where the HeteroMoE layers' experts live."""
         self.rebalance, self.telemetry, self.verbose = rebalance, telemetry, verbose
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.liveness: Liveness | None = None
+        """This rank's heartbeat and watchdog (from ``setup_environment``, with more than one rank)."""
         self._saved_callback_states: dict[str, Any] | None = None
         self._in_step = False
 
@@ -215,6 +226,25 @@ class HeteroStrategy(DDPStrategy):
         super().setup_environment()
         cluster = self.plans.resolve_cluster(self.rank_context())
         rank_debug(self.global_rank, "setup_environment: cluster %s", cluster.name)
+        if self.heartbeat_timeout_s is not None and self.world_size > 1 and self.liveness is None:
+            self.liveness = Liveness(self.global_rank, [f"device `{d.name}` on node `{d.node}`"
+                                                        for d in cluster.devices[:self.world_size]],
+                                     self.heartbeat_timeout_s)
+            self.liveness.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A collective that failed because a rank is gone ends with the watchdog's one line (``Liveness``)."""
+        super().on_exception(exception)
+        if self.liveness is not None:
+            self.liveness.wait_for_verdict()
+
+    @override
+    def teardown(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
+        super().teardown()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -419,7 +449,11 @@ class HeteroStrategy(DDPStrategy):
             checkpoint[ckpt.CHECKPOINT_KEY] = ckpt.strategy_state(
                 cluster, plan, self.current_shares(), ckpt.gather_compression(self.compression_state,
                                                                               self.world_size))
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.liveness is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        with self.liveness.writing():  # a peer found gone meanwhile ends this rank after the file is complete
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

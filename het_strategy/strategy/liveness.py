@@ -1,0 +1,168 @@
+"""Which ranks are still there: a heartbeat per rank through the rendezvous store, and a bounded end when one stops.
+
+Without it a rank that dies ends a run badly: on gloo the survivors fail in whatever collective they are in
+("Connection closed by peer"), each with its own traceback and no word of which device went; on NCCL a dead
+peer is often not seen at all, and the survivors wait out the collective timeout.
+
+``Liveness`` (one per rank, started by the strategy once the process group is up):
+
+- **Heartbeat.**  A daemon thread adds 1 to ``het_liveness/<rank>`` in the job's TCP store (its own client
+  connection to ``MASTER_ADDR:MASTER_PORT``, the store rank 0 hosts) every ``interval_s``.  A counter, not a
+  time stamp: the hosts' clocks need not agree; each rank notes, on its own monotonic clock, when it last saw a
+  peer's counter move.  The thread runs beside training (Python switches threads every few milliseconds, and
+  torch's kernels and collectives release the GIL), so a *slow* rank keeps beating (slowness is the straggler
+  callbacks' business); a rank that is *gone* (killed, crashed, its host lost) or frozen stops.
+- **Watchdog.**  The same thread reads every rank's counter in one ``multi_get`` per beat.  A peer silent for
+  ``timeout_s`` is gone.  The lowest-ranked survivor logs one line naming its rank, device and node (as the
+  cluster names them), and every survivor ends at once with exit code ``EXIT_PEER_GONE`` (``os._exit``: the
+  collective it may be blocked in would otherwise wait out the collective timeout).  A checkpoint being written
+  (``writing()``) is finished first, so no file is left half-written.  A store that stops answering for
+  ``timeout_s`` means rank 0, which hosts it, is gone.
+- **A failed collective** (``wait_for_verdict``, from the strategy's ``on_exception``) waits up to
+  ``timeout_s`` for the watchdog's verdict, so the run ends with that one line instead of every rank's
+  traceback; an error with no silent peer behind it returns, and propagates as usual.
+
+Every rank ends within ``timeout_s`` plus one beat of a peer going silent.  Cost: two store requests per rank per
+beat (``interval_s`` is ``timeout_s / 10``: 3 s at the default bound).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+from het_strategy.core.log import logger
+
+__all__ = ["EXIT_PEER_GONE", "HEARTBEAT_TIMEOUT_S", "COLLECTIVE_TIMEOUT_S", "Liveness", "liveness_interval_s"]
+
+EXIT_PEER_GONE = 3
+"""The exit code of every surviving rank when a peer is gone."""
+HEARTBEAT_TIMEOUT_S = 30.0
+"""Default bound on finding a rank gone: long enough that no pause of a live process (a garbage collection, a
+checkpoint written by the main thread) silences its heartbeat thread, short against torch's 30-minute default."""
+COLLECTIVE_TIMEOUT_S = 300.0
+"""Default timeout of one collective (Lightning's ``timeout=``, torch's 30 minutes otherwise): the bound on a rank
+that is alive and beating but never reaches the collective (a hang in user code); the slowest legitimate wait,
+rank 0 planning or writing a checkpoint while the others wait, stays well inside it."""
+
+_PREFIX = "het_liveness/"
+
+
+def liveness_interval_s(timeout_s: float) -> float:
+    """Seconds between beats for a ``timeout_s`` bound: a tenth of it (a live peer's counter then moves many times
+    within the bound), at least 0.05 s."""
+    return max(0.05, timeout_s / 10.0)
+
+
+class Liveness:
+    """This rank's heartbeat and watchdog (see the module docstring).
+
+    Args:
+        rank: this rank.
+        names: per rank, how the report names it (``device `cpu2` on node `local```).
+        timeout_s: seconds of silence after which a peer is gone.
+        store_factory: builds this rank's own store client (default: a TCP client of ``MASTER_ADDR:MASTER_PORT``).
+        exit: what ends the process (``os._exit``; tests pass a recorder).
+    """
+
+    def __init__(self, rank: int, names: Sequence[str], timeout_s: float,
+                 store_factory: Callable[[], Any] | None = None, exit: Callable[[int], None] = os._exit) -> None:
+        self.rank, self.names, self.timeout_s = rank, list(names), float(timeout_s)
+        self.interval_s = liveness_interval_s(self.timeout_s)
+        self._store_factory = store_factory or _job_store
+        self._exit = exit
+        self._stop = threading.Event()
+        self._verdict = threading.Event()
+        self._writing = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.gone: list[int] = []
+        """The ranks found gone (empty while every rank beats)."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.names)
+
+    def start(self) -> None:
+        """Begin beating and watching (a daemon thread)."""
+        self._thread = threading.Thread(target=self._run, name="het-liveness", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (the run ended normally)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5.0)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """While a file is written the watchdog does not end the process (it ends it right after)."""
+        with self._writing:
+            yield
+
+    def wait_for_verdict(self) -> None:
+        """After a failed collective: wait up to ``timeout_s`` plus two beats for the watchdog to find a peer gone
+        (it then ends the process); return when none is."""
+        self._verdict.wait(timeout=self.timeout_s + 2 * self.interval_s)
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        keys = [f"{_PREFIX}{r}" for r in range(self.world_size)]
+        seen: list[bytes | None] = [None] * self.world_size
+        last_change = [time.monotonic()] * self.world_size
+        store = None
+        store_ok = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if store is None:
+                    store = self._store_factory()
+                store.add(keys[self.rank], 1)
+                values = store.multi_get(keys) if all(v is not None for v in seen) or self._all_exist(store, keys) \
+                    else None
+                store_ok = now
+            except Exception:  # the store is rank 0's: unreachable for long means rank 0 is gone
+                store, values = None, None
+                if now - store_ok > self.timeout_s and self.rank != 0:
+                    self._end([0], now - store_ok, "the rendezvous store it hosts stopped answering")
+                    return
+            if values is not None:
+                for r, value in enumerate(values):
+                    if value != seen[r]:
+                        seen[r], last_change[r] = value, now
+                silent = [r for r in range(self.world_size) if r != self.rank and now - last_change[r] > self.timeout_s]
+                if silent:
+                    self._end(silent, max(now - last_change[r] for r in silent), "no heartbeat")
+                    return
+            self._stop.wait(self.interval_s)
+
+    @staticmethod
+    def _all_exist(store: Any, keys: list[str]) -> bool:
+        """Every rank has beaten once (``multi_get`` would block on a key that does not exist yet)."""
+        return bool(store.check(keys))
+
+    def _end(self, gone: list[int], silent_s: float, why: str) -> None:
+        self.gone = gone
+        survivors = [r for r in range(self.world_size) if r not in gone]
+        with self._writing:  # a checkpoint being written is finished first
+            if survivors and self.rank == survivors[0]:
+                names = "; ".join(f"rank {r} ({self.names[r]})" for r in gone)
+                logger.error("%s %s gone: %s for %.1f s (heartbeat_timeout_s %g); the %d surviving rank(s) exit with "
+                           "code %d", names, "is" if len(gone) == 1 else "are", why, silent_s, self.timeout_s,
+                           len(survivors), EXIT_PEER_GONE)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self._verdict.set()
+            self._exit(EXIT_PEER_GONE)
+
+
+def _job_store() -> Any:
+    """A client of the job's TCP store (``MASTER_ADDR:MASTER_PORT``, hosted by rank 0's process group)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
