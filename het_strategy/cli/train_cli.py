@@ -209,14 +209,15 @@ def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:
                                   global_batch_size=job.global_batch_size, plan=job.plan,
                                   profile_input=model_input if job.auto_cluster else None,
                                   compression=PLANNED if job.plan is not None else job.compression,
-                                  moe_placement=job.moe.placement)
+                                  moe_placement=job.moe.placement, **job.failure.strategy_args())
         return strategy, []
     if job.strategy == "hetero_deepspeed":
         from het_strategy import HeteroDeepSpeedStrategy
 
         # rank 0 plans (planner.runtime=deepspeed) and broadcasts; emulated stages are padded per micro-batch
         return HeteroDeepSpeedStrategy(cluster=job.cluster, workload=job.workload,
-                                       global_batch_size=job.global_batch_size, planner_mode=job.planner.mode), []
+                                       global_batch_size=job.global_batch_size, planner_mode=job.planner.mode,
+                                       timeout=job.failure.strategy_args()["timeout"]), []
     if job.cluster is not None and cluster_is_emulated(job.cluster):
         return "ddp", [EmulatedDeviceCallback(cluster=job.cluster, workload=job.workload, dtype=job.dtype)]
     return "ddp", []

@@ -39,6 +39,7 @@ __all__ = [
     "WandbConfig",
     "OutputConfig",
     "CheckpointConfig",
+    "FailureConfig",
     "StragglerConfig",
     "MoEConfig",
     "HetTrainConfig",
@@ -200,6 +201,28 @@ class CheckpointConfig:
 
 
 @dataclass
+class FailureConfig:
+    """The ``failure`` section: how soon a lost or frozen rank ends the run (``strategy/liveness.py``)."""
+
+    heartbeat_timeout_s: Optional[float] = 30.0
+    """A rank without a heartbeat for this long is gone: the others end, naming it (hetero); null: off."""
+    collective_timeout_s: float = 300.0
+    """Each collective's timeout: the bound on a rank that is alive but never reaches it."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s is not None:
+            require_number(self.heartbeat_timeout_s, "failure.heartbeat_timeout_s")
+        require_number(self.collective_timeout_s, "failure.collective_timeout_s")
+
+    def strategy_args(self) -> dict[str, Any]:
+        """The strategy's keyword arguments: Lightning's ``timeout``, and the heartbeat's bound."""
+        from datetime import timedelta
+
+        return {"timeout": timedelta(seconds=self.collective_timeout_s),
+                "heartbeat_timeout_s": self.heartbeat_timeout_s}
+
+
+@dataclass
 class StragglerConfig:
     """The ``straggler`` section: online mitigation (hetero only); the callback checks the values."""
 
@@ -272,6 +295,7 @@ class HetTrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
     resume: Optional[str] = None
     """A checkpoint to resume from."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

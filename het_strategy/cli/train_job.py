@@ -59,6 +59,7 @@ class TrainJob:
         c = self.config
         self.train, self.data, self.wandb, self.output = c.train, c.data, c.wandb, c.output
         self.checkpoint, self.straggler, self.moe, self.planner = c.checkpoint, c.straggler, c.moe, c.planner
+        self.failure = c.failure
         self.strategy = _strategy_name(cfg.strategy)
         self.loggers = _logger_nodes(cfg.logger)
         self.accelerator = c.accelerator
