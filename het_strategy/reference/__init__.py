@@ -2,6 +2,8 @@
 
 - ``sailor_simulator.py``  Sailor's runtime simulator (SOSP'25), re-implemented to score our ``Plan`` objects
                            with Sailor's vendored measurements (``core/data/sailor``)
+- ``sailor_memory.py``     Sailor's per-device memory of a pipeline stage (its planner's fit check: model state,
+                           activations in flight, Megatron's overhead) from the vendored ``layer_memory.json``
 - ``amp_plans.py``         AMP's measured plans on its V100 + T4 cluster (NeurIPS'22), as our ``Plan`` objects,
                            with AMP's measured iteration times (``data/amp/measured_plans.json``)
 - ``amp_profile.py``       AMP's measured per-layer GPT-2 times on T4 and V100 at tp 1, 2, 4, as a
