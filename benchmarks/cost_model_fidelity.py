@@ -18,10 +18,18 @@
 (c) AMP's six measured plans (``reference/amp_plans.py``, ``reference/data/amp/measured_plans.json``) on
     its V100 + T4 cluster: our predictions next to the measured times, and the
     rank correlation.
+(d) Memory: our per-device stage memory (``CostModel.stage_memory_bytes``, the settings of (b): fp16, Adam,
+    no ZeRO, no activation checkpointing, 1 GiB reserve) against Sailor's formula
+    (``reference/sailor_memory.py``: params x 24 B, fp32 activations of the micro-batches in flight, 2 or
+    3 GB of Megatron overhead), for every GPU Sailor profiled on OPT-350 that the catalog knows, tp 1, 2, 4,
+    every micro-batch size Sailor profiled for that pair, and every stage shape (layers, position, pipeline
+    depth) of the plans of (b); then the two formulas term by term.
 
 Last line: ``RESULT layer_median_err=... layer_worst_err=... tp_scaling_median_err=... sailor_32_96=...
-sailor_80_240=... sailor_128_384=... amp_spearman=... amp_best_rank=... amp_tp2_ranks=...``
-(sailor_*: Sailor's plan's simulated time / ours, both under Sailor's simulator; > 1: ours is faster).
+sailor_80_240=... sailor_128_384=... amp_spearman=... amp_best_rank=... amp_tp2_ranks=...
+memory_median_err=... memory_worst_err=... memory_worst_below_gib=...``
+(sailor_*: Sailor's plan's simulated time / ours, both under Sailor's simulator; > 1: ours is faster;
+memory_*: |ours - Sailor's| / Sailor's, and the most GiB ours is below Sailor's).
 """
 
 from __future__ import annotations
@@ -36,11 +44,13 @@ from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_clust
 from het_strategy.core.cost_model import CostModel  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
-from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile  # noqa: E402
+from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile, read_sailor_json  # noqa: E402
 from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
 from het_strategy.planning import search_plan  # noqa: E402
 from het_strategy.reference.amp_plans import amp_measured_plans  # noqa: E402
 from het_strategy.reference.amp_profile import load_amp_profile  # noqa: E402
+from het_strategy.reference.sailor_memory import (SAILOR_GPU_MEMORY_GIB, sailor_overhead_bytes,  # noqa: E402
+                                                  sailor_stage_memory)
 from het_strategy.reference.sailor_simulator import sailor_iteration_time  # noqa: E402
 
 SAILOR_PUBLISHED_S = {"sailor_a100_v100_80_240": 2.77, "sailor_a100_v100_128_384": 1.91}
@@ -113,10 +123,76 @@ def sailor_scenario(cluster_name: str, workload: WorkloadSpec) -> dict:
         theirs = Plan.load(SAILOR_DATA_DIR / "sailor_plan_32_96.json")
         out["theirs_model_s"] = CostModel(cluster, workload, settings, profile).score(theirs).step_time_s
         out["theirs_sailor_s"] = sailor_iteration_time(theirs, cluster).iteration_s
+        out["theirs_plan"] = theirs
     else:
         out["theirs_model_s"] = None
         out["theirs_sailor_s"] = SAILOR_PUBLISHED_S[cluster_name]
+        out["theirs_plan"] = None
     return out
+
+
+GiB = 2**30
+_SAILOR_SETTINGS = dict(dtype="fp16", max_tp=4, max_stages=8, equal_shares=True)
+"""The settings (b) plans Sailor's clusters with (the micro-batch menu aside, which memory does not read)."""
+
+
+def stage_shapes(plans: list[Plan]) -> list[tuple[int, int, int, int]]:
+    """Distinct (start, stop, stage index, number of stages) of the plans' stages."""
+    shapes = set()
+    for plan in plans:
+        for pipe in plan.pipelines:
+            for s, stage in enumerate(pipe.stages):
+                shapes.add((stage.layers[0], stage.layers[1], s, len(pipe.stages)))
+    return sorted(shapes)
+
+
+def memory_rows(workload: WorkloadSpec, shapes: list[tuple[int, int, int, int]]) -> list[tuple]:
+    """Rows (gpu, tp, mbs, shape, ours_bytes, sailor_bytes, our capacity, Sailor's capacity) for every GPU
+    Sailor profiled on OPT-350 that the catalog knows, tp 1, 2, 4 and each micro-batch size it profiled."""
+    profiles = read_sailor_json("layer_profiles.json")["OPT-350"]
+    rows = []
+    for gpu, by_mbs in sorted(profiles.items()):
+        device_type = _catalog_name(gpu)
+        if device_type is None:
+            continue
+        for tp in (1, 2, 4):
+            sizes = sorted(int(m) for m, by_tp in by_mbs.items() if str(tp) in by_tp)
+            if not sizes:
+                continue
+            cluster = _one_type_cluster(device_type, tp)
+            cm = CostModel(cluster, workload, TrainSettings(1024, micro_batch_sizes=tuple(sizes), **_SAILOR_SETTINGS))
+            capacity = cm.memory_capacity_bytes(cluster.devices[0])
+            for mbs in sizes:
+                for start, stop, s, num_stages in shapes:
+                    ours = cm.stage_memory_bytes(start, stop, tp, mbs, num_stages - s, 1)
+                    theirs = sailor_stage_memory(start, stop, tp, mbs, s, num_stages).total_bytes
+                    rows.append((gpu, tp, mbs, (start, stop, s, num_stages), ours, theirs, capacity,
+                                 SAILOR_GPU_MEMORY_GIB[gpu] * GiB))
+    return rows
+
+
+def memory_terms(workload: WorkloadSpec) -> list[str]:
+    """Per-term lines: bytes per parameter, activations per sample of the embedding, a block and the head."""
+    lines = []
+    settings = TrainSettings(1024, **_SAILOR_SETTINGS)
+    cm = CostModel(_one_type_cluster("A100-40GB", 1), workload, settings)
+    table = read_sailor_json("layer_memory.json")["OPT-350"]
+    last = workload.num_layers - 1
+    lines.append(f"  model state per parameter: ours {settings.state_bytes_per_param(1):.0f} B (fp16 weights + "
+                 f"grads, fp32 Adam master + 2 moments), Sailor's 24 B; fixed: ours "
+                 f"{settings.memory_reserve_gb:.1f} GiB, Sailor's {sailor_overhead_bytes(1) / GiB:.2f} GiB (tp 1) / "
+                 f"{sailor_overhead_bytes(2) / GiB:.2f} GiB (tp > 1)")
+    for tp in (1, 2, 4):
+        parts = []
+        for name, layer in (("embedding", 0), ("block", 1), ("head", last)):
+            state = cm.stage_param_count(layer, layer + 1) / tp * settings.state_bytes_per_param(1)
+            ours_act = cm.stage_memory_bytes(layer, layer + 1, tp, 1, 1, 1) - state - settings.memory_reserve_gb * GiB
+            row = table[str(tp)][str(layer)]
+            parts.append(f"{name} {ours_act / 2**20:.0f} vs {row['act_mem_floats'] * 4 / 2**20:.0f} MiB, "
+                         f"params {cm.stage_param_count(layer, layer + 1) / tp / 1e6:.2f} vs "
+                         f"{row['params_floats'] / 1e6:.2f} M")
+        lines.append(f"  tp {tp} per sample, ours vs Sailor's: " + "; ".join(parts))
+    return lines
 
 
 def _ranks(values: list[float]) -> list[int]:
@@ -156,9 +232,11 @@ def main() -> None:
 
     print("(b) Sailor's clusters, OPT-350, batch 1024 (s/iteration):")
     ratios = {}
+    plans: list[Plan] = []
     for name in ("sailor_a100_v100_32_96", "sailor_a100_v100_80_240", "sailor_a100_v100_128_384"):
         res = sailor_scenario(name, opt)
         ratios[name] = res["theirs_sailor_s"] / res["ours_sailor_s"]
+        plans += [res["plan"]] + ([res["theirs_plan"]] if res["theirs_plan"] is not None else [])
         theirs_model = "-" if res["theirs_model_s"] is None else f"{res['theirs_model_s']:.3f}"
         shape: dict[str, int] = {}
         for pipe in res["plan"].pipelines:
@@ -190,12 +268,42 @@ def main() -> None:
     tp2 = sorted(r for lab, r in zip(labels, ranks) if lab[1] == 2)
     print(f"  rank correlation (Spearman): datasheet {rho_sheet:.2f}, AMP's profiles {rho:.2f}; with the profiles "
           f"(1,1,2,8) ranked {best}, tp-2 plans ranked {tp2} (measured: 1st; 5th and 6th)")
+
+    shapes = stage_shapes(plans)
+    mem_rows = memory_rows(opt, shapes)
+    print(f"(d) memory per device, ours (fp16, Adam, 1 GiB reserve) vs Sailor's formula (GiB), {len(shapes)} stage "
+          f"shapes (start, stop, stage, stages) from the plans of (b) x each profiled (gpu, tp, mbs):")
+    by_gpu_tp: dict[tuple[str, int], list[tuple]] = {}
+    for row in mem_rows:
+        by_gpu_tp.setdefault((row[0], row[1]), []).append(row)
+    for (gpu, tp), group in sorted(by_gpu_tp.items()):
+        errs_m = [_rel(theirs, ours) for *_, ours, theirs, _, _ in group]
+        low = max(group, key=lambda r: r[5] - r[4])
+        wrong_fit = sum(1 for *_, ours, theirs, cap, scap in group if ours <= cap and theirs > scap)
+        print(f"  {gpu:<10} tp {tp}: mbs {','.join(str(m) for m in sorted({r[2] for r in group}))}: median error "
+              f"{statistics.median(errs_m):6.1%}  worst {max(errs_m):6.1%}  most below {(low[5] - low[4]) / GiB:5.2f} "
+              f"GiB (mbs {low[2]} {low[3]}: {low[4] / GiB:.2f} vs {low[5] / GiB:.2f}); fits ours, not Sailor's: "
+              f"{wrong_fit}/{len(group)}")
+    mem_errs = [_rel(theirs, ours) for *_, ours, theirs, _, _ in mem_rows]
+    worst_below = max(theirs - ours for *_, ours, theirs, _, _ in mem_rows) / GiB
+    print(f"  all {len(mem_rows)}: median {statistics.median(mem_errs):.1%}, worst {max(mem_errs):.1%}, ours at most "
+          f"{worst_below:.2f} GiB below Sailor's; ours below Sailor's in "
+          f"{sum(1 for *_, o, t, _, _ in mem_rows if o < t)}/{len(mem_rows)}")
+    near = [r for r in mem_rows if min(r[4], r[5]) <= r[7]]
+    near_low = max(near, key=lambda r: r[5] - r[4])
+    print(f"  where either fits Sailor's GPU memory ({len(near)}): worst {max(_rel(r[5], r[4]) for r in near):.1%}, "
+          f"ours at most {(near_low[5] - near_low[4]) / GiB:.2f} GiB below ({near_low[0]} tp {near_low[1]} mbs "
+          f"{near_low[2]} {near_low[3]}: {near_low[4] / GiB:.2f} vs {near_low[5] / GiB:.2f})")
+    for line in memory_terms(opt):
+        print(line)
     print(f"RESULT layer_median_err={statistics.median(errs):.3f} layer_worst_err={max(errs):.3f} "
           f"tp_scaling_median_err={statistics.median(tp_errs):.3f} "
           f"sailor_32_96={ratios['sailor_a100_v100_32_96']:.3f} sailor_80_240={ratios['sailor_a100_v100_80_240']:.3f} "
           f"sailor_128_384={ratios['sailor_a100_v100_128_384']:.3f} amp_datasheet_spearman={rho_sheet:.2f} "
           f"amp_spearman={rho:.2f} amp_best_rank={best} "
-          f"amp_tp2_ranks={','.join(map(str, tp2))}")
+          f"amp_tp2_ranks={','.join(map(str, tp2))} "
+          f"memory_median_err={statistics.median(mem_errs):.3f} memory_worst_err={max(mem_errs):.3f} "
+          f"memory_worst_below_gib={worst_below:.2f}")
 
 
 if __name__ == "__main__":
