@@ -53,7 +53,8 @@ def test_a_rank_that_stops_beating_is_named_once_and_every_survivor_ends(caplog)
         assert exits[0].done.wait(5) and exits[1].done.wait(5)
     took = time.monotonic() - started
     assert exits[0].codes == exits[1].codes == [EXIT_PEER_GONE] and not exits[2].codes
-    assert 1.0 <= took <= 1.0 + 2 * ranks[0].interval_s + 0.5  # the bound: timeout_s plus a beat
+    beat = ranks[0].interval_s  # rank 2's last beat may come up to a beat before stop() returns
+    assert 1.0 - 2 * beat <= took <= 1.0 + 2 * beat + 0.5  # the bound: timeout_s plus a beat
     assert ranks[0].gone == ranks[1].gone == [2]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines  # the lowest survivor speaks for all

@@ -138,6 +138,10 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         from het_strategy.callbacks.compression import CompressionMonitor
 
         callbacks.append(CompressionMonitor())
+    if job.checkpoint.on_sigterm:
+        from het_strategy.callbacks.preemption import PreemptionCheckpoint
+
+        callbacks.append(PreemptionCheckpoint(out / "checkpoints", grace_s=job.checkpoint.sigterm_grace_s))
     every = job.checkpoint.every_n_steps
     if every is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint

@@ -194,10 +194,15 @@ class CheckpointConfig:
 
     every_n_steps: Optional[int] = None
     """Save a checkpoint every n steps into output.dir/checkpoints; null: none."""
+    on_sigterm: bool = True
+    """SIGTERM (a preemption notice) saves output.dir/checkpoints/preempted.ckpt at the next step and exits 0."""
+    sigterm_grace_s: float = 30.0
+    """Seconds the platform leaves after SIGTERM; a save that takes longer is reported."""
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None:
             require_int(self.every_n_steps, "checkpoint.every_n_steps", minimum=1)
+        require_number(self.sigterm_grace_s, "checkpoint.sigterm_grace_s")
 
 
 @dataclass

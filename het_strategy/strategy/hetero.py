@@ -234,9 +234,10 @@ class HeteroStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A collective that failed because a rank is gone ends with the watchdog's one line (``Liveness``)."""
+        """A collective that failed because a rank is gone (torch raises a ``RuntimeError``: ``DistBackendError``
+        and the like) ends with the watchdog's one line (``Liveness``); any other exception goes on at once."""
         super().on_exception(exception)
-        if self.liveness is not None:
+        if self.liveness is not None and isinstance(exception, RuntimeError):
             self.liveness.wait_for_verdict()
 
     @override

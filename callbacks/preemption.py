@@ -1,0 +1,119 @@
+"""A preemption notice becomes a checkpoint: SIGTERM -> one checkpoint at the next step boundary, then exit 0.
+
+A spot or preemptible VM gets SIGTERM a short while before it is taken (30 s on GCP, 2 minutes on AWS), and
+a scheduler stopping a job sends the same.  ``PreemptionCheckpoint``:
+
+1. From ``on_train_start`` it handles SIGTERM itself: the handler only notes the time (Lightning's own handler,
+   which it replaces for the run, runs a collective inside the signal handler, which can meet the training
+   step's collectives in another order on another rank).
+2. After every training step the ranks agree, in one small all-reduce (max of "noticed"), whether any of
+   them got the notice: the platform may signal one process or all of them.
+3. When one did, every rank takes part in ``trainer.save_checkpoint`` of the whole training state (as
+   strategies with sharded state need) into ``<dirpath>/<filename>.tmp``, which rank 0 then renames to
+   ``<dirpath>/<filename>``: a kill during the write leaves the previous checkpoint, never a half-written one.
+   Rank 0 says in one line the step, the path, how long it took against ``grace_s`` (a warning when over: the
+   platform may have ended the job first), and how to resume (``fit(ckpt_path=...)``, het-train ``resume=``).
+4. ``SystemExit(0)``: Lightning tears the run down and the process exits cleanly, with code 0.
+
+Cost: one 1-element all-reduce per training step.  Resuming is Lightning's ``fit(ckpt_path=...)``: the
+``hetero`` strategy continues mid-epoch, on the same samples.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from het_strategy.core.errors import field_error, require_number
+from het_strategy.core.log import logger
+
+__all__ = ["PreemptionCheckpoint"]
+
+
+class PreemptionCheckpoint(pl.Callback):
+    """On SIGTERM, a checkpoint at the next step boundary and a clean exit (module docstring).
+
+    Args:
+        dirpath: the folder the checkpoint is written into (created when missing).
+        filename: its name (``preempted.ckpt``).
+        grace_s: seconds the platform leaves between the notice and the kill; a save that takes longer is
+            reported.
+    """
+
+    def __init__(self, dirpath: str | Path, filename: str = "preempted.ckpt", grace_s: float = 30.0) -> None:
+        if not isinstance(filename, str) or not filename.strip() or "/" in filename:
+            raise field_error("filename", filename, "be a file name")
+        self.dirpath = Path(dirpath)
+        self.filename = filename
+        self.grace_s = require_number(grace_s, "grace_s")
+        self.saved: Path | None = None
+        """The checkpoint written on SIGTERM (None until then)."""
+        self._noticed: float | None = None
+        self._previous: Any = None
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / self.filename
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous = signal.signal(signal.SIGTERM, self._notice)
+
+    def _notice(self, signum: int, frame: Any) -> None:
+        """The SIGTERM handler: note the time, nothing else (no I/O, no collective)."""
+        if self._noticed is None:
+            self._noticed = time.monotonic()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._agreed(trainer):
+            return
+        started = time.perf_counter()
+        partial = self.path.with_name(self.path.name + ".tmp")
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(partial, weights_only=False)  # every rank; ends with a barrier
+        if trainer.is_global_zero:
+            _move(partial, self.path)
+            took = time.perf_counter() - started
+            over = took > self.grace_s
+            (logger.warning if over else logger.info)(
+                "SIGTERM: checkpoint of step %d written to %s in %.1f s (grace %g s%s); resume with "
+                "fit(ckpt_path=%r) (het-train resume=%s)", trainer.global_step, self.path, took, self.grace_s,
+                ": over it, the platform may have ended the job first" if over else "", str(self.path), self.path)
+        trainer.strategy.barrier("PreemptionCheckpoint")
+        self.saved = self.path
+        raise SystemExit(0)
+
+    def _agreed(self, trainer: pl.Trainer) -> bool:
+        """Whether any rank got the notice (one all-reduce of a flag, on every rank)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([0.0 if self._noticed is None else 1.0], device=trainer.strategy.root_device)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _move(partial: Path, final: Path) -> None:
+    """``partial`` becomes ``final``: a file in one rename; a checkpoint directory (``hetero_deepspeed``) after the
+    previous one at ``final``, if any, is removed."""
+    if partial.is_dir() and final.is_dir():
+        shutil.rmtree(final)
+    os.replace(partial, final)
