@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import tempfile
 import time
@@ -33,9 +34,24 @@ if TYPE_CHECKING:
 __all__ = ["run_local_ranks", "run_script_ranks", "free_port"]
 
 
+_PORTS = (20000, 32768)
+"""Where ``free_port`` draws from: below Linux's ephemeral range (32768-60999), which the outgoing connections of
+running jobs (gloo's, the stores' clients) take from, so a port found free is not taken by one of them before
+the job binds it."""
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now (for MASTER_PORT)."""
-    with socket.socket() as s:
+    """A TCP port on loopback that nothing listens on now (for MASTER_PORT), drawn at random from ``_PORTS``."""
+    draw = random.Random()  # seeded from the OS: concurrent callers draw independently
+    for _ in range(200):
+        port = draw.randrange(*_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
