@@ -10,7 +10,8 @@ a scheduler stopping a job sends the same.  ``PreemptionCheckpoint``:
    them got the notice: the platform may signal one process or all of them.
 3. When one did, every rank takes part in ``trainer.save_checkpoint`` of the whole training state (as
    strategies with sharded state need) into ``<dirpath>/<filename>.tmp``, which rank 0 then renames to
-   ``<dirpath>/<filename>``: a kill during the write leaves the previous checkpoint, never a half-written one.
+   ``<dirpath>/<filename>`` once it is complete (an asynchronous writer, Lightning's ``AsyncCheckpointIO``,
+   is waited for): a kill during the write leaves the previous checkpoint, never a half-written one.
    Rank 0 says in one line the step, the path, how long it took against ``grace_s`` (a warning when over: the
    platform may have ended the job first), and how to resume (``fit(ckpt_path=...)``, het-train ``resume=``).
 4. ``SystemExit(0)``: Lightning tears the run down and the process exits cleanly, with code 0.
@@ -82,6 +83,7 @@ class PreemptionCheckpoint(pl.Callback):
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
         trainer.save_checkpoint(partial, weights_only=False)  # every rank; ends with a barrier
+        _written(trainer.strategy.checkpoint_io)  # an asynchronous writer finishes first
         if trainer.is_global_zero:
             _move(partial, self.path)
             took = time.perf_counter() - started
@@ -109,6 +111,15 @@ class PreemptionCheckpoint(pl.Callback):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+def _written(checkpoint_io: Any) -> None:
+    """Wait until ``checkpoint_io`` wrote what it was given: Lightning's ``AsyncCheckpointIO`` writes in a thread
+    (its ``teardown`` waits for it; the process exits right after)."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    if isinstance(checkpoint_io, AsyncCheckpointIO):
+        checkpoint_io.teardown()
 
 
 def _move(partial: Path, final: Path) -> None:

@@ -193,12 +193,12 @@ def test_het_train_moe_places_experts_by_speed_and_shows_them(tmp_path: Path) ->
 @pytest.mark.slow
 def test_resume_works_with_the_checkpoint_path_as_written(tmp_path: Path) -> None:
     """Checkpoints are named step_N.ckpt (Hydra's grammar refuses `=` in `resume=step=N.ckpt`), and
-    `resume=<that path>` continues the run."""
+    `resume=<that path>` continues the run; the first run writes it in the background (`checkpoint.async_save`)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     base = [sys.executable, "-m", "het_strategy.cli.train_cli", "cluster=local_cpu2", *TINY, "logger=none",
             f"output.dir={tmp_path}"]
-    first = subprocess.run([*base, "train.max_steps=2", "checkpoint.every_n_steps=2"], capture_output=True,
-                           text=True, timeout=240, env=env, cwd=tmp_path)
+    first = subprocess.run([*base, "train.max_steps=2", "checkpoint.every_n_steps=2", "checkpoint.async_save=true"],
+                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2.ckpt"]
     again = subprocess.run([*base, "train.max_steps=4", f"resume={tmp_path}/checkpoints/step_2.ckpt"],

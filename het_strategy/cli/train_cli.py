@@ -157,7 +157,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         val_check_interval=job.train.val_every_n_steps, check_val_every_n_epoch=None,
         limit_val_batches=job.train.val_batches, num_sanity_val_steps=0,
         logger=_loggers(job), callbacks=callbacks, enable_checkpointing=every is not None,
-        enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1)
+        enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1, plugins=_checkpoint_io(job))
     log_planned_compression(job, trainer.global_rank)
     trainer.fit(model, train_loader, val_loader, ckpt_path=job.resume)
     train_loss = trainer.callback_metrics.get("train_loss")
@@ -195,6 +195,16 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
         save_file(trainer.loggers, summary_path)  # into the wandb run's files (no-op without a WandbLogger)
     return summary
+
+
+def _checkpoint_io(job: TrainJob) -> list[Any]:
+    """``checkpoint.async_save``: Lightning's ``AsyncCheckpointIO`` (the tensors copied on the training thread,
+    written by a background one)."""
+    if not job.checkpoint.async_save:
+        return []
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    return [AsyncCheckpointIO()]
 
 
 def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:

@@ -194,6 +194,9 @@ class CheckpointConfig:
 
     every_n_steps: Optional[int] = None
     """Save a checkpoint every n steps into output.dir/checkpoints; null: none."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (Lightning's ``AsyncCheckpointIO``): training waits only for the
+    tensors' copy (benchmarks/checkpoint_stall.py measures the stall)."""
     on_sigterm: bool = True
     """SIGTERM (a preemption notice) saves output.dir/checkpoints/preempted.ckpt at the next step and exits 0."""
     sigterm_grace_s: float = 30.0
