@@ -105,22 +105,31 @@ def test_a_file_being_written_is_finished_before_the_rank_ends() -> None:
     (dict(heartbeat_timeout_s="30"), "heartbeat_timeout_s"),
     (dict(timeout=300), "timeout"),
 ])
-def test_bad_timeouts_name_the_field(kwargs, field) -> None:
-    pytest.importorskip("lightning")
-    from het_strategy import HeteroStrategy
-
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_bad_timeouts_name_the_field(kwargs, field, deepspeed) -> None:
     with pytest.raises(ConfigError) as err:
-        HeteroStrategy(cluster="local_cpu2", **kwargs)
+        _strategy(deepspeed, **kwargs)
     assert err.value.field == field
 
 
-def test_the_collectives_timeout_defaults_to_the_stated_bound() -> None:
+def _strategy(deepspeed: bool, **kwargs):
     pytest.importorskip("lightning")
+    if deepspeed:
+        pytest.importorskip("deepspeed")
+        from het_strategy import HeteroDeepSpeedStrategy
+
+        return HeteroDeepSpeedStrategy(cluster="local_cpu2", workload="tiny_gpt", global_batch_size=8, **kwargs)
     from het_strategy import HeteroStrategy
+
+    return HeteroStrategy(cluster="local_cpu2", **kwargs)
+
+
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_the_collectives_timeout_defaults_to_the_stated_bound(deepspeed) -> None:
     from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S
 
-    assert HeteroStrategy(cluster="local_cpu2")._timeout == timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    assert HeteroStrategy(cluster="local_cpu2", timeout=timedelta(seconds=9))._timeout == timedelta(seconds=9)
+    assert _strategy(deepspeed)._timeout == timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    assert _strategy(deepspeed, timeout=timedelta(seconds=9))._timeout == timedelta(seconds=9)
 
 
 _KILLED_RUN = textwrap.dedent('''

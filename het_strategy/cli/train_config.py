@@ -213,7 +213,7 @@ class FailureConfig:
     """The ``failure`` section: how soon a lost or frozen rank ends the run (``strategy/liveness.py``)."""
 
     heartbeat_timeout_s: Optional[float] = 30.0
-    """A rank without a heartbeat for this long is gone: the others end, naming it (hetero); null: off."""
+    """A rank without a heartbeat for this long is gone: the others end, naming it; null: off."""
     collective_timeout_s: float = 300.0
     """Each collective's timeout: the bound on a rank that is alive but never reaches it."""
 

@@ -101,6 +101,7 @@ layers stay (untrained) in the LightningModule of each rank: its
 from __future__ import annotations
 
 import importlib.util
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -118,7 +119,9 @@ from het_strategy.planning.request import PlanMode
 from het_strategy.strategy.deepspeed_checkpoint import (CHECKPOINT_TAG, PLAN_KEY, load_plan_checkpoint,
                                                         save_plan_checkpoint)
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
+from het_strategy.strategy.arguments import check_timeouts
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
+from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, Liveness
 
 __all__ = ["HeteroDeepSpeedStrategy", "CHECKPOINT_TAG", "PLAN_KEY"]
 
@@ -140,6 +143,9 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         planner_mode: with ``plan=None``: ``auto``, ``dp``, ``pipeline`` or ``hybrid`` (``PlanMode``).
         emulation: honour the cluster's ``emulated_speed``s (plan with them, pad each stage to its device's
             time); ``False`` drops them.
+        heartbeat_timeout_s: a rank without a heartbeat for this long is gone: the others end, naming it in one
+            line (``strategy/liveness.py``); ``None``: off.  Each collective's timeout is Lightning's ``timeout=``,
+            ``COLLECTIVE_TIMEOUT_S`` unless given.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``, ...).
 
     See the module docstring for what the LightningModule provides and what is supported.
@@ -150,7 +156,8 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     def __init__(self, cluster: str | Path | ClusterSpec | dict | None = None, plan: str | Path | Plan | None = None,
                  zero_stage: ZeroStage | None = None, gradient_clipping: float = 0.0, *,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
-                 planner_mode: PlanMode | str = PlanMode.auto, emulation: bool = True, **ddp_kwargs: Any) -> None:
+                 planner_mode: PlanMode | str = PlanMode.auto, emulation: bool = True,
+                 heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S, **ddp_kwargs: Any) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError("HeteroDeepSpeedStrategy needs DeepSpeed, which is not installed: "
                               "pip install 'het_strategy[deepspeed]'")
@@ -168,6 +175,11 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         """The loaders' check and the training loader's position."""
         self.gradient_clipping = float(gradient_clipping)
         """The largest global gradient norm (0 = off)."""
+        check_timeouts(heartbeat_timeout_s, ddp_kwargs.get("timeout"))
+        ddp_kwargs.setdefault("timeout", timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.liveness: Liveness | None = None
+        """This rank's heartbeat and watchdog (from ``setup_environment``, with more than one rank)."""
         super().__init__(**ddp_kwargs)
         self.runner: PlanRunner | None = None
         """This rank's ``PlanRunner`` (built in ``setup_optimizers``); ``runner.named_parameters()``: this rank's
@@ -219,11 +231,29 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group (gloo on CPU); DeepSpeed wraps it
         init_deepspeed_distributed()
+        if self.heartbeat_timeout_s is not None and self.world_size > 1 and self.liveness is None:
+            self.liveness = Liveness(self.global_rank, [f"device `{d.name}` on node `{d.node}`"
+                                                        for d in self.cluster.devices], self.heartbeat_timeout_s)
+            self.liveness.start()
         planning = self.plans.plan is None
         plan = self.plans.ensure(self.global_rank, self.world_size)
         if planning:
             rank_zero_info(self.global_rank, "hetero_deepspeed planned %d device(s), %d replica(s): %s",
                            len(plan.used_devices), plan.num_pipelines, self.plan_summary)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A collective that failed because a rank is gone ends with the watchdog's one line (``Liveness``)."""
+        super().on_exception(exception)
+        if self.liveness is not None and isinstance(exception, RuntimeError):
+            self.liveness.wait_for_verdict()
+
+    @override
+    def teardown(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
+        super().teardown()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -343,7 +373,11 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         if storage_options is not None:
             raise field_error("storage_options", type(storage_options).__name__,
                               "be None (DeepSpeed writes the checkpoint directory itself)")
-        save_plan_checkpoint(self._running(), self.plan, checkpoint, filepath)
+        if self.liveness is None:
+            save_plan_checkpoint(self._running(), self.plan, checkpoint, filepath)
+            return
+        with self.liveness.writing():  # a peer found gone meanwhile ends this rank after its files are complete
+            save_plan_checkpoint(self._running(), self.plan, checkpoint, filepath)
 
     @property
     @override
