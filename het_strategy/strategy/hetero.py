@@ -54,7 +54,7 @@ from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, che
     check_timeouts, check_workload_source, planned_compression
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
-from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, Liveness
+from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LivenessGuard
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.sampler import split_by_shares
@@ -143,8 +143,7 @@ class HeteroStrategy(DDPStrategy):
         self.placer = ExpertPlacer(moe_placement, workload, plan, verbose)
         """Where the HeteroMoE layers' experts live."""
         self.rebalance, self.telemetry, self.verbose = rebalance, telemetry, verbose
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.liveness: Liveness | None = None
+        self.liveness = LivenessGuard(heartbeat_timeout_s)
         """This rank's heartbeat and watchdog (from ``setup_environment``, with more than one rank)."""
         self._saved_callback_states: dict[str, Any] | None = None
         self._in_step = False
@@ -226,25 +225,17 @@ class HeteroStrategy(DDPStrategy):
         super().setup_environment()
         cluster = self.plans.resolve_cluster(self.rank_context())
         rank_debug(self.global_rank, "setup_environment: cluster %s", cluster.name)
-        if self.heartbeat_timeout_s is not None and self.world_size > 1 and self.liveness is None:
-            self.liveness = Liveness(self.global_rank, [f"device `{d.name}` on node `{d.node}`"
-                                                        for d in cluster.devices[:self.world_size]],
-                                     self.heartbeat_timeout_s)
-            self.liveness.start()
+        self.liveness.start(self.global_rank, self.world_size, cluster.devices)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A collective that failed because a rank is gone (torch raises a ``RuntimeError``: ``DistBackendError``
-        and the like) ends with the watchdog's one line (``Liveness``); any other exception goes on at once."""
+        """A collective that failed because a rank is gone ends with the watchdog's one line (``LivenessGuard``)."""
         super().on_exception(exception)
-        if self.liveness is not None and isinstance(exception, RuntimeError):
-            self.liveness.wait_for_verdict()
+        self.liveness.after(exception)
 
     @override
     def teardown(self) -> None:
-        if self.liveness is not None:
-            self.liveness.stop()
-            self.liveness = None
+        self.liveness.stop()
         super().teardown()
 
     @override
@@ -450,9 +441,6 @@ class HeteroStrategy(DDPStrategy):
             checkpoint[ckpt.CHECKPOINT_KEY] = ckpt.strategy_state(
                 cluster, plan, self.current_shares(), ckpt.gather_compression(self.compression_state,
                                                                               self.world_size))
-        if self.liveness is None:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
         with self.liveness.writing():  # a peer found gone meanwhile ends this rank after the file is complete
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

@@ -121,7 +121,7 @@ from het_strategy.strategy.deepspeed_checkpoint import (CHECKPOINT_TAG, PLAN_KEY
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
 from het_strategy.strategy.arguments import check_timeouts
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
-from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, Liveness
+from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LivenessGuard
 
 __all__ = ["HeteroDeepSpeedStrategy", "CHECKPOINT_TAG", "PLAN_KEY"]
 
@@ -177,8 +177,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         """The largest global gradient norm (0 = off)."""
         check_timeouts(heartbeat_timeout_s, ddp_kwargs.get("timeout"))
         ddp_kwargs.setdefault("timeout", timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.liveness: Liveness | None = None
+        self.liveness = LivenessGuard(heartbeat_timeout_s)
         """This rank's heartbeat and watchdog (from ``setup_environment``, with more than one rank)."""
         super().__init__(**ddp_kwargs)
         self.runner: PlanRunner | None = None
@@ -231,10 +230,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group (gloo on CPU); DeepSpeed wraps it
         init_deepspeed_distributed()
-        if self.heartbeat_timeout_s is not None and self.world_size > 1 and self.liveness is None:
-            self.liveness = Liveness(self.global_rank, [f"device `{d.name}` on node `{d.node}`"
-                                                        for d in self.cluster.devices], self.heartbeat_timeout_s)
-            self.liveness.start()
+        self.liveness.start(self.global_rank, self.world_size, self.cluster.devices)
         planning = self.plans.plan is None
         plan = self.plans.ensure(self.global_rank, self.world_size)
         if planning:
@@ -243,16 +239,13 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A collective that failed because a rank is gone ends with the watchdog's one line (``Liveness``)."""
+        """A collective that failed because a rank is gone ends with the watchdog's one line (``LivenessGuard``)."""
         super().on_exception(exception)
-        if self.liveness is not None and isinstance(exception, RuntimeError):
-            self.liveness.wait_for_verdict()
+        self.liveness.after(exception)
 
     @override
     def teardown(self) -> None:
-        if self.liveness is not None:
-            self.liveness.stop()
-            self.liveness = None
+        self.liveness.stop()
         super().teardown()
 
     @override
@@ -373,9 +366,6 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         if storage_options is not None:
             raise field_error("storage_options", type(storage_options).__name__,
                               "be None (DeepSpeed writes the checkpoint directory itself)")
-        if self.liveness is None:
-            save_plan_checkpoint(self._running(), self.plan, checkpoint, filepath)
-            return
         with self.liveness.writing():  # a peer found gone meanwhile ends this rank after its files are complete
             save_plan_checkpoint(self._running(), self.plan, checkpoint, filepath)
 

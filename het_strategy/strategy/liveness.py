@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from het_strategy.core.log import logger
 
-__all__ = ["EXIT_PEER_GONE", "HEARTBEAT_TIMEOUT_S", "COLLECTIVE_TIMEOUT_S", "Liveness", "liveness_interval_s"]
+__all__ = ["EXIT_PEER_GONE", "HEARTBEAT_TIMEOUT_S", "COLLECTIVE_TIMEOUT_S", "Liveness", "LivenessGuard",
+           "liveness_interval_s"]
 
 EXIT_PEER_GONE = 3
 """The exit code of every surviving rank when a peer is gone."""
@@ -158,6 +159,44 @@ class Liveness:
             sys.stderr.flush()
             self._verdict.set()
             self._exit(EXIT_PEER_GONE)
+
+
+class LivenessGuard:
+    """A strategy's ``Liveness``: started once the process group is up (more than one rank, a timeout set),
+    consulted on an exception, stopped at teardown; ``writing()`` is a no-op while there is none."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.liveness: Liveness | None = None
+        """This rank's heartbeat and watchdog (None before ``start``, with one rank, or with no timeout)."""
+
+    def start(self, rank: int, world_size: int, devices: Sequence[Any]) -> None:
+        """Beat and watch, ``devices[r]`` naming rank ``r`` (the cluster's devices, in rank order)."""
+        if self.timeout_s is None or world_size <= 1 or self.liveness is not None:
+            return
+        names = [f"device `{d.name}` on node `{d.node}`" for d in list(devices)[:world_size]]
+        self.liveness = Liveness(rank, names, self.timeout_s)
+        self.liveness.start()
+
+    def after(self, exception: BaseException) -> None:
+        """A collective that failed because a rank is gone (torch raises a ``RuntimeError``: ``DistBackendError``
+        and the like) waits for the watchdog's verdict, which ends the process; anything else goes on at once."""
+        if self.liveness is not None and isinstance(exception, RuntimeError):
+            self.liveness.wait_for_verdict()
+
+    def stop(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """``Liveness.writing`` when there is one."""
+        if self.liveness is None:
+            yield
+            return
+        with self.liveness.writing():
+            yield
 
 
 def _job_store() -> Any:
