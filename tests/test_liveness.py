@@ -35,12 +35,33 @@ class _Exits:
         self.done.set()
 
 
+class _Client:
+    """One rank's client of the shared store; ``dead``: the process is gone, nothing it sends arrives."""
+
+    def __init__(self, store) -> None:
+        self.store, self.dead = store, False
+
+    def __getattr__(self, name):
+        if self.dead:
+            raise ConnectionError("the process is gone")
+        return getattr(self.store, name)
+
+
 def _ranks(store, timeout_s: float = 1.0) -> tuple[list[Liveness], list[_Exits]]:
     exits = [_Exits() for _ in NAMES]
-    ranks = [Liveness(r, NAMES, timeout_s, store_factory=lambda: store, exit=exits[r]) for r in range(len(NAMES))]
-    for live in ranks:
+    clients = [_Client(store) for _ in NAMES]
+    ranks = [Liveness(r, NAMES, timeout_s, store_factory=lambda c=clients[r]: c, exit=exits[r])
+             for r in range(len(NAMES))]
+    for live, client in zip(ranks, clients):
+        live.client = client
         live.start()
     return ranks, exits
+
+
+def _kill(live: Liveness) -> None:
+    """The rank's process is gone: its heartbeat stops, and no finished mark is written."""
+    live.client.dead = True
+    live.stop()
 
 
 def test_a_rank_that_stops_beating_is_named_once_and_every_survivor_ends(caplog) -> None:
@@ -49,7 +70,7 @@ def test_a_rank_that_stops_beating_is_named_once_and_every_survivor_ends(caplog)
     assert not any(e.codes for e in exits)
     started = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="het_strategy"):
-        ranks[2].stop()  # rank 2's process is gone: its heartbeat stops
+        _kill(ranks[2])
         assert exits[0].done.wait(5) and exits[1].done.wait(5)
     took = time.monotonic() - started
     assert exits[0].codes == exits[1].codes == [EXIT_PEER_GONE] and not exits[2].codes
@@ -60,6 +81,17 @@ def test_a_rank_that_stops_beating_is_named_once_and_every_survivor_ends(caplog)
     assert len(lines) == 1, lines  # the lowest survivor speaks for all
     assert lines[0].startswith("rank 2 (device `cpu2` on node `b`) is gone: no heartbeat for ")
     assert f"exit with code {EXIT_PEER_GONE}" in lines[0]
+
+
+def test_a_rank_that_stopped_normally_is_finished_not_gone() -> None:
+    """Ranks end their runs one after another: a rank whose teardown stopped its heartbeat is not reported."""
+    ranks, exits = _ranks(dist.HashStore())
+    time.sleep(0.5)
+    ranks[2].stop()  # a normal stop marks it finished
+    time.sleep(2.0)  # twice the timeout
+    assert not any(e.codes for e in exits) and ranks[0].gone == []
+    for live in ranks[:2]:
+        live.stop()
 
 
 def test_a_slow_rank_keeps_beating() -> None:
@@ -92,7 +124,7 @@ def test_a_store_that_stops_answering_means_rank_zero_is_gone(caplog) -> None:
 def test_a_file_being_written_is_finished_before_the_rank_ends() -> None:
     ranks, exits = _ranks(dist.HashStore())
     with ranks[0].writing():
-        ranks[2].stop()
+        _kill(ranks[2])
         time.sleep(2.0)  # rank 2 is found gone meanwhile
         assert not exits[0].codes  # rank 0 finishes its file first
     assert exits[0].done.wait(2) and exits[0].codes == [EXIT_PEER_GONE]

@@ -13,7 +13,8 @@ peer is often not seen at all, and the survivors wait out the collective timeout
   torch's kernels and collectives release the GIL), so a *slow* rank keeps beating (slowness is the straggler
   callbacks' business); a rank that is *gone* (killed, crashed, its host lost) or frozen stops.
 - **Watchdog.**  The same thread reads every rank's counter in one ``multi_get`` per beat.  A peer silent for
-  ``timeout_s`` is gone.  The lowest-ranked survivor logs one line naming its rank, device and node (as the
+  ``timeout_s`` is gone, unless it stopped normally (its teardown marks its last counter as finished: ranks do
+  not end their runs at the same instant).  The lowest-ranked survivor logs one line naming its rank, device and node (as the
   cluster names them), and every survivor ends at once with exit code ``EXIT_PEER_GONE`` (``os._exit``: the
   collective it may be blocked in would otherwise wait out the collective timeout).  A checkpoint being written
   (``writing()``) is finished first, so no file is left half-written.  A store that stops answering for
@@ -52,6 +53,9 @@ that is alive and beating but never reaches the collective (a hang in user code)
 rank 0 planning or writing a checkpoint while the others wait, stays well inside it."""
 
 _PREFIX = "het_liveness/"
+_DONE = "het_liveness_done/"
+"""``_DONE<rank>`` holds a rank's counter as it stopped normally (its teardown): silent since, it is finished,
+not gone.  A rank that starts again (``validate`` after ``fit``) beats past that value and is watched again."""
 
 
 def liveness_interval_s(timeout_s: float) -> float:
@@ -135,11 +139,17 @@ class Liveness:
                 for r, value in enumerate(values):
                     if value != seen[r]:
                         seen[r], last_change[r] = value, now
-                silent = [r for r in range(self.world_size) if r != self.rank and now - last_change[r] > self.timeout_s]
+                silent = [r for r in range(self.world_size) if r != self.rank and now - last_change[r] > self.timeout_s
+                          and not _finished(store, r, values[r])]
                 if silent:
                     self._end(silent, max(now - last_change[r] for r in silent), "no heartbeat")
                     return
             self._stop.wait(self.interval_s)
+        if store is not None:  # a normal stop: the others must not take this rank's silence for a loss
+            try:
+                store.set(f"{_DONE}{self.rank}", str(store.add(keys[self.rank], 0)))
+            except Exception:  # noqa: BLE001 - the store may be gone at the very end of a run
+                pass
 
     @staticmethod
     def _all_exist(store: Any, keys: list[str]) -> bool:
@@ -197,6 +207,12 @@ class LivenessGuard:
             return
         with self.liveness.writing():
             yield
+
+
+def _finished(store: Any, rank: int, counter: bytes) -> bool:
+    """``rank`` stopped normally at its counter's current value (``_DONE``)."""
+    key = f"{_DONE}{rank}"
+    return bool(store.check([key])) and store.get(key) == counter
 
 
 def _job_store() -> Any:
