@@ -292,7 +292,7 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
         from het_strategy.core.cost_model import CostModel
         from het_strategy.core.train_settings import TrainSettings
 
-        cm = CostModel(cluster, job.workload, TrainSettings(global_batch_size=job.global_batch_size, dtype="fp32"))
+        cm = CostModel(cluster, job.workload, TrainSettings(global_batch_size=job.global_batch_size, dtype=job.dtype))
         stages = [[f"{s.devices[0]}[{s.layers[0]},{s.layers[1]})" for s in p.stages] for p in plan.pipelines]
         return {"plan_stages": stages, "plan_samples": [p.samples for p in plan.pipelines],
                 "predicted_step_s": cm.score(plan).step_time_s, "plan_summary": strategy.plan_summary}

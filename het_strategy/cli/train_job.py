@@ -240,9 +240,12 @@ class TrainJob:
         if self.cluster is None:
             raise field_error("cluster", "auto", "be a cluster file with strategy=hetero_deepspeed (it plans "
                               "from the cluster's figures)")
-        if self.train.precision != "32-true":
+        from het_strategy.strategy.deepspeed_plan import DEEPSPEED_PRECISIONS
+
+        if self.train.precision not in DEEPSPEED_PRECISIONS:
             raise field_error("train.precision", self.train.precision,
-                              "be 32-true with strategy=hetero_deepspeed in this version")
+                              f"be one of {', '.join(DEEPSPEED_PRECISIONS)} with strategy=hetero_deepspeed "
+                              "(DeepSpeed's bf16 and fp16 keep fp32 master weights)")
         if self.train.accumulate_grad_batches != 1:
             raise field_error("train.accumulate_grad_batches", self.train.accumulate_grad_batches,
                               "be 1 with strategy=hetero_deepspeed (the plan's micro-batches are the accumulation)")

@@ -93,9 +93,9 @@ clips after its own reduction, see ``ds_runtime/clipping.py``).
 Refused with ``ConfigError``: ``test`` and ``predict``,
 ``validate`` on a fresh Trainer, a short last training batch (use
 ``drop_last=True``), ``trainer.gradient_clip_val``, ``accumulate_grad_batches``
-> 1, manual optimization, the ``-true`` and 64-bit precisions, live re-planning.  The non-local
-layers stay (untrained) in the LightningModule of each rank: its
-``state_dict`` is not the trained model.
+> 1, manual optimization, the ``-true`` and 64-bit precisions, live
+re-planning.  The non-local layers stay (untrained) in the LightningModule of
+each rank: its ``state_dict`` is not the trained model.
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.engine import PlanRunner, init_deepspeed_distributed
 from het_strategy.planning.request import PlanMode
+from het_strategy.strategy.arguments import check_timeouts
 from het_strategy.strategy.deepspeed_checkpoint import (CHECKPOINT_TAG, PLAN_KEY, load_plan_checkpoint,
                                                         save_plan_checkpoint)
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
-from het_strategy.strategy.arguments import check_timeouts
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
 from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LivenessGuard
 
