@@ -61,6 +61,7 @@ def _entry(rank: int, world: int, port: int, method: str, steps: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         train(rank, world, method, steps)
+        dist.barrier()  # both ranks are done before either tears gloo down (a rank leaving early aborts the other)
     finally:
         dist.destroy_process_group()
 
