@@ -100,6 +100,10 @@ class SyncRoute:
         return len(self.nodes) > 1
 
 
+_EDGES_KEPT = 1024
+"""Routes whose ring edges ``Network`` keeps: a structure's routes share a few node tuples, so this covers every
+structure the planner keeps routes of (``structure._ROUTES_KEPT``), without holding every tuple of a search."""
+
 NO_SYNC = SyncRoute(members=1)
 """The route of a stage with no other replica."""
 
@@ -188,6 +192,8 @@ class Network:
         edges = [(node, f, peer if i != j else same[1], pf)
                  for i, (node, f, same) in enumerate(reps) for j, (peer, pf, _) in enumerate(reps)
                  if i != j or len(same) >= 2]
+        if len(self._edges) >= _EDGES_KEPT:  # the oldest routes' tuples are let go (the planner moved on)
+            del self._edges[next(iter(self._edges))]
         self._edges[key] = (route.nodes, route.flows, edges)  # the tuples are held, so their ids stay theirs
         return edges
 
