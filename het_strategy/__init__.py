@@ -17,6 +17,7 @@ The folders follow the flow (imports point down this list, never up):
 - ``strategy/``     the Lightning runtime: strategy, loaders and sampler, registry
 - ``callbacks/``    Lightning callbacks (straggler mitigation, telemetry) and what they read on the strategy
 - ``ds_runtime/``   the DeepSpeed form of a Plan
+- ``tensor_parallel/`` a layer's tensor-parallel plan (the user contract) and its Megatron split
 - ``compression/``  DDP comm hooks, their state, the adaptive controller
 - ``emulation/``    emulated device speeds and padding, shaped networks, local ranks
 - ``profiling/``    probes of devices and links, per-block timing of a module
@@ -34,7 +35,10 @@ _registry = _importlib.import_module("het_strategy.strategy.registry")
 
 __version__ = "0.2.0"
 
-__all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL", "__version__"]
+from het_strategy.tensor_parallel.plan import Colwise, Rowwise, TensorParallelPlan  # noqa: E402  (pure Python)
+
+__all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL",
+           "TensorParallelPlan", "Colwise", "Rowwise", "__version__"]
 
 _registry.register_when_imported()
 _importlib.import_module("het_strategy.core.log").quiet_known_warnings()

@@ -14,13 +14,21 @@ The rules, by runtime:
     Nothing is refused: the unconstrained planner's space.
 
 ``deepspeed`` (``hetero_deepspeed``: ``ds_runtime.PlanRunner`` on unpatched DeepSpeed)
-    1. Every stage holds one device (tp = 1): the runtime has no tensor parallelism.
+    1. Tensor parallelism (a stage of tp > 1 devices) runs per replica
+       (``ds_runtime.replica_engine`` with ``tensor_parallel``'s Megatron split),
+       so rule 3 applies to it as to an asymmetric plan; the tp degrees of the
+       replicas holding a layer each divide the largest of them (a gradient is
+       reduced in units of the largest degree's shard: ``ReplicaLayout.units``).
+       Whether a model's blocks split that way (a tensor-parallel plan, heads
+       and widths divisible by tp) is checked against the model when the
+       runtime builds the stage (``tensor_parallel.check_layer``).
     2. A plan with a multi-stage pipeline runs at ZeRO 0 or 1: DeepSpeed's
        pipeline engine asserts against ZeRO 2 and 3.  One-stage replicas (pure
        data parallelism) run at every ZeRO stage.
-    3. Replicas with different stage boundaries (an asymmetric plan, run by
-       ``ds_runtime.replica_engine``) run at ZeRO 0: no two ranks hold the
-       same parameters for ZeRO to shard over.  Every dtype runs (the runtime
+    3. Replicas with different stage boundaries (an asymmetric plan) and
+       plans with tp > 1 run each replica as its own pipeline
+       (``ds_runtime.replica_engine``; ``runs_per_replica``) at ZeRO 0: no two
+       ranks hold the same parameters for ZeRO to shard over.  Every dtype runs (the runtime
        reduces the gradients DeepSpeed's mixed-precision optimizer steps on).
     4. fp16 runs at ZeRO 1 or more: DeepSpeed 0.19's ZeRO-0 fp16 optimizers
        (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) unscale the gradients
@@ -49,7 +57,8 @@ from typing import Any
 from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.plan import Plan
 
-__all__ = ["Runtime", "as_runtime", "Problem", "runtime_problems", "raise_first", "shares_boundaries"]
+__all__ = ["Runtime", "as_runtime", "Problem", "runtime_problems", "raise_first", "shares_boundaries",
+           "has_tensor_parallel", "runs_per_replica"]
 
 
 class Runtime(StrEnum):
@@ -58,7 +67,7 @@ class Runtime(StrEnum):
     any = "any"
     """No constraint: the planner's whole search space."""
     deepspeed = "deepspeed"
-    """``hetero_deepspeed``: pipelines and replicas on DeepSpeed (tp = 1)."""
+    """``hetero_deepspeed``: pipelines, replicas and tensor-parallel stages on DeepSpeed."""
     hetero = "hetero"
     """The ``hetero`` strategy: pure data parallelism with uneven shares."""
 
@@ -100,6 +109,17 @@ def shares_boundaries(plan: Plan) -> bool:
     return len({tuple(pipe.boundaries()) for pipe in plan.pipelines}) == 1
 
 
+def has_tensor_parallel(plan: Plan) -> bool:
+    """Some stage of the plan is a tensor-parallel group (tp > 1)."""
+    return any(stage.tp > 1 for pipe in plan.pipelines for stage in pipe.stages)
+
+
+def runs_per_replica(plan: Plan) -> bool:
+    """The deepspeed runtime runs each replica as its own pipeline (``ds_runtime.replica_engine``): the replicas'
+    boundaries differ or a stage has tp > 1; otherwise the plan runs on DeepSpeed's own stage x replica grid."""
+    return not shares_boundaries(plan) or has_tensor_parallel(plan)
+
+
 def runtime_problems(plan: Plan, runtime: Runtime | str, world_size: int | None = None) -> list[Problem]:
     """Every reason ``runtime`` cannot run ``plan`` (see the module docstring); ``[]``: it runs it.
 
@@ -114,12 +134,7 @@ def _no_rules(plan: Plan, world_size: int | None) -> list[Problem]:
 
 
 def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
-    out: list[Problem] = []
-    for p, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
-            if stage.tp != 1:
-                out.append(Problem(f"plan.pipelines[{p}].stages[{s}].tp", stage.tp,
-                                   "be 1 (the deepspeed runtime has no tensor parallelism)", "re-plan with max_tp=1"))
+    out: list[Problem] = _tp_degrees(plan)
     zero = plan.zero_stage
     if zero >= 2 and any(len(pipe.stages) > 1 for pipe in plan.pipelines):
         out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "
@@ -129,12 +144,15 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
         out.append(Problem("plan.zero_stage", zero, "be 1 or more for fp16 (DeepSpeed 0.19's ZeRO-0 fp16 optimizers "
                            "unscale gradients by a loss scale its backward never applied, so every update is "
                            "1/loss-scale too small)", "use zero_stage 1, or dtype bf16"))
-    if not shares_boundaries(plan):
-        bounds = [pipe.boundaries() for pipe in plan.pipelines]
-        if zero != 0:
-            out.append(Problem("plan.zero_stage", zero, f"be 0 for an asymmetric plan (its replicas have the "
-                               f"different boundaries {bounds}, so no two ranks hold the same parameters for ZeRO "
-                               "to shard)", "use zero_stage 0, or re-plan with mode pipeline (shared boundaries)"))
+    if runs_per_replica(plan) and zero != 0:
+        if not shares_boundaries(plan):
+            bounds = [pipe.boundaries() for pipe in plan.pipelines]
+            why = f"an asymmetric plan (its replicas have the different boundaries {bounds}"
+        else:
+            why = "a plan with tensor parallelism (it runs each replica as its own pipeline"
+        out.append(Problem("plan.zero_stage", zero, f"be 0 for {why}, so no two ranks hold the same parameters "
+                           "for ZeRO to shard)", "use zero_stage 0, or re-plan with max_tp=1 and mode pipeline "
+                           "(shared boundaries)"))
     counts = [pipe.num_micro_batches for pipe in plan.pipelines]
     if zero >= 2 and len(set(counts)) > 1:
         common = max(counts)
@@ -149,6 +167,23 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
         if world_size != used:
             out.append(Problem("WORLD_SIZE", world_size, f"equal the plan's device count ({used})",
                                "start one process per device the plan uses"))
+    return out
+
+
+def _tp_degrees(plan: Plan) -> list[Problem]:
+    """Rule 1: the tp degrees holding each layer each divide the largest (the reduction's unit of a shard)."""
+    out: list[Problem] = []
+    num_layers = plan.pipelines[0].boundaries()[-1]
+    for layer in range(num_layers):
+        held = [(p, s, st.tp) for p, pipe in enumerate(plan.pipelines) for s, st in enumerate(pipe.stages)
+                if st.layers[0] <= layer < st.layers[1]]
+        units = max(tp for _, _, tp in held)
+        for p, s, tp in held:
+            if units % tp:
+                out.append(Problem(f"plan.pipelines[{p}].stages[{s}].tp", tp, f"divide {units}, the largest tp "
+                                   f"holding layer {layer} in another replica (gradients are reduced in units of "
+                                   "the finest shard)", "use powers of two for tp"))
+                return out
     return out
 
 

@@ -18,6 +18,10 @@ Shape, in the workload's terms (h = hidden_size, s = seq_len, v = vocab_size):
   ``Linear(h, 4h)`` -> GELU -> ``Linear(4h, h)``; residual connections;
 * head: final LayerNorm and an untied ``Linear(h, v, bias=False)``.
 
+The blocks and the head carry a ``tensor_parallel_plan()`` (Megatron's
+column/row split, the head's logits gathered), so a ``hetero_deepspeed`` plan
+may run them on tensor-parallel stages; the embedding runs whole on each rank.
+
 Weights are drawn from N(0, 0.02) (biases zero, LayerNorms at identity), so
 ``torch.manual_seed`` fixes the initial model on every rank.
 """
@@ -35,6 +39,7 @@ from typing_extensions import override
 from het_strategy.core.errors import field_error, require_number
 from het_strategy.demo.stdlib_text import BYTE_VOCAB_SIZE
 from het_strategy.core.workload import TransformerConfig
+from het_strategy.tensor_parallel.plan import Colwise, Rowwise, TensorParallelPlan
 
 __all__ = ["CharGPT", "WORKLOAD_NAME"]
 
@@ -56,13 +61,14 @@ class _CausalSelfAttention(nn.Module):
         self.out = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(x).split(hidden, dim=2)
-        # (B, T, h) -> (B, heads, T, h / heads)
-        q, k, v = (t.view(batch, seq, self.num_heads, hidden // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # this rank's heads under tensor parallelism: width h / tp each
+        width = q.shape[-1]
+        # (B, T, w) -> (B, heads, T, w / heads)
+        q, k, v = (t.view(batch, seq, self.num_heads, width // self.num_heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.out(y.transpose(1, 2).reshape(batch, seq, width))
 
 
 class _Block(nn.Module):
@@ -80,6 +86,13 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.resid_dropout(self.attn(self.ln_attn(x)))
         return x + self.resid_dropout(self.mlp(self.ln_mlp(x)))
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        """Megatron's split: q/k/v and the first MLP linear by output columns, the attention's output projection
+        and the second MLP linear by input rows; each rank runs ``num_heads / tp`` heads."""
+        return TensorParallelPlan(linears={"attn.qkv": Colwise(fused=3), "attn.out": Rowwise(),
+                                           "mlp.0": Colwise(), "mlp.2": Rowwise()},
+                                  divide=("attn.num_heads",))
 
 
 class _Embedding(nn.Module):
@@ -104,6 +117,10 @@ class _Head(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(h))
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        """The LM head split by vocabulary columns, its logits gathered whole on every rank."""
+        return TensorParallelPlan(linears={"lm_head": Colwise(gather_output=True)})
 
 
 class CharGPT(pl.LightningModule):

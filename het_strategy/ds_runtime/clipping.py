@@ -20,18 +20,28 @@ from typing import Any
 
 import torch
 
-__all__ = ["clip_by_global_norm", "clipping_pipeline_engine"]
+__all__ = ["clip_by_global_norm", "clip_gradients", "clipping_pipeline_engine"]
 
 
 @torch.no_grad()
 def clip_by_global_norm(module: torch.nn.Module, max_norm: float, group: Any) -> float:
     """Clip this stage's gradients by the norm over ``group``'s stages; returns that norm (before clipping)."""
+    grads = [q.grad for q in module.parameters() if q.grad is not None]
+    return clip_gradients(grads, [True] * len(grads), max_norm, group)
+
+
+@torch.no_grad()
+def clip_gradients(grads: list[torch.Tensor], counted: list[bool], max_norm: float, group: Any) -> float:
+    """Scale ``grads`` by torch's ``clip_grad_norm_`` rule for the norm over ``group`` of the ``counted`` ones.
+
+    A tensor-parallel stage counts a replicated parameter on one rank only (``counted``), so every parameter
+    enters the norm once; every gradient is scaled.  Returns the norm before clipping."""
     import deepspeed.comm as dist
 
-    grads = [q.grad for q in module.parameters() if q.grad is not None]
     sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        sq += g.detach().double().pow(2).sum()
+    for g, c in zip(grads, counted):
+        if c:
+            sq += g.detach().double().pow(2).sum()
     dist.all_reduce(sq, group=group)
     norm = float(sq.sqrt().item())
     coef = max_norm / (norm + 1e-6)

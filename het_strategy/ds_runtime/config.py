@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems, shares_boundaries
+from het_strategy.core.runtime_rules import (Runtime, has_tensor_parallel, raise_first, runtime_problems,
+                                             runs_per_replica)
 
 if TYPE_CHECKING:
     from het_strategy.core.cost_model import CostModel, PlanScore
@@ -110,8 +111,7 @@ def rank_layout(plan: Plan) -> list[RankAssignment]:
     Pure data parallelism is the case of one stage: one rank per pipeline in
     plan order.  Other plans (uneven stage counts or tp > 1) are numbered in
     plan order (pipeline, stage, tp rank): ``replica_engine`` runs each
-    replica of uneven stage counts as its own grid; tp > 1 is named here but
-    not run.
+    replica of uneven stage counts or tp > 1 as its own pipeline.
     """
     out: list[RankAssignment] = []
     if _on_deepspeed_grid(plan):
@@ -259,18 +259,19 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     force it on or off.  DeepSpeed offloads only through ZeRO, so offload on a
     ZeRO-0 plan emits stage 1 (which only lowers memory).
 
-    Asymmetric plans (replicas with different boundaries) run each replica as
-    its own one-replica grid (``ds_runtime.replica_engine``): their
-    ``train_batch_size`` is ``micro * gas``; in fp32 ``gradient_clipping`` is 0
-    (the runtime clips by the global norm after its own reduction), in bf16 and
-    fp16 DeepSpeed's mixed-precision optimizer clips, after that reduction.
+    Asymmetric plans (replicas with different boundaries) and plans with tp > 1
+    run each replica as its own one-replica grid (``ds_runtime.replica_engine``):
+    their ``train_batch_size`` is ``micro * gas``; ``gradient_clipping`` is 0
+    in fp32 and with tp > 1 (the runtime clips by the global norm after its own
+    reduction, counting each shard once), otherwise (asymmetric bf16 and fp16)
+    DeepSpeed's mixed-precision optimizer clips, after that reduction.
 
     Refused: plans the deepspeed runtime cannot run (``core.runtime_rules``) and
     asymmetric plans with offload.
     """
     _check_settings(plan, settings)
     raise_first(runtime_problems(plan, Runtime.deepspeed))
-    aligned = shares_boundaries(plan)
+    aligned = not runs_per_replica(plan)
     if (aligned and len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
             and rank in (None, 0)):
         # Measured with DeepSpeed 0.19: this path clips by the norm of stage 0's gradients only
@@ -285,7 +286,7 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     rb = batches[r]
     micro = max(rb.micro_batch_sizes)
     gas = rb.gradient_accumulation_steps
-    # An asymmetric plan runs each replica as its own one-replica DeepSpeed grid (ds_runtime.replica_engine)
+    # An asymmetric or tp plan runs each replica as its own one-replica DeepSpeed grid (ds_runtime.replica_engine)
     dp = plan.num_pipelines if aligned else 1
     off_optim, off_params = _offload_choice(plan, score, offload, cost_model)
     if off_optim and not aligned:
@@ -305,7 +306,8 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         "gradient_accumulation_steps": gas,
         # asymmetric fp32: the runtime clips by the global norm itself, after its own gradient reduction; in
         # bf16/fp16 DeepSpeed's optimizer clips (the norm over the replica's stages, after that reduction)
-        "gradient_clipping": float(gradient_clipping) if aligned or plan.dtype != "fp32" else 0.0,
+        "gradient_clipping": (float(gradient_clipping) if aligned or (plan.dtype != "fp32"
+                                                                       and not has_tensor_parallel(plan)) else 0.0),
         "zero_optimization": zero,
         "bf16": {"enabled": plan.dtype == "bf16"},
         "fp16": {"enabled": plan.dtype == "fp16"},

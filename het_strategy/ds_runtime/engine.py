@@ -12,9 +12,12 @@ mean loss over all ``B`` samples.  The distributed invariants, in order:
    allreduces the same parameters; DeepSpeed broadcasts each stage's
    parameters from data-parallel rank 0 at ``initialize``, so replicas start
    equal.  Asymmetric plans (replicas of other lengths or boundaries, plan
-   order) run each replica as its own pipeline (``replica_engine``): every
-   layer is reduced over the ranks holding it and broadcast from replica 0's
-   holder at the start.  tp = 1 everywhere.
+   order) and plans with tensor-parallel stages run each replica as its own
+   pipeline (``replica_engine``): every part of every gradient is reduced
+   over the ranks holding it (``holder_reduction``), every layer broadcast
+   from replica 0's holder at the start, then split for each tp rank
+   (``tensor_parallel``); stages of any tp pass partitioned activations
+   (``stage_exchange``).
 2. Data.  Pipeline ``p`` takes the contiguous slice ``[sum(samples[:p]),
    +samples[p])`` and cuts it into ``rank_batches(plan)[rank]
    .micro_batch_sizes``.  Its first stage (inputs) and last stage (labels)
@@ -189,7 +192,7 @@ class PlanRunner:
 
         # an aligned fp32 ZeRO-0 pipeline clips by the global norm itself (clipping.py): DeepSpeed 0.19 clips it
         # by stage 0's norm only
-        self.own_clipping = (self.layout.is_aligned and self.num_stages > 1 and plan.zero_stage == 0
+        self.own_clipping = (not self.layout.per_replica and self.num_stages > 1 and plan.zero_stage == 0
                              and plan.dtype == "fp32" and gradient_clipping > 0)
         cfg = deepspeed_config(plan, settings, rank=self.rank,
                                gradient_clipping=0.0 if self.own_clipping else gradient_clipping)
@@ -199,7 +202,7 @@ class PlanRunner:
         self.ds_config = cfg
         weighted = _MicroWeightedLoss(loss_fn)
 
-        if not self.layout.is_aligned:
+        if self.layout.per_replica:
             from het_strategy.ds_runtime.replica_engine import build_replica_engine
 
             self.engine, self.module, self.reducer = build_replica_engine(
@@ -245,7 +248,8 @@ class PlanRunner:
             raise field_error("workload.num_layers", workload.num_layers,
                               f"equal the plan's layer count ({self.layout.num_layers})")
         self.padding = StagePadding(cluster, self.assignment.device, workload, self.layout.layers_of(self.rank),
-                                    self.plan.dtype, step=lambda: int(self.engine.global_steps))
+                                    self.plan.dtype, step=lambda: int(self.engine.global_steps),
+                                    tp=len(self.layout.group_of(self.rank)))
         self.padding.attach(self.module)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -268,9 +272,14 @@ class PlanRunner:
         return out
 
     def _weight(self, w: float, like: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's loss weight, in the labels' dtype, at least fp32 (a bf16 weight would round)."""
-        dtype = torch.promote_types(like.dtype, torch.float32) if like.is_floating_point() else torch.float32
-        return torch.tensor(w, dtype=dtype)
+        """The micro-batch's loss weight in the labels' dtype (integer labels: the layers' dtype), at least fp32
+        (a bf16 weight would round; a float64 model keeps a float64 weight)."""
+        if like.is_floating_point():
+            return torch.tensor(w, dtype=torch.promote_types(like.dtype, torch.float32))
+        params = (q for q in self.module.parameters() if q.is_floating_point())
+        first = next(params, None)
+        return torch.tensor(w, dtype=torch.float32 if first is None else torch.promote_types(first.dtype,
+                                                                                               torch.float32))
 
     def _compute_inputs(self, x: Any) -> Any:
         """Floating-point inputs in the plan's compute dtype (DeepSpeed runs the layers in bf16/fp16 there)."""
@@ -288,15 +297,16 @@ class PlanRunner:
         """The global-batch value on every rank, in float64 (invariant 6).
 
         Aligned plans: DeepSpeed already averaged the last stage's value over
-        replicas; it is broadcast along the pipeline.  Asymmetric plans: each
-        replica's last stage holds its own ``(1/gas_r) sum_k w_k L_k``; the mean
-        over replicas is a sum over the world of ``value / replicas``.
+        replicas; it is broadcast along the pipeline.  Per-replica plans: each
+        replica's last stage holds its own ``(1/gas_r) sum_k w_k L_k`` (on every
+        rank of a tp group: its lead counts); the mean over replicas is a sum
+        over the world of ``value / replicas``.
         """
         import deepspeed.comm as ds_dist
 
         eng = self.engine
         t = torch.zeros(1, dtype=torch.float64, device=eng.device)
-        if eng.is_last_stage():
+        if eng.is_last_stage() and self.assignment.tp_rank == 0:
             t.fill_(float(value))
         if self.reducer is not None:
             t.div_(self.layout.num_replicas)
@@ -359,14 +369,19 @@ class PlanRunner:
         """Where a replica's DeepSpeed checkpoint lives under ``path`` (this rank's replica by default).
 
         Aligned plans: ``path`` itself (DeepSpeed names the files by stage and
-        data-parallel rank).  Asymmetric plans: ``path/replica{p}``: every
+        data-parallel rank).  Per-replica plans: ``path/replica{p}``: every
         replica is its own one-replica grid, so two replicas would otherwise
         write the same file names (stage ``s``'s model and optimizer states)
-        for different layers.
+        for different layers; with tensor parallelism ``path/replica{p}-tp{t}``
+        for tp rank ``t`` (the ranks of a stage hold different shards under
+        the same names).
         """
         if self.reducer is None:
             return Path(path)
-        return Path(path) / f"replica{self.assignment.pipeline if replica is None else replica}"
+        name = f"replica{self.assignment.pipeline if replica is None else replica}"
+        if self.layout.has_tensor_parallel:
+            name += f"-tp{self.assignment.tp_rank}"
+        return Path(path) / name
 
     def save_checkpoint(self, path: str | Path, tag: str, client_state: dict[str, Any]) -> None:
         """Every rank writes its share (layers, optimizer state) through DeepSpeed; collective over the world."""

@@ -1,41 +1,53 @@
-"""Asymmetric plans on unpatched DeepSpeed: each replica its own pipeline, each layer reduced over its holders.
+"""Asymmetric and tensor-parallel plans on unpatched DeepSpeed: each replica its own pipeline.
 
 DeepSpeed's ``PipelineParallelGrid`` is one rectangle of stages x replicas:
-every replica the same length and boundaries.  An asymmetric plan (an A100
-holding all layers beside a V100 -> V100 pipeline) is not a rectangle.  This
-module runs it with subclasses and public entry points only:
+every replica the same length and boundaries, every stage one rank.  An
+asymmetric plan (an A100 holding all layers beside a V100 -> V100 pipeline)
+or a tensor-parallel one (one A100 at tp 1 beside two V100s at tp 2, a tp-2
+stage sending to a tp-1 stage) is not.  This module runs them with
+subclasses and public entry points only:
 
 - ``PlanGroups`` creates every process group the plan needs once, in one
   order on every rank (``new_group`` is collective over the whole world):
-  one per replica's pipeline, one singleton per rank, one per holder set
+  one per replica (all its ranks), one singleton per rank, one per
+  tensor-parallel stage group, one per holder set
   (``ReplicaLayout.holder_sets``).
 - ``ReplicaGrid`` (a ``PipelineParallelGrid``) is this rank's replica as a
-  one-replica grid over global ranks: ``stage_to_global`` maps the replica's
-  stages to the ranks that run them, the data-parallel group is the rank
-  alone, so DeepSpeed reduces nothing across replicas by itself.
+  one-replica grid over global ranks: ``stage_to_global`` maps a stage to its
+  lead (tp rank 0), the data-parallel group is the rank alone, so DeepSpeed
+  reduces nothing across replicas by itself.
 - ``ReplicaPipelineModule`` (a ``PipelineModule``) builds only the layers of
   this rank's range, then takes the ``ReplicaGrid``.  ``PipelineModule.
   __init__`` always builds a grid from a topology; it is given a one-stage
   world topology (``3 * world + 1`` groups, the same on every rank: with a
   one-stage grid, tied-layer indexing and partitioning read nothing of it)
-  and the grid is replaced before the engine reads it.
-- ``ReplicaPipelineEngine`` (a ``PipelineEngine``) maps the schedule's
-  ``ReduceGrads`` instruction (``_INSTRUCTION_MAP``) to ``HolderSetReducer``:
-  per holder set, in the shared order, one flat allreduce (in fp32 at least)
-  of this rank's layers' gradients, divided by the replica count.  The gradients are those
-  the optimizer steps on: ``param.grad`` in fp32 and fp16 (DeepSpeed's fp16
-  optimizers unscale them at the step), the fp32 accumulation buffers of
-  ``BF16_Optimizer`` in bf16 (``bf16_groups[i][j]``'s gradient is
-  ``fp32_groups_gradients[i][j]``, the buffer DeepSpeed's own tied-weight
-  reduction reads too).  Then clipping by the global norm over one
-  replica's stages (replicas agree after the reduction): in fp32 the
-  reducer's (``clipping.clip_by_global_norm``; DeepSpeed's clipping is off in
-  this config), in bf16 and fp16 DeepSpeed's mixed-precision optimizer's,
-  whose norm and overflow check run over the replica's pipeline group.  An
-  inf or nan on one rank reaches every holder of its layer through the
-  reduction, so every replica's optimizer skips the same step.
-  The engine is constructed directly, as ``deepspeed.initialize`` does for
-  a ``PipelineModule`` (it picks the class from the module's type).
+  and the grid is replaced before the engine reads it.  Every layer is
+  broadcast whole from its holder in replica 0 (all replicas start equal),
+  then split for this rank's tp rank (``tensor_parallel.layers``).
+- ``ReplicaPipelineEngine`` (a ``PipelineEngine``):
+  * sends activations and gradients between stages of any tp, partitioned
+    (``stage_exchange``; DeepSpeed's own sends assume one rank per stage);
+  * maps the schedule's ``ReduceGrads`` instruction (``_INSTRUCTION_MAP``) to
+    ``HolderSetReducer``: per holder set, in the shared order, one flat
+    allreduce (in fp32 at least) of this rank's parts of the gradients,
+    divided by the replica count (``replicas`` says which parts: units of a
+    shard, or whole replicated parameters scaled by ``1 / tp``);
+  * on a tp > 1 last stage, the loss is broadcast from the stage's lead only.
+
+  The gradients reduced are those the optimizer steps on: ``param.grad`` in
+  fp32 and fp16 (DeepSpeed's fp16 optimizers unscale them at the step), the
+  fp32 accumulation buffers of ``BF16_Optimizer`` in bf16
+  (``bf16_groups[i][j]``'s gradient is ``fp32_groups_gradients[i][j]``, the
+  buffer DeepSpeed's own tied-weight reduction reads too).  Then clipping by
+  the global norm over one replica's ranks (replicas agree after the
+  reduction; each shard counted once, each replicated parameter on its
+  stage's lead only): the reducer's (``clipping.clip_gradients``) in fp32
+  and whenever tp > 1, otherwise (asymmetric bf16, fp16) DeepSpeed's
+  mixed-precision optimizer's, whose norm and overflow check run over the
+  replica's pipeline group.  An inf or nan on one rank reaches every holder
+  of its layer through the reduction, so every replica's optimizer skips the
+  same step.  The engine is constructed directly, as ``deepspeed.initialize``
+  does for a ``PipelineModule`` (it picks the class from the module's type).
 
 Loss weights are those of ``rank_batches`` with ``dp = replicas``: DeepSpeed
 divides each micro-batch loss by the rank's own accumulation count, the
@@ -46,26 +58,28 @@ over); fp32 or fp64 layers, or DeepSpeed's bf16 / fp16 mixed precision.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-from het_strategy.ds_runtime.clipping import clip_by_global_norm
+from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, layer_parameters
 from het_strategy.ds_runtime.replicas import ReplicaLayout
+from het_strategy.ds_runtime.stage_exchange import StageLink, recv_grads, recv_tensors, send_grads, send_tensors
 
-__all__ = ["PlanGroups", "HolderSetReducer", "build_replica_engine", "broadcast_from_first_replica"]
+__all__ = ["PlanGroups", "build_replica_engine", "broadcast_from_first_replica", "split_layers"]
 
 
 class PlanGroups:
-    """Every process group an asymmetric plan needs, created once and in one order on every rank."""
+    """Every process group a per-replica plan needs, created once and in one order on every rank."""
 
     def __init__(self, layout: ReplicaLayout, rank: int) -> None:
         import deepspeed.comm as dist
 
         self.pipe: Any = None
-        for ranks in layout.stage_ranks:
-            g = dist.new_group(ranks=list(ranks))
+        """All ranks of this rank's replica."""
+        for groups in layout.stage_groups:
+            ranks = [r for g in groups for r in g]
+            g = dist.new_group(ranks=ranks)
             if rank in ranks:
                 self.pipe = g
         self.single: Any = None
@@ -73,6 +87,14 @@ class PlanGroups:
             g = dist.new_group(ranks=[r])
             if r == rank:
                 self.single = g
+        self.tp: Any = self.single
+        """This rank's stage group (tensor parallelism's collectives; the rank alone at tp 1)."""
+        for groups in layout.stage_groups:
+            for ranks in groups:
+                if len(ranks) > 1:
+                    g = dist.new_group(ranks=list(ranks))
+                    if rank in ranks:
+                        self.tp = g
         self.holders: dict[tuple[int, ...], Any] = {}
         for hs in layout.holder_sets:
             g = dist.new_group(ranks=list(hs))
@@ -80,30 +102,18 @@ class PlanGroups:
                 self.holders[hs] = g
 
 
-def _params_by_layer(module: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
-    """A PipelineModule names each built layer by its global index (``"5.weight"`` is layer 5's)."""
-    out: dict[int, list[torch.nn.Parameter]] = {}
-    for name, q in module.named_parameters():
-        if q.requires_grad:
-            out.setdefault(int(name.split(".", 1)[0]), []).append(q)
-    return out
-
-
-def _flat_groups(layout: ReplicaLayout, rank: int, module: torch.nn.Module):
-    by_layer = _params_by_layer(module)
-    for hs, layers in layout.layers_by_holders(rank):
-        params = [q for layer in layers for q in by_layer.get(layer, [])]
-        if params:
-            yield hs, params
-
-
 @torch.no_grad()
 def broadcast_from_first_replica(layout: ReplicaLayout, rank: int, groups: PlanGroups,
                                  module: torch.nn.Module) -> None:
-    """Every layer's parameters from its holder in replica 0, so all replicas start equal."""
+    """Every layer's whole parameters from its holder in replica 0 to every rank holding it (before any split),
+    so all replicas start equal."""
     import deepspeed.comm as dist
 
-    for hs, params in _flat_groups(layout, rank, module):
+    by_layer = layer_parameters(module)
+    for hs, layers in layout.layers_by_holders(rank):
+        params = [q for layer in layers for _, q in by_layer.get(layer, [])]
+        if not params:
+            continue
         flat = torch.cat([q.detach().reshape(-1) for q in params])
         dist.broadcast(flat, src=hs[0], group=groups.holders[hs])
         k = 0
@@ -112,61 +122,33 @@ def broadcast_from_first_replica(layout: ReplicaLayout, rank: int, groups: PlanG
             k += q.numel()
 
 
-class HolderSetReducer:
-    """Average each layer's gradient over the ranks holding it, then clip by the global norm (fp32 plans)."""
+def split_layers(layout: ReplicaLayout, rank: int, groups: PlanGroups, module: torch.nn.Module,
+                 layers: Sequence[Any]) -> dict[int, dict[str, Any]]:
+    """Check every layer of this rank's range against the plan's tp and split it for this tp rank.
 
-    def __init__(self, layout: ReplicaLayout, rank: int, groups: PlanGroups, gradient_clipping: float) -> None:
-        self.layout, self.rank, self.groups = layout, rank, groups
-        self.gradient_clipping = float(gradient_clipping)
-        """The largest global norm the reducer clips to (0: off, or DeepSpeed's optimizer clips: bf16/fp16)."""
-        self.last_norm: float | None = None
-        """The global gradient norm of the last step (after the reduction, before clipping; fp32 plans)."""
-        self.last_reduce_s = 0.0
-        """Wall seconds of the last step's reduction (waiting for the other holders included)."""
-        self._buckets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]] | None = None
-        """This rank's parameters per holder set, in the shared order (found on the first step: fixed after)."""
+    Returns the shard specs per layer (``{layer: {parameter name: ShardSpec}}``) the reduction reads; a
+    layer runs whole (replicated) where it has no tensor-parallel plan.
+    """
+    from het_strategy.tensor_parallel.layers import parallelize_layer
+    from het_strategy.tensor_parallel.plan import check_layers, tensor_parallel_plan_of
 
-    @torch.no_grad()
-    def __call__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
-        """Reduce this step's gradients; ``optimizer``: the engine's, when it keeps them outside ``param.grad``
-        (``BF16_Optimizer``)."""
-        import deepspeed.comm as dist
-
-        t0 = time.perf_counter()
-        replicas = self.layout.num_replicas
-        if self._buckets is None:
-            self._buckets = list(_flat_groups(self.layout, self.rank, module))
-        kept = _gradient_buffers(optimizer)
-        for hs, params in self._buckets:
-            grads = [_gradient_of(q, kept) for q in params]
-            wire = torch.promote_types(grads[0].dtype, torch.float32)  # fp16 gradients are reduced in fp32
-            flat = torch.cat([g.reshape(-1).to(wire) for g in grads])
-            dist.all_reduce(flat, group=self.groups.holders[hs])
-            flat.div_(replicas)
-            k = 0
-            for g in grads:
-                g.copy_(flat[k:k + g.numel()].view_as(g))
-                k += g.numel()
-        if self.gradient_clipping > 0:  # one replica's stages cover every layer once
-            self.last_norm = clip_by_global_norm(module, self.gradient_clipping, self.groups.pipe)
-        self.last_reduce_s = time.perf_counter() - t0
-
-
-def _gradient_buffers(optimizer: Any) -> dict[int, torch.Tensor] | None:
-    """``BF16_Optimizer``'s fp32 gradient buffer of each bf16 parameter (by id); None: gradients are ``.grad``."""
-    groups = getattr(optimizer, "bf16_groups", None)
-    if groups is None:
-        return None
-    return {id(lp): hp for lps, hps in zip(groups, optimizer.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
-
-
-def _gradient_of(q: torch.nn.Parameter, kept: dict[int, torch.Tensor] | None) -> torch.Tensor:
-    """The gradient the optimizer steps on for ``q`` (zeros when this step gave it none)."""
-    if kept is not None:
-        return kept[id(q)]
-    if q.grad is None:
-        q.grad = torch.zeros_like(q)
-    return q.grad
+    replica, stage = layout.where(rank)
+    group = layout.group_of(rank)
+    tp, tp_rank = len(group), group.index(rank)
+    start, stop = layout.layers_of(rank)
+    built = {int(name): child for name, child in module.named_children() if name.isdigit()}
+    units = max(layout.units(layer) for layer in range(start, stop))
+    check_layers([built.get(layer, layers[layer]) for layer in range(start, stop)], start, tp, units,
+                 f"plan.pipelines[{replica}].stages[{stage}].tp")
+    specs: dict[int, dict[str, Any]] = {}
+    for layer in range(start, stop):
+        child = built.get(layer)
+        plan = tensor_parallel_plan_of(child) if child is not None else None
+        if plan is None:
+            continue
+        specs[layer] = plan.shard_specs()
+        parallelize_layer(child, plan, groups.tp, tp, tp_rank)
+    return specs
 
 
 def _grid_class() -> type:
@@ -179,10 +161,11 @@ def _grid_class() -> type:
             # Not super().__init__(): it would create groups shaped by this replica alone, a collective
             # that ranks of other replicas would call with other shapes.  PlanGroups made them all.
             replica, stage = layout.where(rank)
-            ranks = list(layout.stage_ranks[replica])
-            n = len(ranks)
+            leads = list(layout.stage_ranks[replica])
+            ranks = [r for g in layout.stage_groups[replica] for r in g]
+            n = len(leads)
             self.global_rank, self.world_size = rank, layout.world_size
-            self.replica, self._stage_ranks = replica, ranks
+            self.replica, self._stage_ranks = replica, leads
             self._topo = PipeDataParallelTopology(num_pp=n, num_dp=1)
             self.data_parallel_size, self.pipe_parallel_size = 1, n
             self.model_parallel_size = self.slice_parallel_size = 1
@@ -190,7 +173,7 @@ def _grid_class() -> type:
             self.ds_model_proc_group, self.ds_model_world_size, self.ds_model_rank = groups.pipe, n, stage
             self.dp_group, self.dp_groups, self.dp_proc_group = [rank], [[rank]], groups.single
             self.is_first_stage, self.is_last_stage = stage == 0, stage == n - 1
-            self.p2p_groups = [[r, ranks[(i + 1) % n]] for i, r in enumerate(ranks)]
+            self.p2p_groups = [[r, leads[(i + 1) % n]] for i, r in enumerate(leads)]
             self.pp_group, self.pipe_groups, self.pp_proc_group = ranks, [ranks], groups.pipe
             self.slice_group, self.slice_proc_group = [rank], groups.single
 
@@ -214,7 +197,7 @@ def _module_class() -> type:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     class ReplicaPipelineModule(PipelineModule):
-        """Only this rank's layers of an asymmetric plan, on its replica's ``ReplicaGrid``."""
+        """Only this rank's layers of a per-replica plan, on its replica's ``ReplicaGrid``."""
 
         def __init__(self, layers: Sequence[Any], bounds: tuple[int, int], grid: Any, **kwargs: Any) -> None:
             object.__setattr__(self, "_het_bounds", tuple(bounds))
@@ -231,23 +214,96 @@ def _module_class() -> type:
     return ReplicaPipelineModule
 
 
+class _StageLinks:
+    """This rank's links to the stages before and after it, and its own stage group (for the gathers)."""
+
+    def __init__(self, layout: ReplicaLayout, rank: int, groups: PlanGroups) -> None:
+        replica, stage = layout.where(rank)
+        stages = layout.stage_groups[replica]
+        self.prev = StageLink(stages[stage - 1], stages[stage]) if stage > 0 else None
+        self.next = StageLink(stages[stage], stages[stage + 1]) if stage + 1 < len(stages) else None
+        self.group = groups.tp
+        self.pipe = groups.pipe
+        self.lead = stages[-1][0]
+        """The last stage's lead: the rank whose loss the others take."""
+        self.replica_size = sum(len(g) for g in stages)
+
+
+def _floating(x: Any) -> list[torch.Tensor]:
+    return [t for t in ((x,) if isinstance(x, torch.Tensor) else x) if t.is_floating_point()]
+
+
 def _engine_class() -> type:
     from deepspeed.runtime.pipe import schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     class ReplicaPipelineEngine(PipelineEngine):
-        """A ``PipelineEngine`` whose ``ReduceGrads`` is the plan's holder-set reduction."""
+        """A ``PipelineEngine`` with partitioned stage sends and the plan's holder-set reduction."""
 
-        def __init__(self, *args: Any, reducer: HolderSetReducer, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, reducer: HolderSetReducer, links: _StageLinks, **kwargs: Any) -> None:
             object.__setattr__(self, "plan_reducer", reducer)
+            object.__setattr__(self, "plan_links", links)
+            # PipelineEngine.__init__ ends with a warm-up send of a 0 from each rank to stage_to_global(next),
+            # one receive per rank: between stages of different tp the counts differ and a sender would block
+            # forever.  Our sends need no warm-up, so during __init__ every rank is first and last stage (the
+            # only use of those two tests there), and the warm-up is skipped.
+            object.__setattr__(self, "_plan_constructing", True)
             super().__init__(*args, **kwargs)
+            self._plan_constructing = False
+
+        def is_first_stage(self) -> bool:
+            return self._plan_constructing or super().is_first_stage()
+
+        def is_last_stage(self) -> bool:
+            return self._plan_constructing or super().is_last_stage()
 
         def _exec_plan_reduce_grads(self) -> None:
             self._force_grad_boundary = True
             self.plan_reducer(self.module, self.optimizer if self.using_bf16_optimizer else None)
             self._force_grad_boundary = False
 
-        _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _exec_plan_reduce_grads}
+        def _exec_send_activations(self, buffer_id: int) -> None:
+            send_tensors(self.pipe_buffers["outputs"][buffer_id], self.plan_links.next, self.global_rank)
+
+        def _exec_recv_activations(self, buffer_id: int) -> None:
+            got = recv_tensors(self.plan_links.prev, self.global_rank, self.plan_links.group, self.device)
+            for t in got:
+                t.requires_grad = t.is_floating_point()
+            self.pipe_buffers["inputs"][buffer_id] = got[0] if len(got) == 1 else got
+
+        def _exec_send_grads(self, buffer_id: int) -> None:
+            inputs = self.pipe_buffers["inputs"][buffer_id]
+            send_grads([t.grad for t in _floating(inputs)], self.plan_links.prev.reversed(), self.global_rank)
+            self.pipe_buffers["inputs"][buffer_id] = None
+
+        def _exec_recv_grads(self, buffer_id: int) -> None:
+            outputs = self.pipe_buffers["outputs"][buffer_id]
+            grads = recv_grads(_floating(outputs), self.plan_links.next.reversed(), self.global_rank,
+                               self.plan_links.group)
+            self.grad_layer = grads[0] if isinstance(outputs, torch.Tensor) else grads
+
+        def _aggregate_total_loss(self) -> Any:
+            """The replica's loss on each of its ranks, from the last stage's lead (every tp rank of the last
+            stage computes it; one broadcasts)."""
+            import deepspeed.comm as dist
+
+            links = self.plan_links
+            if self.module.get_additional_losses() is not None:
+                raise NotImplementedError("additional losses are not carried by per-replica plans")
+            if self.global_rank == links.lead:
+                loss = self._scale_loss_by_gas(self.total_loss)
+                losses = torch.stack([loss.detach(), loss.detach()]).double()
+            else:
+                losses = torch.zeros(2, dtype=torch.float64, device=self.device)
+            if links.replica_size > 1:
+                dist.broadcast(tensor=losses, src=links.lead, group=links.pipe)
+            self.dp_group_loss = losses[0].clone().detach()
+            return losses[1].clone().detach()
+
+        _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _exec_plan_reduce_grads,
+                            schedule.SendActivation: _exec_send_activations,
+                            schedule.RecvActivation: _exec_recv_activations,
+                            schedule.SendGrad: _exec_send_grads, schedule.RecvGrad: _exec_recv_grads}
 
     return ReplicaPipelineEngine
 
@@ -263,14 +319,16 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
     module = _module_class()(list(layers), layout.layers_of(rank), grid, loss_fn=loss_fn,
                              activation_checkpoint_interval=activation_checkpoint_interval, dynamic_shape=True)
     broadcast_from_first_replica(layout, rank, groups, module)
-    # in bf16/fp16 DeepSpeed's mixed-precision optimizer clips (ds_config's gradient_clipping), after the reduction
-    own_clip = gradient_clipping if not (ds_config.get("bf16", {}).get("enabled") or
-                                         ds_config.get("fp16", {}).get("enabled")) else 0.0
-    reducer = HolderSetReducer(layout, rank, groups, own_clip)
+    specs = split_layers(layout, rank, groups, module, layers)
+    # DeepSpeed's mixed-precision optimizer clips (ds_config's gradient_clipping) after the reduction, except
+    # with tp > 1, where its norm would count a replicated parameter once per tp rank: the reducer clips then
+    mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
+    own_clip = gradient_clipping if (not mixed or layout.has_tensor_parallel) else 0.0
+    reducer = HolderSetReducer(layout, rank, groups, own_clip, specs)
     optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
     mpu = module.mpu()
     engine = _engine_class()(args=None, model=module, optimizer=optimizer, model_parameters=None,
                              training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
                              collate_fn=None, config=ds_config, config_class=DeepSpeedConfig(ds_config, mpu),
-                             reducer=reducer)
+                             reducer=reducer, links=_StageLinks(layout, rank, groups))
     return engine, module, reducer

@@ -1,13 +1,30 @@
-"""Which global rank holds which layers, replica by replica, and who reduces each layer's gradients with whom.
+"""Which global ranks hold which layers, replica by replica, and with whom each gradient is reduced.
 
-A Plan's pipelines ("replicas") may differ in length and boundaries (an
-asymmetric plan: one fast device holding every layer beside a two-stage
-pipeline of slow ones).  Each replica holds every layer exactly once (tp =
-1), so layer ``l`` is held by one rank per replica: its *holder set*.  The
-gradient of ``l`` is reduced over exactly that set.  Layers with the same
-holder set share one process group and one flat allreduce; the groups are
-created once, in the order of ``ReplicaLayout.holder_sets`` on every rank,
-and the reductions run in that same order, so no two ranks ever wait on each
+A Plan's pipelines ("replicas") may differ in length, boundaries and
+tensor-parallel degree (an asymmetric plan: one fast device holding every
+layer beside a two-stage pipeline of slow ones; or one A100 at tp 1 beside
+two V100s at tp 2).  Stage ``s`` of replica ``p`` runs on a tensor-parallel
+group of ranks, ``stage_groups[p][s]`` (one rank when tp = 1).
+
+Gradients are reduced over *holder sets*, the ranks holding the same part of
+a parameter:
+
+- a **sharded** parameter (split by ``tensor_parallel``: a column- or
+  row-parallel linear) of layer ``l`` is cut into ``units(l)`` equal units,
+  the largest tp holding ``l`` (every other tp divides it:
+  ``core.runtime_rules``).  In a replica at tp ``t``, tp rank ``r`` holds
+  units ``[r u/t, (r + 1) u/t)``; unit ``k``'s holder set is one rank per
+  replica (``unit_holders``).
+- a **replicated** parameter (a LayerNorm, a row-parallel bias, every
+  parameter at tp 1) is whole on every rank of each stage holding ``l``; its
+  holder set is all of them (``layer_holders``), and each rank scales its
+  gradient by ``1 / tp`` of its stage before the sum, so every replica counts
+  once.
+
+With tp = 1 everywhere both sets are the rank holding ``l`` in each replica.
+Sets with the same ranks share one process group and one flat allreduce; the
+groups are created once, in the order of ``holder_sets`` on every rank, and
+the reductions run in that same order, so no two ranks ever wait on each
 other in opposite orders.
 
 Pure Python (no torch): the runtime and the tests read the same layout.
@@ -18,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from het_strategy.core.plan import Plan
-from het_strategy.core.runtime_rules import shares_boundaries
+from het_strategy.core.runtime_rules import runs_per_replica, shares_boundaries
 from het_strategy.ds_runtime.config import rank_layout
 
 __all__ = ["ReplicaLayout", "replica_layout"]
@@ -26,19 +43,26 @@ __all__ = ["ReplicaLayout", "replica_layout"]
 
 @dataclass(frozen=True)
 class ReplicaLayout:
-    """Per replica: the global rank of each stage and the stage boundaries ``[0, b1, ..., L]``."""
+    """Per replica and stage: the tensor-parallel group of global ranks, and the stage boundaries."""
 
-    stage_ranks: tuple[tuple[int, ...], ...]
-    """``stage_ranks[p][s]``: the global rank running stage ``s`` of replica ``p``."""
+    stage_groups: tuple[tuple[tuple[int, ...], ...], ...]
+    """``stage_groups[p][s]``: the global ranks running stage ``s`` of replica ``p``, in tp-rank order."""
     parts: tuple[tuple[int, ...], ...]
     """``parts[p]``: replica ``p``'s boundaries; stage ``s`` holds layers ``[parts[p][s], parts[p][s + 1])``."""
     is_aligned: bool
-    """Every replica has the same boundaries (``core.runtime_rules.shares_boundaries``): DeepSpeed's own grid of
-    stages x replicas runs it."""
+    """Every replica has the same boundaries (``core.runtime_rules.shares_boundaries``)."""
+    per_replica: bool
+    """Each replica runs as its own pipeline (``core.runtime_rules.runs_per_replica``: asymmetric or tp > 1);
+    otherwise DeepSpeed's own grid of stages x replicas runs the plan."""
+
+    @property
+    def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """``stage_ranks[p][s]``: the lead (tp rank 0) of stage ``s`` of replica ``p``."""
+        return tuple(tuple(group[0] for group in groups) for groups in self.stage_groups)
 
     @property
     def num_replicas(self) -> int:
-        return len(self.stage_ranks)
+        return len(self.stage_groups)
 
     @property
     def num_layers(self) -> int:
@@ -46,48 +70,81 @@ class ReplicaLayout:
 
     @property
     def world_size(self) -> int:
-        return sum(len(r) for r in self.stage_ranks)
+        return sum(len(g) for groups in self.stage_groups for g in groups)
+
+    @property
+    def has_tensor_parallel(self) -> bool:
+        return any(len(g) > 1 for groups in self.stage_groups for g in groups)
 
     def where(self, rank: int) -> tuple[int, int]:
         """``(replica, stage)`` of a global rank."""
-        for p, ranks in enumerate(self.stage_ranks):
-            if rank in ranks:
-                return p, ranks.index(rank)
+        for p, groups in enumerate(self.stage_groups):
+            for s, group in enumerate(groups):
+                if rank in group:
+                    return p, s
         raise KeyError(rank)
+
+    def group_of(self, rank: int) -> tuple[int, ...]:
+        """The tensor-parallel group (the stage's ranks) ``rank`` belongs to."""
+        p, s = self.where(rank)
+        return self.stage_groups[p][s]
 
     def layers_of(self, rank: int) -> tuple[int, int]:
         """The ``[start, stop)`` layer range a rank holds."""
         p, s = self.where(rank)
         return self.parts[p][s], self.parts[p][s + 1]
 
-    def holders(self, layer: int) -> tuple[int, ...]:
-        """The rank holding ``layer`` in each replica, in replica order (replica 0's is the broadcast source)."""
+    def _group_holding(self, replica: int, layer: int) -> tuple[int, ...]:
+        parts = self.parts[replica]
+        stage = next(s for s in range(len(parts) - 1) if parts[s] <= layer < parts[s + 1])
+        return self.stage_groups[replica][stage]
+
+    def units(self, layer: int) -> int:
+        """The units a sharded parameter of ``layer`` is reduced in: the largest tp holding it."""
+        return max(len(self._group_holding(p, layer)) for p in range(self.num_replicas))
+
+    def unit_holders(self, layer: int, unit: int) -> tuple[int, ...]:
+        """The rank holding unit ``unit`` of ``layer``'s sharded parameters in each replica, in replica order."""
         out = []
-        for ranks, parts in zip(self.stage_ranks, self.parts):
-            stage = next(s for s in range(len(ranks)) if parts[s] <= layer < parts[s + 1])
-            out.append(ranks[stage])
+        units = self.units(layer)
+        for p in range(self.num_replicas):
+            group = self._group_holding(p, layer)
+            out.append(group[unit * len(group) // units])
         return tuple(out)
+
+    def layer_holders(self, layer: int) -> tuple[int, ...]:
+        """Every rank holding (part of) ``layer``, replica by replica in tp order: the set of its replicated
+        parameters (replica 0's lead first: the broadcast source)."""
+        return tuple(r for p in range(self.num_replicas) for r in self._group_holding(p, layer))
+
+    def holders(self, layer: int) -> tuple[int, ...]:
+        """The lead rank holding ``layer`` in each replica, in replica order."""
+        return tuple(self._group_holding(p, layer)[0] for p in range(self.num_replicas))
 
     @property
     def holder_sets(self) -> tuple[tuple[int, ...], ...]:
-        """The distinct holder sets, in the one order every rank creates and reduces them in."""
-        return tuple(sorted({self.holders(layer) for layer in range(self.num_layers)}))
+        """Every distinct holder set (units and whole layers), in the one order every rank creates and reduces
+        them in."""
+        sets = set()
+        for layer in range(self.num_layers):
+            sets.add(self.layer_holders(layer))
+            sets.update(self.unit_holders(layer, u) for u in range(self.units(layer)))
+        return tuple(sorted(sets))
 
     def layers_by_holders(self, rank: int) -> list[tuple[tuple[int, ...], list[int]]]:
-        """This rank's layers grouped by holder set, in ``holder_sets`` order."""
+        """This rank's layers grouped by ``layer_holders``, in ``holder_sets`` order."""
         start, stop = self.layers_of(rank)
-        out = []
-        for hs in self.holder_sets:
-            if rank in hs:
-                out.append((hs, [layer for layer in range(start, stop) if self.holders(layer) == hs]))
-        return out
+        by_set: dict[tuple[int, ...], list[int]] = {}
+        for layer in range(start, stop):
+            by_set.setdefault(self.layer_holders(layer), []).append(layer)
+        return [(hs, by_set[hs]) for hs in self.holder_sets if hs in by_set]
 
 
 def replica_layout(plan: Plan) -> ReplicaLayout:
-    """The plan's replicas on the global ranks of ``rank_layout`` (plan order when the replicas differ)."""
-    ranks: list[list[int]] = [[-1] * len(p.stages) for p in plan.pipelines]
+    """The plan's replicas on the global ranks of ``rank_layout`` (plan order unless on DeepSpeed's grid)."""
+    groups: list[list[list[int]]] = [[[-1] * st.tp for st in p.stages] for p in plan.pipelines]
     for ra in rank_layout(plan):
-        ranks[ra.pipeline][ra.stage] = ra.rank
-    return ReplicaLayout(stage_ranks=tuple(tuple(r) for r in ranks),
+        groups[ra.pipeline][ra.stage][ra.tp_rank] = ra.rank
+    return ReplicaLayout(stage_groups=tuple(tuple(tuple(g) for g in p) for p in groups),
                          parts=tuple(tuple(p.boundaries()) for p in plan.pipelines),
-                         is_aligned=shares_boundaries(plan))
+                         is_aligned=shares_boundaries(plan), per_replica=runs_per_replica(plan))

@@ -14,7 +14,8 @@ pad (``padding.BatchPadding``) would shift all of a step's waiting to its end.
   (``backward_ratio`` x forward), so the gradient leaves the stage on time.
 
 Times are the cost model's (``CostModel.stage_compute_s`` of the device with
-its ``emulated_speed``) x the scheduled slowdown / noise of the step
+its ``emulated_speed``, at the stage's tp: the compute of its shard and the
+priced tensor-parallel all-reduces, which the real ones run inside) x the scheduled slowdown / noise of the step
 (``emulated_factor``), so a measured step time checks the cost model's
 schedule arithmetic with compute costed exactly as it predicts.
 """
@@ -51,8 +52,9 @@ class StagePadding:
     """One rank's stage: ``attach(module)`` pads its forwards and backwards (see the module docstring)."""
 
     def __init__(self, cluster: ClusterSpec, device: str, workload: WorkloadSpec, layers: tuple[int, int],
-                 dtype: str = "fp32", step: Callable[[], int] | None = None, backward_ratio: float = 2.0) -> None:
-        self.cluster, self.device, self.layers = cluster, device, layers
+                 dtype: str = "fp32", step: Callable[[], int] | None = None, backward_ratio: float = 2.0,
+                 tp: int = 1) -> None:
+        self.cluster, self.device, self.layers, self.tp = cluster, device, layers, int(tp)
         self.cost = CostModel(cluster, workload, TrainSettings(global_batch_size=1, dtype=dtype,
                                                                micro_batch_sizes=(1,)))
         self.step = step or (lambda: 0)
@@ -67,7 +69,7 @@ class StagePadding:
         hit = self._cache.get(micro)
         if hit is None:
             start, stop = self.layers
-            hit = self._cache[micro] = self.cost.stage_compute_s(self.cluster.device(self.device), 1, micro,
+            hit = self._cache[micro] = self.cost.stage_compute_s(self.cluster.device(self.device), self.tp, micro,
                                                                  start, stop)
         return hit * emulated_factor(self.cluster, self.device, self.step())
 

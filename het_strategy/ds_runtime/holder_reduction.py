@@ -1,0 +1,155 @@
+"""The gradient reduction of a per-replica plan: each part of each gradient averaged over the ranks holding it.
+
+``ReplicaLayout`` says who holds what (units of a shard, whole replicated
+parameters); this module reduces accordingly, after every replica's last
+micro-batch (the schedule's ``ReduceGrads``):
+
+1. this rank's parts are grouped by holder set; the sets run in
+   ``holder_sets`` order on every rank (the shared order: no deadlock);
+2. per set, one flat allreduce in fp32 at least (fp16 gradients are summed
+   in fp32) of the parts, each replicated part scaled by ``1 / tp`` of this
+   rank's stage first (its ``tp`` copies in a replica count once), the sum
+   divided by the replica count;
+3. clipping by the global norm (``clipping.clip_gradients``) over one
+   replica's ranks, which after step 2 hold every parameter's reduced
+   gradient: shards counted on every rank, replicated parameters on each
+   stage's lead only.
+
+Parts are views (``tensor_parallel.layers.unit_view``) of the gradients the
+optimizer steps on: ``param.grad``, or ``BF16_Optimizer``'s fp32 buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from het_strategy.ds_runtime.clipping import clip_gradients
+from het_strategy.ds_runtime.replicas import ReplicaLayout
+
+__all__ = ["HolderSetReducer", "layer_parameters"]
+
+
+def layer_parameters(module: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Parameter]]]:
+    """A PipelineModule names each built layer by its global index (``"5.attn.qkv.weight"`` is layer 5's
+    ``attn.qkv.weight``): layer -> [(name in the layer, parameter)] in module order."""
+    out: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, q in module.named_parameters():
+        if q.requires_grad:
+            layer, _, local = name.partition(".")
+            out.setdefault(int(layer), []).append((local, q))
+    return out
+
+
+class _Part:
+    """One piece of one parameter's gradient this rank reduces: a unit of a shard, or the whole parameter."""
+
+    __slots__ = ("param", "spec", "units_here", "unit", "scale", "counted")
+
+    def __init__(self, param: torch.nn.Parameter, spec: Any, units_here: int, unit: int, scale: float,
+                 counted: bool) -> None:
+        self.param, self.spec, self.units_here, self.unit = param, spec, units_here, unit
+        self.scale = scale
+        """``1 / tp`` for a replicated parameter of a tp stage (its copies count once), else 1."""
+        self.counted = counted
+        """Counted in the global norm by this rank (shards: always; replicated parameters: on the lead)."""
+
+    def view(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.spec is None:
+            return grad
+        from het_strategy.tensor_parallel.layers import unit_view
+
+        # BF16_Optimizer's buffers are flat: seen in the parameter's shape to cut the unit out
+        return unit_view(grad.view(self.param.shape), self.spec, self.units_here, self.unit)
+
+
+def _parts(layout: ReplicaLayout, rank: int, module: torch.nn.Module,
+           specs: dict[int, dict[str, Any]]) -> list[tuple[tuple[int, ...], list[_Part]]]:
+    """This rank's parts per holder set, in ``holder_sets`` order (a set's parts in layer, parameter, unit order:
+    the same sequence on every holder)."""
+    group = layout.group_of(rank)
+    tp, tp_rank = len(group), group.index(rank)
+    by_set: dict[tuple[int, ...], list[_Part]] = {}
+    for layer, params in sorted(layer_parameters(module).items()):
+        units = layout.units(layer)
+        here = units // tp
+        for name, q in params:
+            spec = specs.get(layer, {}).get(name)
+            if spec is not None and units > 1:
+                for k in range(here):
+                    hs = layout.unit_holders(layer, tp_rank * here + k)
+                    by_set.setdefault(hs, []).append(_Part(q, spec, here, k, 1.0, True))
+            else:
+                by_set.setdefault(layout.layer_holders(layer), []).append(
+                    _Part(q, None, 1, 0, 1.0 / tp, tp_rank == 0))
+    return [(hs, by_set[hs]) for hs in layout.holder_sets if hs in by_set]
+
+
+class HolderSetReducer:
+    """Average each gradient part over the ranks holding it, then clip by the global norm (see the module)."""
+
+    def __init__(self, layout: ReplicaLayout, rank: int, groups: Any, gradient_clipping: float,
+                 specs: dict[int, dict[str, Any]] | None = None) -> None:
+        self.layout, self.rank, self.groups = layout, rank, groups
+        self.specs = specs or {}
+        """``{layer: {parameter name: ShardSpec}}`` of this rank's split layers (``replica_engine.split_layers``)."""
+        self.gradient_clipping = float(gradient_clipping)
+        """The largest global norm the reducer clips to (0: off, or DeepSpeed's optimizer clips)."""
+        self.last_norm: float | None = None
+        """The global gradient norm of the last step (after the reduction, before clipping), when the reducer
+        clips."""
+        self.last_reduce_s = 0.0
+        """Wall seconds of the last step's reduction (waiting for the other holders included)."""
+        self._buckets: list[tuple[tuple[int, ...], list[_Part]]] | None = None
+        """This rank's parts per holder set, in the shared order (found on the first step: fixed after)."""
+
+    @torch.no_grad()
+    def __call__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
+        """Reduce this step's gradients; ``optimizer``: the engine's, when it keeps them outside ``param.grad``
+        (``BF16_Optimizer``)."""
+        import deepspeed.comm as dist
+
+        t0 = time.perf_counter()
+        replicas = self.layout.num_replicas
+        if self._buckets is None:
+            self._buckets = _parts(self.layout, self.rank, module, self.specs)
+        kept = _gradient_buffers(optimizer)
+        for hs, parts in self._buckets:
+            views = [part.view(_gradient_of(part.param, kept)) for part in parts]
+            wire = torch.promote_types(views[0].dtype, torch.float32)  # fp16 gradients are reduced in fp32
+            flat = torch.cat([v.reshape(-1).to(wire) * part.scale if part.scale != 1.0 else v.reshape(-1).to(wire)
+                              for v, part in zip(views, parts)])
+            dist.all_reduce(flat, group=self.groups.holders[hs])
+            flat.div_(replicas)
+            k = 0
+            for v in views:
+                v.copy_(flat[k:k + v.numel()].view(v.shape))
+                k += v.numel()
+        if self.gradient_clipping > 0:
+            grads, counted = [], []
+            for _, parts in self._buckets:
+                for part in parts:
+                    if part.spec is None or part.unit == 0:  # each parameter once (its units share the tensor)
+                        grads.append(_gradient_of(part.param, kept))
+                        counted.append(part.counted)
+            self.last_norm = clip_gradients(grads, counted, self.gradient_clipping, self.groups.pipe)
+        self.last_reduce_s = time.perf_counter() - t0
+
+
+def _gradient_buffers(optimizer: Any) -> dict[int, torch.Tensor] | None:
+    """``BF16_Optimizer``'s fp32 gradient buffer of each bf16 parameter (by id); None: gradients are ``.grad``."""
+    groups = getattr(optimizer, "bf16_groups", None)
+    if groups is None:
+        return None
+    return {id(lp): hp for lps, hps in zip(groups, optimizer.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
+
+
+def _gradient_of(q: torch.nn.Parameter, kept: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    """The gradient the optimizer steps on for ``q`` (zeros when this step gave it none)."""
+    if kept is not None:
+        return kept[id(q)]
+    if q.grad is None:
+        q.grad = torch.zeros_like(q)
+    return q.grad

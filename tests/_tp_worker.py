@@ -1,0 +1,133 @@
+"""One rank of the tensor-parallel runtime tests: ``python _tp_worker.py CASE OUT_DIR [CLIP [DTYPE]]``.
+
+Trains ``STEPS`` steps of a small CharGPT (float64, or bf16 with DTYPE) through ``PlanRunner`` on the whole
+global batch, and writes ``OUT_DIR/rank{r}.json``: the losses, a final eval loss and this rank's parameters,
+each compared with the matching part (``tensor_parallel.layers.shard_of``) of the single-process reference
+that ``reference`` trains on the same batch (``CharGPT.forward``, torch's ``clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+STEPS = 3
+BATCH = 7
+SHAPE = dict(num_layers=2, hidden_size=16, num_heads=4, seq_len=8, vocab_size=64)
+LR = 0.05
+
+
+def plan(case: str, dtype: str = "fp32"):
+    """The cases (layers: embedding, block0, block1, head):
+
+    - ``tp2``: one replica, one stage at tp 2 (world 2), micro-batches 3 + 3 + 1;
+    - ``mixed``: replica 0 one device at tp 1 (4 samples as 3 + 1), replica 1 one stage at tp 2
+      (3 samples as 2 + 1): mixed tp across the replicas of a stage (world 3);
+    - ``send``: one replica of a tp-2 stage [0, 2) sending to a tp-1 stage [2, 4) (world 3).
+    """
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    if case == "tp2":
+        pipes = [Pipeline((Stage(("a", "b"), (0, 4)),), micro_batch_size=3, samples=BATCH)]
+    elif case == "mixed":
+        pipes = [Pipeline((Stage(("a",), (0, 4)),), micro_batch_size=3, samples=4),
+                 Pipeline((Stage(("b", "c"), (0, 4)),), micro_batch_size=2, samples=3)]
+    elif case == "send":
+        pipes = [Pipeline((Stage(("a", "b"), (0, 2)), Stage(("c",), (2, 4))), micro_batch_size=3, samples=BATCH)]
+    else:
+        raise SystemExit(f"unknown case {case}")
+    devices = tuple(sorted({d for p in pipes for d in p.devices}))
+    return Plan(cluster="local", cluster_devices=devices, model={"name": "char_gpt", "num_layers": 4},
+                global_batch_size=BATCH, dtype=dtype, mode="manual", zero_stage=0, pipelines=tuple(pipes))
+
+
+def model():
+    import torch
+
+    from het_strategy.demo.char_gpt import CharGPT
+
+    torch.manual_seed(0)
+    return CharGPT(**SHAPE).double()
+
+
+def batch():
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["seq_len"]), generator=g)
+    y = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["seq_len"]), generator=g)
+    return x, y
+
+
+def reference(clip: float):
+    """Losses, final eval loss and parameters (by pipeline-layer name) of one process on the whole batch."""
+    import torch
+
+    from het_strategy.demo.char_gpt import CharGPT
+
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    x, y = batch()
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = CharGPT.pipeline_loss(m(x), y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        final = float(CharGPT.pipeline_loss(m(x), y))
+    named = {}
+    for i, layer in enumerate(m.pipeline_layers()):
+        for n, q in layer.named_parameters():
+            named[f"{i}.{n}"] = q.detach().clone()
+    return losses, final, named
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from het_strategy.demo.char_gpt import CharGPT
+    from het_strategy.ds_runtime.engine import PlanRunner
+    from het_strategy.tensor_parallel.layers import shard_of
+    from het_strategy.tensor_parallel.plan import tensor_parallel_plan_of
+
+    case, out = sys.argv[1], sys.argv[2]
+    clip = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "fp32"
+    m = model() if dtype == "fp32" else model().float()
+    layers = m.pipeline_layers()
+    specs = {i: tensor_parallel_plan_of(layer).shard_specs() if tensor_parallel_plan_of(layer) else {}
+             for i, layer in enumerate(layers)}
+    runner = PlanRunner(plan(case, dtype), layers, CharGPT.pipeline_loss,
+                        lambda params: torch.optim.AdamW(params, lr=LR), gradient_clipping=clip, timeout_s=120)
+    x, y = batch()
+    losses = [runner.train_step(x, y) for _ in range(STEPS)]
+    eval_loss = runner.eval_step(x, y)
+    ref_losses, ref_final, ref_params = reference(clip)
+    group = runner.layout.group_of(runner.rank)
+    tp, tp_rank = len(group), group.index(runner.rank)
+    worst = 0.0
+    names = []
+    for name, value in runner.named_parameters().items():
+        layer, _, local = name.partition(".")
+        spec = specs[int(layer)].get(local)
+        want = ref_params[name]
+        if spec is not None and tp > 1:
+            want = shard_of(want, spec, tp, tp_rank)
+        worst = max(worst, float((value.double() - want).abs().max()))
+        names.append(name)
+    result = {"rank": runner.rank, "losses": losses, "eval_loss": eval_loss, "ref_losses": ref_losses,
+              "ref_eval_loss": ref_final, "param_max_diff": worst, "names": names, "tp": tp,
+              "micro_batch_sizes": list(runner.batch.micro_batch_sizes),
+              "norm": runner.reducer.last_norm if runner.reducer is not None else None}
+    with open(os.path.join(out, f"rank{runner.rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
