@@ -220,8 +220,7 @@ class _Evaluator:
             comp = max(cm.stage_compute_s(cm.cluster.device(d), tp, mb, start, stop)
                        + cm.expert_compute_s(cm.cluster.device(d), tp, start, stop, mb * seq, None, 0.0)
                        for d in slot)
-            send = 0.0 if nxt is None else max(cm.send_s(mb, stop - 1, a, nxt[i % len(nxt)], route)
-                                               for i, a in enumerate(slot))
+            send = 0.0 if nxt is None else cm.stage_send_s(mb, stop - 1, slot, nxt, route)
             hit = self._stage[key] = StageCost(comp, send, 0.0)
         return hit
 

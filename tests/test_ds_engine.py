@@ -20,7 +20,7 @@ pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
 import _ds_engine_worker as worker  # noqa: E402  (tests/ is on sys.path under pytest)
-from _ds_launch import run_ds_ranks  # noqa: E402
+from _ds_launch import needs_cpu_fp16, run_ds_ranks  # noqa: E402
 
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
@@ -138,7 +138,8 @@ def _assert_tracks_fp32(ranks: list[dict], dtype: str, steps: int = worker.STEPS
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode, zero_stage, dtype", [("pipe", 0, "bf16"), ("asym", 0, "bf16"), ("pipe", 1, "fp16")])
+@pytest.mark.parametrize("mode, zero_stage, dtype", [("pipe", 0, "bf16"), ("asym", 0, "bf16"),
+                                                     pytest.param("pipe", 1, "fp16", marks=needs_cpu_fp16)])
 def test_mixed_precision_tracks_fp32(tmp_path, mode, zero_stage, dtype):
     """The aligned grid (BF16_Optimizer at ZeRO 0, DeepSpeed's ZeRO-1 fp16 optimizer) and the asymmetric replicas
     (the holder-set reduction of BF16_Optimizer's fp32 gradient buffers) train the fp32 layers in bf16/fp16 with

@@ -4,7 +4,9 @@
 ``plan_jointly`` and ``data_parallel_plan`` returned, through het-plan's branch for each ``planner`` section (the
 plan JSON with the price figures het-plan adds, and the line it prints), before they became one request; the script
 that wrote it is ``tests/data/capture_plan_baseline.py`` at commit 4ea4300 (its ZeRO-2 ``runtime=deepspeed`` case
-on metis_t4_a100 is left out here: the runtime rule table refuses that plan now).
+on metis_t4_a100 is left out here: the runtime rule table refuses that plan now).  The ``runtime=deepspeed``
+case at ``max_tp=2`` was captured again when the deepspeed runtime gained tensor parallelism: its best plan
+(tp 2 stages) is now runnable, where the runtime used to fall back to tp 1.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def test_data_parallel_plan_is_the_dp_request(case: dict) -> None:
 
 
 def test_the_result_carries_what_the_table_prints_beside_the_plan() -> None:
-    settings = TrainSettings(global_batch_size=64, max_tp=2)
+    # ZeRO 1: tensor-parallel plans run at ZeRO 0 only (core.runtime_rules), so the runtime keeps tp = 1
+    settings = TrainSettings(global_batch_size=64, max_tp=2, zero_stage=1)
     cluster, workload = load_cluster("mixed_a100_v100_t4"), load_workload("gpt_small", dtype=settings.dtype)
     result = plan(cluster, workload, settings, PlanRequest(runtime="deepspeed"))
     assert result.unconstrained is not None and result.unconstrained is not result.plan

@@ -32,7 +32,13 @@ Communication is priced by ``network.Network`` (one place for the link model):
   forward and 2 backward (+2 with activation checkpointing: the recomputed
   forward), over the node's own link, not overlapped; measured per-layer
   times for (device, tp) replace all of it when a profile has them;
-* a pipeline send is one message over the link between the two devices.
+* a pipeline send between stages of tp ``a`` and ``b`` is partitioned as the
+  runtime sends it (``ds_runtime.stage_exchange``): ``lcm(a, b)`` chunks over
+  the links between the two groups' devices, then an all-gather on the
+  receiving group (``stage_send_s``); one message when both are 1;
+* an LM head split by vocabulary (``tensor_parallel``: a column-parallel
+  linear with gathered logits) adds an all-gather of its output forward and
+  an allreduce of its input's gradient backward at tp > 1.
 
 Memory per device: weights + gradients + optimizer state (sharded by ZeRO stage
 over the data-parallel degree) + activations of the micro-batches in flight
@@ -42,6 +48,7 @@ over the data-parallel degree) + activations of the micro-batches in flight
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -195,6 +202,10 @@ class CostModel:
                 for i, layer in enumerate(self.workload.layers):
                     if layer.name.startswith("block") or layer.moe:
                         comp[i] += count * self.network.tp_allreduce_s(self._out[i] * micro_batch, device.node, tp)
+                    elif layer.name == "head" and i > 0:
+                        # the logits all-gathered forward (half an allreduce), the input's gradient all-reduced
+                        comp[i] += (self.network.tp_allreduce_s(self._out[i] * micro_batch, device.node, tp) / 2
+                                    + self.network.tp_allreduce_s(self._out[i - 1] * micro_batch, device.node, tp))
         return _prefix(comp), _prefix(upd)
 
     def _update_s(self, device: DeviceSpec, tp: int) -> list[float]:
@@ -229,10 +240,35 @@ class CostModel:
 
     def send_s(self, micro_batch: int, last_layer: int, src: str, dst: str,
                route: SyncRoute | None = None) -> float:
-        """Activation forward + gradient backward across a stage boundary (sharing the nodes' interfaces
-        with the concurrent sends ``route.send_flows`` counts)."""
+        """Activation forward + gradient backward across a stage boundary between two single devices."""
+        return self.stage_send_s(micro_batch, last_layer, (src,), (dst,), route)
+
+    def stage_send_s(self, micro_batch: int, last_layer: int, senders: tuple[str, ...], receivers: tuple[str, ...],
+                     route: SyncRoute | None = None) -> float:
+        """Activation forward + gradient backward between two stages' tensor-parallel groups, partitioned as
+        the runtime sends them (``ds_runtime.stage_exchange``), sharing the nodes' interfaces with the
+        concurrent sends ``route.send_flows`` counts.
+
+        One way, groups of ``a`` and ``b`` devices: the tensor in ``n = lcm(a, b)`` chunks, chunk ``c`` from
+        sender ``c mod a`` to receiver ``c mod b``, each device's chunks one after another (the slower of the
+        busiest sender and the busiest receiver), then an all-gather over the receiving group (half a tp
+        allreduce).  Backward: the same, reversed.  With ``a = b = 1``: one send each way.
+        """
         flows = route.send_flows if route is not None else (1, 1)
-        return 2 * self.network.send_s(self._out[last_layer] * micro_batch, src, dst, flows)
+        size = self._out[last_layer] * micro_batch
+        return (self._one_way_s(size, senders, receivers, flows)
+                + self._one_way_s(size, receivers, senders, flows))
+
+    def _one_way_s(self, size: float, src: tuple[str, ...], dst: tuple[str, ...], flows: tuple[int, int]) -> float:
+        a, b = len(src), len(dst)
+        n = math.lcm(a, b)
+        chunk = size / n
+        send = self.network.send_s
+        busiest_sender = max(sum(send(chunk, src[i], dst[c % b], flows) for c in range(i, n, a)) for i in range(a))
+        busiest_receiver = max(sum(send(chunk, src[c % a], dst[j], flows) for c in range(j, n, b))
+                               for j in range(b))
+        gather = self.network.tp_allreduce_s(size, self.cluster.device(dst[0]).node, b) / 2
+        return max(busiest_sender, busiest_receiver) + gather
 
     def stage_param_count(self, start: int, stop: int, experts_held: dict[int, int] | None = None) -> float:
         """Parameters a stage holds: dense part + all experts, or only the experts placed on it."""
@@ -406,8 +442,7 @@ class CostModel:
                            for d in stage.devices)
                 send = 0.0
                 if nxt is not None:
-                    send = max(self.send_s(mb, stop - 1, a, b, route)
-                               for a, b in zip(stage.devices, _cycle(nxt.devices, stage.tp)))
+                    send = self.stage_send_s(mb, stop - 1, stage.devices, nxt.devices, route)
                 return comp, send
 
             in_flight = min(len(pipe.stages) - s, n)
@@ -457,10 +492,6 @@ def pipeline_time_s(costs: list[StageCost], costs_last: list[StageCost], num_mic
     bottleneck = max(max(c.compute_s, c.send_s) for c in costs)
     bottleneck_last = max(max(c.compute_s, c.send_s) for c in costs_last)
     return fill + (num_micro_batches - 2) * bottleneck + bottleneck_last
-
-
-def _cycle(devices: tuple[str, ...], n: int) -> list[str]:
-    return [devices[i % len(devices)] for i in range(n)]
 
 
 def _prefix(values: Iterable[float]) -> list[float]:

@@ -139,12 +139,13 @@ def _stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch
         if mask is None:
             ok = cache.valid & (cm.memory_matrix(tp, micro_batch, in_flight[s], dp) <= capacity)
             mask = cache.masks[mkey] = cache.by_content.setdefault(ok.tobytes(), ok)
-        nxt = slots[s + 1][0] if s + 1 < len(slots) else None
-        skey = None if nxt is None else send_key(cm, devices[0], nxt, ring_bw[s])
+        nxt = slots[s + 1] if s + 1 < len(slots) else None
+        # the send's price depends on both groups' sizes (partitioned sends: CostModel.stage_send_s)
+        skey = None if nxt is None else (send_key(cm, devices[0], nxt[0], ring_bw[s]), tp, len(nxt))
         ckey = (dkey, tp, micro_batch, id(mask), skey)
         mats = cache.compute.get(ckey)
         if mats is None:
-            mats = cache.compute[ckey] = _compute_matrices(cm, dev, tp, micro_batch, mask, devices[0], nxt,
+            mats = cache.compute[ckey] = _compute_matrices(cm, dev, tp, micro_batch, mask, devices, nxt,
                                                            ring_bw[s], skey, cache)
         pkey = (dkey, tp, dp, ring_bw[s], id(mask))
         pm = cache.post.get(pkey)
@@ -164,8 +165,9 @@ def stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch:
     return _stage_matrices(cm, slots, micro_batch, in_flight, dp, routes)
 
 
-def _compute_matrices(cm: CostModel, dev, tp: int, micro_batch: int, mask: np.ndarray, src: str, nxt: str | None,
-                      route, skey: tuple | None, cache: _SlotCache) -> tuple[np.ndarray, np.ndarray]:
+def _compute_matrices(cm: CostModel, dev, tp: int, micro_batch: int, mask: np.ndarray, src: tuple[str, ...],
+                      nxt: tuple[str, ...] | None, route, skey: tuple | None,
+                      cache: _SlotCache) -> tuple[np.ndarray, np.ndarray]:
     L = cm.workload.num_layers
     # MoE experts without a placement: each replica runs its own routed tokens
     comp = cm.replicated_compute_prefix(dev, tp, micro_batch)
@@ -174,7 +176,7 @@ def _compute_matrices(cm: CostModel, dev, tp: int, micro_batch: int, mask: np.nd
         send_by_stop = cache.sends.get((micro_batch, skey))
         if send_by_stop is None:
             send_by_stop = cache.sends[(micro_batch, skey)] = np.array(
-                [0.0] + [cm.send_s(micro_batch, j - 1, src, nxt, route) for j in range(1, L + 1)])
+                [0.0] + [cm.stage_send_s(micro_batch, j - 1, src, nxt, route) for j in range(1, L + 1)])
         send = np.broadcast_to(send_by_stop[None, :], c.shape)
     else:
         send = np.zeros_like(c)
