@@ -1,5 +1,6 @@
 """Our re-implementation of Sailor's runtime simulator: its published figure for Sailor's own 32:96 plan,
-a small case worked by hand from the vendored tables, and the plans it refuses."""
+small cases worked by hand from the vendored tables (with Sailor's backward-send rule and with its slip
+corrected), and the plans it refuses."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.reference_profiles import SAILOR_DATA_DIR
-from het_strategy.reference.sailor_simulator import sailor_iteration_time
+from het_strategy.reference.sailor_simulator import BackwardSend, sailor_iteration_time
 
 _CLUSTER = "sailor_a100_v100_32_96"
 _ZONE = "us-central1-a"
@@ -109,6 +110,63 @@ def test_pipelines_with_different_boundaries_add_a_sync_across_pipelines():
     stage0 = 4 * sum(mem[str(l)]["params_floats"] for l in range(0, 13))
     expected = sum(2 * (b / 2) / 1e9 / _gbs_at(aa, b / 2) for b in (5e8, stage0 - 5e8))
     assert est.sync_across_s == pytest.approx(expected)
+
+
+# -- the backward send: Sailor's rule and its slip corrected ----------------------------------
+
+
+def test_a_stage_starting_at_the_head_sends_back_its_input_when_the_slip_is_corrected():
+    # A100 -> A100 -> A100, the last stage is the output head alone; mbs 1, 4 samples
+    plan = _plan(_CLUSTER, [[(["a100_0/0"], (0, 13)), (["a100_0/1"], (13, 25)), (["a100_0/2"], (25, 26))]],
+                 mbs=1, samples=[4])
+    sailors = sailor_iteration_time(plan, _CLUSTER)
+    corrected = sailor_iteration_time(plan, _CLUSTER, backward_send="stage_input")
+    assert sailor_iteration_time(plan, _CLUSTER, backward_send=BackwardSend.first_layer_output) == sailors
+
+    mem = _json("layer_memory.json")["OPT-350"]["1"]
+    aa = _json("inter_node_bandwidth_fits.json")[_ZONE]["A100-40"]["1"][_ZONE]["A100-40"]["1"][0]
+    hidden = 4 * 2097152  # fp32 x act_output_floats of a block (layer 24: the head's input)
+    logits = 4 * 103022593  # fp32 x act_output_floats of the head (layer 25): 412 MB
+    assert mem["24"]["act_output_floats"] * 4 == hidden and mem["25"]["act_output_floats"] * 4 == logits
+
+    def send(x):
+        return x / 1e9 / _gbs_at(aa, x)
+
+    # 3 stages: first pays its forward once, middle forward + backward, last twice its backward
+    assert [s.send_s for s in sailors.pipelines[0].stages] == pytest.approx(
+        [send(hidden), 2 * send(hidden), 2 * send(logits)])
+    assert [s.send_s for s in corrected.pipelines[0].stages] == pytest.approx(
+        [send(hidden), 2 * send(hidden), 2 * send(hidden)])  # the head sends back a hidden state
+    assert send(hidden) < 0.05 * send(logits)
+
+    a100 = _json("layer_profiles.json")["OPT-350"]["A100-40"]["1"]["1"]  # [gpu][mbs 1][tp 1]
+    compute = [sum(a100[str(l)][0] + a100[str(l)][1] for l in range(lo, hi))
+               for lo, hi in ((0, 13), (13, 25), (25, 26))]
+    update = max(a100[str(l)][2] for l in (0, 13, 25))
+    m = 4  # ceil(4 / (mbs 1 x 1 replica x 1 pipeline))
+
+    def iteration(head_send):  # one replica per stage: no gradient sync
+        per_stage = [compute[0] + send(hidden), compute[1] + 2 * send(hidden), compute[2] + 2 * head_send]
+        return (m - 1) * max(per_stage) + sum(per_stage) + update
+
+    assert sailors.iteration_s == pytest.approx(iteration(send(logits)))
+    assert corrected.iteration_s == pytest.approx(iteration(send(hidden)))
+    # Sailor's rule makes the head stage the bottleneck; corrected, the 12-block middle stage is
+    assert (sailors.pipelines[0].bottleneck_stage, corrected.pipelines[0].bottleneck_stage) == (2, 1)
+
+
+def test_the_correction_leaves_sailors_32_96_plan_alone():
+    # its stages are [0, 13) and [13, 26): the second starts at a block, whose output is its input's size
+    plan = Plan.load(SAILOR_DATA_DIR / "sailor_plan_32_96.json")
+    assert sailor_iteration_time(plan, _CLUSTER, backward_send="stage_input").iteration_s == pytest.approx(
+        sailor_iteration_time(plan, _CLUSTER).iteration_s, rel=1e-12)
+
+
+def test_an_unknown_backward_send_is_refused_naming_the_choices():
+    plan = _plan(_CLUSTER, [[(["a100_0/0"], (0, 26))]], mbs=2, samples=[4])
+    with pytest.raises(ConfigError, match="first_layer_output, stage_input") as err:
+        sailor_iteration_time(plan, _CLUSTER, backward_send="stage_output")
+    assert err.value.field == "backward_send"
 
 
 # -- plans it cannot score --------------------------------------------------------------------

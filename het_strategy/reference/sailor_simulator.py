@@ -17,9 +17,22 @@ parameter, gradient and activation counts 4 bytes):
 3. **Pipeline sends**, per micro-batch, with the *inter-node* fit between the two replicas (GPU count on
    each side = its tp), whether or not they share a node.  Forward: the output of the stage's last layer
    (``act_output_floats`` at tp 1, x 4 bytes x mbs) to the same-index replica of the next stage;
-   backward: the output size of the stage's first layer to the previous stage.  Each is the slowest
-   replica's.  A stage is charged: forward + backward in the middle; twice the backward at the last
-   stage; the forward at the first stage (twice it when there are more than 3 stages).
+   backward: to the previous stage, at a size set by ``backward_send`` (``BackwardSend``):
+
+   - ``first_layer_output`` (the default, Sailor's own rule): the output size of the stage's *own first*
+     layer.  This is a slip: the gradient a stage sends back is the gradient of its input, so its size is
+     the stage's input, not its first layer's output.  The two agree where the first layer keeps the
+     hidden size (a block), and differ at the output head, whose output is the logits: for OPT-350 a
+     stage starting at the head is charged 412 MB per sample of the micro-batch (103,022,593 floats)
+     instead of the 8.4 MB hidden state (2,097,152 floats).
+   - ``stage_input`` (the slip corrected): the stage's input size, i.e. the output of the previous
+     stage's last layer, which is also what the forward send of that previous stage carries.
+
+   Each is the slowest replica's.  A stage is charged: forward + backward in the middle; twice the
+   backward at the last stage; the forward at the first stage (twice it when there are more than 3
+   stages).  The correction changes only plans with a stage that starts at a layer whose output size
+   differs from its input's (for OPT-350, the head), and there it lowers the charge: on every inter-node
+   fit Sailor measured, a hidden-state send at mbs 1 to 8 takes less time than a logits send.
 4. **Pipeline time** = (m - 1) x max over stages of (compute + sends) + sum of sends + sum of compute
    + update, m = ceil(global batch / (mbs x dp x number of pipelines)).
 5. **Gradient sync**, not overlapped with anything: per stage, the parameter bytes of its layers divided
@@ -45,6 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, load_cluster
@@ -52,7 +66,7 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.reference_profiles import DEFAULT_ZONE, read_sailor_json
 
-__all__ = ["SAILOR_BUCKET_BYTES", "SailorStageEstimate", "SailorPipelineEstimate", "SailorEstimate",
+__all__ = ["SAILOR_BUCKET_BYTES", "BackwardSend", "SailorStageEstimate", "SailorPipelineEstimate", "SailorEstimate",
            "sailor_iteration_time", "sailor_send_time_s", "sailor_allreduce_time_s"]
 
 SAILOR_BUCKET_BYTES = 500_000_000
@@ -60,6 +74,15 @@ SAILOR_BUCKET_BYTES = 500_000_000
 
 _TP_DIVISOR_CAP = 4
 """The simulator divides a stage's gradient bytes by at most 4 (its largest node size)."""
+
+
+class BackwardSend(StrEnum):
+    """The size a stage's backward send (the gradient to the previous stage) is charged at (rule 3)."""
+
+    first_layer_output = "first_layer_output"
+    """Sailor's own rule: the output size of the stage's first layer (logits-sized for a stage at the head)."""
+    stage_input = "stage_input"
+    """The slip corrected: the stage's input size (the output of the previous stage's last layer)."""
 
 
 @dataclass(frozen=True)
@@ -247,7 +270,8 @@ def _replica(plan: Plan, cluster: ClusterSpec, tables: _Tables, p: int, s: int) 
     return _Replica(tables.sailor_gpu(specs[0].type, f"{where}.devices"), stage.tp, where)
 
 
-def _stage_sends(tables: _Tables, reps: list[list[_Replica]], layers: list[tuple[int, int]], mbs: int) -> list[float]:
+def _stage_sends(tables: _Tables, reps: list[list[_Replica]], layers: list[tuple[int, int]], mbs: int,
+                 backward_send: BackwardSend) -> list[float]:
     num_stages = len(layers)
     charges = []
     for i, (start, stop) in enumerate(layers):
@@ -259,7 +283,9 @@ def _stage_sends(tables: _Tables, reps: list[list[_Replica]], layers: list[tuple
                       for j, r in enumerate(reps[i]))
         if i > 0:
             prev = reps[i - 1]
-            size = tables.act_bytes[start] * mbs  # Sailor: output size of the stage's own first layer
+            # Sailor charges the output of the stage's own first layer; the gradient sent is the stage input's
+            first = start if backward_send == BackwardSend.first_layer_output else start - 1
+            size = tables.act_bytes[first] * mbs
             bwd = max(sailor_send_time_s(size, tables.coeffs(r, r.tp, prev[j % len(prev)], prev[j % len(prev)].tp))
                       for j, r in enumerate(reps[i]))
         if 0 < i < num_stages - 1:
@@ -286,15 +312,22 @@ def _group_pipelines(plan: Plan) -> list[list[int]]:
 
 
 def sailor_iteration_time(plan: Plan, cluster: ClusterSpec | str | None = None, model: str = "OPT-350",
-                          zone: str = DEFAULT_ZONE, fp16: bool = False) -> SailorEstimate:
+                          zone: str = DEFAULT_ZONE, fp16: bool = False,
+                          backward_send: BackwardSend | str = BackwardSend.first_layer_output) -> SailorEstimate:
     """Sailor's simulated seconds per iteration of ``plan`` on ``cluster`` (default: ``plan.cluster``).
 
     ``model`` and ``zone`` pick Sailor's tables; ``fp16`` is the simulator's flag (2 instead of 4 bytes
-    per activation and gradient element; Sailor's validation runs use False).  The plan's own micro-batch
+    per activation and gradient element; Sailor's validation runs use False).  ``backward_send`` is the size
+    the backward pipeline send is charged at: ``first_layer_output``, Sailor's own rule (the default, which
+    reproduces its published figures), or ``stage_input``, that rule's slip corrected (module docstring,
+    rule 3).  The plan's own micro-batch
     counts are not used: Sailor derives m from the global batch.  Raises ConfigError for a plan it cannot
     score (GPU type, micro-batch size, tp or link not in Sailor's data; mixed micro-batch sizes; a tp
     group of several types or nodes).
     """
+    if backward_send not in tuple(BackwardSend):
+        raise field_error("backward_send", backward_send, f"be one of {', '.join(BackwardSend)}")
+    backward_send = BackwardSend(backward_send)
     cluster = load_cluster(cluster if cluster is not None else plan.cluster)
     tables = _Tables(model, zone, 2 if fp16 else 4)
     if int(plan.model.get("num_layers", tables.num_layers)) != tables.num_layers:
@@ -321,7 +354,7 @@ def sailor_iteration_time(plan: Plan, cluster: ClusterSpec | str | None = None, 
             rows = [tables.layer_rows(r, mbs, f"plan.pipelines[{members[0]}].micro_batch_size") for r in reps[s]]
             compute.append(max(sum(t[str(l)][0] + t[str(l)][1] for l in range(start, stop)) for t in rows))
             update.append(max(t[str(start)][2] for t in rows))
-        sends = _stage_sends(tables, reps, layers, mbs)
+        sends = _stage_sends(tables, reps, layers, mbs, backward_send)
         per_stage = [c + x for c, x in zip(compute, sends)]
         bottleneck = max(range(len(layers)), key=per_stage.__getitem__)
         fill = sum(compute) + sum(sends)
