@@ -75,12 +75,15 @@ class DeepSpeedPlanHolder:
             needed when ``plan`` is ``None``.
         global_batch_size: with ``plan=None``: samples per optimizer step.
         planner_mode: with ``plan=None``: the planners searched (``PlanMode``).
+        max_tp: with ``plan=None``: the largest tensor-parallel degree the planner may use (1, 2, 4 or 8).
         emulation: honour the cluster's emulated speeds (plan with them, pad each stage to them).
     """
 
     def __init__(self, cluster: ClusterSpec, plan: Any = None, *, zero_stage: ZeroStage | None = None,
                  workload: Any = None, global_batch_size: int | None = None,
-                 planner_mode: PlanMode | str = PlanMode.auto, emulation: bool = True) -> None:
+                 planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 1, emulation: bool = True) -> None:
+        if isinstance(max_tp, bool) or max_tp not in (1, 2, 4, 8):
+            raise field_error("max_tp", max_tp, "be 1, 2, 4 or 8 (the largest tensor-parallel degree planned)")
         if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3)):
             raise field_error("zero_stage", zero_stage, "be 0, 1, 2, 3 or None (the plan's)")
         try:
@@ -107,7 +110,7 @@ class DeepSpeedPlanHolder:
             if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
                 raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 when plan is None")
             self.settings = TrainSettings(global_batch_size=global_batch_size, dtype="fp32",
-                                          zero_stage=zero_stage or 0)
+                                          zero_stage=zero_stage or 0, max_tp=max_tp)
         else:
             if zero_stage is not None:
                 loaded = dataclasses.replace(loaded, zero_stage=zero_stage)
