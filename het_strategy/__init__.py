@@ -17,11 +17,12 @@ The folders follow the flow (imports point down this list, never up):
 - ``strategy/``     the Lightning runtime: strategy, loaders and sampler, registry
 - ``callbacks/``    Lightning callbacks (straggler mitigation, telemetry) and what they read on the strategy
 - ``ds_runtime/``   the DeepSpeed form of a Plan
-- ``tensor_parallel/`` a layer's tensor-parallel plan (the user contract) and its Megatron split
 - ``compression/``  DDP comm hooks, their state, the adaptive controller
 - ``emulation/``    emulated device speeds and padding, shaped networks, local ranks
 - ``profiling/``    probes of devices and links, per-block timing of a module
 - ``report/``       the plan table and picture
+- ``demo/``         the main job's char GPT and its text
+- ``tensor_parallel/`` a layer's tensor-parallel plan (the user contract) and its Megatron split
 - ``planning/``     the planners, re-planning, the plan of a run
 - ``core/``         cluster, workload, cost model, Plan, errors (no torch)
 

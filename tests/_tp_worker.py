@@ -121,7 +121,21 @@ def main() -> None:
             want = shard_of(want, spec, tp, tp_rank)
         worst = max(worst, float((value.double() - want).abs().max()))
         names.append(name)
+    # checkpoint round trip: a runner built from other weights loads this one's shards and optimizer state
+    runner.save_checkpoint(os.path.join(out, "ckpt"), "t", {"step": STEPS})
+    torch.manual_seed(7)
+    other = CharGPT(**SHAPE).double() if dtype == "fp32" else CharGPT(**SHAPE)
+    again = PlanRunner(plan(case, dtype), other.pipeline_layers(), CharGPT.pipeline_loss,
+                       lambda params: torch.optim.AdamW(params, lr=LR), gradient_clipping=clip, timeout_s=120)
+    _, client = again.load_checkpoint(os.path.join(out, "ckpt"), "t")
+    saved = runner.named_parameters()
+    reloaded = max(float((q - saved[n]).abs().max()) for n, q in again.named_parameters().items())
+    runner.train_step(x, y)
+    again.train_step(x, y)  # the same update only if the optimizer state (AdamW's moments) came back too
+    stepped = runner.named_parameters()
+    after = max(float((q - stepped[n]).abs().max()) for n, q in again.named_parameters().items())
     result = {"rank": runner.rank, "losses": losses, "eval_loss": eval_loss, "ref_losses": ref_losses,
+              "reload_max_diff": reloaded, "client_step": client["step"], "step_after_reload_max_diff": after,
               "ref_eval_loss": ref_final, "param_max_diff": worst, "names": names, "tp": tp,
               "micro_batch_sizes": list(runner.batch.micro_batch_sizes),
               "norm": runner.reducer.last_norm if runner.reducer is not None else None}

@@ -112,11 +112,26 @@ def test_without_a_plan_rank_zero_plans_one_the_runtime_runs():
     (dict(workload="tiny_gpt"), "global_batch_size"),
     (dict(workload="tiny_gpt", global_batch_size=8, planner_mode="fast"), "planner_mode"),
     (dict(workload="tiny_gpt", global_batch_size=8, zero_stage=True), "zero_stage"),
+    (dict(workload="tiny_gpt", global_batch_size=8, max_tp=3), "max_tp"),
 ])
 def test_planning_inputs_are_checked_at_construction(kwargs, field):
     with pytest.raises(ConfigError) as err:
         DeepSpeedPlanHolder(_cluster(), None, **kwargs)
     assert err.value.field == field
+
+
+def test_a_model_without_tensor_parallel_plans_is_planned_at_tp_1():
+    from het_strategy.demo.char_gpt import CharGPT
+
+    class Plain(torch.nn.Module):
+        def pipeline_layers(self):
+            return [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+
+    holder = DeepSpeedPlanHolder(_cluster(), None, workload="tiny_gpt", global_batch_size=8, max_tp=2)
+    assert holder.limit_tp_to(CharGPT(num_layers=1, hidden_size=16, num_heads=2, seq_len=8)) is None
+    assert holder.settings.max_tp == 2
+    why = holder.limit_tp_to(Plain())
+    assert "max_tp=2 is not used" in why and "tensor_parallel_plan()" in why and holder.settings.max_tp == 1
 
 
 def test_stage_padding_follows_the_emulation_switch():

@@ -3,7 +3,8 @@
 The multiprocess cases start the ranks of ``_tp_worker.py`` (gloo, CPU): a small CharGPT in float64 trained
 3 steps with clipping and a short last micro-batch, every rank's parameters compared with the matching part of
 the single-process reference (the worker does the comparison with ``shard_of`` and reports the largest
-difference).  The layout, link and check cases need no processes.
+difference), then each runner saves a checkpoint that a runner of other weights loads (per replica and tp
+rank: ``PlanRunner.checkpoint_dir``).  The layout, link and check cases need no processes.
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ def test_tensor_parallel_plans_match_one_process_in_float64(tmp_path, case, worl
     _check_exact(ranks)
     tps = [r["tp"] for r in ranks]
     assert tps == {"tp2": [2, 2], "mixed": [1, 2, 2], "send": [2, 2, 1]}[case]
+    for r in ranks:  # a runner of other weights loads the checkpoint: the same shards, the same next update
+        assert r["reload_max_diff"] == 0.0 and r["client_step"] == worker.STEPS
+        assert r["step_after_reload_max_diff"] == 0.0
     if case == "mixed":
         assert [r["micro_batch_sizes"] for r in ranks] == [[3, 1], [2, 1], [2, 1]]
         # the tp-2 ranks hold halves: the same names as the tp-1 rank, half the elements of the split linears
@@ -142,4 +146,6 @@ def test_bf16_mixed_tp_tracks_the_float64_reference(tmp_path):
     for r in ranks:
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-2)
         assert r["eval_loss"] == pytest.approx(r["ref_eval_loss"], rel=1e-2)
+        # the checkpoint's bf16 optimizer state comes back too (PlanRunner.load_checkpoint loads it itself)
+        assert r["reload_max_diff"] == 0.0 and r["step_after_reload_max_diff"] == 0.0
     assert len({tuple(r["losses"]) for r in ranks}) == 1

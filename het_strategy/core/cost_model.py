@@ -254,10 +254,8 @@ class CostModel:
         busiest sender and the busiest receiver), then an all-gather over the receiving group (half a tp
         allreduce).  Backward: the same, reversed.  With ``a = b = 1``: one send each way.
         """
-        flows = route.send_flows if route is not None else (1, 1)
-        size = self._out[last_layer] * micro_batch
-        return (self._one_way_s(size, senders, receivers, flows)
-                + self._one_way_s(size, receivers, senders, flows))
+        flows, size = route.send_flows if route is not None else (1, 1), self._out[last_layer] * micro_batch
+        return self._one_way_s(size, senders, receivers, flows) + self._one_way_s(size, receivers, senders, flows)
 
     def _one_way_s(self, size: float, src: tuple[str, ...], dst: tuple[str, ...], flows: tuple[int, int]) -> float:
         a, b = len(src), len(dst)

@@ -23,7 +23,10 @@ The rules, by runtime:
        and widths divisible by tp) is checked against the model when the
        runtime builds the stage (``tensor_parallel.check_layer``).
     2. A plan with a multi-stage pipeline runs at ZeRO 0 or 1: DeepSpeed's
-       pipeline engine asserts against ZeRO 2 and 3.  One-stage replicas (pure
+       pipeline engine asserts against ZeRO 2 and 3 (0.19's
+       ``PipelineEngine.__init__``: ``assert self.zero_optimization_stage() <
+       ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with
+       pipeline parallelism"``).  One-stage replicas (pure
        data parallelism) run at every ZeRO stage.
     3. Replicas with different stage boundaries (an asymmetric plan) and
        plans with tp > 1 run each replica as its own pipeline

@@ -384,8 +384,36 @@ class PlanRunner:
         return Path(path) / name
 
     def save_checkpoint(self, path: str | Path, tag: str, client_state: dict[str, Any]) -> None:
-        """Every rank writes its share (layers, optimizer state) through DeepSpeed; collective over the world."""
+        """Every rank writes its share (layers, optimizer state) through DeepSpeed; collective over the world.
+
+        With tensor parallelism each tp rank's directory must hold a model-state file per stage (DeepSpeed's
+        loader counts them against the pipeline's stage count), so a rank of a stage with fewer tp ranks than
+        the replica's widest stage also copies its files into the directories of the tp ranks its stage lacks
+        (``replica{p}-tp{t'}`` for ``t' >= tp``, ``t' mod tp`` its own tp rank).
+        """
         self.engine.save_checkpoint(str(self.checkpoint_dir(path)), tag=tag, client_state=client_state)
+        if self.layout.has_tensor_parallel:
+            self._fill_tp_directories(Path(path), tag)
+
+    def _fill_tp_directories(self, path: Path, tag: str) -> None:
+        import shutil
+
+        replica, stage = self.layout.where(self.rank)
+        tp = len(self.layout.group_of(self.rank))
+        widest = max(len(g) for g in self.layout.stage_groups[replica])
+        mine = self.checkpoint_dir(path) / tag
+        start, stop = self.layout.layers_of(self.rank)
+        files = [f for f in mine.iterdir() if f.name.startswith(f"mp_rank_{stage:02d}_")
+                 or any(f.name.startswith(f"layer_{layer:02d}-") for layer in range(start, stop))]
+        for other in range(tp, widest):
+            if other % tp == self.assignment.tp_rank:
+                target = path / f"replica{replica}-tp{other}" / tag
+                target.mkdir(parents=True, exist_ok=True)
+                for f in files:
+                    shutil.copy2(f, target / f.name)
+        import deepspeed.comm as ds_dist
+
+        ds_dist.barrier()  # every directory complete before any rank goes on (and may read one)
 
     def load_checkpoint(self, path: str | Path, tag: str, **kwargs: Any) -> tuple[Any, Any]:
         """``engine.load_checkpoint`` from this rank's ``checkpoint_dir``: ``(load_path, client_state)``; every file
@@ -393,7 +421,22 @@ class PlanRunner:
         from het_strategy.ds_runtime.checkpoint_files import read_as_data
 
         read_as_data(self.engine)
-        return self.engine.load_checkpoint(str(self.checkpoint_dir(path)), tag=tag, **kwargs)
+        where = str(self.checkpoint_dir(path))
+        if not (self.plan.dtype == "bf16" and self.plan.zero_stage == 0 and kwargs.get("load_optimizer_states", True)):
+            return self.engine.load_checkpoint(where, tag=tag, **kwargs)
+        # DeepSpeed 0.19 at ZeRO 0 hands BF16_Optimizer.load_state_dict the one state dict its state_dict() wrote,
+        # where the loader indexes a list by data-parallel rank (KeyError: 0): the model is loaded by DeepSpeed,
+        # the optimizer state (moments and fp32 master weights) here, as that list (every data-parallel rank's
+        # state is the same at ZeRO 0)
+        loaded = self.engine.load_checkpoint(where, tag=tag, **{**kwargs, "load_optimizer_states": False})
+        state = self.engine.checkpoint_engine.load(self.engine._get_ckpt_name(where, tag), map_location="cpu")
+        import deepspeed.comm as ds_dist
+
+        dp_rank = ds_dist.get_rank(group=self.engine.optimizer.dp_process_group)
+        # the fp32 master weights too: BF16_Optimizer keeps them apart from the bf16 ones the model loaded
+        self.engine.optimizer.load_state_dict([state["optimizer"]] * (dp_rank + 1), load_optimizer_states=True,
+                                              load_from_fp32_weights=True)
+        return loaded
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by their name in the full model (a stage holds its layers' names).

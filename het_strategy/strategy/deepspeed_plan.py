@@ -123,6 +123,21 @@ class DeepSpeedPlanHolder:
         plan.check_cluster(self.cluster)
         raise_first(runtime_problems(plan, Runtime.deepspeed, world_size))
 
+    def limit_tp_to(self, module: Any) -> str | None:
+        """Plan with tp = 1 when none of ``module.pipeline_layers()`` has a ``tensor_parallel_plan()`` (only when
+        planning with ``max_tp`` > 1); returns the reason to log, or None when nothing changed."""
+        from het_strategy.tensor_parallel.plan import tensor_parallel_plan_of
+
+        if self.settings is None or self.settings.max_tp == 1 or not callable(getattr(module, "pipeline_layers",
+                                                                                      None)):
+            return None
+        if any(tensor_parallel_plan_of(layer) is not None for layer in module.pipeline_layers()):
+            return None
+        asked = self.settings.max_tp
+        self.settings = dataclasses.replace(self.settings, max_tp=1)
+        return (f"max_tp={asked} is not used: none of {type(module).__name__}.pipeline_layers() has a "
+                "tensor_parallel_plan() (het_strategy.TensorParallelPlan), so the plan keeps tp = 1")
+
     def use_precision(self, precision: Any) -> None:
         """Train in Lightning's ``precision`` (``DEEPSPEED_PRECISIONS``): a given plan must be in its dtype; without
         one, rank 0 plans in it (the deepspeed rule table then applies to that dtype: fp16 needs ZeRO >= 1)."""

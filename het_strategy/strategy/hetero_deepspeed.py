@@ -234,6 +234,10 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         init_deepspeed_distributed()
         self.liveness.start(self.global_rank, self.world_size, self.cluster.devices)
         planning = self.plans.plan is None
+        if planning:
+            why = self.plans.limit_tp_to(self.lightning_module)
+            if why is not None:
+                rank_zero_info(self.global_rank, "hetero_deepspeed: %s", why)
         plan = self.plans.ensure(self.global_rank, self.world_size)
         if planning:
             rank_zero_info(self.global_rank, "hetero_deepspeed planned %d device(s), %d replica(s): %s",
