@@ -112,7 +112,7 @@ def _worker(args: argparse.Namespace) -> None:
                          enable_model_summary=False, limit_val_batches=0, callbacks=[throughput])
     trainer.fit(model, DataLoader(train_set, batch_size=max(1, args.batch // world), shuffle=True))
     if trainer.global_rank == 0:
-        settings = TrainSettings(global_batch_size=args.batch, dtype="fp32")
+        settings = TrainSettings(global_batch_size=args.batch, dtype="fp32", max_tp=1)  # placement and compression
         score = CostModel(cluster, workload, settings).score(strategy.plan)
         state = strategy.compression_state
         inter = getattr(state, "inter", state)  # the hierarchical state's inter-node part

@@ -67,7 +67,8 @@ def main() -> None:
     raw = emulated_cluster("pipe_1_0.4", [("fast", 1.0, 16.0), ("slow", args.slow_speed, 16.0)])
     cluster = load_cluster(raw)
     workload = transformer_workload(TransformerConfig(name="char_gpt", **model), dtype="fp32")
-    settings = TrainSettings(global_batch_size=args.batch, dtype="fp32", micro_batch_sizes=(args.micro,))
+    # tp 1: this compares pipeline boundaries (tensor_parallel.py measures tp)
+    settings = TrainSettings(global_batch_size=args.batch, dtype="fp32", micro_batch_sizes=(args.micro,), max_tp=1)
     planned = make_plan(cluster, workload, settings, mode="pipeline")
     order = [s.devices[0] for s in planned.pipelines[0].stages]
     parameters = with_bounds(planned, order, parameters_bounds(model, 2))

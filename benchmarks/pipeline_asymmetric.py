@@ -63,7 +63,7 @@ def main() -> None:
     raw = emulated_cluster("asym_1_4x0.4", devices, tflops=args.tflops)
     cluster = load_cluster(raw)
     workload = transformer_workload(TransformerConfig(name="char_gpt", **model), dtype="fp32")
-    settings = TrainSettings(global_batch_size=args.batch, dtype="fp32", micro_batch_sizes=(args.micro,),
+    settings = TrainSettings(global_batch_size=args.batch, dtype="fp32", micro_batch_sizes=(args.micro,), max_tp=1,
                              memory_reserve_gb=0.0)
     cm = CostModel(cluster, workload, settings)
     best = make_plan(cluster, workload, settings, mode="hybrid")

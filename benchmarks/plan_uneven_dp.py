@@ -88,7 +88,7 @@ def main() -> None:
     for path in sorted(shipped_config_dir("cluster").glob("*.yaml")):
         cluster = load_cluster(path)
         model = args.local_model if path.stem.startswith("local_") else args.model
-        settings = TrainSettings(global_batch_size=max(args.batch, cluster.num_devices), dtype=args.dtype)
+        settings = TrainSettings(global_batch_size=max(args.batch, cluster.num_devices), dtype=args.dtype, max_tp=1)
         workload = load_workload(model, dtype=args.dtype)
         cm = CostModel(cluster, workload, settings)
         try:

@@ -231,7 +231,8 @@ def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:
         # rank 0 plans (planner.runtime=deepspeed) and broadcasts; emulated stages are padded per micro-batch
         return HeteroDeepSpeedStrategy(cluster=job.cluster, workload=job.workload,
                                        global_batch_size=job.global_batch_size, planner_mode=job.planner.mode,
-                                       max_tp=job.train.max_tp, **job.failure.strategy_args()), []
+                                       **({} if job.train.max_tp is None else {"max_tp": job.train.max_tp}),
+                                       **job.failure.strategy_args()), []
     if job.cluster is not None and cluster_is_emulated(job.cluster):
         return "ddp", [EmulatedDeviceCallback(cluster=job.cluster, workload=job.workload, dtype=job.dtype)]
     return "ddp", []

@@ -134,13 +134,14 @@ class TrainConfig:
     """Batches per validation during training."""
     seed: int = 0
     """Seed of weights, shuffling and dropout."""
-    max_tp: int = 1
-    """Largest tensor-parallel degree the planner may use (1, 2, 4, 8; > 1 with strategy=hetero_deepspeed)."""
+    max_tp: Optional[int] = None
+    """Largest tensor-parallel degree the planner may use (1, 2, 4, 8; > 1 with strategy=hetero_deepspeed only);
+    None: the strategy's default (hetero_deepspeed: 8, within a node; hetero: 1)."""
 
     def __post_init__(self) -> None:
         require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
-        if isinstance(self.max_tp, bool) or self.max_tp not in (1, 2, 4, 8):
-            raise field_error("train.max_tp", self.max_tp, "be 1, 2, 4 or 8")
+        if self.max_tp is not None and (isinstance(self.max_tp, bool) or self.max_tp not in (1, 2, 4, 8)):
+            raise field_error("train.max_tp", self.max_tp, "be 1, 2, 4, 8 or null")
         for name in ("max_steps", "accumulate_grad_batches", "val_every_n_steps", "val_batches"):
             require_int(getattr(self, name), f"train.{name}", minimum=1)
         require_number(self.lr, "train.lr")

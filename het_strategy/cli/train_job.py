@@ -103,7 +103,7 @@ class TrainJob:
         if self.strategy == "hetero" and c.planner.mode not in ("auto", "dp"):
             raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero (it plans data "
                               "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
-        if self.strategy != "hetero_deepspeed" and c.train.max_tp != 1:
+        if self.strategy != "hetero_deepspeed" and c.train.max_tp not in (None, 1):
             raise field_error("train.max_tp", c.train.max_tp, f"be 1 with strategy={self.strategy} (it runs data "
                               "parallelism)", "use strategy=hetero_deepspeed for tensor-parallel stages")
         _check_planner(c.planner)

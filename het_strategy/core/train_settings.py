@@ -42,8 +42,10 @@ class TrainSettings:
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     activation_checkpointing: bool = False
     """Recompute activations in backward (keeps only layer inputs)."""
-    max_tp: int = 1
-    """Largest tensor-parallel degree the planner may use (the DDP runtime runs tp=1 only)."""
+    max_tp: int = 8
+    """Largest tensor-parallel degree the planner may use (within a node: never above its device count); the
+    runtime filter (``planner.runtime``) keeps what a runtime runs (``hetero``: tp 1; ``deepspeed``: tp stages at
+    ZeRO 0)."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes the planner tries."""
     memory_reserve_gb: float = 1.0

@@ -81,7 +81,7 @@ class DeepSpeedPlanHolder:
 
     def __init__(self, cluster: ClusterSpec, plan: Any = None, *, zero_stage: ZeroStage | None = None,
                  workload: Any = None, global_batch_size: int | None = None,
-                 planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 1, emulation: bool = True) -> None:
+                 planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True) -> None:
         if isinstance(max_tp, bool) or max_tp not in (1, 2, 4, 8):
             raise field_error("max_tp", max_tp, "be 1, 2, 4 or 8 (the largest tensor-parallel degree planned)")
         if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3)):

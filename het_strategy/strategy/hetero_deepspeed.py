@@ -141,8 +141,9 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
             ``workload_config()``).
         global_batch_size: with ``plan=None``: samples per optimizer step.
         planner_mode: with ``plan=None``: ``auto``, ``dp``, ``pipeline`` or ``hybrid`` (``PlanMode``).
-        max_tp: with ``plan=None``: the largest tensor-parallel degree the planner may use (1, 2, 4 or 8); a
-            stage at tp > 1 splits the layers that have a ``tensor_parallel_plan()`` (``TensorParallelPlan``).
+        max_tp: with ``plan=None``: the largest tensor-parallel degree the planner may use (1, 2, 4 or 8; within
+            a node); a stage at tp > 1 splits the layers that have a ``tensor_parallel_plan()``
+            (``TensorParallelPlan``); a model none of whose layers has one is planned at tp 1.
         emulation: honour the cluster's ``emulated_speed``s (plan with them, pad each stage to its device's
             time); ``False`` drops them.
         heartbeat_timeout_s: a rank without a heartbeat for this long is gone: the others end, naming it in one
@@ -158,7 +159,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     def __init__(self, cluster: str | Path | ClusterSpec | dict | None = None, plan: str | Path | Plan | None = None,
                  zero_stage: ZeroStage | None = None, gradient_clipping: float = 0.0, *,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
-                 planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 1, emulation: bool = True,
+                 planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True,
                  heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S, **ddp_kwargs: Any) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError("HeteroDeepSpeedStrategy needs DeepSpeed, which is not installed: "
