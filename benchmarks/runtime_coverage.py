@@ -3,7 +3,7 @@
 For every shipped cluster and each training dtype (fp32 and bf16 at ZeRO 0, fp16 at ZeRO 1, the lowest stage
 DeepSpeed 0.19 trains fp16 at), ``planning.plan`` with ``PlanRequest(runtime="deepspeed")`` plans the
 best plan the runtime runs and reports its predicted slowdown against the best plan of any runtime (the cost
-model's figures; ``settings.max_tp`` at its default, 1).  0.0%: the runtime runs the winning plan.
+model's figures; ``settings.max_tp`` at its default, 8).  0.0%: the runtime runs the winning plan.
 Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... clusters=N``.
 """
 
