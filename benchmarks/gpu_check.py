@@ -16,7 +16,7 @@ next still runs; every section prints one summary line):
    (``CharGPT.pipeline_layers()``, ``CharGPT.pipeline_loss``) on a one-device plan (one stage: DeepSpeed's
    plain engine, not its pipeline engine), trained the same steps on the same batches from the same initial
    weights, with AdamW, in fp32 (ZeRO 0), bf16 (ZeRO 0: DeepSpeed wraps the optimizer in its bf16 one) and
-   fp16 (ZeRO 1: DeepSpeed 0.19 trains fp16 at ZeRO >= 1 only, ``core.runtime_rules``; dynamic loss scaling,
+   fp16 (ZeRO 1: DeepSpeed's own engine trains fp16 at ZeRO >= 1 only, ``core.runtime_rules``; dynamic loss scaling,
    whose first steps overflow and are skipped by design).  It prints each run's final train and held-out
    losses, the steps skipped, the dtype and device the engine holds the layers in, and the relative gap of
    the held-out loss: bf16's to fp32, fp16's to an fp32 run that leaves out the batches of fp16's skipped

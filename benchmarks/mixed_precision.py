@@ -5,9 +5,10 @@ The char GPT (4 blocks, hidden 128, sequence 64: 6 pipeline layers) trains on th
 order and the same initial weights in every run, with AdamW:
 
 - **aligned**: 2 pipelines x 2 stages split at layer 3 (DeepSpeed's own grid), in fp32 and bf16 at ZeRO 0
-  and in fp16 at ZeRO 1 (DeepSpeed 0.19 trains fp16 at ZeRO >= 1 only: ``core.runtime_rules``);
+  and in fp16 at ZeRO 1 (DeepSpeed's own grid trains fp16 at ZeRO >= 1 only: ``core.runtime_rules``);
 - **asymmetric**: one rank holding every layer, a pipeline of two ranks split at layer 2, one more rank
-  holding every layer (``ds_runtime.replica_engine``), in fp32 and bf16 (ZeRO 0, so no fp16).
+  holding every layer (``ds_runtime.replica_engine``), in fp32 and bf16 (ZeRO 0; its fp16 is tested, not run
+  here).
 
 After the last step, the mean loss over ``--val-batches`` held-out batches (files the training set does not
 have).  ``loss_gap_<dtype>`` is the largest relative gap to the fp32 run of the same plan; ``seed_noise`` is the

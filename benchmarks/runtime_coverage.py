@@ -1,7 +1,7 @@
 """How much the ``hetero_deepspeed`` runtime's rules cost: the runnable best against the unconstrained best.
 
-For every shipped cluster and each training dtype (fp32 and bf16 at ZeRO 0, fp16 at ZeRO 1, the lowest stage
-DeepSpeed 0.19 trains fp16 at), ``planning.plan`` with ``PlanRequest(runtime="deepspeed")`` plans the
+For every shipped cluster and each training dtype (fp32, bf16 and fp16, at ZeRO 0: tensor-parallel stages run
+there, and fp16 at ZeRO 0 runs per replica, where the runtime scales the loss), ``planning.plan`` with ``PlanRequest(runtime="deepspeed")`` plans the
 best plan the runtime runs and reports its predicted slowdown against the best plan of any runtime (the cost
 model's figures; ``settings.max_tp`` at its default, 8).  0.0%: the runtime runs the winning plan.
 Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... clusters=N``.
@@ -18,7 +18,7 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
 
-DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 1))
+DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 0))
 """(dtype, ZeRO stage) of each column."""
 
 

@@ -1,6 +1,7 @@
-"""One rank of the tensor-parallel runtime tests: ``python _tp_worker.py CASE OUT_DIR [CLIP [DTYPE]]``.
+"""One rank of the tensor-parallel runtime tests: ``python _tp_worker.py CASE OUT_DIR [CLIP [DTYPE [INF_RANK]]]``.
 
-Trains ``STEPS`` steps of a small CharGPT (float64, or bf16 with DTYPE) through ``PlanRunner`` on the whole
+Trains ``STEPS`` steps of a small CharGPT (float64, or bf16 / fp16 with DTYPE; INF_RANK: that rank's gradient
+gets an inf in step 2) through ``PlanRunner`` on the whole
 global batch, and writes ``OUT_DIR/rank{r}.json``: the losses, a final eval loss and this rank's parameters,
 each compared with the matching part (``tensor_parallel.layers.shard_of``) of the single-process reference
 that ``reference`` trains on the same batch (``CharGPT.forward``, torch's ``clip_grad_norm_``).
@@ -24,7 +25,8 @@ def plan(case: str, dtype: str = "fp32"):
     - ``tp2``: one replica, one stage at tp 2 (world 2), micro-batches 3 + 3 + 1;
     - ``mixed``: replica 0 one device at tp 1 (4 samples as 3 + 1), replica 1 one stage at tp 2
       (3 samples as 2 + 1): mixed tp across the replicas of a stage (world 3);
-    - ``send``: one replica of a tp-2 stage [0, 2) sending to a tp-1 stage [2, 4) (world 3).
+    - ``send``: one replica of a tp-2 stage [0, 2) sending to a tp-1 stage [2, 4) (world 3);
+    - ``asym``: tp 1 everywhere, replica 0 one device (4 samples), replica 1 two stages (3 samples) (world 3).
     """
     from het_strategy.core.plan import Pipeline, Plan, Stage
 
@@ -33,6 +35,9 @@ def plan(case: str, dtype: str = "fp32"):
     elif case == "mixed":
         pipes = [Pipeline((Stage(("a",), (0, 4)),), micro_batch_size=3, samples=4),
                  Pipeline((Stage(("b", "c"), (0, 4)),), micro_batch_size=2, samples=3)]
+    elif case == "asym":
+        pipes = [Pipeline((Stage(("a",), (0, 4)),), micro_batch_size=3, samples=4),
+                 Pipeline((Stage(("b",), (0, 2)), Stage(("c",), (2, 4))), micro_batch_size=2, samples=3)]
     elif case == "send":
         pipes = [Pipeline((Stage(("a", "b"), (0, 2)), Stage(("c",), (2, 4))), micro_batch_size=3, samples=BATCH)]
     else:
@@ -99,6 +104,12 @@ def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     clip = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     dtype = sys.argv[4] if len(sys.argv) > 4 else "fp32"
+    if dtype == "fp16":
+        # DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (most CPUs); the path under
+        # test (loss scaling, overflow skips, the reduction) is the same on torch's CPU fp16 kernels
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True
     m = model() if dtype == "fp32" else model().float()
     layers = m.pipeline_layers()
     specs = {i: tensor_parallel_plan_of(layer).shard_specs() if tensor_parallel_plan_of(layer) else {}
@@ -106,7 +117,15 @@ def main() -> None:
     runner = PlanRunner(plan(case, dtype), layers, CharGPT.pipeline_loss,
                         lambda params: torch.optim.AdamW(params, lr=LR), gradient_clipping=clip, timeout_s=120)
     x, y = batch()
-    losses = [runner.train_step(x, y) for _ in range(STEPS)]
+    poison = {"on": False}
+    if len(sys.argv) > 5 and runner.rank == int(sys.argv[5]):  # an inf in this rank's gradient on step 2 only
+        param = next(q for q in runner.module.parameters() if q.requires_grad)
+        param.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+    losses = []
+    for k in range(STEPS):
+        poison["on"] = k == 1
+        losses.append(runner.train_step(x, y))
+    poison["on"] = False
     eval_loss = runner.eval_step(x, y)
     ref_losses, ref_final, ref_params = reference(clip)
     group = runner.layout.group_of(runner.rank)

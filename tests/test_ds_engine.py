@@ -171,7 +171,8 @@ def _pipe(devs, bounds, micro=2, samples=4):
 
 @pytest.mark.parametrize("plan, field, world", [
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), "plan.zero_stage", None),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16"), "plan.zero_stage", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16", zero_stage=1), "plan.zero_stage",
+     None),  # fp16 runs asymmetric at ZeRO 0 (the runtime scales the loss), not at 1
     (_plan([_pipe([("d0", "d1", "d2")], [0, 6]), _pipe([("d3", "d4")], [0, 6])]),
      "plan.pipelines[1].stages[0].tp", None),  # tp 2 beside tp 3: no common unit to reduce a shard in
     (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], zero_stage=1), "plan.zero_stage", None),

@@ -56,7 +56,8 @@ def _pipe(devs, bounds, samples=4):
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), []),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), ["plan.zero_stage"]),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16"), []),  # asymmetric bf16 runs
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16"), ["plan.zero_stage"]),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16"), []),  # per replica: scaled
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16", zero_stage=1), ["plan.zero_stage"]),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 3, 6])], zero_stage=1), []),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6])], zero_stage=2), ["plan.zero_stage"]),
     (_plan([_pipe(["d0"], [0, 6]), _pipe(["d1"], [0, 6])], zero_stage=3, dtype="bf16"), []),

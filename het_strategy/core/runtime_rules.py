@@ -28,17 +28,19 @@ The rules, by runtime:
        ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with
        pipeline parallelism"``).  One-stage replicas (pure
        data parallelism) run at every ZeRO stage.
-    3. Replicas with different stage boundaries (an asymmetric plan) and
-       plans with tp > 1 run each replica as its own pipeline
-       (``ds_runtime.replica_engine``; ``runs_per_replica``) at ZeRO 0: no two
-       ranks hold the same parameters for ZeRO to shard over.  Every dtype runs (the runtime
-       reduces the gradients DeepSpeed's mixed-precision optimizer steps on).
-    4. fp16 runs at ZeRO 1 or more: DeepSpeed 0.19's ZeRO-0 fp16 optimizers
-       (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) unscale the gradients
-       by the loss scale at the step, but its ``engine.backward`` scales the
-       loss only for ZeRO optimizers, so every update is 1/loss-scale too small
-       (measured: a 3-step run moves the loss 1/13 as far as fp32's).  An
-       asymmetric plan therefore runs in fp32 or bf16.
+    3. Replicas with different stage boundaries (an asymmetric plan), plans
+       with tp > 1 and fp16 plans at ZeRO 0 run each replica as its own
+       pipeline (``ds_runtime.replica_engine``; ``runs_per_replica``) at ZeRO 0:
+       no two ranks hold the same parameters for ZeRO to shard over.  Every
+       dtype runs (the runtime reduces the gradients DeepSpeed's
+       mixed-precision optimizer steps on).
+    4. fp16 at ZeRO 0 runs per replica (rule 3): DeepSpeed 0.19's ZeRO-0 fp16
+       optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) unscale the
+       gradients by the loss scale at the step, but its ``engine.backward``
+       scales the loss only for ZeRO optimizers, so on DeepSpeed's own engine
+       every update would be 1/loss-scale too small (measured: a 3-step run
+       moves the loss 1/13 as far as fp32's); the per-replica engine scales the
+       loss itself.
     5. At ZeRO 2 and 3 DeepSpeed reduces on every micro-step, so every replica
        runs the largest micro-batch count of any replica: a replica with fewer
        samples than that count cannot be cut into it.
@@ -119,8 +121,10 @@ def has_tensor_parallel(plan: Plan) -> bool:
 
 def runs_per_replica(plan: Plan) -> bool:
     """The deepspeed runtime runs each replica as its own pipeline (``ds_runtime.replica_engine``): the replicas'
-    boundaries differ or a stage has tp > 1; otherwise the plan runs on DeepSpeed's own stage x replica grid."""
-    return not shares_boundaries(plan) or has_tensor_parallel(plan)
+    boundaries differ, a stage has tp > 1, or the plan is fp16 at ZeRO 0 (rule 4); otherwise the plan runs on
+    DeepSpeed's own stage x replica grid."""
+    return (not shares_boundaries(plan) or has_tensor_parallel(plan)
+            or (plan.dtype == "fp16" and plan.zero_stage == 0))
 
 
 def runtime_problems(plan: Plan, runtime: Runtime | str, world_size: int | None = None) -> list[Problem]:
@@ -143,16 +147,14 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
         out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "
                            "(DeepSpeed's pipeline engine refuses ZeRO 2 and 3)",
                            "use zero_stage 0 or 1, or plan pure data parallelism (mode dp)"))
-    if plan.dtype == "fp16" and zero == 0:
-        out.append(Problem("plan.zero_stage", zero, "be 1 or more for fp16 (DeepSpeed 0.19's ZeRO-0 fp16 optimizers "
-                           "unscale gradients by a loss scale its backward never applied, so every update is "
-                           "1/loss-scale too small)", "use zero_stage 1, or dtype bf16"))
     if runs_per_replica(plan) and zero != 0:
         if not shares_boundaries(plan):
             bounds = [pipe.boundaries() for pipe in plan.pipelines]
             why = f"an asymmetric plan (its replicas have the different boundaries {bounds}"
-        else:
+        elif has_tensor_parallel(plan):
             why = "a plan with tensor parallelism (it runs each replica as its own pipeline"
+        else:
+            why = "this plan (it runs each replica as its own pipeline"
         out.append(Problem("plan.zero_stage", zero, f"be 0 for {why}, so no two ranks hold the same parameters "
                            "for ZeRO to shard)", "use zero_stage 0, or re-plan with max_tp=1 and mode pipeline "
                            "(shared boundaries)"))

@@ -29,7 +29,7 @@ import torch
 from het_strategy.ds_runtime.clipping import clip_gradients
 from het_strategy.ds_runtime.replicas import ReplicaLayout
 
-__all__ = ["HolderSetReducer", "layer_parameters"]
+__all__ = ["HolderSetReducer", "layer_parameters", "loss_scale"]
 
 
 def layer_parameters(module: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Parameter]]]:
@@ -107,8 +107,8 @@ class HolderSetReducer:
 
     @torch.no_grad()
     def __call__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
-        """Reduce this step's gradients; ``optimizer``: the engine's, when it keeps them outside ``param.grad``
-        (``BF16_Optimizer``)."""
+        """Reduce this step's gradients; ``optimizer``: the engine's (``BF16_Optimizer`` keeps them outside
+        ``param.grad``; a ZeRO-0 fp16 optimizer's gradients carry its loss scale, which clipping allows for)."""
         import deepspeed.comm as dist
 
         t0 = time.perf_counter()
@@ -134,8 +134,18 @@ class HolderSetReducer:
                     if part.spec is None or part.unit == 0:  # each parameter once (its units share the tensor)
                         grads.append(_gradient_of(part.param, kept))
                         counted.append(part.counted)
-            self.last_norm = clip_gradients(grads, counted, self.gradient_clipping, self.groups.pipe)
+            scale = loss_scale(optimizer) or 1.0  # fp16: the gradients are scaled, so is the bound
+            self.last_norm = clip_gradients(grads, counted, self.gradient_clipping * scale, self.groups.pipe) / scale
         self.last_reduce_s = time.perf_counter() - t0
+
+
+def loss_scale(optimizer: Any) -> float | None:
+    """The current loss scale of DeepSpeed's ZeRO-0 fp16 optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``:
+    both keep ``loss_scale_config``), or None for any other optimizer."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    if config is None or type(optimizer).__name__ not in ("FP16_Optimizer", "FP16_UnfusedOptimizer"):
+        return None
+    return float(config.cur_scale)
 
 
 def _gradient_buffers(optimizer: Any) -> dict[int, torch.Tensor] | None:

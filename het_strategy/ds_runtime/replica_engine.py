@@ -62,7 +62,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, layer_parameters
+from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, layer_parameters, loss_scale
 from het_strategy.ds_runtime.replicas import ReplicaLayout
 from het_strategy.ds_runtime.stage_exchange import StageLink, recv_grads, recv_tensors, send_grads, send_tensors
 
@@ -259,8 +259,17 @@ def _engine_class() -> type:
 
         def _exec_plan_reduce_grads(self) -> None:
             self._force_grad_boundary = True
-            self.plan_reducer(self.module, self.optimizer if self.using_bf16_optimizer else None)
+            self.plan_reducer(self.module, self.optimizer)
             self._force_grad_boundary = False
+
+        def _exec_scaled_backward_pass(self, buffer_id: int) -> None:
+            # fp16 at ZeRO 0: DeepSpeed 0.19's engine.backward scales the loss for ZeRO optimizers only, while its
+            # FP16_Optimizer / FP16_UnfusedOptimizer unscale by the loss scale at the step; the loss is scaled
+            # here (the stages before receive gradients already scaled)
+            scale = loss_scale(self.optimizer)
+            if scale is not None and self.is_last_stage():
+                self.loss = self.loss * scale
+            PipelineEngine._exec_backward_pass(self, buffer_id)
 
         def _exec_send_activations(self, buffer_id: int) -> None:
             send_tensors(self.pipe_buffers["outputs"][buffer_id], self.plan_links.next, self.global_rank)
@@ -301,6 +310,7 @@ def _engine_class() -> type:
             return losses[1].clone().detach()
 
         _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ReduceGrads: _exec_plan_reduce_grads,
+                            schedule.BackwardPass: _exec_scaled_backward_pass,
                             schedule.SendActivation: _exec_send_activations,
                             schedule.RecvActivation: _exec_recv_activations,
                             schedule.SendGrad: _exec_send_grads, schedule.RecvGrad: _exec_recv_grads}

@@ -140,7 +140,7 @@ class DeepSpeedPlanHolder:
 
     def use_precision(self, precision: Any) -> None:
         """Train in Lightning's ``precision`` (``DEEPSPEED_PRECISIONS``): a given plan must be in its dtype; without
-        one, rank 0 plans in it (the deepspeed rule table then applies to that dtype: fp16 needs ZeRO >= 1)."""
+        one, rank 0 plans in it (the deepspeed rule table then applies to that dtype)."""
         if str(precision) not in DEEPSPEED_PRECISIONS:
             raise field_error("Trainer.precision", precision, f"be one of {', '.join(DEEPSPEED_PRECISIONS)} "
                               "(DeepSpeed's bf16 and fp16 keep fp32 master weights: Lightning's -mixed)")
