@@ -72,6 +72,16 @@ def test_own_model_as_a_deepspeed_pipeline_over_unequal_devices() -> None:
     assert float(loss.group(1)) < 2.2  # 10 classes: chance is ln 10 = 2.30
 
 
+def test_own_blocks_split_over_two_devices_by_their_tensor_parallel_plan() -> None:
+    out = _run("tensor_parallel_deepspeed.py", "--epochs", "1")
+    shards = re.findall(r"rank (\d): block fc1 weight \((\d+), (\d+)\) of \((\d+), (\d+)\)", out)
+    loss = re.search(r"epoch 0: validation loss ([0-9.]+)", out)
+    assert len(shards) == 2 and loss, out[-2000:]
+    for _, rows, cols, full_rows, full_cols in shards:  # each rank holds half of fc1's output features
+        assert (int(rows) * 2, int(cols)) == (int(full_rows), int(full_cols))
+    assert float(loss.group(1)) < 1.0  # 10 classes: chance is ln 10 = 2.30
+
+
 def test_own_model_with_compression_and_straggler_mitigation() -> None:
     out = _run("compression_and_stragglers.py", "--epochs", "1")
     found = re.search(r"shares \[(\d+), (\d+), (\d+)\] -> \[(\d+), (\d+), (\d+)\]; (\d+) decision\(s\); gradients "

@@ -420,9 +420,12 @@ def _inherited_property(cls: type, owner: type, name: str) -> property:
 
 
 def _keep_only(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
-    """``optimizer`` with only ``params`` (this rank's) left in its param groups, in place (schedulers keep it)."""
-    local = list(params)
-    ids = {id(p) for p in local}
+    """``optimizer`` with only ``params`` (this rank's) left in its param groups, in place (schedulers keep it); a
+    tensor-parallel shard takes the place of the whole parameter it was cut from (``tensor_parallel.layers.SOURCE``)."""
+    from het_strategy.tensor_parallel.layers import SOURCE
+
+    local = {id(getattr(p, SOURCE, p)): p for p in params}
+    ids = set(local)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if not ids <= held:
         raise field_error("configure_optimizers", "an optimizer without some of this rank's parameters",
@@ -431,7 +434,7 @@ def _keep_only(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Opt
         raise field_error("configure_optimizers", "an optimizer with state", "return a fresh optimizer")
     groups = []
     for g in optimizer.param_groups:
-        g["params"] = [p for p in g["params"] if id(p) in ids]
+        g["params"] = [local[id(p)] for p in g["params"] if id(p) in ids]
         if g["params"]:
             groups.append(g)
     optimizer.param_groups = groups

@@ -35,7 +35,17 @@ from torch import nn
 
 from het_strategy.tensor_parallel.plan import Colwise, ShardSpec, TensorParallelPlan, _resolve
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "parallelize_layer", "shard_of", "unit_view"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "parallelize_layer", "shard_of", "unit_view", "SOURCE"]
+
+SOURCE = "tp_source"
+"""Attribute of a shard's ``nn.Parameter``: the whole parameter it was cut from (an optimizer built over the whole
+model, as a LightningModule's ``configure_optimizers`` builds it, is narrowed to the shards through it)."""
+
+
+def _shard_parameter(full: nn.Parameter, spec: ShardSpec, tp: int, rank: int) -> nn.Parameter:
+    shard = nn.Parameter(shard_of(full.detach(), spec, tp, rank).clone(), requires_grad=full.requires_grad)
+    setattr(shard, SOURCE, full)
+    return shard
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -106,13 +116,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.tp, self.rank, self.gather_output = group, tp, rank, split.gather_output
         spec = ShardSpec(0, split.fused)
-        self.weight = nn.Parameter(shard_of(full.weight.detach(), spec, tp, rank).clone(),
-                                   requires_grad=full.weight.requires_grad)
+        self.weight = _shard_parameter(full.weight, spec, tp, rank)
         if full.bias is None:
             self.register_parameter("bias", None)
         else:
-            self.bias = nn.Parameter(shard_of(full.bias.detach(), spec, tp, rank).clone(),
-                                     requires_grad=full.bias.requires_grad)
+            self.bias = _shard_parameter(full.bias, spec, tp, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(_CopyToGroup.apply(x, self.group), self.weight, self.bias)
@@ -127,8 +135,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, group: Any, tp: int, rank: int) -> None:
         super().__init__()
         self.group = group
-        self.weight = nn.Parameter(shard_of(full.weight.detach(), ShardSpec(1), tp, rank).clone(),
-                                   requires_grad=full.weight.requires_grad)
+        self.weight = _shard_parameter(full.weight, ShardSpec(1), tp, rank)
         if full.bias is None:
             self.register_parameter("bias", None)
         else:
