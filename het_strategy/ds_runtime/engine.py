@@ -58,6 +58,7 @@ Import cost: torch at module level, deepspeed only inside functions.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -409,8 +410,10 @@ class PlanRunner:
             if other % tp == self.assignment.tp_rank:
                 target = path / f"replica{replica}-tp{other}" / tag
                 target.mkdir(parents=True, exist_ok=True)
-                for f in files:
-                    shutil.copy2(f, target / f.name)
+                for f in files:  # copied under a temporary name, then renamed: never a half-written file
+                    part = target / f".{f.name}.part"
+                    shutil.copy2(f, part)
+                    os.replace(part, target / f.name)
         import deepspeed.comm as ds_dist
 
         ds_dist.barrier()  # every directory complete before any rank goes on (and may read one)
