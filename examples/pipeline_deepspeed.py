@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _digits import digits  # examples/_digits.py
+from _epoch_loss import EpochLoss  # examples/_epoch_loss.py
 from _run import QUIET_RUN, epochs_parser  # examples/_run.py
 import het_strategy  # noqa: F401  (registers strategy="hetero_deepspeed")
 from het_strategy import HeteroDeepSpeedStrategy
@@ -69,13 +70,6 @@ class PipelinedMLP(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-
-class EpochLoss(pl.Callback):
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_rank == 0 and not trainer.sanity_checking:
-            print(f"epoch {trainer.current_epoch}: validation loss {float(trainer.callback_metrics['val_loss']):.4f}",
-                  flush=True)
 
 
 def main() -> None:
