@@ -178,6 +178,8 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
 def _tp_degrees(plan: Plan) -> list[Problem]:
     """Rule 1: the tp degrees holding each layer each divide the largest (the reduction's unit of a shard)."""
     out: list[Problem] = []
+    if not has_tensor_parallel(plan):  # every degree is 1 (the planner's filter calls this for every candidate)
+        return out
     num_layers = plan.pipelines[0].boundaries()[-1]
     for layer in range(num_layers):
         held = [(p, s, st.tp) for p, pipe in enumerate(plan.pipelines) for s, st in enumerate(pipe.stages)

@@ -271,8 +271,8 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     """
     _check_settings(plan, settings)
     raise_first(runtime_problems(plan, Runtime.deepspeed))
-    aligned = not runs_per_replica(plan)
-    if (aligned and len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
+    on_grid = not runs_per_replica(plan)  # DeepSpeed's own stage x replica grid runs it
+    if (on_grid and len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
             and rank in (None, 0)):
         # Measured with DeepSpeed 0.19: this path clips by the norm of stage 0's gradients only
         # (clip_grad_norm_ counts non-tensor-parallel parameters on model-parallel rank 0 alone, and a
@@ -286,12 +286,13 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     rb = batches[r]
     micro = max(rb.micro_batch_sizes)
     gas = rb.gradient_accumulation_steps
-    # An asymmetric or tp plan runs each replica as its own one-replica DeepSpeed grid (ds_runtime.replica_engine)
-    dp = plan.num_pipelines if aligned else 1
+    # An asymmetric, tp or ZeRO-0 fp16 plan runs each replica as its own one-replica grid (ds_runtime.replica_engine)
+    dp = plan.num_pipelines if on_grid else 1
     off_optim, off_params = _offload_choice(plan, score, offload, cost_model)
-    if off_optim and not aligned:
-        raise field_error("offload", offload, "be off for an asymmetric plan (DeepSpeed offloads only through "
-                          "ZeRO, which an asymmetric plan cannot use)", "re-plan within the devices' memory")
+    if off_optim and not on_grid:
+        raise field_error("offload", offload, "be off for a plan run per replica (asymmetric, tensor-parallel or "
+                          "fp16 at ZeRO 0: DeepSpeed offloads only through ZeRO, which such a plan cannot use)",
+                          "re-plan within the devices' memory")
     zero: dict[str, Any] = {"stage": plan.zero_stage}
     if off_optim:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -306,7 +307,7 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         "gradient_accumulation_steps": gas,
         # asymmetric fp32: the runtime clips by the global norm itself, after its own gradient reduction; in
         # bf16/fp16 DeepSpeed's optimizer clips (the norm over the replica's stages, after that reduction)
-        "gradient_clipping": (float(gradient_clipping) if aligned or (plan.dtype != "fp32"
+        "gradient_clipping": (float(gradient_clipping) if on_grid or (plan.dtype != "fp32"
                                                                        and not has_tensor_parallel(plan)) else 0.0),
         "zero_optimization": zero,
         "bf16": {"enabled": plan.dtype == "bf16"},
