@@ -39,7 +39,11 @@ __version__ = "0.2.0"
 from het_strategy.tensor_parallel.plan import Colwise, Rowwise, TensorParallelPlan  # noqa: E402  (pure Python)
 
 __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL",
-           "TensorParallelPlan", "Colwise", "Rowwise", "__version__"]
+           "PerDevicePrecision", "PerDevicePrecisionPL", "TensorParallelPlan", "Colwise", "Rowwise", "__version__"]
+
+_PLUGINS = {"PerDevicePrecision": "het_strategy.strategy.per_device_precision",
+            "PerDevicePrecisionPL": "het_strategy.strategy.pytorch_lightning_classes"}
+"""Precision plugins (``Trainer(plugins=[...])``), per Lightning namespace: the module that holds each."""
 
 _registry.register_when_imported()
 _importlib.import_module("het_strategy.core.log").quiet_known_warnings()
@@ -47,8 +51,10 @@ _importlib.import_module("het_strategy.core.log").install_handler()
 
 
 def __getattr__(name: str) -> type:
-    """``HeteroStrategy``, ``HeteroDeepSpeedStrategy`` (and their ``...PL``), imported on first access;
-    ImportError naming what to install when torch or that Lightning package is not installed."""
+    """``HeteroStrategy``, ``HeteroDeepSpeedStrategy``, ``PerDevicePrecision`` (and their ``...PL``), imported on
+    first access; ImportError naming what to install when torch or that Lightning package is not installed."""
+    if name in _PLUGINS:
+        return getattr(_importlib.import_module(_PLUGINS[name]), name)
     if name not in _registry.CLASS_NAMES:
         raise AttributeError(f"module 'het_strategy' has no attribute {name!r}")
     return _registry.class_named(name)

@@ -37,9 +37,9 @@ def _one_line_error(prog: str, code: int, capsys: pytest.CaptureFixture[str]) ->
 
 
 @pytest.mark.parametrize("override, message", [
-    ("settings.dtype=fp64", "`settings.dtype` is 'fp64'; it must be one of fp32, fp16, bf16"),
-    ("settings.dtype=float32", "`settings.dtype` is 'float32'; it must be one of fp32, fp16, bf16"),
-    ("settings.grad_dtype=int8", "`settings.grad_dtype` is 'int8'; it must be one of fp32, fp16, bf16 or null"),
+    ("settings.dtype=fp64", "`settings.dtype` is 'fp64'; it must be one of fp32, fp16, bf16, per_device"),
+    ("settings.dtype=float32", "`settings.dtype` is 'float32'; it must be one of fp32, fp16, bf16, per_device"),
+    ("settings.grad_dtype=int8", "`settings.grad_dtype` is 'int8'; it must be one of fp32, fp16, bf16, per_device or null"),
     ("model_input.dtype=float8",
      "`model_input.dtype` is 'float8'; it must be one of float32, float16, bfloat16, float64, int64"),
 ])
@@ -74,13 +74,13 @@ _LAYERS = load_workload("tiny_gpt").layers
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: TrainSettings(8, dtype="fp64"), "`settings.dtype` is 'fp64'; it must be one of fp32, fp16, bf16"),
-    (lambda: TrainSettings(8, dtype=["bf16"]), "`settings.dtype` is ['bf16']; it must be one of fp32, fp16, bf16"),
+    (lambda: TrainSettings(8, dtype="fp64"), "`settings.dtype` is 'fp64'; it must be one of fp32, fp16, bf16, per_device"),
+    (lambda: TrainSettings(8, dtype=["bf16"]), "`settings.dtype` is ['bf16']; it must be one of fp32, fp16, bf16, per_device"),
     (lambda: TrainSettings(8, grad_dtype="int8"),
      "`settings.grad_dtype` is 'int8'; it must be one of fp32, fp16, bf16 or null"),
-    (lambda: _plan_of("float16"), "`plan.dtype` is 'float16'; it must be one of fp32, fp16, bf16"),
-    (lambda: WorkloadSpec("m", _LAYERS, 8, dtype="fp8"), "`model.dtype` is 'fp8'; it must be one of fp32, fp16, bf16"),
-    (lambda: load_workload("tiny_gpt", dtype="half"), "`model.dtype` is 'half'; it must be one of fp32, fp16, bf16"),
+    (lambda: _plan_of("float16"), "`plan.dtype` is 'float16'; it must be one of fp32, fp16, bf16, per_device"),
+    (lambda: WorkloadSpec("m", _LAYERS, 8, dtype="fp8"), "`model.dtype` is 'fp8'; it must be one of fp32, fp16, bf16, per_device"),
+    (lambda: load_workload("tiny_gpt", dtype="half"), "`model.dtype` is 'half'; it must be one of fp32, fp16, bf16, per_device"),
     (lambda: ModelInputConfig(dtype="float8"),
      "`model_input.dtype` is 'float8'; it must be one of float32, float16, bfloat16, float64, int64"),
     (lambda: HetTrainConfig(accelerator="tpu"), "`accelerator` is 'tpu'; it must be one of cpu, cuda"),

@@ -28,8 +28,8 @@ EXAMPLES = 400
 
 @st.composite
 def plans(draw: st.DrawFn) -> Plan:
-    """Plans of 1-3 replicas, each 1-3 stages of 1-3 devices over 6 layers, every ZeRO stage and dtype (tp 2
-    beside tp 3 on one layer breaks the tp rule).
+    """Plans of 1-3 replicas, each 1-3 stages of 1-3 devices over 6 layers, every ZeRO stage and dtype, per_device
+    too (tp 2 beside tp 3 on one layer breaks the tp rule).
 
     Replicas often share boundaries (drawn from a small pool) so aligned and
     asymmetric plans both come up, as do unequal micro-batch counts."""
@@ -42,10 +42,13 @@ def plans(draw: st.DrawFn) -> Plan:
                                                                  if draw(st.booleans()) else 1)), (a, b))
                        for a, b in zip(bounds, bounds[1:]))
         pipes.append(Pipeline(stages, micro_batch_size=draw(st.integers(1, 4)), samples=draw(st.integers(1, 8))))
+    dtype = draw(st.sampled_from(["fp32", "bf16", "fp16", "fp32", "bf16", "fp16", "per_device"]))
+    used = [d for pipe in pipes for d in pipe.devices]
+    device_dtypes = {d: draw(st.sampled_from(["bf16", "fp16"])) for d in used} if dtype == "per_device" else {}
     return Plan(cluster="gen", cluster_devices=tuple(f"d{i}" for i in range(64)),
                 model={"name": "m", "num_layers": NUM_LAYERS}, global_batch_size=sum(p.samples for p in pipes),
-                pipelines=tuple(pipes), zero_stage=draw(st.integers(0, 3)),
-                dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])), mode="manual")
+                pipelines=tuple(pipes), zero_stage=draw(st.integers(0, 3)), dtype=dtype,
+                device_dtypes=device_dtypes, mode="manual")
 
 
 def _runtime_accepts(plan: Plan, world_size: int | None = None) -> bool:
@@ -80,7 +83,7 @@ def test_planner_runtime_and_strategy_refuse_the_same_generated_plans():
         assert _strategy_accepts(plan) == planner  # its precision (the plan's dtype) is checked when a Trainer attaches
         assert runnable(plan, Runtime.hetero) == plan.is_pure_dp and runnable(plan, Runtime.any)
         for problem in runtime_problems(plan, Runtime.deepspeed):
-            seen[problem.field.rsplit(".", 1)[-1]] += 1  # tp, zero_stage, samples
+            seen[problem.field.rsplit(".", 1)[-1]] += 1  # tp, zero_stage, samples, dtype
         if planner:
             # what the runtime accepts it can cut into micro-batches and configure, rank by rank
             for b in rank_batches(plan):
@@ -96,5 +99,5 @@ def test_planner_runtime_and_strategy_refuse_the_same_generated_plans():
     check()
     # every outcome and every rule came up often enough for the equality to mean something
     assert seen["runnable"] >= 60 and seen["refused"] >= 60, seen
-    for rule in ("tp", "zero_stage", "samples"):
+    for rule in ("tp", "zero_stage", "samples", "dtype"):
         assert seen[rule] >= 10, (rule, seen)

@@ -17,13 +17,13 @@ from typing import Mapping
 
 import yaml
 
-from het_strategy.core.dtypes import Dtype
+from het_strategy.core.dtypes import ELEMENT_DTYPES, Dtype
 from het_strategy.core.errors import ConfigError, field_error
 
 __all__ = ["DTYPES", "DeviceType", "device_catalog", "lookup_device_type", "catalog_device_name"]
 
-DTYPES: tuple[str, ...] = tuple(str(d) for d in Dtype)
-"""The training dtypes a catalog entry (and a device) gives TFLOPS for: every ``Dtype``."""
+DTYPES: tuple[str, ...] = tuple(str(d) for d in ELEMENT_DTYPES)
+"""The dtypes a catalog entry (and a device) gives TFLOPS for: ``ELEMENT_DTYPES``."""
 _CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
 _SIZE_OR_FORM_FACTOR = re.compile(r"\d+GB|SXM\d*|PCIE")
 

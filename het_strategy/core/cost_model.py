@@ -59,7 +59,7 @@ from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync
 from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
-from het_strategy.core.dtypes import DTYPE_BYTES
+from het_strategy.core.dtypes import DTYPE_BYTES, Dtype
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = ["StageCost", "PlanScore", "CostModel"]
@@ -155,6 +155,13 @@ class CostModel:
         return CostModel(self.cluster, self.workload, settings, self.profile, self.network)
 
     # -- per-layer times ------------------------------------------------------------------------
+    def device_dtypes(self) -> dict[str, Dtype]:
+        """Under ``settings.dtype=per_device``: each device's name -> the dtype it computes in (what a plan records
+        as ``device_dtypes``); empty for any other dtype."""
+        if self.settings.dtype != Dtype.per_device:
+            return {}
+        return {d.name: self.settings.compute_dtype(d) for d in self.cluster.devices}
+
     def device_key(self, device: DeviceSpec) -> tuple:
         """Devices with equal keys cost the same per layer (the planner groups them).  Kept per device object: the
         planner asks for every device of a large cluster many times."""
@@ -190,7 +197,7 @@ class CostModel:
                 analytic = self._update_s(device, tp)
                 upd = [a if u is None else u for u, a in zip(upd, analytic)]
         else:
-            rate = device.flops_per_second(self.settings.dtype) * tp
+            rate = device.flops_per_second(self.settings.compute_dtype(device)) * tp
             comp = []
             for layer in self.workload.layers:
                 fwd = layer.flops_per_sample * micro_batch / rate
@@ -366,7 +373,7 @@ class CostModel:
         expert-parallel group are routed uniformly to experts, so a device holding
         n of E experts runs n/E of the group's routed tokens.
         """
-        rate = device.flops_per_second(self.settings.dtype) * tp
+        rate = device.flops_per_second(self.settings.compute_dtype(device)) * tp
         total = 0.0
         for layer in range(start, stop):
             moe = self.workload.layers[layer].moe

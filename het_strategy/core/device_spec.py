@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from het_strategy.core.catalog import DTYPES, DeviceType, lookup_device_type
+from het_strategy.core.dtypes import Dtype, fast_dtype
 from het_strategy.core.cluster_limits import bounded_figure as _figure, check_figure
 from het_strategy.core.errors import ConfigError, field_error, is_positive, require_number
 
@@ -76,8 +77,15 @@ class DeviceSpec:
     def memory_bytes(self) -> float:
         return self.memory_gb * 2**30
 
+    def compute_dtype(self, dtype: str) -> Dtype:
+        """The dtype this device computes a ``dtype`` run in: ``per_device`` is its fast 16-bit dtype
+        (``dtypes.fast_dtype``), any other dtype itself."""
+        return fast_dtype(self.tflops) if dtype == Dtype.per_device else Dtype(dtype)
+
     def flops_per_second(self, dtype: str) -> float:
-        """Sustained FLOP/s for ``dtype`` (x the emulated speed, if any); unsupported dtypes run at fp32 rate."""
+        """Sustained FLOP/s for ``dtype`` (``per_device``: this device's ``compute_dtype``) x the emulated speed,
+        if any; a dtype without a rate here runs at the fp32 rate."""
+        dtype = self.compute_dtype(dtype)
         peak = self.tflops.get(dtype, self.tflops.get("fp32", min(self.tflops.values())))
         return peak * 1e12 * self.efficiency * (self.emulated_speed or 1.0)
 

@@ -3,6 +3,9 @@
 * ``Dtype`` — a training dtype, what the cost model prices a model in and a
   plan records (``settings.dtype``, ``settings.grad_dtype``, ``plan.dtype``,
   a workload's activation dtype); ``DTYPE_BYTES`` is each one's element size.
+  ``Dtype.per_device`` is a 16-bit run where each device computes in the
+  16-bit dtype it is fast at (``fast_dtype``); ``ELEMENT_DTYPES`` are the
+  others, the ones a tensor, a datasheet rate or a gradient has.
 * ``InputDtype`` — the tensor dtype of a sample input het-plan builds for a
   model given as a Python path (``model_input.dtype``), named as torch names it.
 
@@ -16,11 +19,11 @@ field, the value and the allowed names.  Pure Python: no torch.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Mapping
 
-from het_strategy.core.errors import require_option
+from het_strategy.core.errors import field_error, require_option
 
-__all__ = ["Dtype", "DTYPE_BYTES", "as_dtype", "InputDtype"]
+__all__ = ["Dtype", "ELEMENT_DTYPES", "DTYPE_BYTES", "as_dtype", "as_element_dtype", "fast_dtype", "InputDtype"]
 
 
 class Dtype(StrEnum):
@@ -32,6 +35,10 @@ class Dtype(StrEnum):
     """IEEE half precision (mixed precision with loss scaling)."""
     bf16 = "bf16"
     """bfloat16 (mixed precision)."""
+    per_device = "per_device"
+    """Mixed precision in each device's own fast 16-bit dtype: bf16 where the device runs bf16 at least as
+    fast as fp16 (A100, H100, L4, MI250X, ...), fp16 with loss scaling where it has no fast bf16 (V100, T4);
+    fp32 master weights and an fp32 gradient reduction."""
 
     @property
     def bytes(self) -> int:
@@ -39,13 +46,32 @@ class Dtype(StrEnum):
         return DTYPE_BYTES[self]
 
 
-DTYPE_BYTES: dict[Dtype, int] = {Dtype.fp32: 4, Dtype.fp16: 2, Dtype.bf16: 2}
-"""Bytes of one element of each training dtype (a key also matches its plain string: ``DTYPE_BYTES["fp32"]``)."""
+ELEMENT_DTYPES: tuple[Dtype, ...] = (Dtype.fp32, Dtype.fp16, Dtype.bf16)
+"""The dtypes a tensor, a datasheet rate or a gradient on the wire has (every ``Dtype`` but ``per_device``)."""
+
+DTYPE_BYTES: dict[Dtype, int] = {Dtype.fp32: 4, Dtype.fp16: 2, Dtype.bf16: 2, Dtype.per_device: 2}
+"""Bytes of one element of each training dtype (a key also matches its plain string: ``DTYPE_BYTES["fp32"]``);
+``per_device`` activations are 16-bit on every device."""
 
 
 def as_dtype(value: Any, field: str) -> Dtype:
     """``value`` (a ``Dtype`` or its name) as a ``Dtype``; ConfigError naming ``field`` and the dtypes otherwise."""
     return require_option(Dtype, value, field)
+
+
+def as_element_dtype(value: Any, field: str) -> Dtype:
+    """``value`` as one of ``ELEMENT_DTYPES`` (not ``per_device``); ConfigError naming ``field`` otherwise."""
+    dtype = as_dtype(value, field)
+    if dtype not in ELEMENT_DTYPES:
+        raise field_error(field, str(value), f"be one of {', '.join(ELEMENT_DTYPES)} (a tensor's dtype)")
+    return dtype
+
+
+def fast_dtype(tflops: Mapping[str, float]) -> Dtype:
+    """The 16-bit dtype a device with peak ``tflops`` per dtype computes fastest in: bf16 where its rate is at
+    least fp16's (bf16 keeps fp32's range: no loss scaling), else fp16; fp32 for a device with neither."""
+    half = [d for d in (Dtype.bf16, Dtype.fp16) if d in tflops]
+    return max(half, key=lambda d: tflops[d]) if half else Dtype.fp32
 
 
 class InputDtype(StrEnum):

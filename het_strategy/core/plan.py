@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from het_strategy.core.atomic_file import write_atomic
-from het_strategy.core.dtypes import Dtype, as_dtype
+from het_strategy.core.dtypes import Dtype, as_dtype, as_element_dtype
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int
 from het_strategy.core.files import naming_file, read_json_file
 from het_strategy.core.plain_data import plain
@@ -105,6 +105,9 @@ class Plan:
     """ZeRO stage the memory figures assume."""
     dtype: Dtype = Dtype.bf16
     """Training dtype (a name is converted to the member; JSON holds the name)."""
+    device_dtypes: dict[str, Dtype] = field(default_factory=dict)
+    """With ``dtype=per_device``: the dtype each device computes in (device name -> bf16, fp16 or fp32), every
+    used device named; empty for any other dtype."""
     mode: str = "hybrid"
     """Planner that made it (dp, pipeline, hybrid, manual)."""
     experts: dict[int, dict[str, list[int]]] = field(default_factory=dict)
@@ -157,8 +160,31 @@ class Plan:
             raise field_error("plan.pipelines[*].samples", [p.samples for p in self.pipelines],
                               f"sum to global_batch_size ({self.global_batch_size}); they sum to {total}")
         self.dtype = as_dtype(self.dtype, "plan.dtype")
+        self._check_device_dtypes()
         if self.zero_stage not in (0, 1, 2, 3):
             raise field_error("plan.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
+
+    def _check_device_dtypes(self) -> None:
+        self.device_dtypes = {str(k): as_element_dtype(v, f"plan.device_dtypes.{k}")
+                              for k, v in dict(self.device_dtypes).items()}
+        if self.dtype != Dtype.per_device:
+            if self.device_dtypes:
+                raise field_error("plan.device_dtypes", dict(self.device_dtypes), "be empty unless plan.dtype is "
+                                  "per_device")
+            return
+        missing = [d for d in self.used_devices if d not in self.device_dtypes]
+        if missing:
+            raise field_error("plan.device_dtypes", dict(self.device_dtypes), f"name the dtype of every used "
+                              f"device (per_device plan); it lacks {_few(missing)}")
+
+    def compute_dtype(self, device: str) -> Dtype:
+        """The dtype ``device`` computes in: its ``device_dtypes`` entry under ``per_device``, else the plan's
+        dtype (ConfigError for a ``per_device`` plan that does not name the device)."""
+        if self.dtype != Dtype.per_device:
+            return self.dtype
+        if device not in self.device_dtypes:
+            raise field_error("plan.device_dtypes", dict(self.device_dtypes), f"name the dtype of `{device}`")
+        return self.device_dtypes[device]
 
     @property
     def num_pipelines(self) -> int:
@@ -224,6 +250,7 @@ class Plan:
             "global_batch_size": self.global_batch_size,
             "mode": self.mode,
             "dtype": self.dtype.value,
+            **({"device_dtypes": {d: v.value for d, v in self.device_dtypes.items()}} if self.device_dtypes else {}),
             "zero_stage": self.zero_stage,
             "pipelines": [p.to_dict() for p in self.pipelines],
         }
@@ -272,6 +299,7 @@ class Plan:
                 pipelines=pipelines,
                 zero_stage=raw.get("zero_stage", 0),
                 dtype=raw.get("dtype", Dtype.bf16),
+                device_dtypes=dict(raw.get("device_dtypes") or {}),
                 mode=raw.get("mode", "manual"),
                 experts=experts,
                 predicted=dict(raw.get("predicted") or {}),
@@ -329,7 +357,7 @@ def _device_difference(planned: list[str], actual: list[str]) -> str:
 
 
 _PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",
-              "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons", "compression"}
+              "device_dtypes", "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons", "compression"}
 _PIPELINE_KEYS = {"micro_batch_size", "num_micro_batches", "samples", "stages"}
 _STAGE_KEYS = {"devices", "layers", "tp"}
 
@@ -366,7 +394,8 @@ def _check_plan_fields(raw: Mapping[str, Any]) -> None:
         raise field_error("plan.pipelines", raw["pipelines"], "be a list of pipelines")
     if not isinstance(raw.get("cluster_devices", []), list):
         raise field_error("plan.cluster_devices", raw["cluster_devices"], "be a list of device names")
-    for key, rule in (("experts", "a mapping layer -> {device: [expert ids]}"), ("predicted", "a mapping")):
+    for key, rule in (("experts", "a mapping layer -> {device: [expert ids]}"), ("predicted", "a mapping"),
+                      ("device_dtypes", "a mapping device -> dtype")):
         if not isinstance(raw.get(key) or {}, Mapping):
             raise field_error(f"plan.{key}", raw[key], f"be {rule}")
     for layer, placement in (raw.get("experts") or {}).items():

@@ -45,10 +45,17 @@ The rules, by runtime:
        runs the largest micro-batch count of any replica: a replica with fewer
        samples than that count cannot be cut into it.
     6. With ``world_size`` given: one process per device the plan uses.
+    7. One dtype per run: a ``per_device`` plan (bf16 on some devices, fp16
+       on others) runs on the ``hetero`` strategy only.  DeepSpeed's engine
+       takes one precision config, its fp16 optimizers keep scaled fp16
+       gradients where its bf16 optimizer keeps fp32 ones, and its pipeline
+       sends carry one activation dtype; mixing them needs a per-replica fp16
+       path with unscaled fp32 gradient buffers, which is not built.
 
 ``hetero`` (the ``hetero`` strategy: uneven data parallelism on Lightning's DDP)
     1. Every pipeline is one stage of one device (a pure data-parallel plan);
-       pipeline plans run on ``hetero_deepspeed``.
+       pipeline plans run on ``hetero_deepspeed``.  Every dtype runs,
+       ``per_device`` too (``strategy.per_device_precision``).
 
 Pure Python: the planning core reads this table without torch or DeepSpeed.
 """
@@ -142,6 +149,10 @@ def _no_rules(plan: Plan, world_size: int | None) -> list[Problem]:
 
 def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
     out: list[Problem] = _tp_degrees(plan)
+    if plan.dtype == "per_device":
+        out.append(Problem("plan.dtype", "per_device", "be fp32, bf16 or fp16 (hetero_deepspeed runs one dtype per "
+                           "run; per-device precision runs on the hetero strategy)",
+                           "plan with settings.dtype=bf16 or fp16, or run pure data parallelism on hetero"))
     zero = plan.zero_stage
     if zero >= 2 and any(len(pipe.stages) > 1 for pipe in plan.pipelines):
         out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "

@@ -9,12 +9,16 @@ DeepSpeed config all ask it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
+from het_strategy.core.catalog import device_catalog, lookup_device_type
 from het_strategy.core.compressed_sync import check_token
-from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, as_dtype
-from het_strategy.core.errors import field_error, require_int, require_number
+from het_strategy.core.dtypes import DTYPE_BYTES, ELEMENT_DTYPES, Dtype, as_dtype, as_element_dtype
+from het_strategy.core.errors import ConfigError, field_error, require_int, require_number
+
+if TYPE_CHECKING:
+    from het_strategy.core.device_spec import DeviceSpec
 
 __all__ = ["ZeroShards", "TrainSettings"]
 
@@ -37,7 +41,8 @@ class TrainSettings:
     global_batch_size: int
     """Samples per optimizer step."""
     dtype: Dtype = Dtype.bf16
-    """Training dtype: bf16, fp16 (mixed precision) or fp32 (a name is converted to the member)."""
+    """Training dtype: bf16, fp16 (mixed precision), fp32, or per_device: each device type in its own fast
+    16-bit dtype (``device_dtypes`` overrides the choice per type); a name is converted to the member."""
     zero_stage: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     activation_checkpointing: bool = False
@@ -65,6 +70,9 @@ class TrainSettings:
     """dp plans may leave a device out when the step is faster without it.  False for a runtime whose every
     launched rank takes part in every step (the ``hetero`` strategy: a rank with no share still runs a
     weight-0 filler sample and the gradient sync, so idling it saves nothing): every device gets a share."""
+    device_dtypes: dict[str, Dtype] = field(default_factory=dict)
+    """With ``dtype=per_device``: the dtype a device type computes in, where it is not the type's own fast
+    16-bit dtype (``{"T4": "fp32"}``); keys are catalog types (aliases become the catalog name)."""
     inter_node_compression: str = "none"
     """The method token the gradient sync between nodes runs in: ``none``, or a compressed hierarchical exchange
     (node sums uncompressed, the node leaders' exchange in ``fp16``/``bf16``/``q2``...``q8``;
@@ -91,9 +99,16 @@ class TrainSettings:
         if not isinstance(self.idle_devices, bool):
             raise field_error("settings.idle_devices", self.idle_devices, "be true or false")
         if self.grad_dtype is not None:
-            if self.grad_dtype not in tuple(Dtype):
-                raise field_error("settings.grad_dtype", self.grad_dtype, f"be one of {', '.join(Dtype)} or null")
+            if self.grad_dtype not in ELEMENT_DTYPES:
+                raise field_error("settings.grad_dtype", self.grad_dtype,
+                                  f"be one of {', '.join(ELEMENT_DTYPES)} or null")
             object.__setattr__(self, "grad_dtype", Dtype(self.grad_dtype))
+        object.__setattr__(self, "device_dtypes", _device_dtypes(self.device_dtypes, self.dtype))
+
+    def compute_dtype(self, device: DeviceSpec) -> Dtype:
+        """The dtype ``device`` computes in: its ``device_dtypes`` entry, else ``device.compute_dtype(dtype)``
+        (``per_device``: the device's fast 16-bit dtype; any other dtype: that dtype)."""
+        return self.device_dtypes.get(device.type) or device.compute_dtype(self.dtype)
 
     @property
     def param_bytes(self) -> int:
@@ -124,3 +139,27 @@ class TrainSettings:
         shards = self.zero_shards(dp)
         return (self.param_bytes / shards.weights + self.param_bytes / shards.gradients
                 + self.optimizer_bytes_per_param / shards.optimizer)
+
+
+def _device_dtypes(raw: Any, dtype: Dtype) -> dict[str, Dtype]:
+    """``settings.device_dtypes`` checked: a mapping catalog type -> a dtype that type has a rate for, given only
+    with ``dtype=per_device``; the keys become the catalog names."""
+    if not isinstance(raw, Mapping):
+        raise field_error("settings.device_dtypes", raw, "be a mapping device type -> dtype")
+    if raw and dtype != Dtype.per_device:
+        raise field_error("settings.device_dtypes", dict(raw), "be empty unless settings.dtype is per_device",
+                          "set settings.dtype=per_device, or drop settings.device_dtypes")
+    out: dict[str, Dtype] = {}
+    for key, value in raw.items():
+        where = f"settings.device_dtypes.{key}"
+        try:
+            entry = lookup_device_type(str(key), where)
+        except ConfigError:
+            raise field_error("settings.device_dtypes", str(key), f"name device types of the catalog "
+                              f"({', '.join(device_catalog())})") from None
+        chosen = as_element_dtype(value, where)
+        if chosen not in entry.tflops:
+            raise field_error(where, str(value), f"be a dtype {entry.name} has a rate for "
+                              f"({', '.join(entry.tflops)}); the catalog gives it no {chosen} figure")
+        out[entry.name] = chosen
+    return out

@@ -88,7 +88,7 @@ def with_shares(plan: Plan, cluster: ClusterSpec, shares: Sequence[int],
             pipelines.append(Pipeline((Stage((name,), (0, num_layers)),), min(mbs, n), int(n)))
     return Plan(cluster=plan.cluster, cluster_devices=plan.cluster_devices, model=dict(plan.model),
                 global_batch_size=plan.global_batch_size, pipelines=tuple(pipelines), zero_stage=plan.zero_stage,
-                dtype=plan.dtype, mode="dp", experts=dict(plan.experts), predicted=predicted or {},
+                dtype=plan.dtype, device_dtypes=dict(plan.device_dtypes), mode="dp", experts=dict(plan.experts), predicted=predicted or {},
                 idle_reasons={name: plan.idle_reasons.get(name, "given 0 samples when the plan was rebalanced")
                               for name, n in zip(names, shares) if n == 0})
 

@@ -33,8 +33,9 @@ __all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_par
 PRECISION_DTYPES: dict[str, Dtype] = {
     "32": Dtype.fp32, "32-true": Dtype.fp32, "64": Dtype.fp32, "64-true": Dtype.fp32,
     "transformer-engine": Dtype.bf16, "bf16": Dtype.bf16, "bf16-mixed": Dtype.bf16, "bf16-true": Dtype.bf16,
-    "16": Dtype.fp16, "16-mixed": Dtype.fp16, "16-true": Dtype.fp16}
-"""Lightning's ``precision`` strings and the dtype the cost model prices each in."""
+    "16": Dtype.fp16, "16-mixed": Dtype.fp16, "16-true": Dtype.fp16, "per_device": Dtype.per_device}
+"""Lightning's ``precision`` strings and the dtype the cost model prices each in; ``per_device`` is the
+``hetero`` strategy's ``PerDevicePrecision`` plugin."""
 
 
 def precision_dtype(precision: Any) -> Dtype:
@@ -92,6 +93,11 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
                           f"equal the devices of cluster `{cluster.name}` in rank order "
                           f"({[d.name for d in cluster.devices]})", "the plan was made for another cluster")
     raise_first(runtime_problems(checked, Runtime.hetero))
+    if (checked.dtype == Dtype.per_device) != (dtype == Dtype.per_device):
+        raise field_error("plan.dtype", str(checked.dtype), f"{'be' if dtype == Dtype.per_device else 'not be'} "
+                          "per_device, as the run's precision is "
+                          f"{'per_device' if dtype == Dtype.per_device else dtype} (a per_device plan names the "
+                          "dtype each rank computes in)", "re-plan in the run's precision")
     if checked.global_batch_size != global_batch_size:
         raise field_error("plan.global_batch_size", checked.global_batch_size,
                           f"equal the run's global batch {global_batch_size} (DataLoader batch_size x world "

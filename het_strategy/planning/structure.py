@@ -174,7 +174,8 @@ def plan_from_pipelines(cm: CostModel, pipelines: Sequence[Pipeline], mode: str)
     """A Plan for the cost model's cluster, workload and settings."""
     return Plan(cluster=cm.cluster.name, cluster_devices=tuple(d.name for d in cm.cluster.devices),
                 model=cm.workload.fingerprint(), global_batch_size=cm.settings.global_batch_size,
-                pipelines=tuple(pipelines), zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype, mode=mode)
+                pipelines=tuple(pipelines), zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype,
+                device_dtypes=cm.device_dtypes(), mode=mode)
 
 
 _FRONT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()

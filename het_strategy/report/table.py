@@ -115,6 +115,8 @@ def _stage_rows(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", group:
         members = [plan.pipelines[i].stages[s] for i in group.indices]
         devices = [d for st in members for d in st.devices]
         types = " + ".join(dict.fromkeys(cluster.device(d).type for d in stage.devices))
+        if plan.dtype == "per_device":  # the dtype each type computes in, beside it
+            types = " + ".join(dict.fromkeys(f"{cluster.device(d).type} {plan.compute_dtype(d)}" for d in devices))
         compute = max(score.stage_costs[i][s].compute_s for i in group.indices)
         send = max(score.stage_costs[i][s].send_s for i in group.indices)
         used = max(score.memory_bytes[d] for d in devices)
@@ -260,12 +262,16 @@ def _idle_lines(plan: "Plan", cluster: "ClusterSpec", used: Collection[str]) -> 
 
 
 def _dtype_rate_lines(plan: "Plan", cluster: "ClusterSpec", used: Collection[str]) -> list[str]:
-    """A note for device types without a rate for the plan's dtype: the cost model runs them at their fp32 rate."""
-    slow = sorted({d.type for d in cluster.devices if d.name in used and plan.dtype not in d.tflops})
-    if not slow:
-        return []
-    return [f"note: {plan.dtype} runs at the fp32 rate on {', '.join(slow)} (no {plan.dtype} figure for "
-            f"{'that type' if len(slow) == 1 else 'those types'}: no {plan.dtype} units in the catalog)"]
+    """A note for device types without a rate for the dtype they compute in: the cost model runs them at their
+    fp32 rate."""
+    slow: dict[str, list[str]] = {}  # dtype -> the types without its rate
+    for d in cluster.devices:
+        dtype = plan.compute_dtype(d.name) if d.name in used else None
+        if dtype is not None and dtype not in d.tflops and d.type not in slow.get(dtype, []):
+            slow.setdefault(dtype, []).append(d.type)
+    return [f"note: {dtype} runs at the fp32 rate on {', '.join(sorted(types))} (no {dtype} figure for "
+            f"{'that type' if len(types) == 1 else 'those types'}: no {dtype} units in the catalog)"
+            for dtype, types in slow.items()]
 
 
 def _expert_lines(plan: "Plan", cluster: "ClusterSpec") -> list[str]:

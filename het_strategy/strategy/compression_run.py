@@ -26,7 +26,7 @@ from het_strategy.core.errors import field_error
 from het_strategy.emulation.padding import padded_comm_hook
 from het_strategy.strategy import checkpoint as ckpt
 
-__all__ = ["CommHookBuilder", "CompressionRun", "build_compression", "ranks_per_node"]
+__all__ = ["CommHookBuilder", "CompressionRun", "build_compression", "ranks_per_node", "prepared_comm_hook"]
 
 
 @dataclass
@@ -72,6 +72,16 @@ def build_compression(model: Any, config: CompressionConfig, cluster: ClusterSpe
     return run
 
 
+def prepared_comm_hook(inner: Callable[[Any, Any], Any], prepare: Callable[[Any], None]) -> Callable[[Any, Any], Any]:
+    """``inner`` after ``prepare(bucket.buffer())`` (in place) on each bucket."""
+
+    def prepared_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
+        prepare(bucket.buffer())
+        return inner(state, bucket)
+
+    return prepared_hook
+
+
 class CommHookBuilder:
     """The comm hook a ``hetero`` run registers, and its compression state.
 
@@ -103,8 +113,11 @@ class CommHookBuilder:
 
     def register(self, model: Any, cluster: ClusterSpec | None, world: int, rank: int,
                  restored: dict[str, Any] | None, on_last_bucket: Callable[[], None],
-                 on_bucket: Callable[[], None]) -> Callable[[Any, Any], Any]:
-        """Register the hook on ``model`` (a DDP module); ``restored``: the checkpoint's compression part.
+                 on_bucket: Callable[[], None],
+                 prepare_bucket: Callable[[Any], None] | None = None) -> Callable[[Any, Any], Any]:
+        """Register the hook on ``model`` (a DDP module); ``restored``: the checkpoint's compression part;
+        ``prepare_bucket(buffer)`` runs on each bucket before it is counted and reduced (``PerDevicePrecision``
+        unscales an fp16 rank's gradients there).
 
         The compression state is built once per strategy: a later ``trainer.validate``/``test`` keeps the
         fitted one.  A collective for ``compression.scope="inter_node"``.
@@ -116,7 +129,10 @@ class CommHookBuilder:
             if self.run is None:
                 self.run = build_compression(model, self.config, cluster, world, rank, restored)
             inner, state = self.run.hook, self.run.hook_state
-        hook = padded_comm_hook(counted_comm_hook(inner, self.wire), on_last_bucket, on_bucket)
+        hook = counted_comm_hook(inner, self.wire)
+        if prepare_bucket is not None:
+            hook = prepared_comm_hook(hook, prepare_bucket)
+        hook = padded_comm_hook(hook, on_last_bucket, on_bucket)
         if self.wrapper is not None:
             hook = self.wrapper(hook)
         model.register_comm_hook(state=state, hook=hook)

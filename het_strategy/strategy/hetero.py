@@ -49,6 +49,7 @@ from het_strategy.core.log import logger, rank_debug
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.run_plan import precision_dtype
+from het_strategy.strategy.per_device_precision import PER_DEVICE
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, check_options, check_plan_source, \
     check_timeouts, check_workload_source, planned_compression
@@ -254,7 +255,8 @@ class HeteroStrategy(DDPStrategy):
         super().configure_ddp()
         hook = self.comm.register(self.model, self.cluster, self.world_size, self.global_rank,
                                   (self.plans.restored or {}).get("compression"), self._finish_padding,
-                                  self.pacing.clock.gradients_ready)
+                                  self.pacing.clock.gradients_ready,
+                                  prepare_bucket=getattr(self.precision_plugin, "prepare_bucket", None))
         rank_debug(self.global_rank, "comm hook: %s", hook.__qualname__)
 
     # -- data -------------------------------------------------------------------------------------
@@ -352,7 +354,11 @@ class HeteroStrategy(DDPStrategy):
         cluster, workload, plan = self.plans.cluster, self.plans.workload, self.plans.plan
         assert cluster is not None and workload is not None and plan is not None  # invariant: ensure_plan made them
         with_experts = self.experts is not None
-        padding = self.pacing.emulate(cluster, ctx.rank, workload, ctx.dtype, with_experts)
+        rank_dtype = plan.compute_dtype(cluster.devices[ctx.rank].name)
+        if self.precision_plugin.precision == PER_DEVICE:
+            self.precision_plugin.use(rank_dtype, self.root_device)
+            rank_debug(ctx.rank, "per-device precision: this rank computes in %s", rank_dtype)
+        padding = self.pacing.emulate(cluster, ctx.rank, workload, rank_dtype, with_experts)
         self.placer.planned(plan, cluster, workload, ctx.dtype, ctx.rank, padding)
         if ctx.rank == 0 and self.verbose:
             self.plans.log_plan(ctx.dtype, with_experts)

@@ -1,4 +1,5 @@
-"""The strategies on ``pytorch_lightning``: ``HeteroStrategyPL`` and ``HeteroDeepSpeedStrategyPL``.
+"""The strategies on ``pytorch_lightning``: ``HeteroStrategyPL`` and ``HeteroDeepSpeedStrategyPL``, and the
+precision plugin ``PerDevicePrecisionPL``.
 
 ``lightning.pytorch`` and ``pytorch_lightning`` are two copies of Lightning with
 separate class trees: a ``pytorch_lightning.Trainer`` accepts only subclasses
@@ -17,8 +18,9 @@ import pytorch_lightning
 
 from het_strategy.strategy import hetero_deepspeed
 from het_strategy.strategy.hetero import HeteroStrategy
+from het_strategy.strategy.per_device_precision import PerDevicePrecision
 
-__all__ = ["twin", "HeteroStrategyPL", "HeteroDeepSpeedStrategyPL"]
+__all__ = ["twin", "HeteroStrategyPL", "HeteroDeepSpeedStrategyPL", "PerDevicePrecisionPL"]
 
 _NOT_COPIED = ("__dict__", "__weakref__")
 
@@ -67,3 +69,4 @@ def _rebound(value: Any, cell: types.CellType) -> Any:
 
 HeteroStrategyPL = twin(HeteroStrategy, pytorch_lightning.strategies.DDPStrategy)
 HeteroDeepSpeedStrategyPL = twin(hetero_deepspeed.HeteroDeepSpeedStrategy, pytorch_lightning.strategies.DDPStrategy)
+PerDevicePrecisionPL = twin(PerDevicePrecision, pytorch_lightning.plugins.precision.Precision)

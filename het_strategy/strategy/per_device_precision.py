@@ -1,0 +1,164 @@
+"""Per-device mixed precision for the ``hetero`` strategy: each rank computes in its device's fast 16-bit dtype.
+
+``Trainer(strategy="hetero", plugins=[PerDevicePrecision()])`` (het-train:
+``train.precision=per_device``) plans with ``dtype=per_device``: a device with
+fast bf16 (A100, H100, L4, MI250X, ...) computes in bf16, one without it (V100,
+T4) in fp16; the plan records each device's dtype (``plan.device_dtypes``) and
+the strategy hands this rank's to the plugin (``use``).  Then, on each rank:
+
+* **forward** runs under ``torch.autocast`` in the rank's dtype; parameters,
+  their gradients and the optimizer state stay fp32 (master weights);
+* **backward** of an fp16 rank runs on the loss times the rank's loss scale
+  (dynamic: halved on an overflow, doubled after ``growth_interval`` clean
+  steps), a bf16 rank's on the loss itself;
+* **before the gradient reduction** the comm hook hands every bucket to
+  ``prepare_bucket``: an fp16 rank divides it by its scale (a power of two:
+  exact), so every rank contributes unscaled fp32 gradients to one fp32
+  all-reduce, and notes whether its bucket held an inf or NaN;
+* **the step**: one all-reduce (max) of those notes is the ranks' one overflow
+  decision; on an overflow every rank skips the step (and each fp16 rank halves
+  its scale), otherwise every rank clips and steps on the same gradients.
+
+The scale and its clean-step count are the plugin's ``state_dict``, saved in
+Lightning's checkpoint.  Pure data parallelism only: the rule table refuses
+``per_device`` plans on ``hetero_deepspeed`` (``core.runtime_rules``).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+from het_strategy.core.dtypes import Dtype
+from het_strategy.core.errors import ConfigError, field_error, require_int
+from het_strategy.core.log import rank_debug
+from het_strategy.profiling.torch_device import TORCH_DTYPES
+
+__all__ = ["PerDevicePrecision", "PER_DEVICE"]
+
+PER_DEVICE = "per_device"
+"""The plugin's ``precision`` string (``Trainer.precision`` reads it; ``run_plan.PRECISION_DTYPES`` maps it)."""
+
+
+class PerDevicePrecision(Precision):
+    """Lightning precision plugin: autocast in this rank's device dtype, fp16 loss scaling, one overflow decision.
+
+    Args:
+        init_scale: the fp16 ranks' first loss scale (a power of two, as torch's ``GradScaler``: 2**16).
+        growth_interval: clean steps after which the fp16 ranks double their scale (``GradScaler``'s 2000).
+    """
+
+    precision = PER_DEVICE  # type: ignore[assignment]  # Lightning types it as its own strings
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0 \
+                or not math.isfinite(init_scale) or math.log2(init_scale) != round(math.log2(init_scale)):
+            raise field_error("PerDevicePrecision.init_scale", init_scale, "be a power of two > 0 (unscaling by it "
+                              "is then exact)", "e.g. 65536.0")
+        self.init_scale = float(init_scale)
+        self.growth_interval = require_int(growth_interval, "PerDevicePrecision.growth_interval", minimum=1)
+        self.dtype: Dtype | None = None
+        """This rank's compute dtype, once the strategy planned (``use``); None: fp32 until then."""
+        self.device: torch.device | None = None
+        self.scale = 1.0
+        """The loss scale of this rank: > 1 on an fp16 rank, 1 otherwise."""
+        self.clean_steps = 0
+        """Steps since the last overflow (or growth) on an fp16 rank."""
+        self.skipped_steps = 0
+        """Optimizer steps skipped on an overflow in this run."""
+        self._nonfinite: torch.Tensor | None = None
+        self._restored: dict[str, Any] = {}
+
+    def use(self, dtype: Dtype | str, device: torch.device) -> None:
+        """Compute in ``dtype`` (bf16, fp16 or fp32) on ``device`` from now on; an fp16 rank starts at
+        ``init_scale`` unless a checkpoint set its scale."""
+        dtype = Dtype(dtype)
+        if dtype not in TORCH_DTYPES:
+            raise field_error("plan.device_dtypes", str(dtype), f"be one of {', '.join(TORCH_DTYPES)}")
+        if dtype != self.dtype:
+            restored = self._restored if self._restored.get("dtype") == dtype else {}
+            self.scale = float(restored.get("scale", self.init_scale if dtype == Dtype.fp16 else 1.0))
+            self.clean_steps = int(restored.get("clean_steps", 0))
+        self.dtype, self.device = dtype, device
+        self._nonfinite = torch.zeros((), device=device)
+
+    # -- forward and backward ---------------------------------------------------------------------
+    @override
+    def forward_context(self) -> ContextManager:
+        if self.dtype is None or self.dtype == Dtype.fp32 or self.device is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=TORCH_DTYPES[self.dtype])
+
+    @override
+    def train_step_context(self) -> ContextManager:
+        if self.dtype is None:
+            raise ConfigError("PerDevicePrecision trains under strategy='hetero' only: it takes each rank's dtype "
+                              "from the hetero plan (plan.device_dtypes), and this run made none")
+        return self.forward_context()
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        if self.scale != 1.0:
+            tensor = tensor * self.scale
+        return super().pre_backward(tensor, module)
+
+    def prepare_bucket(self, buffer: torch.Tensor) -> None:
+        """Before a gradient bucket is reduced: unscale it (fp16 ranks) and note a non-finite value."""
+        if self.scale != 1.0:
+            buffer.mul_(1.0 / self.scale)
+        if self._nonfinite is not None:
+            self._nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(buffer).all()).to(self._nonfinite))
+
+    # -- the step ------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        closure_result = closure()
+        if self._overflow_anywhere():
+            self.skipped_steps += 1
+            if self.scale != 1.0:
+                self.scale /= 2.0
+            self.clean_steps = 0
+            rank_debug(dist.get_rank() if dist.is_initialized() else 0, "per-device precision: an inf/NaN gradient "
+                       "on some rank, step skipped on every rank; loss scale now %g", self.scale)
+            return closure_result
+        self._after_closure(model, optimizer)
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            return closure_result  # the training step returned None: no backward, no step (as Lightning does)
+        step_output = optimizer.step(**kwargs)
+        if self.scale != 1.0:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self.clean_steps = 0
+        return step_output
+
+    def _overflow_anywhere(self) -> bool:
+        """The ranks' one overflow decision: a max all-reduce of each rank's non-finite note, which it resets."""
+        flag = self._nonfinite if self._nonfinite is not None else torch.zeros(())
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = flag.clone()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if self._nonfinite is not None:
+            self._nonfinite.zero_()
+        return bool(flag.item() > 0)
+
+    # -- checkpoint ----------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"dtype": None if self.dtype is None else str(self.dtype), "scale": self.scale,
+                "clean_steps": self.clean_steps}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved scale applies to a rank computing in the saved dtype (now, or once ``use`` says so); a rank
+        that now computes in another dtype (a new plan) starts its scale afresh."""
+        self._restored = dict(state_dict)
+        if self.dtype is not None and state_dict.get("dtype") == self.dtype:
+            self.scale = float(state_dict["scale"])
+            self.clean_steps = int(state_dict.get("clean_steps", 0))
