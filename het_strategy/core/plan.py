@@ -169,13 +169,16 @@ class Plan:
                               for k, v in dict(self.device_dtypes).items()}
         if self.dtype != Dtype.per_device:
             if self.device_dtypes:
-                raise field_error("plan.device_dtypes", dict(self.device_dtypes), "be empty unless plan.dtype is "
+                raise field_error("plan.device_dtypes", self._named_dtypes(), "be empty unless plan.dtype is "
                                   "per_device")
             return
         missing = [d for d in self.used_devices if d not in self.device_dtypes]
         if missing:
-            raise field_error("plan.device_dtypes", dict(self.device_dtypes), f"name the dtype of every used "
+            raise field_error("plan.device_dtypes", self._named_dtypes(), f"name the dtype of every used "
                               f"device (per_device plan); it lacks {_few(missing)}")
+
+    def _named_dtypes(self) -> dict[str, str]:
+        return {d: str(v) for d, v in self.device_dtypes.items()}
 
     def compute_dtype(self, device: str) -> Dtype:
         """The dtype ``device`` computes in: its ``device_dtypes`` entry under ``per_device``, else the plan's
@@ -183,7 +186,7 @@ class Plan:
         if self.dtype != Dtype.per_device:
             return self.dtype
         if device not in self.device_dtypes:
-            raise field_error("plan.device_dtypes", dict(self.device_dtypes), f"name the dtype of `{device}`")
+            raise field_error("plan.device_dtypes", self._named_dtypes(), f"name the dtype of `{device}`")
         return self.device_dtypes[device]
 
     @property

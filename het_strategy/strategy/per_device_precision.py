@@ -140,9 +140,8 @@ class PerDevicePrecision(Precision):
 
     def _overflow_anywhere(self) -> bool:
         """The ranks' one overflow decision: a max all-reduce of each rank's non-finite note, which it resets."""
-        flag = self._nonfinite if self._nonfinite is not None else torch.zeros(())
+        flag = self._nonfinite.clone() if self._nonfinite is not None else torch.zeros(())
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.clone()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if self._nonfinite is not None:
             self._nonfinite.zero_()
