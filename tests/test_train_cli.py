@@ -41,6 +41,8 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
     (["planner.mode=ring"], "planner.mode"),
     (["strategy=hetero_deepspeed", "train.precision=bf16-true"], "train.precision"),  # DeepSpeed keeps fp32 masters
     (["strategy=hetero_deepspeed", "train.accumulate_grad_batches=2"], "accumulate_grad_batches"),
+    (["strategy=ddp", "train.precision=per_device"], "`train.precision` is 'per_device'; it must go with strategy=hetero"),
+    (["strategy=hetero_deepspeed", "train.precision=per_device"], "train.precision"),
     (["strategy=hetero_deepspeed", "checkpoint.every_n_steps=2"], "checkpoint.every_n_steps"),
     (["strategy=hetero_deepspeed", "compression=adaptive"], "DeepSpeed reduces"),
     (["model=moe_gpt_tiny", "moe.placement=random"], "moe.placement"),

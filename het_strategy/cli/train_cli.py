@@ -60,7 +60,7 @@ overrides (Hydra syntax; see configs/train.yaml for every field):
   model=<name|file.yaml>         model.num_layers=N model.hidden_size=N model.num_heads=N model.seq_len=N
   strategy=hetero|ddp|hetero_deepspeed   devices=N   accelerator=cpu|cuda
   planner.mode=auto|dp|pipeline|hybrid   (hetero_deepspeed: pipelines of the GPT's blocks; hetero: auto|dp)
-  train.global_batch_size=N  train.max_steps=N  train.lr=X  train.precision=32-true|bf16-mixed  train.seed=N
+  train.global_batch_size=N  train.max_steps=N  train.lr=X  train.precision=32-true|bf16-mixed|per_device  train.seed=N
   train.val_every_n_steps=N  train.val_batches=N  train.accumulate_grad_batches=N
   data.max_bytes=N  data.val_fraction=X  data.seed=N
   logger=wandb|csv|none          wandb.mode=offline|online|disabled   logger.csv.name=NAME
@@ -152,12 +152,12 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
                                          auto_insert_metric_name=False, every_n_train_steps=every, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator=job.accelerator, devices=job.devices, strategy=strategy,
-        precision=job.train.precision, max_steps=job.train.max_steps,
+        precision=None if job.dtype == "per_device" else job.train.precision, max_steps=job.train.max_steps,
         accumulate_grad_batches=job.train.accumulate_grad_batches,
         val_check_interval=job.train.val_every_n_steps, check_val_every_n_epoch=None,
         limit_val_batches=job.train.val_batches, num_sanity_val_steps=0,
         logger=_loggers(job), callbacks=callbacks, enable_checkpointing=every is not None,
-        enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1, plugins=_checkpoint_io(job))
+        enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1, plugins=_plugins(job))
     log_planned_compression(job, trainer.global_rank)
     trainer.fit(model, train_loader, val_loader, ckpt_path=job.resume)
     train_loss = trainer.callback_metrics.get("train_loss")
@@ -197,14 +197,19 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     return summary
 
 
-def _checkpoint_io(job: TrainJob) -> list[Any]:
-    """``checkpoint.async_save``: Lightning's ``AsyncCheckpointIO`` (the tensors copied on the training thread,
-    written by a background one)."""
-    if not job.checkpoint.async_save:
-        return []
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+def _plugins(job: TrainJob) -> list[Any]:
+    """``train.precision=per_device``: the ``PerDevicePrecision`` plugin; ``checkpoint.async_save``: Lightning's
+    ``AsyncCheckpointIO`` (the tensors copied on the training thread, written by a background one)."""
+    plugins: list[Any] = []
+    if job.dtype == "per_device":
+        from het_strategy.strategy.per_device_precision import PerDevicePrecision
 
-    return [AsyncCheckpointIO()]
+        plugins.append(PerDevicePrecision())
+    if job.checkpoint.async_save:
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        plugins.append(AsyncCheckpointIO())
+    return plugins
 
 
 def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:

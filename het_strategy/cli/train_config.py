@@ -125,7 +125,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     precision: str = "32-true"
-    """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA) | ... (``run_plan.PRECISION_DTYPES``)."""
+    """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA) | ... (``run_plan.PRECISION_DTYPES``), or
+    per_device (strategy=hetero): each rank in its device type's fast 16-bit dtype (``PerDevicePrecision``)."""
     accumulate_grad_batches: int = 1
     """Batches accumulated per optimizer step."""
     val_every_n_steps: int = 50
