@@ -1,4 +1,5 @@
-"""bf16 and fp16 pipelines on ``hetero_deepspeed``'s runtime against fp32, on the same samples: the validation loss.
+"""(a) bf16 and fp16 pipelines on ``hetero_deepspeed``'s runtime against fp32, on the same samples: the validation
+loss; (b) per-device precision on ``hetero`` against uniform bf16: speed and loss.
 
 The char GPT (4 blocks, hidden 128, sequence 64: 6 pipeline layers) trains on the standard library's source
 (``demo.stdlib_text``) through ``ds_runtime.PlanRunner`` on 4 CPU ranks, the same global batches in the same
@@ -14,9 +15,20 @@ After the last step, the mean loss over ``--val-batches`` held-out batches (file
 have).  ``loss_gap_<dtype>`` is the largest relative gap to the fp32 run of the same plan; ``seed_noise`` is the
 relative gap between two fp32 aligned runs of different seeds (weights and batch order), the scale a precision
 gap is read against.  It checks that the mixed-precision paths train like fp32 on the same samples; it cannot
-say anything about speed (a CPU has no fast bf16/fp16 units) or about per-device precision (not built: every
-rank of a run computes in one dtype).
-Last line: ``RESULT loss_gap_bf16=... loss_gap_fp16=... seed_noise=... val_fp32=...``.
+say anything about speed (a CPU has no fast bf16/fp16 units).
+
+(b) The main job (het-train, ``strategy=hetero``, the tiny char GPT) on an emulated 2-rank cluster: one device
+with fast bf16 units only (an A100-like ``{fp32: 0.001, bf16: 0.004}`` TFLOPS) and one with fast fp16 units only
+(a V100-like ``{fp32: 0.001, fp16: 0.004}``), each rank's compute padded to its emulated time in the dtype it
+computes in.  Uniform ``bf16-mixed`` runs the second device at its fp32 rate (the planner gives it a fifth of
+the batch); ``per_device`` runs it in fp16 with loss scaling (half the batch).  ``per_device_ratio`` is the
+measured samples/s of per_device over bf16 (means over the steps after warm-up), against the cost model's
+``predicted_ratio``; ``per_device_loss_gap`` the relative gap of their final validation losses over every
+held-out sequence, against ``seed_noise_b``, the gap between two bf16 runs of different seeds.  The emulation
+checks the schedule (who computes how much in which dtype, the fp32 all-reduce, the agreed skip), not a GPU's
+bf16/fp16 speed: the CPU's real 16-bit compute is kept below the padded time.
+Last line: ``RESULT loss_gap_bf16=... loss_gap_fp16=... per_device_ratio=... predicted_ratio=...
+per_device_loss_gap=... seed_noise=... seed_noise_b=... val_fp32=...``.
 """
 
 from __future__ import annotations
@@ -30,6 +42,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+UNITS = {"name": "bf16_beside_fp16", "inter_node_bandwidth_gbs": 1, "nodes": [{"name": "local", "intra_bandwidth_gbs": 1,
+         "devices": [{"name": "bf16_units", "type": "CPU", "tflops": {"fp32": 0.001, "bf16": 0.004}, "efficiency": 1.0,
+                      "emulated_speed": 1.0},
+                     {"name": "fp16_units", "type": "CPU", "tflops": {"fp32": 0.001, "fp16": 0.004},
+                      "efficiency": 1.0, "emulated_speed": 1.0}]}]}
+"""Part (b)'s cluster: one device with fast bf16 units only, one with fast fp16 units only (rates x4 over fp32)."""
 MODEL = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256}
 DEVICES = tuple(f"cpu{i}" for i in range(4))
 
@@ -119,6 +137,38 @@ def _worker(spec_path: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def per_device_part(args: argparse.Namespace) -> dict[str, float]:
+    """Part (b): het-train in bf16-mixed (seeds 0 and 1) and per_device (seed 0); the ratios and loss gaps."""
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _het_train import run_het_train
+
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="het_per_device_") as tmp:
+        cluster = Path(tmp) / "cluster.yaml"
+        cluster.write_text(yaml.safe_dump(UNITS))
+        common = [f"cluster={cluster}", "strategy=hetero", f"train.max_steps={args.steps_b}",
+                  f"train.global_batch_size={args.batch_b}", f"train.val_every_n_steps={args.steps_b}",
+                  "train.val_batches=1"]
+        for name, precision, seed in (("bf16", "bf16-mixed", 0), ("per_device", "per_device", 0),
+                                      ("bf16_seed1", "bf16-mixed", 1)):
+            runs[name] = run_het_train([*common, f"train.precision={precision}", f"train.seed={seed}"],
+                                       Path(tmp) / name)
+            r = runs[name]
+            print(f"  {name:<11} shares {r['shares']}  {r['step_s']:.3f} s/step (predicted {r['predicted_step_s']:.3f})"
+                  f"  {r['samples_per_s']:.2f} samples/s  val loss {r['final_val_loss']:.4f}", flush=True)
+    bf16, per_device = runs["bf16"], runs["per_device"]
+    ratio = per_device["samples_per_s"] / bf16["samples_per_s"]
+    predicted = bf16["predicted_step_s"] / per_device["predicted_step_s"]
+    gap = abs(per_device["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]
+    noise = abs(runs["bf16_seed1"]["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]
+    print(f"  per_device over bf16: measured {ratio:.3f}x, predicted {predicted:.3f}x "
+          f"(model error {abs(ratio - predicted) / predicted:.1%}); loss gap {gap:.2%} vs seed noise {noise:.2%}")
+    return {"per_device_ratio": ratio, "predicted_ratio": predicted, "per_device_loss_gap": gap,
+            "seed_noise_b": noise}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150)
@@ -127,7 +177,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--steps-b", type=int, default=30, help="part (b): optimizer steps per het-train run")
+    ap.add_argument("--batch-b", type=int, default=20, help="part (b): global batch (20: 16/4 in bf16, 10/10 per "
+                    "device)")
+    ap.add_argument("--part", choices=("a", "b", "all"), default="all")
     args = ap.parse_args()
+    b = per_device_part(args) if args.part in ("b", "all") else {}
+    if args.part == "b":
+        print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in b.items()))
+        return
     runs = {"aligned": (("fp32", 0), ("bf16", 0), ("fp16", 1)), "asymmetric": (("fp32", 0), ("bf16", 0))}
     gaps: dict[str, float] = {}
     results: dict[tuple[str, str], dict[str, Any]] = {}
@@ -148,8 +206,10 @@ def main() -> None:
     noise = abs(other["val_loss"] - base) / base
     print(f"  aligned     fp32     0 {other['train_loss']:>10.4f} {other['val_loss']:>9.4f} {noise:>11.2%}  "
           "(seed 1: weights and batch order)")
-    print(f"RESULT loss_gap_bf16={gaps['bf16']:.4f} loss_gap_fp16={gaps['fp16']:.4f} seed_noise={noise:.4f} "
-          f"val_fp32={base:.4f}")
+    print(f"RESULT loss_gap_bf16={gaps['bf16']:.4f} loss_gap_fp16={gaps['fp16']:.4f} "
+          + "".join(f"{k}={b[k]:.4f} " for k in ("per_device_ratio", "predicted_ratio", "per_device_loss_gap") if b)
+          + f"seed_noise={noise:.4f} " + (f"seed_noise_b={b['seed_noise_b']:.4f} " if b else "")
+          + f"val_fp32={base:.4f}")
 
 
 if __name__ == "__main__":
