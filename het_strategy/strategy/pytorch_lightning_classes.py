@@ -26,10 +26,10 @@ _NOT_COPIED = ("__dict__", "__weakref__")
 
 
 def twin(cls: type, base: type, module: str = __name__) -> type:
-    """``cls``'s body on ``base`` instead of its own base: ``cls`` must derive directly from the DDPStrategy that
-    ``base`` replaces.
+    """``cls``'s body on ``base`` instead of its own base: ``cls`` must derive directly from the
+    ``lightning.pytorch`` class (a ``DDPStrategy``, a ``Precision``) that ``base`` replaces.
 
-    Why a factory: the ``pytorch_lightning`` class needs the same methods on another package's ``DDPStrategy``,
+    Why a factory: the ``pytorch_lightning`` class needs the same methods on another package's base class,
     and writing them twice would let the two drift.  The methods are copied with their ``__class__`` cell
     pointing at the new class, so zero-argument ``super()`` follows the new class's MRO; they keep their module
     globals, so a method body must reach Lightning through ``self`` and its arguments, not through
