@@ -19,6 +19,7 @@ from het_strategy.core.runtime_rules import Runtime, runtime_problems
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
+from het_strategy.planning.structure import device_dtypes
 from het_strategy.report.table import plan_table
 
 A100_V100 = {"name": "a100_v100", "nodes": [{"name": "n", "devices": [{"type": "A100-40GB", "count": 2},
@@ -65,7 +66,7 @@ def test_device_dtypes_override_a_type_and_the_cost_model_follows() -> None:
     settings = TrainSettings(global_batch_size=32, dtype="per_device", device_dtypes={"V100": "fp32"})
     assert settings.device_dtypes == {"V100-16GB": "fp32"}  # an alias becomes the catalog name
     cm = CostModel(cluster, workload, settings)
-    assert cm.device_dtypes()["n/2"] == "fp32" and cm.device_dtypes()["n/0"] == "bf16"
+    assert device_dtypes(cm)["n/2"] == "fp32" and device_dtypes(cm)["n/0"] == "bf16"
 
 
 @pytest.mark.parametrize(("make", "message"), [

@@ -59,7 +59,7 @@ from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync
 from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
-from het_strategy.core.dtypes import DTYPE_BYTES, Dtype
+from het_strategy.core.dtypes import DTYPE_BYTES
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = ["StageCost", "PlanScore", "CostModel"]
@@ -155,13 +155,6 @@ class CostModel:
         return CostModel(self.cluster, self.workload, settings, self.profile, self.network)
 
     # -- per-layer times ------------------------------------------------------------------------
-    def device_dtypes(self) -> dict[str, Dtype]:
-        """Under ``settings.dtype=per_device``: each device's name -> the dtype it computes in (what a plan records
-        as ``device_dtypes``); empty for any other dtype."""
-        if self.settings.dtype != Dtype.per_device:
-            return {}
-        return {d.name: self.settings.compute_dtype(d) for d in self.cluster.devices}
-
     def device_key(self, device: DeviceSpec) -> tuple:
         """Devices with equal keys cost the same per layer (the planner groups them).  Kept per device object: the
         planner asks for every device of a large cluster many times."""

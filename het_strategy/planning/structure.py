@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from het_strategy.core.cost_model import CostModel
+from het_strategy.core.dtypes import Dtype
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.pipeline import EXACT_LAYER_LIMIT, Partition, partition_front, send_key
@@ -175,7 +176,15 @@ def plan_from_pipelines(cm: CostModel, pipelines: Sequence[Pipeline], mode: str)
     return Plan(cluster=cm.cluster.name, cluster_devices=tuple(d.name for d in cm.cluster.devices),
                 model=cm.workload.fingerprint(), global_batch_size=cm.settings.global_batch_size,
                 pipelines=tuple(pipelines), zero_stage=cm.settings.zero_stage, dtype=cm.settings.dtype,
-                device_dtypes=cm.device_dtypes(), mode=mode)
+                device_dtypes=device_dtypes(cm), mode=mode)
+
+
+def device_dtypes(cm: CostModel) -> dict[str, Dtype]:
+    """Under ``settings.dtype=per_device``: each device's name -> the dtype it computes in (what a plan records
+    as ``device_dtypes``); empty for any other dtype."""
+    if cm.settings.dtype != Dtype.per_device:
+        return {}
+    return {d.name: cm.settings.compute_dtype(d) for d in cm.cluster.devices}
 
 
 _FRONT_CACHES: "weakref.WeakKeyDictionary[CostModel, dict]" = weakref.WeakKeyDictionary()
