@@ -30,8 +30,9 @@
 (c) AMP's six measured plans (``reference/amp_plans.py``, ``reference/data/amp/measured_plans.json``) on
     its V100 + T4 cluster: our predictions next to the measured times, and the
     rank correlation.
-(d) Memory: our per-device stage memory (``CostModel.stage_memory_bytes``, the settings of (b): fp16, Adam,
-    no ZeRO, no activation checkpointing, 1 GiB reserve) against Sailor's formula
+(d) Memory: our per-device stage memory (``core/memory.py``: ``CostModel.stage_memory_bytes`` without its
+    headroom, plus the framework's overhead; the settings of (b): fp16, Adam, no ZeRO, no activation
+    checkpointing) against Sailor's formula
     (``reference/sailor_memory.py``: params x 24 B, fp32 activations of the micro-batches in flight, 2 or
     3 GB of Megatron overhead), for every GPU Sailor profiled on OPT-350 that the catalog knows, tp 1, 2, 4,
     every micro-batch size Sailor profiled for that pair, and every stage shape (layers, position, pipeline
@@ -43,7 +44,8 @@ sailor_default_128_384=... amp_spearman=... amp_best_rank=... amp_tp2_ranks=...
 memory_median_err=... memory_worst_err=... memory_worst_below_gib=...``
 (sailor_*: Sailor's plan's simulated time / ours, both under Sailor's simulator; > 1: ours is faster;
 sailor_default_*: the same for our plan with default settings, the simulator's slip corrected;
-memory_*: |ours - Sailor's| / Sailor's, and the most GiB ours is below Sailor's).
+memory_*: |ours - Sailor's| / Sailor's, and the most GiB ours is below Sailor's, to be read against the
+headroom a plan keeps free, ``settings.memory_reserve_gb``: 0 by default).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_cluster  # noqa: E402
 from het_strategy.core.cost_model import CostModel  # noqa: E402
+from het_strategy.core.memory import GiB, overhead_bytes  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
 from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile, read_sailor_json  # noqa: E402
@@ -189,7 +192,6 @@ def _plan_shape(plan: Plan, cluster: ClusterSpec) -> str:
     return "; ".join(f"{n} x [{k}]" for k, n in shape.items())
 
 
-GiB = 2**30
 _SAILOR_SETTINGS = dict(dtype="fp16", max_tp=4, max_stages=8, equal_shares=True)
 """The settings (b) plans Sailor's clusters with (the micro-batch menu aside, which memory does not read)."""
 
@@ -220,9 +222,12 @@ def memory_rows(workload: WorkloadSpec, shapes: list[tuple[int, int, int, int]])
             cluster = _one_type_cluster(device_type, tp)
             cm = CostModel(cluster, workload, TrainSettings(1024, micro_batch_sizes=tuple(sizes), **_SAILOR_SETTINGS))
             capacity = cm.memory_capacity_bytes(cluster.devices[0])
+            reserve = cm.settings.memory_reserve_gb * GiB
             for mbs in sizes:
                 for start, stop, s, num_stages in shapes:
-                    ours = cm.stage_memory_bytes(start, stop, tp, mbs, num_stages - s, 1)
+                    # the model's estimate: state + activations + the framework's overhead (the headroom aside)
+                    ours = (cm.stage_memory_bytes(start, stop, tp, mbs, num_stages - s, 1) - reserve
+                            + overhead_bytes(cluster.devices[0], tp))
                     theirs = sailor_stage_memory(start, stop, tp, mbs, s, num_stages).total_bytes
                     rows.append((gpu, tp, mbs, (start, stop, s, num_stages), ours, theirs, capacity,
                                  SAILOR_GPU_MEMORY_GIB[gpu] * GiB))
@@ -236,10 +241,12 @@ def memory_terms(workload: WorkloadSpec) -> list[str]:
     cm = CostModel(_one_type_cluster("A100-40GB", 1), workload, settings)
     table = read_sailor_json("layer_memory.json")["OPT-350"]
     last = workload.num_layers - 1
+    device = _one_type_cluster("A100-40GB", 1).devices[0]
     lines.append(f"  model state per parameter: ours {settings.state_bytes_per_param(1):.0f} B (fp16 weights + "
-                 f"grads, fp32 Adam master + 2 moments), Sailor's 24 B; fixed: ours "
-                 f"{settings.memory_reserve_gb:.1f} GiB, Sailor's {sailor_overhead_bytes(1) / GiB:.2f} GiB (tp 1) / "
-                 f"{sailor_overhead_bytes(2) / GiB:.2f} GiB (tp > 1)")
+                 f"grads, fp32 Adam master + 2 moments, fp32 reduce buffer, the engine's copy), Sailor's 24 B; "
+                 f"fixed: ours {overhead_bytes(device, 1) / GiB:.2f} GiB (tp 1) / {overhead_bytes(device, 2) / GiB:.2f}"
+                 f" GiB (tp > 1) + {settings.memory_reserve_gb:.1f} GiB headroom, Sailor's "
+                 f"{sailor_overhead_bytes(1) / GiB:.2f} GiB (tp 1) / {sailor_overhead_bytes(2) / GiB:.2f} GiB (tp > 1)")
     for tp in (1, 2, 4):
         parts = []
         for name, layer in (("embedding", 0), ("block", 1), ("head", last)):
@@ -343,7 +350,7 @@ def main() -> None:
 
     shapes = stage_shapes(plans)
     mem_rows = memory_rows(opt, shapes)
-    print(f"(d) memory per device, ours (fp16, Adam, 1 GiB reserve) vs Sailor's formula (GiB), {len(shapes)} stage "
+    print(f"(d) memory per device, ours (fp16, Adam; the headroom aside) vs Sailor's formula (GiB), {len(shapes)} stage "
           f"shapes (start, stop, stage, stages) from the plans of (b) x each profiled (gpu, tp, mbs):")
     by_gpu_tp: dict[tuple[str, int], list[tuple]] = {}
     for row in mem_rows:

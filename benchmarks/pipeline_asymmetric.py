@@ -1,7 +1,7 @@
 """An asymmetric plan vs the best aligned one, both run for real on 5 emulated ranks (char GPT).
 
 The cluster: one fast device (speed 1) that holds the whole model, and four
-slow ones (speed 0.4) whose memory (20 MB each, emulated) holds only a part of
+slow ones (speed 0.4) whose memory (30 MB each, emulated) holds only a part of
 it, so a slow device can only serve inside a pipeline.  The global batch is
 small for the stage count (8 samples, micro-batches of 4: a fixed micro-batch,
 as when memory or a kernel's efficiency sets it).  Why asymmetry pays here:
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--slow", type=int, default=4, help="number of slow devices")
     ap.add_argument("--slow-speed", type=float, default=0.4)
-    ap.add_argument("--slow-memory-gb", type=float, default=0.02)
+    ap.add_argument("--slow-memory-gb", type=float, default=0.03)
     ap.add_argument("--tflops", type=float, default=0.004,
                     help="declared fp32 TFLOPS of a speed-1 device: low enough that 5 ranks on 2 cores stay "
                          "well inside their emulated time")

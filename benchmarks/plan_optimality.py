@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict  # noqa: E402
 from het_strategy.core.cost_model import CostModel, StageCost, pipeline_time_s  # noqa: E402
+from het_strategy.core.memory import MemoryModel  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
 from het_strategy.core.workload import TransformerConfig, WorkloadSpec, transformer_workload  # noqa: E402
@@ -230,7 +231,7 @@ class _Evaluator:
         if hit is None:
             cm = self.cm
             need = cm.stage_memory_bytes(start, stop, len(slot), mb, in_flight, dp)
-            hit = self._fits[key] = all(need <= cm.memory_capacity_bytes(cm.cluster.device(d)) for d in slot)
+            hit = self._fits[key] = all(MemoryModel.fits(need, cm.cluster.device(d), len(slot)) for d in slot)
         return hit
 
     def fronts(self, slots: Slots, dp: int, ring: Sequence[float], max_share: int
@@ -509,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         c, w = case.cluster, case.workload
         smallest = min(c.devices, key=lambda d: d.memory_gb)
         alone = CostModel(c, w, case.settings).stage_memory_bytes(0, w.num_layers, 1, 1, 1, 1)
-        memory_binds += alone > smallest.memory_bytes
+        memory_binds += not MemoryModel.fits(alone, smallest, 1)
         head = (f"{case.index:4d} {c.num_devices:3d} {len(c.device_types):3d} {w.num_layers:2d} "
                 f"{case.settings.global_batch_size:2d}")
         tail = f"{main_run['t']:7.3f} {t_brute:7.3f} {brute.num_plans:12d} {brute.num_evals:8d}"

@@ -6,7 +6,10 @@ plan JSON with the price figures het-plan adds, and the line it prints), before 
 that wrote it is ``tests/data/capture_plan_baseline.py`` at commit 4ea4300 (its ZeRO-2 ``runtime=deepspeed`` case
 on metis_t4_a100 is left out here: the runtime rule table refuses that plan now).  The ``runtime=deepspeed``
 case at ``max_tp=2`` was captured again when the deepspeed runtime gained tensor parallelism: its best plan
-(tp 2 stages) is now runnable, where the runtime used to fall back to tp 1.
+(tp 2 stages) is now runnable, where the runtime used to fall back to tp 1.  Every case was captured again
+(``tests/data/refresh_plan_baseline.py``) when the memory model gained the runtime's buffers, the framework's
+overhead and the activations tp does not split (``core/memory.py``): the plans kept their structure, their memory
+figures and the "does not fit" reasons changed.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def runnable_problem(plan, runtime):
 
 def _asym_cluster():
     """benchmarks/pipeline_asymmetric.py's cluster: one fast device holding the model, four slow ones that cannot."""
-    devices = [("fast", 1.0, 16.0)] + [(f"slow{i}", 0.4, 0.02) for i in range(4)]
+    devices = [("fast", 1.0, 16.0)] + [(f"slow{i}", 0.4, 0.03) for i in range(4)]
     return load_cluster({"name": "asym", "inter_node_bandwidth_gbs": 1, "nodes": [{
         "name": "local", "intra_bandwidth_gbs": 1, "devices": [
             {"name": n, "type": "CPU", "tflops": {"fp32": 0.004}, "efficiency": 1.0, "emulated_speed": s,

@@ -40,9 +40,10 @@ Communication is priced by ``network.Network`` (one place for the link model):
   linear with gathered logits) adds an all-gather of its output forward and
   an allreduce of its input's gradient backward at tp > 1.
 
-Memory per device: weights + gradients + optimizer state (sharded by ZeRO stage
-over the data-parallel degree) + activations of the micro-batches in flight
-(1F1B keeps min(S - s, n) on stage s) + a fixed reserve.
+Memory per device (``core/memory.py``): weights, gradients, optimizer state and
+the runtime's buffers (sharded by ZeRO stage over the data-parallel degree) +
+activations of the micro-batches in flight (1F1B keeps min(S - s, n) on stage
+s) + the framework's overhead outside the allocator + a headroom.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.dtypes import DTYPE_BYTES
+from het_strategy.core.memory import GiB, MemoryModel, overhead_bytes
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = ["StageCost", "PlanScore", "CostModel"]
 
-GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -139,11 +140,9 @@ class CostModel:
         self._params = _prefix([layer.params for layer in layers])
         self._expert_params = [layer.moe.params_per_expert * layer.moe.num_experts if layer.moe else 0
                                for layer in layers]
-        self._act = _prefix([layer.activation_bytes_per_sample * act_scale for layer in layers])
         self._out = [layer.output_bytes_per_sample * act_scale for layer in layers]
-        self._ckpt_act = _prefix([layer.output_bytes_per_sample * act_scale for layer in layers])
-        self._max_act = [layer.activation_bytes_per_sample * act_scale for layer in layers]
-        self._total_params = _prefix([layer.total_params for layer in layers])
+        self.memory = MemoryModel(workload, settings)
+        """The memory model (``core/memory.py``)."""
         self._representative: dict[tuple, DeviceSpec] = {}
         self._device_keys: dict[str, tuple[DeviceSpec, tuple]] = {}
         self._prefix_cache: dict[tuple, tuple[list[float], list[float]]] = {}
@@ -282,33 +281,14 @@ class CostModel:
 
     def stage_memory_bytes(self, start: int, stop: int, tp: int, micro_batch: int, in_flight: int, dp: int,
                            experts_held: dict[int, int] | None = None) -> float:
-        """Peak bytes per device of a stage: weights, grads, optimizer state, activations, reserve."""
-        s = self.settings
-        state = self.stage_param_count(start, stop, experts_held) / tp * s.state_bytes_per_param(dp)
-        if s.activation_checkpointing:
-            acts = (self._ckpt_act[stop] - self._ckpt_act[start]) * micro_batch * in_flight
-            acts += max(self._max_act[start:stop]) * micro_batch
-        else:
-            acts = (self._act[stop] - self._act[start]) * micro_batch * in_flight
-        return state + acts / tp + s.memory_reserve_gb * GiB
+        """Peak bytes per device of a stage: model state, activations, headroom (``MemoryModel.stage_bytes``; the
+        framework's overhead comes on top: ``memory.overhead_bytes``)."""
+        return self.memory.stage_bytes(self.stage_param_count(start, stop, experts_held), start, stop, tp,
+                                       micro_batch, in_flight, dp)
 
     def memory_matrix(self, tp: int, micro_batch: int, in_flight: int, dp: int) -> np.ndarray:
         """``stage_memory_bytes`` for every range [i, j) at once (experts all held), as an (L+1)^2 array."""
-        s = self.settings
-        P = np.asarray(self._total_params)
-        params = (P[None, :] - P[:, None]) / tp
-        if s.activation_checkpointing:
-            C = np.asarray(self._ckpt_act)
-            acts = (C[None, :] - C[:, None]) * micro_batch * in_flight
-            L = len(self._max_act)
-            peak = np.zeros((L + 1, L + 1))
-            for i in range(L):
-                peak[i, i + 1:] = np.maximum.accumulate(np.asarray(self._max_act[i:]))
-            acts = acts + peak * micro_batch
-        else:
-            A = np.asarray(self._act)
-            acts = (A[None, :] - A[:, None]) * micro_batch * in_flight
-        return params * s.state_bytes_per_param(dp) + acts / tp + s.memory_reserve_gb * GiB
+        return self.memory.matrix(tp, micro_batch, in_flight, dp)
 
     def post_matrix(self, device: DeviceSpec, tp: int, dp: int, route: SyncRoute) -> np.ndarray:
         """Gradient sync + optimizer update of every range [i, j) on ``device``, as an (L+1)^2 array."""
@@ -321,6 +301,10 @@ class CostModel:
 
     def memory_capacity_bytes(self, device: DeviceSpec) -> float:
         return device.memory_bytes
+
+    def memory_budget_bytes(self, device: DeviceSpec, tp: int) -> float:
+        """What ``stage_memory_bytes`` may reach on ``device`` at ``tp`` (its memory less the framework's)."""
+        return MemoryModel.budget_bytes(device, tp)
 
     def allreduce_s(self, num_bytes: Any, group_size: int, route: SyncRoute) -> Any:
         """Gradient allreduce of ``num_bytes`` (a number or an array) among ``group_size`` replicas along
@@ -445,8 +429,9 @@ class CostModel:
 
             in_flight = min(len(pipe.stages) - s, n)
             for d in stage.devices:
-                memory[d] = self.stage_memory_bytes(start, stop, stage.tp, pipe.micro_batch_size, in_flight, dp,
-                                                    experts_by_dev.get(d))
+                memory[d] = (self.stage_memory_bytes(start, stop, stage.tp, pipe.micro_batch_size, in_flight, dp,
+                                                     experts_by_dev.get(d))
+                             + overhead_bytes(self.cluster.device(d), stage.tp))
             comp_full, send_full = _stage(pipe.micro_batch_size)
             comp_last, send_last = _stage(last) if last != pipe.micro_batch_size else (comp_full, send_full)
             costs_full.append(StageCost(comp_full, send_full, max(memory[d] for d in stage.devices)))

@@ -20,7 +20,12 @@ from het_strategy.core.errors import ConfigError, field_error, require_int, requ
 if TYPE_CHECKING:
     from het_strategy.core.device_spec import DeviceSpec
 
-__all__ = ["ZeroShards", "TrainSettings"]
+__all__ = ["ZeroShards", "TrainSettings", "REDUCE_BUFFER_BYTES", "ENGINE_COPY_BYTES"]
+
+REDUCE_BUFFER_BYTES = 4
+"""Bytes per parameter of the fp32 buffer the gradient reduction runs in (DDP's buckets, DeepSpeed's)."""
+ENGINE_COPY_BYTES = 4
+"""Bytes per parameter of the copy of the weights DeepSpeed makes when it builds its engine (Sailor's count)."""
 
 
 class ZeroShards(NamedTuple):
@@ -53,8 +58,10 @@ class TrainSettings:
     ZeRO 0)."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes the planner tries."""
-    memory_reserve_gb: float = 1.0
-    """GiB per device kept for the framework, CUDA context and fragmentation."""
+    memory_reserve_gb: float = 0.0
+    """Headroom: GiB per device kept free beyond the memory model (``core/memory.py``), which counts the framework's
+    overhead outside the allocator and is never below Sailor's validated fit check on the configurations Sailor
+    profiled; 0 by default, raise it for margin (fragmentation in long runs)."""
     max_stages: int = 16
     """Most pipeline stages the planner considers."""
     equal_shares: bool = False
@@ -135,10 +142,13 @@ class TrainSettings:
         return ZeroShards(weights=dp if z >= 3 else 1, gradients=dp if z >= 2 else 1, optimizer=dp if z >= 1 else 1)
 
     def state_bytes_per_param(self, dp: int) -> float:
-        """Bytes of weights + gradients + optimizer state one of ``dp`` replicas holds per parameter."""
+        """Bytes of weights + gradients + optimizer state one of ``dp`` replicas holds per parameter, with the
+        runtime's buffers: the fp32 buffer the gradient reduction runs in (split as the gradients are) and the
+        weight copy DeepSpeed makes when it builds its engine (split as the weights are): ``core/memory.py``."""
         shards = self.zero_shards(dp)
         return (self.param_bytes / shards.weights + self.param_bytes / shards.gradients
-                + self.optimizer_bytes_per_param / shards.optimizer)
+                + self.optimizer_bytes_per_param / shards.optimizer
+                + REDUCE_BUFFER_BYTES / shards.gradients + ENGINE_COPY_BYTES / shards.weights)
 
 
 def _device_dtypes(raw: Any, dtype: Dtype) -> dict[str, Dtype]:

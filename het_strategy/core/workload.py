@@ -69,6 +69,9 @@ class LayerCost:
     """Bytes of the layer's output per sample: what crosses a pipeline boundary."""
     moe: MoESpec | None = None
     """Expert part, for MoE layers."""
+    tp_replicated_activation_bytes: float = 0.0
+    """Of ``activation_bytes_per_sample``, the bytes every tensor-parallel rank keeps whole (a block's layer-norm
+    inputs and dropout masks without sequence parallelism); the rest is split over tp."""
 
     @property
     def total_params(self) -> int:
@@ -162,7 +165,9 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
 
     FLOPs count multiply-adds as 2 (QKV, scores, scores x V, output projection,
     MLP; LM head 2·s·h·V).  Activation bytes per block follow Korthikanti et al.
-    (2022): s·h·(34 + 5·a·s/h) bytes in a 16-bit dtype without recomputation.
+    (2022): s·h·(34 + 5·a·s/h) bytes in a 16-bit dtype without recomputation, of
+    which 10·s·h stay whole on every tensor-parallel rank (their eq. 2).  The head
+    keeps its logits in fp32 twice: the upcast logits and the loss's softmax.
     """
     dtype = as_dtype(dtype, "model.dtype")
     s, h, a, v = cfg.seq_len, cfg.hidden_size, cfg.num_heads, cfg.vocab_size
@@ -175,6 +180,7 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
     attn_params = 4 * h * h + 4 * h + 4 * h  # qkv + out (with bias) + two layernorms
     mlp_params = 2 * h * f + f + h
     block_act = (s * h * 34 + 5 * a * s * s) * scale
+    whole = s * h * 10 * scale  # layer-norm inputs and dropout masks: whole on every tp rank
     layers = [LayerCost("embedding", 2 * s * h, v * h + s * h, s * h * DTYPE_BYTES[dtype], boundary)]
     for i in range(cfg.num_layers):
         is_moe = cfg.num_experts > 0 and (i % cfg.moe_every == cfg.moe_every - 1)
@@ -183,12 +189,12 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
                           flops_per_token_per_expert=4 * h * fe)
             router_flops = 2 * s * h * cfg.num_experts
             layers.append(LayerCost(f"block{i}", attn_flops + router_flops, attn_params + h * cfg.num_experts,
-                                    block_act + s * h * cfg.top_k * DTYPE_BYTES[dtype], boundary, moe))
+                                    block_act + s * h * cfg.top_k * DTYPE_BYTES[dtype], boundary, moe, whole))
         else:
             layers.append(LayerCost(f"block{i}", attn_flops + mlp_flops, attn_params + mlp_params, block_act,
-                                    boundary))
-    # logits are kept in fp32 for the loss
-    layers.append(LayerCost("head", 2 * s * h * v, v * h + 2 * h, s * v * 4 + s * h * DTYPE_BYTES[dtype], s * 4))
+                                    boundary, tp_replicated_activation_bytes=whole))
+    # logits are kept in fp32 for the loss, twice (the upcast logits and the softmax the loss keeps)
+    layers.append(LayerCost("head", 2 * s * h * v, v * h + 2 * h, 2 * s * v * 4 + s * h * DTYPE_BYTES[dtype], s * 4))
     return WorkloadSpec(name=cfg.name, layers=tuple(layers), seq_len=s, dtype=dtype)
 
 

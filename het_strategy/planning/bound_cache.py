@@ -115,7 +115,7 @@ class BoundCache:
         qkey = (key, tp, dp, in_flight)
         hit = self._dp_masks.get(qkey)
         if hit is None:
-            capacity = self.cm.memory_capacity_bytes(self._device[key])
+            capacity = self.cm.memory_budget_bytes(self._device[key], tp)
             mkey = (tp, in_flight, self.cm.settings.state_bytes_per_param(dp), capacity)
             hit = self._masks.get(mkey)
             if hit is None:

@@ -55,7 +55,7 @@ def place_experts(cm: CostModel, plan: Plan) -> dict[int, dict[str, list[int]]]:
             used = cm.stage_memory_bytes(stage.layers[0], stage.layers[1], stage.tp, pipe.micro_batch_size,
                                          n_flight, dp, experts_held={layer: 0})
             per_expert = moe.params_per_expert / stage.tp * cm.settings.state_bytes_per_param(dp)
-            caps.append(max(1, int((cm.memory_capacity_bytes(dev) - used) // per_expert)))
+            caps.append(max(1, int((cm.memory_budget_bytes(dev, stage.tp) - used) // per_expert)))
         counts = expert_counts_by_speed(rates, moe.num_experts, caps)
         if counts is None:
             continue

@@ -40,6 +40,7 @@ import itertools
 from typing import Callable, Sequence
 
 from het_strategy.core.cost_model import GiB, CostModel, PlanScore
+from het_strategy.core.memory import overhead_bytes
 from het_strategy.core.plan import Plan
 from het_strategy.planning.structure import StructureResult, assemble_plan
 
@@ -52,11 +53,12 @@ MAX_GROUPS = 16
 
 
 def replica_memory(cm: CostModel, device: str) -> tuple[float, float]:
-    """(bytes a full model replica needs at the smallest micro-batch, bytes the device has) in pure DP."""
+    """(bytes a full model replica needs at the smallest micro-batch, the framework's overhead included; bytes the
+    device has) in pure DP."""
     dev = cm.cluster.device(device)
     m = min(cm.settings.micro_batch_sizes)
     dp = max(1, min(cm.cluster.num_devices, cm.settings.global_batch_size))  # most ranks ZeRO can shard over
-    need = cm.stage_memory_bytes(0, cm.workload.num_layers, 1, m, 1, dp)
+    need = cm.stage_memory_bytes(0, cm.workload.num_layers, 1, m, 1, dp) + overhead_bytes(dev, 1)
     return need, cm.memory_capacity_bytes(dev)
 
 

@@ -133,7 +133,7 @@ def _stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch
     for s, devices in enumerate(slots):
         dev = cm.cluster.device(devices[0])
         dkey, tp = cm.device_key(dev), len(devices)
-        capacity = cm.memory_capacity_bytes(dev)
+        capacity = cm.memory_budget_bytes(dev, tp)
         mkey = (tp, micro_batch, in_flight[s], state_bytes, capacity)
         mask = cache.masks.get(mkey)
         if mask is None:

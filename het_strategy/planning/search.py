@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.cost_model import GiB, CostModel
+from het_strategy.core.memory import overhead_bytes
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
@@ -111,8 +112,8 @@ def _nothing_fits_message(cm: CostModel, mode: str) -> str:
     stages = min(cm.cluster.num_devices, L, cm.settings.max_stages)
     # memory of the heaviest stage when layers are spread evenly over as many stages as allowed
     bounds = [round(i * L / stages) for i in range(stages + 1)]
-    need = max((cm.stage_memory_bytes(a, b, 1, m, stages - s, cm.cluster.num_devices), s)
-               for s, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a)
+    need = max((cm.stage_memory_bytes(a, b, 1, m, stages - s, cm.cluster.num_devices)
+                + overhead_bytes(largest, 1), s) for s, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a)
     return (f"no {mode} plan fits in memory: the model needs {_size(need[0])} on stage {need[1]} even "
             f"when split over {stages} stages at micro-batch {m}; the largest device ({largest.name}, "
             f"{largest.type}) has {largest.memory_gb:g} GiB; try ZeRO-3 (settings.zero_stage=3), activation "
@@ -131,7 +132,7 @@ def _dp_does_not_fit_message(cm: CostModel) -> str:
     have = "; ".join(f"{n}x {t} ({_size(cap)} each)" for (t, cap), n in by_type.items())
     return (f"no dp plan fits in memory: data parallelism puts a whole replica of model `{cm.workload.name}` "
             f"on every rank, which needs {_size(need)} at micro-batch {m} (weights, gradients, optimizer state, "
-            f"activations, settings.memory_reserve_gb); no device holds it: {have}; use a smaller model or "
+            f"activations, the framework's overhead, settings.memory_reserve_gb); no device holds it: {have}; use a smaller model or "
             f"micro-batch (settings.micro_batch_sizes), ZeRO (settings.zero_stage=1..3), activation checkpointing "
             f"(settings.activation_checkpointing=true), or split the model: planner.mode=pipeline (or hybrid) and "
             f"train with the hetero_deepspeed strategy")
