@@ -9,8 +9,9 @@ dataset is ``SAMPLES`` samples, 3 global batches of 8, which Lightning shuffles
 ``OUT_DIR/rank{r}.json``.  ``badbatch``: one rank, a one-device plan and a
 DataLoader batch_size of 4, not 8; writes the ConfigError's field.  After fit
 ``pipe``/``asym``/``dp`` (``dp_plan``: four one-stage replicas) saves ``OUT_DIR/last.ckpt`` and loads it back into the runner; then a new
-Trainer + model resumes from it (``fit(ckpt_path=...)``, ``max_epochs=2``) and
-a third, of the other ZeRO stage (another plan), must be refused.  ``asym_bf16``: the asymmetric plan in bf16
+Trainer + model resumes from it (``fit(ckpt_path=...)``, ``max_epochs=2``), and
+a third of another plan (the other ZeRO stage; the aligned plan for ``asym``)
+resumes from it too, through its per-layer state (refused for ZeRO 2, which has none).  ``asym_bf16``: the asymmetric plan in bf16
 under ``Trainer(precision="bf16-mixed")``, fit only.
 """
 
@@ -172,7 +173,8 @@ def main() -> None:
     trainer_b, strategy_b, mid_losses = resume(mid_path)
     result["mid_resumed"] = {"global_step": trainer_b.global_step, "losses": mid_losses.losses,
                              "params": {n: q.flatten().tolist() for n, q in strategy_b.runner.named_parameters().items()}}
-    # a checkpoint of another plan (another ZeRO stage; for the asymmetric plan, the aligned one) is refused
+    # a checkpoint of another plan (another ZeRO stage; for the asymmetric plan, the aligned one) loads layer by
+    # layer and epoch 2 continues; a ZeRO-2 checkpoint has no per-layer state and is refused
     strategy3 = (HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=0) if mode == "asym" else
                  HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=0 if zero_stage else 1))
     trainer3 = pl.Trainer(strategy=strategy3, accelerator="cpu", devices=4, max_epochs=2, logger=False,
@@ -180,6 +182,8 @@ def main() -> None:
     try:
         trainer3.fit(PipeModel(), data, ckpt_path=path)
         result["refused"] = None
+        result["replanned"] = {"global_step": trainer3.global_step, "params": {
+            n: q.flatten().tolist() for n, q in strategy3.runner.named_parameters().items()}}
     except ConfigError as exc:
         result["refused"] = {"field": exc.field, "message": str(exc)}
     _write(out_dir, trainer.global_rank, result)

@@ -17,12 +17,19 @@ and optimizer state, and the client state gives Lightning its loops and the
 loader's position (the training loader saves its position through ``state_dict``: it resumes
 at the next step of the saved epoch, in that epoch's order).  A checkpoint
 without het_strategy's format, or of another one, is refused (``checkpoint.check_format``); one
-whose saved plan is not the strategy's plan (``zero_stage`` override
-included) is refused (``ConfigError`` on ``ckpt_path``, naming the plan
-fields that differ) before anything is loaded.
+whose saved plan differs from the strategy's in the model, global batch or
+dtype is refused (``ConfigError`` on ``ckpt_path``, naming the plan fields
+that differ) before anything is loaded.
 
-Not supported: loading into another plan or world size (re-sharding), a
-Lightning single-file checkpoint, ``ckpt_path`` for ``validate`` / ``test`` /
+A checkpoint of another plan of the same model, global batch and dtype
+(other stage boundaries, replicas, world size, ZeRO 0 / 1) loads through its
+per-layer files (``ds_runtime.layer_state``: each layer's fp32 parameters and
+optimizer state, written beside DeepSpeed's files): every rank reads its new
+layers', the client state comes from the old rank 0's file.  A checkpoint of
+a tensor-parallel or fp16 plan has no per-layer files and loads into its own
+plan only.
+
+Not supported: a Lightning single-file checkpoint, ``ckpt_path`` for ``validate`` / ``test`` /
 ``predict``, and restoring the LightningModule's own full ``state_dict`` (on
 each rank the layers of other stages stay untrained in the module).
 """
@@ -33,9 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from het_strategy.core.errors import field_error
+from het_strategy.core.log import rank_zero_info
 from het_strategy.core.plan import Plan
 from het_strategy.ds_runtime.checkpoint_files import load_as_data
 from het_strategy.ds_runtime.engine import PlanRunner
+from het_strategy.ds_runtime.layer_state import LAYERS_DIR, read_layer_states, read_manifest, write_layer_states
 from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_KEY, FORMAT_KEY, check_format
 
 __all__ = ["CHECKPOINT_TAG", "PLAN_KEY", "save_plan_checkpoint", "load_plan_checkpoint"]
@@ -52,6 +61,7 @@ def save_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint: dict[str, A
     client[PLAN_KEY] = plan.to_dict()
     client[CHECKPOINT_KEY] = {FORMAT_KEY: CHECKPOINT_FORMAT}
     runner.save_checkpoint(filepath, CHECKPOINT_TAG, client)
+    write_layer_states(runner, filepath, list(client))
 
 
 def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *, strict: bool = True
@@ -69,10 +79,7 @@ def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *
     saved = meta_state.get(PLAN_KEY)
     mine = plan.to_dict()
     if saved != mine:
-        diff = sorted(k for k in set(mine) | set(saved or {}) if (saved or {}).get(k) != mine.get(k))
-        raise field_error("ckpt_path", str(checkpoint_path), "hold a checkpoint of this strategy's plan (its "
-                          f"saved plan `{PLAN_KEY}` differs in: {', '.join(diff) or 'everything'})",
-                          "resume with the plan (and zero_stage) the checkpoint was trained with")
+        return _resharded(runner, path, saved or {}, mine, meta_state)
     _, client = runner.load_checkpoint(path, CHECKPOINT_TAG, load_optimizer_states=True,
                                        load_lr_scheduler_states=False, load_module_strict=strict)
     if client is None:
@@ -81,4 +88,33 @@ def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *
     client = dict(client)
     client.pop(PLAN_KEY, None)
     client.pop(CHECKPOINT_KEY, None)
+    return client
+
+
+_RESHARDABLE = {"cluster", "cluster_devices", "pipelines", "zero_stage", "mode", "predicted", "idle_reasons",
+                "rank_shares", "compression"}
+"""Plan fields a checkpoint may differ in and still load, through its per-layer state (``layer_state``)."""
+
+
+def _resharded(runner: PlanRunner, path: Path, saved: dict[str, Any], mine: dict[str, Any],
+               meta_state: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint of another plan through its per-layer files; Lightning's entries from rank 0's file."""
+    diff = sorted(k for k in set(mine) | set(saved) if saved.get(k) != mine.get(k))
+    fixed = [k for k in diff if k not in _RESHARDABLE]
+    if fixed:
+        raise field_error("ckpt_path", str(path), "hold a checkpoint of this strategy's model, batch and dtype (its "
+                          f"saved plan `{PLAN_KEY}` differs in: {', '.join(fixed)}; another plan of the same "
+                          "model, global batch and dtype loads)", "resume with the checkpoint's global batch and "
+                          "precision")
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise field_error("ckpt_path", str(path), f"hold per-layer state ({LAYERS_DIR}/) to load into another plan "
+                          f"(its plan differs in: {', '.join(diff)}; a checkpoint of a tensor-parallel or fp16 plan "
+                          "has none)", "resume with the plan the checkpoint was trained with")
+    read_layer_states(runner, path, manifest)
+    client = {k: meta_state[k] for k in manifest["client_keys"] if k in meta_state}
+    client.pop(PLAN_KEY, None)
+    client.pop(CHECKPOINT_KEY, None)
+    rank_zero_info(runner.rank, "hetero_deepspeed: checkpoint %s of another plan (%s differ) loaded layer by layer "
+                   "into this plan", path, ", ".join(diff))
     return client
