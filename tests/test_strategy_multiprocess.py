@@ -329,3 +329,39 @@ def test_a_checkpoint_written_by_0_1_0_is_refused_naming_it(tmp_path: Path) -> N
     with pytest.raises(Exception, match=f"checkpoint '{legacy}'.*has no checkpoint format.*start the run afresh"):
         trainer.fit(Recorder(str(out)), DataLoader(IndexedData(30), batch_size=6, shuffle=True),
                     ckpt_path=str(legacy))
+
+
+def test_a_three_rank_checkpoint_resumes_on_two_ranks_with_every_sample_once(tmp_path: Path) -> None:
+    """A device is gone: the 3-rank run's mid-epoch checkpoint resumes on a cluster of the two devices left.  The
+    strategy re-plans for them (shares 10/4/2 -> 12/4 of 16), the epoch goes on at the next global batch, and
+    over both runs every sample of each epoch is trained exactly once; the parameters equal one process's on the
+    same global batches (float64)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = IndexedData(48)  # 3 global batches of 16 per epoch
+    first_out, resumed_out = tmp_path / "first", tmp_path / "resumed"
+    for d in (first_out, resumed_out):
+        d.mkdir()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
+    _trainer(tmp_path / "a", max_steps=2, callbacks=[ckpt], enable_checkpointing=True).fit(
+        Recorder(str(first_out)), DataLoader(data, batch_size=5, shuffle=True))
+    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    survivors = _local_cluster("two_left", {"fast": {"tflops": {"fp32": 5.0}}, "mid": {"tflops": {"fp32": 2.0}}})
+    model = Recorder(str(resumed_out))
+    _two_rank_trainer(tmp_path / "b", survivors, 16, max_epochs=2, enable_checkpointing=False).fit(
+        model, DataLoader(data, batch_size=8, shuffle=True), ckpt_path=str(path))
+
+    first, resumed = _rows_of(first_out, 3), _rows_of(resumed_out, 2)
+    assert [rows[0]["counted"] for rows in first] == [10, 4, 2]
+    assert [rows[0]["counted"] for rows in resumed] == [12, 4]  # re-planned for the two devices left
+    steps: list[tuple[int, list[int]]] = []  # (epoch, the global batch's sample ids) in training order
+    for run in (first, resumed):
+        for i in range(len(run[0])):
+            steps.append((run[0][i]["epoch"], [k for rows in run for k in rows[i]["indices"][: rows[i]["counted"]]]))
+    assert [e for e, _ in steps] == [0, 0, 0, 1, 1, 1]
+    for epoch in (0, 1):
+        seen = [k for e, ids in steps if e == epoch for k in ids]
+        assert sorted(seen) == list(range(48)), epoch  # none lost, none twice
+    ref, _ = _reference(data, [[ids] for _, ids in steps], accumulate=1)
+    for (name, p), q in zip(model.net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12, msg=name)

@@ -234,8 +234,16 @@ class HeteroBatchSampler(Sampler[list[int]]):
                 "schedule": [[f, list(s)] for f, s in self._schedule]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved step of the saved epoch.  The saved shares apply when they are one per rank of this
+        run; a checkpoint of another world size (a device gone or joined: the strategy re-planned) keeps this
+        run's shares: every step still takes the next global batch of the epoch's order, so no sample is lost or
+        seen twice."""
         self.sampler.set_epoch(int(state["epoch"]))
         self._epoch = self.sampler.epoch
-        self._schedule = [(int(f), self._checked([int(x) for x in s])) for f, s in state["schedule"]]
+        saved = [(int(f), [int(x) for x in s]) for f, s in state["schedule"]]
+        if all(len(s) == self.world_size for _, s in saved):
+            self._schedule = [(f, self._checked(s)) for f, s in saved]
+        else:
+            self._schedule = [(0, self.shares)]
         self._start_step = int(state["next_step"])
         self._produced = self._start_step
