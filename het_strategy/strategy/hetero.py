@@ -29,6 +29,7 @@ on ``lightning.pytorch``; its ``pytorch_lightning`` twin is ``HeteroStrategyPL``
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from datetime import timedelta
@@ -49,6 +50,7 @@ from het_strategy.core.log import logger, rank_debug
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.run_plan import precision_dtype
+from het_strategy.strategy.elastic import gather_device_names, init_attempt_process_group
 from het_strategy.strategy.per_device_precision import PER_DEVICE
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, check_options, check_plan_source, \
@@ -220,11 +222,22 @@ class HeteroStrategy(DDPStrategy):
 
     # -- setup ------------------------------------------------------------------------------------
     @override
+    def setup_distributed(self) -> None:
+        """Lightning's, except under torchrun's elastic agent: each (re)start joins a process group of its own
+        attempt (``elastic.init_attempt_process_group``; Lightning then finds it initialised)."""
+        self.set_world_ranks()
+        if init_attempt_process_group(self._get_process_group_backend(), self.global_rank, self.world_size,
+                                      self._timeout):
+            rank_debug(self.global_rank, "process group of restart %s", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+        super().setup_distributed()
+
+    @override
     def setup_environment(self) -> None:
         # Lightning warns its DistributedSampler may repeat validation samples; ours evaluates each once
         warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
         super().setup_environment()
-        cluster = self.plans.resolve_cluster(self.rank_context())
+        # under torchrun's elastic agent each rank names its device: the cluster is the devices present
+        cluster = self.plans.resolve_cluster(self.rank_context(), gather_device_names(self.world_size))
         rank_debug(self.global_rank, "setup_environment: cluster %s", cluster.name)
         self.liveness.start(self.global_rank, self.world_size, cluster.devices)
 

@@ -29,6 +29,7 @@ from het_strategy.emulation.speeds import cluster_is_emulated, emulation_summary
 from het_strategy.moe import moe_layers
 from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, shares_in_rank_order
 from het_strategy.profiling.batch_contents import first_tensor
+from het_strategy.strategy.elastic import DEVICE_ENV, present_cluster
 from het_strategy.strategy.checkpoint import restored_plan
 from het_strategy.strategy.rank_context import RankContext
 from het_strategy.strategy.rank_zero import decided_on_rank_zero
@@ -69,11 +70,15 @@ class PlanHolder:
         self._eval_plan: Plan | None = None
 
     # -- cluster ----------------------------------------------------------------------------------
-    def resolve_cluster(self, ctx: RankContext) -> ClusterSpec:
-        """The run's cluster (once: a later ``trainer.validate``/``test`` keeps it), checked against the world."""
+    def resolve_cluster(self, ctx: RankContext, present: list[str] | None = None) -> ClusterSpec:
+        """The run's cluster (once: a later ``trainer.validate``/``test`` keeps it), checked against the world;
+        ``present``: the device each rank named (``elastic.gather_device_names``), the cluster of those devices."""
         if self.cluster is not None:
             return self.cluster
         source = self.cluster_source
+        if present is not None and isinstance(source, str) and source == "auto":
+            raise field_error("cluster", "auto", f"be a cluster file when the ranks name their devices "
+                              f"({DEVICE_ENV}: {present})")
         if isinstance(source, str) and source == "auto":
             from het_strategy.profiling.probe import probe_cluster
 
@@ -81,6 +86,8 @@ class PlanHolder:
                                     refresh=self.probe_refresh, print_table=self.verbose).cluster
         else:
             cluster = load_cluster(source)
+        if present is not None:
+            cluster = present_cluster(cluster, present)
         if cluster.num_devices != ctx.world:
             raise field_error("cluster", cluster.name,
                               f"describe as many devices as the launched world has ranks ({ctx.world}); "

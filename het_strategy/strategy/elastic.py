@@ -1,0 +1,118 @@
+"""Which devices of the cluster file this (re)start runs on, and the checkpoint it goes on from.
+
+Under torchrun's elastic agent (``torchrun --nnodes=MIN:MAX --nproc-per-node=1
+--max-restarts=N --rdzv-backend=c10d ...``) the ranks of a restart are the
+agents that joined its rendezvous: after a device failed, or before a new one
+joined, they are a subset of the cluster file's devices, in any order.  Each
+agent names the device it runs on in ``HET_STRATEGY_DEVICE`` (a device name of
+the cluster file); every rank gathers the names (``gather_device_names``, one
+``all_gather_object``), and ``present_cluster`` makes the cluster of those
+devices, rank ``r`` playing the device rank ``r`` named.  The strategy then
+plans for it as for any cluster; a checkpoint of other devices re-plans
+(``checkpoint.restored_plan``) and its sampler goes on at the next global
+batch of the epoch (``sampler.HeteroBatchSampler.load_state_dict``).
+
+Every (re)start joins a process group of its own (``init_attempt_process_group``):
+torch's ``env://`` initialisation reuses the agent's store across restarts with
+the same keys, so a restarted worker reads the previous attempt's peer
+addresses and cannot connect (``Gloo connectFullMesh failed ... Connection
+refused``; pytorch/pytorch#167288); the keys are prefixed by the restart count.
+
+``latest_checkpoint`` is the newest complete ``*.ckpt`` of a directory (by the
+step in its name): what a restart resumes from.  Without ``HET_STRATEGY_DEVICE``
+nothing changes: the cluster file describes the launched world, rank ``r``
+plays its device ``r``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.errors import field_error
+
+__all__ = ["DEVICE_ENV", "gather_device_names", "present_cluster", "latest_checkpoint", "init_attempt_process_group"]
+
+DEVICE_ENV = "HET_STRATEGY_DEVICE"
+"""The environment variable in which a rank names the cluster file's device it runs on."""
+
+
+def init_attempt_process_group(backend: str, rank: int, world_size: int, timeout: Any) -> bool:
+    """Under torchrun's agent store, initialise the default process group on that store with its keys prefixed by
+    the restart count (``TORCHELASTIC_RESTART_COUNT``); False (nothing done) anywhere else."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return False
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"het_strategy/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+    return True
+
+
+def gather_device_names(world_size: int) -> list[str] | None:
+    """Every rank's ``HET_STRATEGY_DEVICE``, in rank order (a collective), or None when no rank sets it; a
+    ConfigError when some ranks set it and others do not."""
+    import torch.distributed as dist
+
+    own = os.environ.get(DEVICE_ENV) or None
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        names: list[str | None] = [None] * world_size
+        dist.all_gather_object(names, own)
+    else:
+        names = [own]
+    if all(n is None for n in names):
+        return None
+    if any(n is None for n in names):
+        missing = [r for r, n in enumerate(names) if n is None]
+        raise field_error(DEVICE_ENV, None, f"be set on every rank when set on one (ranks {missing} have none)")
+    return [str(n) for n in names]
+
+
+def present_cluster(cluster: ClusterSpec, names: list[str]) -> ClusterSpec:
+    """The devices ``names`` (rank order) of ``cluster``, as a cluster whose device ``r`` is ``names[r]``.
+
+    A node's ranks must be consecutive (the cluster lists devices node by node); links and slowdowns of the
+    devices and nodes left out are dropped."""
+    known = {d.name: d for d in cluster.devices}
+    seen: set[str] = set()
+    for name in names:
+        if name not in known:
+            raise field_error(DEVICE_ENV, name, f"name a device of cluster `{cluster.name}` "
+                              f"({', '.join(known)})")
+        if name in seen:
+            raise field_error(DEVICE_ENV, name, "name one rank's device (two ranks name it)")
+        seen.add(name)
+    order: list[str] = []  # nodes in rank order
+    for name in names:
+        node = known[name].node
+        if order and order[-1] != node and node in order:
+            raise field_error(DEVICE_ENV, name, f"keep node `{node}`'s ranks consecutive (ranks in order: {names})",
+                              "start each node's agents one after the other, or give one agent per node")
+        if not order or order[-1] != node:
+            order.append(node)
+    nodes = tuple(dataclasses.replace(cluster.node(node), devices=tuple(known[n] for n in names
+                                                                          if known[n].node == node))
+                  for node in order)
+    kept = set(order)
+    return dataclasses.replace(cluster, nodes=nodes, links=tuple(l for l in cluster.links if set(l.nodes) <= kept),
+                               slowdowns=tuple(s for s in cluster.slowdowns if s.device in seen))
+
+
+_STEP = re.compile(r"step[=_](\d+)")
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The ``*.ckpt`` of ``directory`` with the highest step in its name (``step_30.ckpt``, ``epoch=0-step=30.ckpt``),
+    a file that is there whole (writers write a temporary name and rename); None when there is none."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.glob("*.ckpt") if p.is_file() and (m := _STEP.search(p.name))]
+    return max(found)[1] if found else None

@@ -1,0 +1,109 @@
+"""Elastic restart under torchrun: a device that dies is dropped, the survivors re-plan and go on from the newest
+checkpoint; the named-device cluster (``strategy/elastic.py``) and its bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from het_strategy.core.cluster import load_cluster
+from het_strategy.core.errors import ConfigError
+from het_strategy.strategy.elastic import DEVICE_ENV, latest_checkpoint, present_cluster
+
+TWO_NODES = {"name": "two", "nodes": [
+    {"name": "a", "devices": [{"name": "a0", "type": "CPU"}, {"name": "a1", "type": "CPU"}]},
+    {"name": "b", "devices": [{"name": "b0", "type": "CPU"}, {"name": "b1", "type": "CPU"}]}]}
+
+
+def test_the_present_devices_make_the_cluster_in_rank_order() -> None:
+    cluster = load_cluster(TWO_NODES)
+    got = present_cluster(cluster, ["b1", "b0", "a1"])
+    assert [d.name for d in got.devices] == ["b1", "b0", "a1"] and [n.name for n in got.nodes] == ["b", "a"]
+    for names, message in ((["a0", "x9"], "name a device of cluster `two`"), (["a0", "a0"], "two ranks name it"),
+                           (["a0", "b0", "a1"], "keep node `a`'s ranks consecutive")):
+        with pytest.raises(ConfigError) as err:
+            present_cluster(cluster, names)
+        assert str(err.value).startswith(f"`{DEVICE_ENV}` is ") and message in str(err.value)
+
+
+def test_the_newest_whole_checkpoint_is_the_highest_step(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path / "none") is None
+    for name in ("step_2.ckpt", "step_10.ckpt", "epoch=0-step=7.ckpt", ".step_11.ckpt.part", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_10.ckpt"
+
+
+WORKER = Path(__file__).with_name("_elastic_worker.py")
+
+
+def _agent(out: Path, device: str, port: int, kill_step: int) -> subprocess.Popen:
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, DEVICE_ENV: device, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=3",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+           "--rdzv-conf=join_timeout=90,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,"
+           "keep_alive_max_attempt=3", "--monitor-interval=0.5", str(WORKER), str(out), str(kill_step)]
+    log = open(out / f"agent-{device}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.multiprocess
+def test_a_device_that_dies_is_dropped_and_the_survivors_go_on_exactly(tmp_path: Path) -> None:
+    """Three agents (devices fast, mid, slow: shares 10/4/2 of 16); as step 3 begins the slow device's agent and
+    worker are killed.  The other two detect it, torchrun restarts them as a world of two, the strategy re-plans
+    for fast and mid and resumes from the step-3 checkpoint: nothing is lost, every sample of both epochs is trained
+    exactly once, and the parameters equal one process's on the same global batches (float64)."""
+    import torch
+
+    from het_strategy.emulation.local_ranks import free_port
+    from tests._strategy_worker import IndexedData, make_net
+
+    port = free_port()
+    agents = {}
+    for device in ("fast", "mid", "slow"):  # fast first: its agent hosts the rendezvous store
+        agents[device] = _agent(tmp_path, device, port, kill_step=3)
+        time.sleep(1.0)
+    try:
+        for device in ("fast", "mid"):
+            assert agents[device].wait(timeout=240) == 0, (tmp_path / f"agent-{device}.log").read_text()[-4000:]
+    finally:
+        for proc in agents.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    final_attempt = max(r["attempt"] for r in rows)
+    assert final_attempt >= 1 and {r["world"] for r in rows if r["attempt"] == final_attempt} == {2}
+    assert {r["device"] for r in rows if r["attempt"] == final_attempt} == {"fast", "mid"}
+    # the trajectory: each step as the last attempt that trained it
+    by_step: dict[int, tuple[int, int, list[int]]] = {}
+    for r in rows:
+        attempt, epoch, ids = by_step.get(r["step"], (-1, -1, []))
+        if r["attempt"] > attempt:
+            by_step[r["step"]] = (r["attempt"], r["epoch"], list(r["ids"]))
+        elif r["attempt"] == attempt:
+            ids.extend(r["ids"])
+    assert sorted(by_step) == list(range(6))
+    lost = [r for r in rows if r["attempt"] < by_step[r["step"]][0]]
+    assert not lost  # the kill came right after the step-3 checkpoint: no step was trained twice
+    for epoch in (0, 1):
+        seen = [i for _, e, ids in by_step.values() if e == epoch for i in ids]
+        assert sorted(seen) == list(range(48)), epoch
+    data, net = IndexedData(48), make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(6):
+        ids = by_step[step][2]
+        opt.zero_grad()
+        (net(data.x[ids]).squeeze(-1) - data.y[ids]).pow(2).mean().backward()
+        opt.step()
+    final = json.loads((tmp_path / "final.json").read_text())
+    assert final["world"] == 2
+    for (name, p), got in zip(net.named_parameters(), final["params"].values()):
+        assert got == pytest.approx(p.detach().flatten().tolist(), abs=1e-12), name
