@@ -41,6 +41,12 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
     (["planner.mode=ring"], "planner.mode"),
     (["strategy=hetero_deepspeed", "train.precision=bf16-true"], "train.precision"),  # DeepSpeed keeps fp32 masters
     (["strategy=hetero_deepspeed", "train.accumulate_grad_batches=2"], "accumulate_grad_batches"),
+    (["elastic.enabled=true", "elastic.min_devices=3", "checkpoint.every_n_steps=2"],
+     "`elastic.min_devices` is 3; it must be at most the 2 devices of cluster"),
+    (["elastic.enabled=true"], "`checkpoint.every_n_steps` is null; it must be set with elastic.enabled"),
+    (["elastic.enabled=true", "checkpoint.every_n_steps=2"], "run under torchrun's elastic agent"),
+    (["elastic.enabled=true", "checkpoint.every_n_steps=2", "strategy=ddp"], "go with strategy=hetero, not ddp"),
+    (["elastic.min_devices=0"], "elastic.min_devices"),
     (["strategy=ddp", "train.precision=per_device"], "`train.precision` is 'per_device'; it must go with strategy=hetero"),
     (["strategy=hetero_deepspeed", "train.precision=per_device"], "train.precision"),
     (["strategy=hetero_deepspeed", "checkpoint.every_n_steps=2"], "checkpoint.every_n_steps"),

@@ -116,7 +116,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         train_loader = DataLoader(train_set, batch_size=job.global_batch_size, shuffle=True, drop_last=True)
         val_loader = DataLoader(val_set, batch_size=job.global_batch_size, drop_last=True)
     else:
-        per_rank = max(1, job.global_batch_size // job.devices)
+        per_rank = max(1, job.global_batch_size // (job.devices * job.num_nodes))
         train_loader = DataLoader(train_set, batch_size=per_rank, shuffle=True)
         val_loader = DataLoader(val_set, batch_size=per_rank)
     model = build_char_model(job.model_cfg, job.moe.routing(), lr=job.train.lr, weight_decay=job.train.weight_decay)
@@ -151,7 +151,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step_{step}",
                                          auto_insert_metric_name=False, every_n_train_steps=every, save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator=job.accelerator, devices=job.devices, strategy=strategy,
+        accelerator=job.accelerator, devices=job.devices, num_nodes=job.num_nodes, strategy=strategy,
         precision=None if job.dtype == "per_device" else job.train.precision, max_steps=job.train.max_steps,
         accumulate_grad_batches=job.train.accumulate_grad_batches,
         val_check_interval=job.train.val_every_n_steps, check_val_every_n_epoch=None,
@@ -159,7 +159,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         logger=_loggers(job), callbacks=callbacks, enable_checkpointing=every is not None,
         enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1, plugins=_plugins(job))
     log_planned_compression(job, trainer.global_rank)
-    trainer.fit(model, train_loader, val_loader, ckpt_path=job.resume)
+    trainer.fit(model, train_loader, val_loader, ckpt_path=_resume_from(job))
     train_loss = trainer.callback_metrics.get("train_loss")
     trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
     full_val = trainer.validate(model, val_loader, verbose=False)
@@ -195,6 +195,17 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
         save_file(trainer.loggers, summary_path)  # into the wandb run's files (no-op without a WandbLogger)
     return summary
+
+
+def _resume_from(job: TrainJob) -> str | None:
+    """``resume``; with ``elastic.enabled`` and no ``resume``, the newest checkpoint in output.dir/checkpoints (a
+    restart goes on from it; the first start finds none)."""
+    if job.resume is not None or not job.elastic.enabled:
+        return job.resume
+    from het_strategy.strategy.elastic import latest_checkpoint
+
+    found = latest_checkpoint(job.out_dir / "checkpoints")
+    return None if found is None else str(found)
 
 
 def _plugins(job: TrainJob) -> list[Any]:

@@ -237,6 +237,23 @@ class FailureConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """The ``elastic`` section: run under torchrun's elastic agent (``strategy/elastic.py``)."""
+
+    enabled: bool = False
+    """One process per agent (``torchrun --nproc-per-node=1``), each naming its device in HET_STRATEGY_DEVICE; every
+    (re)start plans for the devices present and goes on from the newest checkpoint in output.dir/checkpoints."""
+    min_devices: Optional[int] = None
+    """The fewest devices a (re)start may run on (torchrun's ``--nnodes=MIN:MAX`` MIN); null: 1."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise field_error("elastic.enabled", self.enabled, "be true or false")
+        if self.min_devices is not None:
+            require_int(self.min_devices, "elastic.min_devices", minimum=1)
+
+
+@dataclass
 class StragglerConfig:
     """The ``straggler`` section: online mitigation (hetero only); the callback checks the values."""
 
@@ -310,6 +327,7 @@ class HetTrainConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     resume: Optional[str] = None
     """A checkpoint to resume from."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

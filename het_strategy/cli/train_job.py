@@ -59,13 +59,18 @@ class TrainJob:
         c = self.config
         self.train, self.data, self.wandb, self.output = c.train, c.data, c.wandb, c.output
         self.checkpoint, self.straggler, self.moe, self.planner = c.checkpoint, c.straggler, c.moe, c.planner
-        self.failure = c.failure
+        self.failure, self.elastic = c.failure, c.elastic
         self.strategy = _strategy_name(cfg.strategy)
         self.loggers = _logger_nodes(cfg.logger)
         self.accelerator = c.accelerator
         self.auto_cluster = auto_cluster
         self.cluster = None if auto_cluster else cluster_from_cfg(cfg)
-        self.devices = self._check_devices(c.devices)
+        self.num_nodes = 1
+        """Lightning's ``num_nodes``: the world under torchrun's elastic agent (one process per agent), else 1."""
+        if c.elastic.enabled:
+            self.devices, self.num_nodes = self._check_elastic(c)
+        else:
+            self.devices = self._check_devices(c.devices)
         if self.accelerator == Accelerator.cuda:
             _check_cuda(self.devices)
         self.dtype = precision_dtype(c.train.precision)
@@ -74,8 +79,9 @@ class TrainJob:
         self.model_cfg = transformer_config(fields_)
         self.workload = transformer_workload(self.model_cfg, self.dtype)
         gb = c.train.global_batch_size
-        if gb < self.devices:
-            raise field_error("train.global_batch_size", gb, f"be an integer >= devices ({self.devices}): every rank "
+        world = self.devices * self.num_nodes
+        if gb < world:
+            raise field_error("train.global_batch_size", gb, f"be an integer >= the ranks ({world}): every rank "
                               "needs a sample")
         if self.strategy == "ddp" and gb % self.devices:
             raise field_error("train.global_batch_size", gb, f"be divisible by devices ({self.devices}) for plain "
@@ -184,6 +190,37 @@ class TrainJob:
             self.planned_note = (f"compression=planned: {token} between nodes (the hierarchical exchange), "
                                  f"{step_ms:.1f} ms/step predicted; compression-blind plan {blind_s * 1e3:.1f} "
                                  f"ms/step ({blind_s / plan.predicted['step_time_s']:.2f}x slower)")
+
+    def _check_elastic(self, c: HetTrainConfig) -> tuple[int, int]:
+        """``elastic.enabled``: (1 process here, the world of this (re)start); every rule in one line, before any
+        worker starts training."""
+        e = c.elastic
+        if self.cluster is None:
+            raise field_error("elastic.enabled", True, "go with a cluster file listing the devices that may take part "
+                              "(not cluster=auto)")
+        if e.min_devices is not None and e.min_devices > self.cluster.num_devices:
+            raise field_error("elastic.min_devices", e.min_devices, f"be at most the {self.cluster.num_devices} "
+                              f"devices of cluster `{self.cluster.name}`")
+        if self.strategy != "hetero":
+            raise field_error("elastic.enabled", True, f"go with strategy=hetero, not {self.strategy}")
+        if c.checkpoint.every_n_steps is None:
+            raise field_error("checkpoint.every_n_steps", None, "be set with elastic.enabled (a restart goes on from "
+                              "the newest checkpoint)", "e.g. checkpoint.every_n_steps=10")
+        if c.devices not in (None, 1):
+            raise field_error("devices", c.devices, "be 1 or null with elastic.enabled (one process per agent)")
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise field_error("elastic.enabled", True, "run under torchrun's elastic agent, one process per agent",
+                              "HET_STRATEGY_DEVICE=<device> torchrun --nnodes=MIN:MAX --nproc-per-node=1 "
+                              "--max-restarts=N --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT -m "
+                              "het_strategy.cli.train_cli ... elastic.enabled=true")
+        world = int(os.environ["WORLD_SIZE"])
+        if world > self.cluster.num_devices:
+            raise field_error("WORLD_SIZE", world, f"be at most the {self.cluster.num_devices} devices of cluster "
+                              f"`{self.cluster.name}`")
+        if e.min_devices is not None and world < e.min_devices:
+            raise field_error("elastic.min_devices", e.min_devices, f"be at most the {world} devices this (re)start "
+                              "has", "start more agents, or lower elastic.min_devices")
+        return 1, world
 
     def _check_devices(self, devices: int | None) -> int:
         if devices is None:
