@@ -107,3 +107,45 @@ def test_a_device_that_dies_is_dropped_and_the_survivors_go_on_exactly(tmp_path:
     assert final["world"] == 2
     for (name, p), got in zip(net.named_parameters(), final["params"].values()):
         assert got == pytest.approx(p.detach().flatten().tolist(), abs=1e-12), name
+
+
+def _het_train_agents(out: Path, devices: list[str], max_steps: int, run_id: str) -> list[subprocess.Popen]:
+    from het_strategy.emulation.local_ranks import free_port
+
+    port = free_port()
+    procs = []
+    for device in devices:
+        env = {**os.environ, DEVICE_ENV: device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+               "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+               "--rdzv-conf=join_timeout=60,last_call_timeout=3,close_timeout=10", "-m", "het_strategy.cli.train_cli",
+               "cluster=local_cpu2", "model=tiny_gpt", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
+               "train.global_batch_size=8", f"train.max_steps={max_steps}", "train.val_every_n_steps=100",
+               "train.val_batches=1", "data.max_bytes=200000", "elastic.enabled=true", "checkpoint.every_n_steps=2",
+               "logger=none", f"output.dir={out}"]
+        log = open(out.parent / f"{run_id}-{device}.log", "w")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        time.sleep(1.0)
+    return procs
+
+
+@pytest.mark.multiprocess
+def test_het_train_elastic_goes_on_from_the_newest_checkpoint_on_the_devices_present(tmp_path: Path) -> None:
+    """het-train ``elastic.enabled=true`` under torchrun: two agents (devices rank0, rank1 of local_cpu2) train 4
+    steps; a later launch with rank0's agent alone goes on from the step-4 checkpoint on that one device, to 6."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for run_id, devices, steps in (("first", ["rank0", "rank1"], 4), ("second", ["rank0"], 6)):
+        procs = _het_train_agents(out, devices, steps, run_id)
+        try:
+            for device, proc in zip(devices, procs):
+                assert proc.wait(timeout=240) == 0, (tmp_path / f"{run_id}-{device}.log").read_text()[-4000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["world_size"] == len(devices) and summary["max_steps"] == steps, summary
+    assert latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_6.ckpt"
+    log = (tmp_path / "second-rank0.log").read_text()
+    assert "re-planning" in log and "Restoring states from the checkpoint" in log and "step_4.ckpt" in log
