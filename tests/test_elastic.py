@@ -34,9 +34,14 @@ def test_the_present_devices_make_the_cluster_in_rank_order() -> None:
 
 
 def test_the_newest_whole_checkpoint_is_the_highest_step(tmp_path: Path) -> None:
+    import torch
+
     assert latest_checkpoint(tmp_path / "none") is None
     for name in ("step_2.ckpt", "step_10.ckpt", "epoch=0-step=7.ckpt", ".step_11.ckpt.part", "notes.txt"):
-        (tmp_path / name).write_text("x")
+        torch.save({"step": name}, tmp_path / name)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_10.ckpt"
+    whole = (tmp_path / "step_10.ckpt").read_bytes()
+    (tmp_path / "step_12.ckpt").write_bytes(whole[: len(whole) // 2])  # its writer died mid-write
     assert latest_checkpoint(tmp_path) == tmp_path / "step_10.ckpt"
 
 

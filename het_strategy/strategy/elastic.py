@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +110,21 @@ _STEP = re.compile(r"step[=_](\d+)")
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The ``*.ckpt`` of ``directory`` with the highest step in its name (``step_30.ckpt``, ``epoch=0-step=30.ckpt``),
-    a file that is there whole (writers write a temporary name and rename); None when there is none."""
+    """The ``*.ckpt`` of ``directory`` with the highest step in its name (``step_30.ckpt``, ``epoch=0-step=30.ckpt``)
+    that is whole: a file cut short (its writer died mid-write: Lightning writes checkpoints in place) has no zip
+    directory at its end and is passed over for the one before; None when there is none."""
     folder = Path(directory)
     if not folder.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in folder.glob("*.ckpt") if p.is_file() and (m := _STEP.search(p.name))]
-    return max(found)[1] if found else None
+    found = sorted(((int(m.group(1)), p) for p in folder.glob("*.ckpt")
+                    if p.is_file() and (m := _STEP.search(p.name))), reverse=True)
+    return next((p for _, p in found if _whole(p)), None)
+
+
+def _whole(path: Path) -> bool:
+    """``torch.save`` writes a zip archive: a file whose central directory reads is complete."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
