@@ -133,7 +133,7 @@ class Liveness:
             except Exception:  # the store is rank 0's: unreachable for long means rank 0 is gone
                 store, values = None, None
                 if now - store_ok > self.timeout_s and self.rank != 0:
-                    self._end([0], now - store_ok, "the rendezvous store it hosts stopped answering")
+                    self._end([0], now - store_ok, "the rendezvous store it hosts stopped answering", None)
                     return
             if values is not None:
                 for r, value in enumerate(values):
@@ -142,7 +142,7 @@ class Liveness:
                 silent = [r for r in range(self.world_size) if r != self.rank and now - last_change[r] > self.timeout_s
                           and not _finished(store, r, values[r])]
                 if silent:
-                    self._end(silent, max(now - last_change[r] for r in silent), "no heartbeat")
+                    self._end(silent, max(now - last_change[r] for r in silent), "no heartbeat", store)
                     return
             self._stop.wait(self.interval_s)
         if store is not None:  # a normal stop: the others must not take this rank's silence for a loss
@@ -156,7 +156,10 @@ class Liveness:
         """Every rank has beaten once (``multi_get`` would block on a key that does not exist yet)."""
         return bool(store.check(keys))
 
-    def _end(self, gone: list[int], silent_s: float, why: str) -> None:
+    def _end(self, gone: list[int], silent_s: float, why: str, store: Any) -> None:
+        """Every survivor ends with ``EXIT_PEER_GONE``; the lowest logs the one line first, and the others wait
+        (up to ``VERDICT_WAIT_S``) until it says so in ``store``, so a launcher that reports the first child to
+        exit reports after the line, not instead of it."""
         self.gone = gone
         survivors = [r for r in range(self.world_size) if r not in gone]
         with self._writing:  # a checkpoint being written is finished first
@@ -165,6 +168,10 @@ class Liveness:
                 logger.error("%s %s gone: %s for %.1f s (heartbeat_timeout_s %g); the %d surviving rank(s) exit with "
                            "code %d", names, "is" if len(gone) == 1 else "are", why, silent_s, self.timeout_s,
                            len(survivors), EXIT_PEER_GONE)
+                sys.stderr.flush()
+                _say_logged(store)
+            else:
+                _wait_until_logged(store)
             sys.stdout.flush()
             sys.stderr.flush()
             self._verdict.set()
@@ -225,3 +232,27 @@ def _job_store() -> Any:
 
     return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
                          is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+_LOGGED = "het_strategy/liveness/logged"
+VERDICT_WAIT_S = 3.0
+"""How long a survivor other than the lowest waits for the lowest's line before it exits."""
+
+
+def _say_logged(store: Any) -> None:
+    try:
+        if store is not None:
+            store.set(_LOGGED, "1")
+    except Exception:  # noqa: BLE001 - best effort: the others then wait out VERDICT_WAIT_S
+        pass
+
+
+def _wait_until_logged(store: Any) -> None:
+    deadline = time.monotonic() + VERDICT_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if store is not None and store.check([_LOGGED]):
+                return
+        except Exception:  # noqa: BLE001 - no store to ask: wait the bound out
+            store = None
+        time.sleep(0.05)
