@@ -117,6 +117,9 @@ def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[s
     mixed, keys = _mixed(runner), _state_keys(runner)
     inner = _inner_optimizer(runner)
     for layer, params in sorted(_layer_params(runner).items()):
+        writer = runner.layout.layer_holders(layer)[0] == runner.rank
+        if not (writer or mixed):  # DeepSpeed's accessors are collectives every holder calls; the others are not
+            continue
         entries = {}
         for name, q in params:
             if mixed:
@@ -128,7 +131,7 @@ def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[s
             entries[name] = {"value": value.detach().to("cpu", torch.float32 if value.dtype != torch.float64
                                                         else torch.float64).clone(),
                              "state": {k: v.detach().cpu().clone() for k, v in state.items() if v is not None}}
-        if runner.layout.layer_holders(layer)[0] == runner.rank:
+        if writer:
             _save(out / f"layer_{layer:03d}.pt", entries)
     if runner.rank == 0:
         manifest = {"format": LAYER_STATE_FORMAT, "num_layers": runner.layout.num_layers,
