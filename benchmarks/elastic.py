@@ -13,9 +13,10 @@ timed out assigning ranks in that round, ``role_info`` after 60 s, so the benchm
 that trained it.  Measured: samples of each epoch the trajectory misses or repeats (``lost_samples``,
 ``duplicated_samples``), steps trained twice (work lost), ``detect_s`` (kill to the survivors' exit, from the
 agents' logs), ``recover_s`` (kill to the first step of the restart), the final parameters against one process
-training the trajectory's global batches in float64 (``final_max_diff``, the largest absolute difference; a run
-with no restart gives 1e-15, a restart on the same four devices about 7e-8: the resume itself, not the re-plan,
-adds the rest), and ``async_stall_ratio`` (the stall of an asynchronous checkpoint over a synchronous one,
+training the trajectory's global batches in float64 (``final_max_diff``, the largest absolute difference; the
+module is built in float64: Lightning restores a checkpoint into the module before ``precision="64-true"``
+converts it, so a float32-built module would take the checkpoint through float32 on every resume, about 7e-8
+here), and ``async_stall_ratio`` (the stall of an asynchronous checkpoint over a synchronous one,
 ``checkpoint_stall.py``'s measurement).
 
 Part 2, ``hetero_deepspeed``.  The char GPT (4 blocks, hidden 128) as 2 pipelines x 2 stages on 4 ranks trains
@@ -98,7 +99,7 @@ def _worker(out: str, max_steps: int, launch: int) -> None:
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    model = Logged(**MODEL)
+    model = Logged(**MODEL).double()  # Lightning restores a checkpoint before it converts the module to 64-bit
     strategy = HeteroStrategy(cluster=config_file("cluster", "local_cpu4_mixed"), global_batch_size=BATCH,
                               verbose=False, heartbeat_timeout_s=5, timeout=datetime.timedelta(seconds=60))
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=int(os.environ["WORLD_SIZE"]), strategy=strategy,
