@@ -67,7 +67,6 @@ from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 __all__ = ["StageCost", "PlanScore", "CostModel"]
 
 
-
 @dataclass(frozen=True)
 class StageCost:
     """Per-micro-batch cost of one stage, and its memory per device."""

@@ -119,8 +119,9 @@ class MemoryModel:
 
     @staticmethod
     def fits(need_bytes: float, device: DeviceSpec, tp: int) -> bool:
-        """``need_bytes`` (``stage_bytes``) plus the framework's overhead fit ``device``'s memory."""
-        return need_bytes + overhead_bytes(device, tp) <= device.memory_bytes
+        """``need_bytes`` (``stage_bytes``) plus the framework's overhead fit ``device``'s memory: the planner's own
+        comparison with ``budget_bytes``, so a brute force that calls this agrees with it to the last byte."""
+        return need_bytes <= MemoryModel.budget_bytes(device, tp)
 
     @staticmethod
     def budget_bytes(device: DeviceSpec, tp: int) -> float:
