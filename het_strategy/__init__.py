@@ -1,6 +1,6 @@
 """het_strategy: heterogeneity-aware planning and training for Lightning and DeepSpeed.
 
-``import het_strategy`` registers the ``hetero``, ``hetero_spawn`` and ``hetero_deepspeed``
+``import het_strategy`` registers the ``hetero``, ``hetero_spawn``, ``hetero_deepspeed`` and ``hetero_diloco``
 strategies in the StrategyRegistry of ``lightning.pytorch`` and of ``pytorch_lightning``
 (each where installed) — Lightning has no entry point for strategies, so the import
 is what makes ``Trainer(strategy="hetero")`` work — without importing either:
@@ -16,6 +16,7 @@ The folders follow the flow (imports point down this list, never up):
 - ``cli/``          het-plan, het-train
 - ``strategy/``     the Lightning runtime: strategy, loaders and sampler, registry
 - ``callbacks/``    Lightning callbacks (straggler mitigation, telemetry) and what they read on the strategy
+- ``diloco/``       hetero_diloco's groups, outer exchange and outer loop
 - ``ds_runtime/``   the DeepSpeed form of a Plan
 - ``compression/``  DDP comm hooks, their state, the adaptive controller
 - ``emulation/``    emulated device speeds and padding, shaped networks, local ranks
@@ -39,6 +40,7 @@ __version__ = "0.2.0"
 from het_strategy.tensor_parallel.plan import Colwise, Rowwise, TensorParallelPlan  # noqa: E402  (pure Python)
 
 __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL",
+           "HeteroDiLoCoStrategy", "HeteroDiLoCoStrategyPL",
            "PerDevicePrecision", "PerDevicePrecisionPL", "TensorParallelPlan", "Colwise", "Rowwise", "__version__"]
 
 _PLUGINS = {"PerDevicePrecision": "het_strategy.strategy.per_device_precision",
@@ -51,7 +53,8 @@ _importlib.import_module("het_strategy.core.log").install_handler()
 
 
 def __getattr__(name: str) -> type:
-    """``HeteroStrategy``, ``HeteroDeepSpeedStrategy``, ``PerDevicePrecision`` (and their ``...PL``), imported on
+    """``HeteroStrategy``, ``HeteroDeepSpeedStrategy``, ``HeteroDiLoCoStrategy``, ``PerDevicePrecision`` (and
+    their ``...PL``), imported on
     first access; ImportError naming what to install when torch or that Lightning package is not installed."""
     if name in _PLUGINS:
         return getattr(_importlib.import_module(_PLUGINS[name]), name)

@@ -27,6 +27,7 @@ from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.dtypes import Dtype, as_dtype, as_element_dtype
 from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int
 from het_strategy.core.files import naming_file, read_json_file
+from het_strategy.core.outer_sync import OuterSync
 from het_strategy.core.plain_data import plain
 
 if TYPE_CHECKING:
@@ -119,6 +120,9 @@ class Plan:
     compression: dict[str, str] = field(default_factory=dict)
     """Gradient compression per link class the plan was priced with: ``{"inter_node": "q4"}`` runs the
     hierarchical exchange (``compression.scope=inter_node``); empty: uncompressed (optional)."""
+    outer_sync: OuterSync | None = None
+    """Low-communication training (``strategy="hetero_diloco"``): the groups, the inner steps between outer
+    steps and the outer exchange's codec; None for a plan synchronised every step (optional)."""
 
     def __post_init__(self) -> None:
         self.pipelines = tuple(self.pipelines)
@@ -163,6 +167,8 @@ class Plan:
         self._check_device_dtypes()
         if self.zero_stage not in (0, 1, 2, 3):
             raise field_error("plan.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
+        if self.outer_sync is not None:
+            self.outer_sync.check_covers(self.used_devices)
 
     def _check_device_dtypes(self) -> None:
         self.device_dtypes = {str(k): as_element_dtype(v, f"plan.device_dtypes.{k}")
@@ -267,6 +273,8 @@ class Plan:
             out["idle_reasons"] = dict(self.idle_reasons)
         if self.compression:
             out["compression"] = dict(self.compression)
+        if self.outer_sync is not None:
+            out["outer_sync"] = self.outer_sync.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -308,6 +316,7 @@ class Plan:
                 predicted=dict(raw.get("predicted") or {}),
                 idle_reasons=_idle_reasons(raw.get("idle_reasons")),
                 compression=_compression(raw.get("compression")),
+                outer_sync=None if raw.get("outer_sync") is None else OuterSync.from_dict(raw["outer_sync"]),
             )
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
             if isinstance(exc, ConfigError):
@@ -360,7 +369,8 @@ def _device_difference(planned: list[str], actual: list[str]) -> str:
 
 
 _PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",
-              "device_dtypes", "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons", "compression"}
+              "device_dtypes", "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons", "compression",
+              "outer_sync"}
 _PIPELINE_KEYS = {"micro_batch_size", "num_micro_batches", "samples", "stages"}
 _STAGE_KEYS = {"devices", "layers", "tp"}
 

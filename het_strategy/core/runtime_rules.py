@@ -56,6 +56,12 @@ The rules, by runtime:
     1. Every pipeline is one stage of one device (a pure data-parallel plan);
        pipeline plans run on ``hetero_deepspeed``.  Every dtype runs,
        ``per_device`` too (``strategy.per_device_precision``).
+    2. No ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``
+       (the ``deepspeed`` runtime refuses it too).
+
+``hetero_diloco`` (the ``hetero_diloco`` strategy: DiLoCo over groups of uneven data parallelism)
+    1. As ``hetero`` rule 1: pure data parallelism, each group's replicas one device each.
+    2. A ``plan.outer_sync`` (its groups cover the used devices: ``Plan`` checks that when it is built).
 
 Pure Python: the planning core reads this table without torch or DeepSpeed.
 """
@@ -82,6 +88,8 @@ class Runtime(StrEnum):
     """``hetero_deepspeed``: pipelines, replicas and tensor-parallel stages on DeepSpeed."""
     hetero = "hetero"
     """The ``hetero`` strategy: pure data parallelism with uneven shares."""
+    hetero_diloco = "hetero_diloco"
+    """The ``hetero_diloco`` strategy: groups of uneven data parallelism that exchange parameters every H steps."""
 
 
 def as_runtime(value: Any, field: str = "planner.runtime") -> Runtime:
@@ -148,7 +156,7 @@ def _no_rules(plan: Plan, world_size: int | None) -> list[Problem]:
 
 
 def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
-    out: list[Problem] = _tp_degrees(plan)
+    out: list[Problem] = _tp_degrees(plan) + _no_outer_sync(plan, "hetero_deepspeed")
     if plan.dtype == "per_device":
         out.append(Problem("plan.dtype", "per_device", "be fp32, bf16 or fp16 (hetero_deepspeed runs one dtype per "
                            "run; per-device precision runs on the hetero strategy)",
@@ -205,7 +213,27 @@ def _tp_degrees(plan: Plan) -> list[Problem]:
     return out
 
 
+def _no_outer_sync(plan: Plan, runtime: str) -> list[Problem]:
+    if plan.outer_sync is None:
+        return []
+    return [Problem("plan.outer_sync", plan.outer_sync.to_dict(), f"be absent for {runtime}, which synchronises "
+                    "every step (a low-communication plan runs on hetero_diloco)",
+                    "run it with strategy=hetero_diloco, or plan without planner.mode=low_communication")]
+
+
+def _hetero_diloco(plan: Plan, world_size: int | None) -> list[Problem]:
+    out = _data_parallel(plan)
+    if plan.outer_sync is None:
+        out.append(Problem("plan.outer_sync", None, "be given (hetero_diloco runs low-communication plans: groups, "
+                           "inner steps and the outer codec)", "plan with `het-plan planner.mode=low_communication`"))
+    return out
+
+
 def _hetero(plan: Plan, world_size: int | None) -> list[Problem]:
+    return _data_parallel(plan) + _no_outer_sync(plan, "hetero")
+
+
+def _data_parallel(plan: Plan) -> list[Problem]:
     out: list[Problem] = []
     for p, pipe in enumerate(plan.pipelines):
         if len(pipe.stages) != 1:
@@ -218,4 +246,5 @@ def _hetero(plan: Plan, world_size: int | None) -> list[Problem]:
     return out
 
 
-_RULES = {Runtime.any: _no_rules, Runtime.deepspeed: _deepspeed, Runtime.hetero: _hetero}
+_RULES = {Runtime.any: _no_rules, Runtime.deepspeed: _deepspeed, Runtime.hetero: _hetero,
+          Runtime.hetero_diloco: _hetero_diloco}

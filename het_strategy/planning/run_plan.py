@@ -27,7 +27,7 @@ from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_proble
 from het_strategy.planning import PlanRequest, plan
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
-__all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan",
+__all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan", "checked_run_plan",
            "shares_in_rank_order"]
 
 PRECISION_DTYPES: dict[str, Dtype] = {
@@ -86,13 +86,20 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
     if given is None:
         return plan(cluster, workload, data_parallel_settings(global_batch_size, dtype), PlanRequest(mode="dp"),
                     profile).plan
+    return checked_run_plan(given, cluster, workload, global_batch_size, dtype, Runtime.hetero)
+
+
+def checked_run_plan(given: Plan | str | Path, cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int,
+                     dtype: Dtype | str, runtime: Runtime) -> Plan:
+    """A plan given to a run, checked: made for this cluster (devices in rank order) and model, one ``runtime``
+    runs, in the run's precision and global batch."""
     checked = given if isinstance(given, Plan) else Plan.load(given)
     checked.check_against(cluster, workload)
     if list(checked.cluster_devices) != [d.name for d in cluster.devices]:
         raise field_error("plan.cluster_devices", list(checked.cluster_devices),
                           f"equal the devices of cluster `{cluster.name}` in rank order "
                           f"({[d.name for d in cluster.devices]})", "the plan was made for another cluster")
-    raise_first(runtime_problems(checked, Runtime.hetero))
+    raise_first(runtime_problems(checked, runtime))
     if (checked.dtype == Dtype.per_device) != (dtype == Dtype.per_device):
         raise field_error("plan.dtype", str(checked.dtype), f"{'be' if dtype == Dtype.per_device else 'not be'} "
                           "per_device, as the run's precision is "

@@ -44,10 +44,10 @@ def check_cluster_source(cluster: Any) -> ClusterSpec | str:
 
 
 def check_plan_source(plan: Any, cluster: ClusterSpec | str | None = None,
-                      workload: WorkloadSpec | None = None) -> Plan | None:
+                      workload: WorkloadSpec | None = None, runtime: Runtime = Runtime.hetero) -> Plan | None:
     """None, a Plan, or a plan JSON file read now (missing, unreadable, malformed or unknown keys: ConfigError).
 
-    The plan must be one the hetero strategy runs (``core.runtime_rules``, runtime ``hetero``: pure data
+    The plan must be one ``runtime``'s strategy runs (``core.runtime_rules``; ``hetero``: pure data
     parallelism).  With ``cluster`` (a ClusterSpec; ``"auto"`` is checked at setup) it must be one made for it
     (``Plan.check_cluster``); with ``workload`` too (a ``WorkloadSpec``, see ``check_workload_source``), for that
     model.
@@ -58,7 +58,7 @@ def check_plan_source(plan: Any, cluster: ClusterSpec | str | None = None,
         if isinstance(plan, bool) or not isinstance(plan, (str, Path)):
             raise field_error("plan", type(plan).__name__, "be a plan JSON path, a Plan, or None to plan at setup")
         plan = Plan.load(plan)
-    raise_first(runtime_problems(plan, Runtime.hetero))
+    raise_first(runtime_problems(plan, runtime))
     if isinstance(cluster, ClusterSpec):
         if workload is None:
             plan.check_cluster(cluster)

@@ -114,17 +114,19 @@ class CommHookBuilder:
     def register(self, model: Any, cluster: ClusterSpec | None, world: int, rank: int,
                  restored: dict[str, Any] | None, on_last_bucket: Callable[[], None],
                  on_bucket: Callable[[], None],
-                 prepare_bucket: Callable[[Any], None] | None = None) -> Callable[[Any, Any], Any]:
+                 prepare_bucket: Callable[[Any], None] | None = None,
+                 process_group: Any = None) -> Callable[[Any, Any], Any]:
         """Register the hook on ``model`` (a DDP module); ``restored``: the checkpoint's compression part;
         ``prepare_bucket(buffer)`` runs on each bucket before it is counted and reduced (``PerDevicePrecision``
-        unscales an fp16 rank's gradients there).
+        unscales an fp16 rank's gradients there); ``process_group``: the group the model's DDP reduces over
+        (None: every rank), which the uncompressed allreduce uses.
 
         The compression state is built once per strategy: a later ``trainer.validate``/``test`` keeps the
         fitted one.  A collective for ``compression.scope="inter_node"``.
         """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        inner, state = (self.user_hook, self.user_state) if self.user_hook is not None else (allreduce_hook, None)
+        inner, state = (self.user_hook, self.user_state) if self.user_hook is not None else (allreduce_hook, process_group)
         if self.config is not None and self.config.method != "none":
             if self.run is None:
                 self.run = build_compression(model, self.config, cluster, world, rank, restored)

@@ -49,7 +49,8 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.log import logger, rank_debug
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
-from het_strategy.planning.run_plan import precision_dtype
+from het_strategy.core.runtime_rules import Runtime
+from het_strategy.planning.run_plan import data_parallel_plan, precision_dtype
 from het_strategy.strategy.elastic import gather_device_names, init_attempt_process_group
 from het_strategy.strategy.per_device_precision import PER_DEVICE
 from het_strategy.strategy import checkpoint as ckpt
@@ -112,6 +113,8 @@ class HeteroStrategy(DDPStrategy):
     """
 
     strategy_name = "hetero"
+    runtime = Runtime.hetero
+    """The rule table's runtime a given plan must pass (``core.runtime_rules``)."""
 
     def __init__(self, cluster: str | Path | ClusterSpec | dict = "auto", plan: str | Path | Plan | None = None,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
@@ -122,7 +125,7 @@ class HeteroStrategy(DDPStrategy):
                  heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S, **ddp_kwargs: Any) -> None:
         cluster = check_cluster_source(cluster)  # bad input fails here, in the user's script, before any rank starts
         workload_spec = check_workload_source(workload)  # setup builds it again in the run's dtype
-        plan = check_plan_source(plan, cluster, workload_spec)
+        plan = check_plan_source(plan, cluster, workload_spec, self.runtime)
         check_options(cluster, global_batch_size, emulation, profile_input, probe, telemetry)
         for key in ("ddp_comm_hook", "ddp_comm_state"):
             if key in ddp_kwargs:
@@ -137,7 +140,8 @@ class HeteroStrategy(DDPStrategy):
         # Lightning registers no hook without ``ddp_comm_hook``; it still reads the state (post-localSGD averaging)
         super().__init__(ddp_comm_state=compression_state if hook is not None else None, **ddp_kwargs)
         self.plans = PlanHolder(cluster, plan, workload, emulation=emulation, probe_cache_dir=probe_cache_dir,
-                                probe_refresh=probe == "refresh", profile_input=profile_input, verbose=verbose)
+                                probe_refresh=probe == "refresh", profile_input=profile_input, verbose=verbose,
+                                planner=self.run_plan)
         """The cluster, workload and Plan of the run."""
         self.batches = BatchSplitter(global_batch_size)
         """The split loaders and the current batch's sample counts."""
@@ -206,6 +210,11 @@ class HeteroStrategy(DDPStrategy):
         """This rank, the world size, the device and the dtype (valid once Lightning launched the ranks)."""
         return RankContext(self.global_rank, self.world_size, self.root_device, self.dtype)
 
+    def run_plan(self, cluster: ClusterSpec, workload: WorkloadSpec, global_batch: int, dtype: str,
+                 given: Plan | None, profile: MeasuredProfile | None) -> Plan:
+        """The run's plan (on rank 0): ``given`` checked, or the data-parallel planner's optimum."""
+        return data_parallel_plan(cluster, workload, global_batch, dtype, given, profile)
+
     def current_shares(self) -> list[int]:
         """Samples per rank of a full training global batch, in rank order."""
         return self.plans.current_shares(self.batches.train_sampler)
@@ -269,7 +278,8 @@ class HeteroStrategy(DDPStrategy):
         hook = self.comm.register(self.model, self.cluster, self.world_size, self.global_rank,
                                   (self.plans.restored or {}).get("compression"), self._finish_padding,
                                   self.pacing.clock.gradients_ready,
-                                  prepare_bucket=getattr(self.precision_plugin, "prepare_bucket", None))
+                                  prepare_bucket=getattr(self.precision_plugin, "prepare_bucket", None),
+                                  process_group=self._ddp_kwargs.get("process_group"))
         rank_debug(self.global_rank, "comm hook: %s", hook.__qualname__)
 
     # -- data -------------------------------------------------------------------------------------
@@ -416,7 +426,7 @@ class HeteroStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        weight = self.batches.loss_weight(self.world_size)
+        weight = self.loss_weight()
         if weight is not None:
             closure_loss = closure_loss * weight
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -445,6 +455,10 @@ class HeteroStrategy(DDPStrategy):
         finally:
             if self._in_step:
                 self.pacing.clock.add_collective(time.perf_counter() - start)
+
+    def loss_weight(self) -> float | None:
+        """What this rank's mean loss is multiplied by so DDP's average is the mean over the global batch."""
+        return self.batches.loss_weight(self.world_size)
 
     # -- checkpoints ------------------------------------------------------------------------------
     @override

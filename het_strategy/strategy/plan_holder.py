@@ -54,8 +54,12 @@ class PlanHolder:
 
     def __init__(self, cluster_source: ClusterSpec | str, plan_source: Plan | None, workload_source: Any, *,
                  emulation: bool = True, probe_cache_dir: str | Path | None = None, probe_refresh: bool = False,
-                 profile_input: Callable[[Any], Any] | None = None, verbose: bool = True) -> None:
+                 profile_input: Callable[[Any], Any] | None = None, verbose: bool = True,
+                 planner: Callable[..., Plan] = data_parallel_plan) -> None:
         self.cluster_source, self.plan_source, self.workload_source = cluster_source, plan_source, workload_source
+        self.planner = planner
+        """``(cluster, workload, global_batch, dtype, given, profile) -> Plan``: the run's plan, ``given``
+        checked or searched (the strategy's ``run_plan``)."""
         self.emulation, self.probe_cache_dir, self.probe_refresh = emulation, probe_cache_dir, probe_refresh
         self.profile_input, self.verbose = profile_input, verbose
         self.cluster: ClusterSpec | None = None
@@ -125,7 +129,7 @@ class PlanHolder:
         """Rank 0 plans (or checks the given plan) and broadcasts it; an error stops every rank."""
         cluster = self.require_cluster()
         profile = self.profile if workload is self.workload else None
-        return Plan.from_dict(decided_on_rank_zero(ctx.rank, ctx.world, lambda: data_parallel_plan(
+        return Plan.from_dict(decided_on_rank_zero(ctx.rank, ctx.world, lambda: self.planner(
             cluster, workload, global_batch, ctx.dtype, self.plan_source, profile).to_dict()))
 
     def shares_for(self, module: nn.Module, dataloader: DataLoader, global_batch: int, ctx: RankContext,
@@ -140,8 +144,8 @@ class PlanHolder:
             shares = self.current_shares(train_sampler)
         elif self.plan_source is not None:  # a given plan, checked, then scaled
             workload = self.workload or self.resolve_workload(module, dataloader, ctx.dtype)
-            checked = data_parallel_plan(cluster, workload, self.plan_source.global_batch_size, ctx.dtype,
-                                         self.plan_source)
+            checked = self.planner(cluster, workload, self.plan_source.global_batch_size, ctx.dtype,
+                                   self.plan_source, None)
             shares = shares_in_rank_order(checked, cluster)
         else:
             if self._eval_plan is None or self._eval_plan.global_batch_size != global_batch:
@@ -175,7 +179,7 @@ class PlanHolder:
         """
         if train_sampler is None or self.cluster is None or self.workload is None:
             raise ConfigError("apply_plan: no training DataLoader has been split yet")
-        checked = data_parallel_plan(self.cluster, self.workload, train_sampler.global_batch_size, dtype, plan)
+        checked = self.planner(self.cluster, self.workload, train_sampler.global_batch_size, dtype, plan, None)
         train_sampler.set_shares(shares_in_rank_order(checked, self.cluster), first_step)
         self.plan = checked
 

@@ -1,5 +1,5 @@
-"""The strategies on ``pytorch_lightning``: ``HeteroStrategyPL`` and ``HeteroDeepSpeedStrategyPL``, and the
-precision plugin ``PerDevicePrecisionPL``.
+"""The strategies on ``pytorch_lightning``: ``HeteroStrategyPL``, ``HeteroDeepSpeedStrategyPL`` and
+``HeteroDiLoCoStrategyPL``, and the precision plugin ``PerDevicePrecisionPL``.
 
 ``lightning.pytorch`` and ``pytorch_lightning`` are two copies of Lightning with
 separate class trees: a ``pytorch_lightning.Trainer`` accepts only subclasses
@@ -18,16 +18,18 @@ import pytorch_lightning
 
 from het_strategy.strategy import hetero_deepspeed
 from het_strategy.strategy.hetero import HeteroStrategy
+from het_strategy.strategy.hetero_diloco import HeteroDiLoCoStrategy
 from het_strategy.strategy.per_device_precision import PerDevicePrecision
 
-__all__ = ["twin", "HeteroStrategyPL", "HeteroDeepSpeedStrategyPL", "PerDevicePrecisionPL"]
+__all__ = ["twin", "HeteroStrategyPL", "HeteroDeepSpeedStrategyPL", "HeteroDiLoCoStrategyPL", "PerDevicePrecisionPL"]
 
 _NOT_COPIED = ("__dict__", "__weakref__")
 
 
 def twin(cls: type, base: type, module: str = __name__) -> type:
     """``cls``'s body on ``base`` instead of its own base: ``cls`` must derive directly from the
-    ``lightning.pytorch`` class (a ``DDPStrategy``, a ``Precision``) that ``base`` replaces.
+    ``lightning.pytorch`` class (a ``DDPStrategy``, a ``Precision``) that ``base`` replaces, or from a strategy
+    of ours whose twin ``base`` is.
 
     Why a factory: the ``pytorch_lightning`` class needs the same methods on another package's base class,
     and writing them twice would let the two drift.  The methods are copied with their ``__class__`` cell
@@ -36,7 +38,7 @@ def twin(cls: type, base: type, module: str = __name__) -> type:
     ``lightning.pytorch`` names.  The new class is named ``<cls>PL`` and lives in ``module`` (pickling finds it
     there).
     """
-    if len(cls.__bases__) != 1 or cls.__bases__[0].__name__ != base.__name__:
+    if len(cls.__bases__) != 1 or base.__name__ not in (cls.__bases__[0].__name__, f"{cls.__bases__[0].__name__}PL"):
         raise TypeError(f"{cls.__qualname__} must derive directly from {base.__name__} alone")
     name = f"{cls.__name__}PL"
     new = type(cls)(name, (base,), {"__module__": module, "__qualname__": name, "__doc__": cls.__doc__})
@@ -69,4 +71,5 @@ def _rebound(value: Any, cell: types.CellType) -> Any:
 
 HeteroStrategyPL = twin(HeteroStrategy, pytorch_lightning.strategies.DDPStrategy)
 HeteroDeepSpeedStrategyPL = twin(hetero_deepspeed.HeteroDeepSpeedStrategy, pytorch_lightning.strategies.DDPStrategy)
+HeteroDiLoCoStrategyPL = twin(HeteroDiLoCoStrategy, HeteroStrategyPL)
 PerDevicePrecisionPL = twin(PerDevicePrecision, pytorch_lightning.plugins.precision.Precision)

@@ -3,8 +3,10 @@
 How the strategy classes are made (the contract every strategy of this package follows):
 
 1. Each strategy is one ordinary class on ``lightning.pytorch``'s ``DDPStrategy``, written in its own module
-   (``KINDS``: ``hetero.HeteroStrategy``, ``hetero_deepspeed.HeteroDeepSpeedStrategy``).  It derives directly
-   from ``DDPStrategy``, and its method bodies reach Lightning through ``self`` and their arguments only.
+   (``KINDS``: ``hetero.HeteroStrategy``, ``hetero_deepspeed.HeteroDeepSpeedStrategy``,
+   ``hetero_diloco.HeteroDiLoCoStrategy``).  It derives directly from ``DDPStrategy``, or from another of
+   ``KINDS`` (``hetero_diloco`` from ``hetero``), and its method bodies reach Lightning through ``self`` and
+   their arguments only.
 2. Its ``pytorch_lightning`` twin (``<name>PL``) is made by the one factory, ``pytorch_lightning_classes.twin``,
    and lives in that module: ``pytorch_lightning`` is a separate class tree whose Trainer takes only its own
    strategies.
@@ -64,6 +66,9 @@ KINDS = {
     "hetero_deepspeed": StrategyKind("het_strategy.strategy.hetero_deepspeed", "HeteroDeepSpeedStrategy", {
         "hetero_deepspeed": ("Heterogeneous pipelines, planned or given (asymmetric replicas too), on DeepSpeed "
                              "(het_strategy)", {})}),
+    "hetero_diloco": StrategyKind("het_strategy.strategy.hetero_diloco", "HeteroDiLoCoStrategy", {
+        "hetero_diloco": ("DiLoCo across groups of uneven data parallelism, H and the codec planned from the "
+                          "devices and the link (het_strategy)", {})}),
 }
 CLASS_NAMES = {f"{kind.class_name}{suffix}": (key, namespace) for key, kind in KINDS.items()
                for namespace, suffix in _SUFFIX.items()}

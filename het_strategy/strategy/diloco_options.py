@@ -1,0 +1,135 @@
+"""The ``hetero_diloco`` strategy's own options, checked when the strategy is built.
+
+Each bad value raises one ``ConfigError`` naming the argument (het-train:
+``strategy.<argument>``), in the user's script, before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Literal, Sequence, get_args
+
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.errors import field_error
+from het_strategy.core.outer_sync import OUTER_CODECS, OuterSync, outer_codec
+
+__all__ = ["PLANNED", "GroupSplit", "InnerSplit", "DiLoCoOptions", "group_names"]
+
+PLANNED = "planned"
+GroupSplit = Literal["node", "device"]
+"""Groups by the cluster YAML: one per node, or one per device."""
+InnerSplit = Literal["planned", "even"]
+"""Samples per inner step: planned by speed (a faster group takes more), or even over the devices."""
+DEFAULT_OUTER_CODECS = ("none", "fp16", "q8", "q4")
+
+
+def group_names(groups: Any, cluster: ClusterSpec, field: str = "groups") -> tuple[tuple[str, ...], ...]:
+    """The device names of each group: ``"node"`` one group per node, ``"device"`` one per device, or a list of
+    device-name lists that covers the cluster's devices exactly once (ConfigError naming ``field``)."""
+    names = [d.name for d in cluster.devices]
+    if groups == "node":
+        by_node: dict[str, list[str]] = {}
+        for device in cluster.devices:
+            by_node.setdefault(device.node, []).append(device.name)
+        out = tuple(tuple(g) for g in by_node.values())
+    elif groups == "device":
+        out = tuple((name,) for name in names)
+    else:
+        out = tuple(tuple(g) for g in groups)
+        with_groups = OuterSync(1, "none", out)  # repeats and empty groups
+        try:
+            with_groups.check_covers(names, field)
+        except Exception as exc:
+            raise field_error(field, [list(g) for g in out], f"cover the cluster's devices exactly once "
+                              f"({exc})") from None
+    if len(out) < 2:
+        raise field_error(field, groups if isinstance(groups, str) else [list(g) for g in out],
+                          f"make at least 2 groups (cluster `{cluster.name}` gives {len(out)}): with one group "
+                          "there is nothing to exchange", "use strategy=hetero, or groups=device")
+    return out
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions:
+    """What the user asks of the outer loop (``HeteroDiLoCoStrategy``'s arguments of the same names)."""
+
+    inner_steps: int | str = PLANNED
+    """H, or ``"planned"``: the planner chooses it within ``max_inner_steps`` and ``max_sync_overhead``."""
+    outer_codec: str = PLANNED
+    """The outer exchange's codec, or ``"planned"``: chosen among ``outer_codecs``."""
+    groups: Any = "node"
+    """``"node"``, ``"device"`` or a list of device-name lists."""
+    split: str = "planned"
+    """``InnerSplit``."""
+    max_inner_steps: int = 500
+    """The quality budget: the largest H the planner may choose."""
+    max_sync_overhead: float = 0.05
+    """The fraction of an outer round the planner lets the exchange take."""
+    outer_codecs: tuple[str, ...] = DEFAULT_OUTER_CODECS
+    """Codecs the planner may choose, the most faithful first."""
+    outer_lr: float = 0.7
+    """The default outer optimizer's learning rate (Nesterov SGD, as DiLoCo)."""
+    outer_momentum: float = 0.9
+    """The default outer optimizer's momentum."""
+    outer_optimizer: Callable[[list[Any]], Any] | None = None
+    """``params -> torch.optim.Optimizer`` instead of the default (e.g. ``functools.partial(torch.optim.SGD,
+    lr=0.5, momentum=0.9, nesterov=True)``; Hydra: ``_partial_: true``)."""
+
+    def __post_init__(self) -> None:
+        if self.inner_steps != PLANNED and (isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int)
+                                            or self.inner_steps < 1):
+            raise field_error("inner_steps", self.inner_steps, "be an integer >= 1 (inner steps per outer step) or "
+                              "\"planned\"")
+        if self.outer_codec != PLANNED:
+            object.__setattr__(self, "outer_codec", str(outer_codec(self.outer_codec, "outer_codec")))
+        if self.split not in get_args(InnerSplit):
+            raise field_error("split", self.split, f"be one of {', '.join(get_args(InnerSplit))}")
+        if isinstance(self.groups, str) and self.groups not in get_args(GroupSplit):
+            raise field_error("groups", self.groups, "be \"node\", \"device\" or a list of device-name lists")
+        if not isinstance(self.groups, str) and not (
+                isinstance(self.groups, Sequence)
+                and all(isinstance(g, Sequence) and not isinstance(g, str) and all(isinstance(d, str) for d in g)
+                        for g in self.groups)):
+            raise field_error("groups", self.groups, "be \"node\", \"device\" or a list of device-name lists")
+        if isinstance(self.max_inner_steps, bool) or not isinstance(self.max_inner_steps, int) \
+                or self.max_inner_steps < 1:
+            raise field_error("max_inner_steps", self.max_inner_steps, "be an integer >= 1")
+        if not _number(self.max_sync_overhead) or not 0 < self.max_sync_overhead < 1:
+            raise field_error("max_sync_overhead", self.max_sync_overhead, "be a fraction in (0, 1)")
+        if isinstance(self.outer_codecs, str) or not self.outer_codecs:
+            raise field_error("outer_codecs", self.outer_codecs, f"be a non-empty list of {', '.join(OUTER_CODECS)}")
+        object.__setattr__(self, "outer_codecs", tuple(str(outer_codec(c, "outer_codecs")) for c in self.outer_codecs))
+        if not _number(self.outer_lr) or self.outer_lr <= 0:
+            raise field_error("outer_lr", self.outer_lr, "be a number > 0")
+        if not _number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
+            raise field_error("outer_momentum", self.outer_momentum, "be a number in [0, 1)")
+        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
+            raise field_error("outer_optimizer", type(self.outer_optimizer).__name__,
+                              "be a callable params -> torch.optim.Optimizer (Hydra: _partial_: true)")
+        if self.outer_optimizer is not None:  # its learning rate, checked on a stand-in parameter
+            import torch
+
+            self.make_outer_optimizer([torch.zeros(1, requires_grad=True)])
+
+    def pinned(self) -> dict[str, Any]:
+        """The choices the user fixed (not ``"planned"``), by argument name."""
+        return {k: getattr(self, k) for k in ("inner_steps", "outer_codec") if getattr(self, k) != PLANNED}
+
+    def make_outer_optimizer(self, params: list[Any]) -> Any:
+        """The outer optimizer over ``params``: the user's, or Nesterov SGD; ConfigError for a rate <= 0."""
+        import torch
+
+        make = self.outer_optimizer or partial(torch.optim.SGD, lr=self.outer_lr, momentum=self.outer_momentum,
+                                               nesterov=self.outer_momentum > 0)
+        optimizer = make(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise field_error("outer_optimizer", type(optimizer).__name__, "build a torch.optim.Optimizer")
+        lr = optimizer.param_groups[0].get("lr")
+        if not _number(lr) or lr <= 0:
+            raise field_error("outer_optimizer.lr", lr, "be a number > 0 (the outer learning rate)")
+        return optimizer
+
+
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))

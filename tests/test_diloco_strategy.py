@@ -1,0 +1,143 @@
+"""hetero_diloco on real gloo processes (Lightning's fork launcher): rounds equal to a hand-written float64
+reference, uneven groups weighted by their samples, and a checkpoint in the middle of a round resumed exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+import lightning.pytorch as pl  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from het_strategy import HeteroDiLoCoStrategy  # noqa: E402
+from het_strategy.core.outer_sync import OuterSync  # noqa: E402
+from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
+from tests._strategy_worker import IndexedData, Recorder, make_net  # noqa: E402
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
+              pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
+
+# Two sites: one fast device, and two devices half as fast behind a 10 Mbit/s link.
+TWO_SITES = {"name": "two_sites", "inter_node_bandwidth_gbs": 0.00125, "nodes": [
+    {"name": "a", "devices": [{"name": "fast", "type": "CPU", "tflops": {"fp32": 2.0}}]},
+    {"name": "b", "devices": [{"name": "b0", "type": "CPU", "tflops": {"fp32": 1.0}},
+                              {"name": "b1", "type": "CPU", "tflops": {"fp32": 1.0}}]}]}
+SHARES = {"fast": 6, "b0": 3, "b1": 3}  # uneven groups: 6 and 6 samples, split 1 and 2 ways
+H = 3
+
+
+def _plan(tmp: Path, shares: dict[str, int] = SHARES) -> Path:
+    plan = Plan(cluster="two_sites", cluster_devices=("fast", "b0", "b1"), model={"num_layers": 1},
+                global_batch_size=sum(shares.values()),
+                pipelines=tuple(Pipeline((Stage((d,), (0, 1)),), n, n) for d, n in shares.items()), dtype="fp32",
+                mode="manual", outer_sync=OuterSync(H, "none", (("fast",), ("b0", "b1"))))
+    return plan.save(tmp / "plan.json")
+
+
+def _trainer(tmp: Path, plan: Path, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    strategy = HeteroDiLoCoStrategy(cluster=TWO_SITES, plan=plan, start_method="fork", verbose=False,
+                                    timeout=timedelta(seconds=120))
+    defaults = dict(accelerator="cpu", devices=3, strategy=strategy, precision="64-true", logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                    num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return pl.Trainer(default_root_dir=str(tmp), **defaults)
+
+
+def _rows(out: Path) -> list[list[dict]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+
+
+def _reference(data: IndexedData, groups_steps: list[list[list[int]]], lr: float = 0.1, outer_lr: float = 0.7,
+               momentum: float = 0.9) -> torch.nn.Module:
+    """DiLoCo by hand: each group its own copy and SGD (momentum kept across rounds) on the mean loss of its
+    samples per step; every ``H`` steps (and after the last) the outer Nesterov step on the sample-weighted
+    mean of ``outer - local``, and every group restarts from the outer parameters."""
+    outer = make_net()
+    outer_params = list(outer.parameters())
+    outer_opt = torch.optim.SGD(outer_params, lr=outer_lr, momentum=momentum, nesterov=True)
+    nets = [make_net() for _ in groups_steps]
+    opts = [torch.optim.SGD(n.parameters(), lr=lr, momentum=0.9) for n in nets]
+    samples = [0] * len(nets)
+    steps = len(groups_steps[0])
+
+    def outer_step() -> None:
+        total = sum(samples)
+        for o, *locals_ in zip(outer_params, *(n.parameters() for n in nets)):
+            o.grad = sum(n_g * (o.detach() - p.detach()) for n_g, p in zip(samples, locals_)) / total
+        outer_opt.step()
+        for n in nets:
+            for o, p in zip(outer_params, n.parameters()):
+                p.data.copy_(o.data)
+        samples[:] = [0] * len(nets)
+
+    for t in range(steps):
+        for g, (net, opt) in enumerate(zip(nets, opts)):
+            indices = groups_steps[g][t]
+            opt.zero_grad()
+            loss = (net(data.x[indices]).squeeze(-1) - data.y[indices]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            samples[g] += len(indices)
+        if (t + 1) % H == 0:
+            outer_step()
+    if any(samples):
+        outer_step()
+    return outer
+
+
+def _group_steps(rows: list[list[dict]]) -> list[list[list[int]]]:
+    return [[r["indices"] for r in rows[0]],
+            [a["indices"] + b["indices"] for a, b in zip(rows[1], rows[2])]]
+
+
+def test_rounds_equal_hand_written_reference(tmp_path: Path) -> None:
+    """7 steps of 12 samples (6 on the fast device alone, 3 + 3 on the other site), H = 3: two full rounds and a
+    last partial one closed at the end of fit; the final parameters equal the float64 reference to 1e-10."""
+    data = IndexedData(84)
+    out = tmp_path / "rows"
+    out.mkdir()
+    model = Recorder(str(out))
+    _trainer(tmp_path, _plan(tmp_path), max_epochs=1).fit(model, DataLoader(data, batch_size=4))
+    rows = _rows(out)
+    assert [len(r) for r in rows] == [7, 7, 7]
+    assert [len(r["indices"]) for r in rows[0]] == [6] * 7
+    assert sorted(i for rank in rows for r in rank for i in r["indices"]) == list(range(84))
+    ref = _reference(data, _group_steps(rows))
+    for p, q in zip(model.net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-10)
+
+
+def test_checkpoint_mid_round_resumes_exactly(tmp_path: Path) -> None:
+    """A checkpoint after step 4 (one step into the second round, the groups' parameters apart), then a resumed
+    fit to step 7: the same final parameters as the uninterrupted run, and the same samples."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = IndexedData(84)
+    plan = _plan(tmp_path)
+    full_out, part_out = tmp_path / "full", tmp_path / "part"
+    full_out.mkdir()
+    part_out.mkdir()
+    full = Recorder(str(full_out))
+    _trainer(tmp_path / "a", plan, max_epochs=1).fit(full, DataLoader(data, batch_size=4))
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = Recorder(str(part_out))
+    _trainer(tmp_path / "b", plan, max_steps=4, callbacks=[saver], enable_checkpointing=True).fit(
+        first, DataLoader(data, batch_size=4))
+    ckpt = next((tmp_path / "ckpt").glob("*step=4*.ckpt"))
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["hetero_diloco"]["shared"]["step_in_round"] == 1
+    resumed = Recorder(str(part_out))
+    _trainer(tmp_path / "b", plan, max_epochs=1).fit(resumed, DataLoader(data, batch_size=4), ckpt_path=ckpt)
+    rows_full, rows_part = _rows(full_out), _rows(part_out)
+    assert [[r["indices"] for r in rank] for rank in rows_part] == [[r["indices"] for r in rank]
+                                                                      for rank in rows_full]
+    for p, q in zip(resumed.net.parameters(), full.net.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12)
