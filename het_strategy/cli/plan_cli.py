@@ -9,6 +9,7 @@ Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style)::
     het-plan planner.objective=cost planner.min_throughput=200   # least $/iteration at >= 200 samples/s
     het-plan planner.budget_per_hour=8                     # the fastest plan whose devices cost <= $8/hour
     het-plan score=plan.json                               # score a given plan, no search
+    het-plan planner.mode=low_communication                # DiLoCo groups (hetero_diloco) beside the synchronous plan
     het-plan model=my_models.py:make_net model_input.shape=[4,1,28,28]   # your own nn.Module
     het-plan --cfg                                         # print the composed config and stop
 
@@ -25,7 +26,8 @@ Steps of one run:
    ``score=<file>``, load that plan, check it belongs to this cluster and model, and
    ``planning.rescore`` it with the same CostModel; either way the plan's money
    figures (its used devices' $/hour, $/iteration) are in ``predicted``;
-4. print the table; write ``output.dir/output.plan`` atomically, and, when asked,
+4. print the table (``planner.mode=low_communication``: the low-communication plan beside the
+   synchronous one, ``report.low_communication``); write ``output.dir/output.plan`` atomically, and, when asked,
    the DeepSpeed files and a PNG picture.
 
 Bad input (cluster, model, batch, overrides, plan file) prints one line
@@ -79,11 +81,17 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
                                 function returns (module, sample_input)
   settings.global_batch_size=N  settings.dtype=bf16|fp16|fp32   settings.zero_stage=0..3
   settings.max_tp=1|2|4|8       settings.micro_batch_sizes=[1,2,4,8]   settings.activation_checkpointing=true
-  planner.mode=auto|dp|pipeline|hybrid   planner.profile=null|sailor   planner.runtime=any|deepspeed|hetero
+  planner.mode=auto|dp|pipeline|hybrid|low_communication   planner.profile=null|sailor
+  planner.runtime=any|deepspeed|hetero|hetero_diloco
   planner.objective=time|cost   planner.budget_per_hour=USD   planner.min_throughput=samples/s
                                 cost: least $/iteration (idle devices not rented); budget: cap on the used
                                 devices' $/hour; min_throughput: floor on samples/s
   planner.compression=none|joint  joint: placement and inter-node compression planned together (dp)
+  planner.mode=low_communication  groups (nodes) exchanging every H steps (hetero_diloco), printed beside the
+                                synchronous plan with a recommendation; budget: planner.outer_sync.max_inner_steps=500
+                                planner.outer_sync.max_sync_overhead=0.05 planner.outer_sync.codecs=[none,fp16,q8,q4]
+                                planner.outer_sync.groups=node|device|[[a0,a1],[b0,b1]]
+                                planner.outer_sync.split=planned|even
   score=<plan.json>             score this plan with the same cost model instead of searching
                                 (written as <name>.scored.json when output.plan would overwrite it)
   output.dir=.  output.plan=plan.json  output.ds_config=true  output.plot=true
@@ -145,6 +153,9 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
         workload, measured = made[0].workload, made[0].profile if made[1] else None
 
     score_path = cfg.get("score")
+    if request.mode == "low_communication" and output["ds_config"]:
+        raise field_error("output.ds_config", True, "be false with planner.mode=low_communication (DeepSpeed does "
+                          "not run low-communication plans; strategy=hetero_diloco runs plan.json)")
     if score_path is not None:
         if request.searches_sub_clusters:
             key = next(k for k in ("budget_per_hour", "min_throughput") if getattr(request, k) is not None) \
@@ -169,9 +180,14 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
         target = output["dir"] / f"{Path(output['plan']).stem}.model.json"
         written.append(write_atomic(target, json.dumps(factory.to_dict(), indent=2) + "\n"))
     if echo:
-        print(plan_table(chosen, score, cluster))
-        if line:
-            print(line)
+        if result.low_communication is not None:
+            from het_strategy.report.low_communication import low_communication_report
+
+            print(low_communication_report(result, cluster))
+        else:
+            print(plan_table(chosen, score, cluster))
+            if line:
+                print(line)
         if written:
             print("\nwrote " + ", ".join(str(p) for p in written))
     return chosen, score

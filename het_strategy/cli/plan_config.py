@@ -83,7 +83,8 @@ class HetPlanConfig:
     settings: TrainSettings = field(default_factory=lambda: TrainSettings(global_batch_size=64))
     """How the model is trained: batch, dtype, ZeRO stage and the planner's search bounds."""
     planner: PlanRequest = field(default_factory=PlanRequest)
-    """What the planner is asked: modes, runtime, objective, budget, floor, joint compression, profile."""
+    """What the planner is asked: modes, runtime, objective, budget, floor, joint compression, profile, and the
+    low-communication budget (``planner.outer_sync``)."""
     model_input: ModelInputConfig = field(default_factory=ModelInputConfig)
     score: Optional[str] = None
     """A plan JSON to score with the same cost model instead of searching; null: search."""

@@ -58,7 +58,8 @@ Train a character-level GPT on the Python standard library's source on a heterog
 overrides (Hydra syntax; see configs/train.yaml for every field):
   cluster=<name|file.yaml|auto>  shipped: {{clusters}}
   model=<name|file.yaml>         model.num_layers=N model.hidden_size=N model.num_heads=N model.seq_len=N
-  strategy=hetero|ddp|hetero_deepspeed   devices=N   accelerator=cpu|cuda
+  strategy=hetero|ddp|hetero_deepspeed|hetero_diloco   devices=N   accelerator=cpu|cuda
+  strategy.inner_steps=50 strategy.outer_codec=q4   (hetero_diloco: pin H and the codec; default planned)
   planner.mode=auto|dp|pipeline|hybrid   (hetero_deepspeed: pipelines of the GPT's blocks; hetero: auto|dp)
   train.global_batch_size=N  train.max_steps=N  train.lr=X  train.precision=32-true|bf16-mixed|per_device  train.seed=N
   train.val_every_n_steps=N  train.val_batches=N  train.accumulate_grad_batches=N
@@ -241,6 +242,16 @@ def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:
                                   compression=PLANNED if job.plan is not None else job.compression,
                                   moe_placement=job.moe.placement, **job.failure.strategy_args())
         return strategy, []
+    if job.strategy == "hetero_diloco":
+        from dataclasses import asdict
+
+        from het_strategy import HeteroDiLoCoStrategy
+
+        # rank 0 plans the split, H and the codec (planning/low_communication.py) unless the options pin them
+        options = {k: v for k, v in asdict(job.diloco).items() if k != "outer_optimizer"}
+        return HeteroDiLoCoStrategy(cluster=job.cluster, workload=job.workload,
+                                    global_batch_size=job.global_batch_size, **options,
+                                    **job.failure.strategy_args()), []
     if job.strategy == "hetero_deepspeed":
         from het_strategy import HeteroDeepSpeedStrategy
 

@@ -42,6 +42,7 @@ STRATEGY_TARGETS = {
     "het_strategy.HeteroStrategy": "hetero",
     "lightning.pytorch.strategies.DDPStrategy": "ddp",
     "het_strategy.HeteroDeepSpeedStrategy": "hetero_deepspeed",
+    "het_strategy.HeteroDiLoCoStrategy": "hetero_diloco",
 }
 """The strategy group's ``_target_`` -> het-train's name for it."""
 _WANDB_TARGET = "lightning.pytorch.loggers.WandbLogger"
@@ -61,6 +62,8 @@ class TrainJob:
         self.checkpoint, self.straggler, self.moe, self.planner = c.checkpoint, c.straggler, c.moe, c.planner
         self.failure, self.elastic = c.failure, c.elastic
         self.strategy = _strategy_name(cfg.strategy)
+        self.diloco = _diloco_options(cfg.strategy) if self.strategy == "hetero_diloco" else None
+        """``strategy=hetero_diloco``: its outer-loop options, checked (named ``strategy.<field>``)."""
         self.loggers = _logger_nodes(cfg.logger)
         self.accelerator = c.accelerator
         self.auto_cluster = auto_cluster
@@ -106,6 +109,8 @@ class TrainJob:
             raise field_error("compression.method", self.compression.method,
                               f"be none with strategy={self.strategy} ({why})",
                               "use strategy=hetero, which registers them on every device")
+        if self.strategy == "hetero_diloco":
+            self._check_diloco_job(c)
         if self.strategy == "hetero" and c.planner.mode not in ("auto", "dp"):
             raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero (it plans data "
                               "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
@@ -202,7 +207,7 @@ class TrainJob:
             raise field_error("elastic.min_devices", e.min_devices, f"be at most the {self.cluster.num_devices} "
                               f"devices of cluster `{self.cluster.name}`")
         if self.strategy != "hetero":
-            raise field_error("elastic.enabled", True, f"go with strategy=hetero, not {self.strategy}")
+            raise field_error("elastic.enabled", True, f"go with strategy=hetero, not {self.strategy}")  # noqa
         if c.checkpoint.every_n_steps is None:
             raise field_error("checkpoint.every_n_steps", None, "be set with elastic.enabled (a restart goes on from "
                               "the newest checkpoint)", "e.g. checkpoint.every_n_steps=10")
@@ -275,6 +280,31 @@ class TrainJob:
             raise field_error("moe.placement", "uniform", f"go with model.num_experts ({experts}) divisible "
                               f"by devices ({self.devices})", "use moe.placement=planned")
 
+    def _check_diloco_job(self, c: HetTrainConfig) -> None:
+        """What ``strategy=hetero_diloco`` runs in het-train: a cluster file whose devices split into groups, no
+        gradient compression, no live rebalancing, one precision."""
+        from het_strategy.planning.low_communication import resolve_groups
+
+        assert self.diloco is not None
+        if self.cluster is None:
+            raise field_error("cluster", "auto", "be a cluster file with strategy=hetero_diloco (its nodes are "
+                              "the groups)")
+        try:
+            resolve_groups(self.cluster, self.diloco.groups, "groups")
+        except ConfigError as exc:
+            raise _prefixed(exc, "strategy") from None
+        if self.compression is not None and self.compression.method != "none":
+            raise field_error("compression.method", self.compression.method, "be none with strategy=hetero_diloco "
+                              "(the groups' gradients stay inside the group)", "set strategy.outer_codec for the "
+                              "outer exchange")
+        if c.planner.mode not in ("auto", "dp"):
+            raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero_diloco (each group "
+                              "runs uneven data parallelism)")
+        if self.dtype == "per_device":
+            raise field_error("train.precision", "per_device", "go with strategy=hetero, not hetero_diloco")
+        if c.elastic.enabled:
+            raise field_error("elastic.enabled", True, "go with strategy=hetero, not hetero_diloco")
+
     def _check_deepspeed_job(self) -> None:
         """What ``strategy=hetero_deepspeed`` runs in het-train (refused here, before any worker starts)."""
         if importlib.util.find_spec("deepspeed") is None:
@@ -312,16 +342,35 @@ def _prefixed(exc: ConfigError, section: str) -> ConfigError:
     return ConfigError(message, field=f"{section}.{name}", value=exc.value)
 
 
+DILOCO_FIELDS = ("inner_steps", "outer_codec", "groups", "split", "max_inner_steps", "max_sync_overhead",
+                 "outer_codecs", "outer_lr", "outer_momentum")
+"""The ``strategy=hetero_diloco`` node's own keys (``DiLoCoOptions``'s fields)."""
+
+
+def _diloco_options(node: DictConfig) -> Any:
+    """The hetero_diloco node's options, checked; an error names ``strategy.<field>``."""
+    from het_strategy.strategy.diloco_options import DiLoCoOptions
+
+    raw = {k: v for k, v in cfg_to_dict(node, "strategy").items() if k != "_target_"}
+    if "outer_codecs" in raw and isinstance(raw["outer_codecs"], list):
+        raw["outer_codecs"] = tuple(raw["outer_codecs"])
+    try:
+        return DiLoCoOptions(**raw)
+    except ConfigError as exc:
+        raise _prefixed(exc, "strategy") from None
+
+
 def _strategy_name(node: Any) -> str:
     """het-train's name for the strategy group's node (it builds the strategy itself, from the plan's inputs)."""
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise field_error("strategy", node if not isinstance(node, DictConfig) else OmegaConf.to_container(node),
-                          "be a strategy group option", "strategy=hetero, strategy=ddp or strategy=hetero_deepspeed")
+                          "be a strategy group option", "strategy=hetero, ddp, hetero_deepspeed or hetero_diloco")
     target = str(node["_target_"])
     if target not in STRATEGY_TARGETS:
         raise field_error("strategy._target_", target, f"be one of {', '.join(STRATEGY_TARGETS)}",
-                          "strategy=hetero, strategy=ddp or strategy=hetero_deepspeed")
-    extra = sorted(str(k) for k in node.keys() if k != "_target_")
+                          "strategy=hetero, ddp, hetero_deepspeed or hetero_diloco")
+    own = DILOCO_FIELDS if STRATEGY_TARGETS[target] == "hetero_diloco" else ()
+    extra = sorted(str(k) for k in node.keys() if k != "_target_" and k not in own)
     if extra:
         raise field_error(f"strategy.{extra[0]}", OmegaConf.select(node, extra[0]), "not be there: het-train "
                           "builds the strategy from cluster, model and train", "set those sections instead")

@@ -15,6 +15,7 @@
 - ``codecs.py``              the gradient codecs (``Codec``, ``CODECS``): exchange, wire bytes per dtype, bound
 - ``compressed_sync.py``     the price of a gradient sync whose inter-node hop is compressed
 - ``cost_model.py``          ``CostModel``: a plan's step time and memory
+- ``outer_sync_cost.py``     the price of low-communication rounds: inner steps and outer exchanges
 
 Pure Python + numpy + PyYAML: no torch, no Lightning, no DeepSpeed.
 """

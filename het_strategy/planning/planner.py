@@ -6,6 +6,10 @@ composes them in one order:
 1. **Profile.** ``request.profile=sailor`` loads Sailor's measured per-layer
    times of the workload (``core.reference_profiles``); a ``profile`` argument
    (e.g. a model profiled on this machine) is used as given; both is an error.
+   ``mode=low_communication`` replaces steps 2-4: ``low_communication.plan_low_communication``
+   plans the groups, shares, H and codec (figures: ``core.outer_sync_cost``), and the joint
+   search (below) the synchronous plan it is compared with (``PlanResult.joint``; ``summary``
+   is the recommendation line).
 2. **One cluster** is planned by ``_plan_cluster``, in this order of precedence:
    ``compression=joint``: placement x inter-node compression (``joint.search_joint``)
    over data-parallel plans, the plans whose hierarchical exchange the ``hetero``
@@ -33,10 +37,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from het_strategy.core.cost_model import CostModel, PlanScore
-from het_strategy.core.errors import field_error
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.outer_sync_cost import OuterSyncCost
 from het_strategy.core.plan import Plan
+from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
 from het_strategy.core.pricing import plan_price
 from het_strategy.planning.joint import JointResult, search_joint
+from het_strategy.planning.low_communication import LowCommunicationResult, plan_low_communication, recommendation
 from het_strategy.planning.objective import ObjectiveResult, search_objective
 from het_strategy.planning.request import CompressionPlanning, PlanMode, PlanRequest
 from het_strategy.planning.runtimes import RuntimeChoice, search_runtime
@@ -66,6 +73,8 @@ class PlanResult:
     """``compression=joint`` (one cluster planned): every inter-node method's plan."""
     objective: ObjectiveResult | None = None
     """A money objective, budget or floor: how the sub-cluster search went."""
+    low_communication: LowCommunicationResult | None = None
+    """``mode=low_communication``: the plan's candidates (``joint`` holds the synchronous plan it is compared with)."""
 
     @property
     def unconstrained(self) -> Plan | None:
@@ -94,6 +103,9 @@ class PlanResult:
 
     def summary(self) -> str | None:
         """The line a report prints under the plan's table (None: a plain search, nothing to add)."""
+        if self.low_communication is not None:
+            return recommendation(self.plan, None if self.joint is None else self.joint.plan,
+                                  self.low_communication.budget.min_speedup)
         if self.objective is not None:
             return self.objective.summary()
         if self.joint is not None:
@@ -156,6 +168,8 @@ def plan(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSetti
          request: PlanRequest = PlanRequest(), profile: "MeasuredProfile | None" = None) -> PlanResult:
     """The best plan for ``request`` (see the module docstring for the order of the searches)."""
     measured = request_profile(request, workload, profile)
+    if request.mode == PlanMode.low_communication:
+        return _plan_low_communication(cluster, workload, settings, request, measured)
     runtime = joint = objective = None
     if request.searches_sub_clusters:
         def plan_one(sub: "ClusterSpec") -> Plan:
@@ -170,12 +184,36 @@ def plan(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSetti
     return PlanResult(dataclasses.replace(chosen, predicted=figures), score, request, runtime, joint, objective)
 
 
+def _plan_low_communication(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSettings",
+                            request: PlanRequest, measured: "MeasuredProfile | None") -> PlanResult:
+    """``mode=low_communication``: the low-communication plan, beside the synchronous plan of the joint search
+    (data parallelism x inter-node compression; None where no synchronous plan fits)."""
+    low = plan_low_communication(cluster, workload, settings, request.outer_sync, measured)
+    try:
+        joint: JointResult | None = search_joint(cluster, workload, settings, mode=str(PlanMode.dp), profile=measured)
+    except ConfigError:
+        joint = None
+    figures = {**low.plan.predicted, **plan_price(low.plan, cluster, low.score.step_time_s).to_dict()}
+    return PlanResult(dataclasses.replace(low.plan, predicted=figures), low.score, request, joint=joint,
+                      low_communication=low)
+
+
 def rescore(given: Plan, cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSettings",
             profile: "MeasuredProfile | None" = None) -> PlanResult:
     """A plan made elsewhere with this cost model's figures: ``predicted`` is the score, the used devices' money
     figures and the objective the plan records it was searched for, if any."""
-    score = CostModel(cluster, workload, settings, profile).score(given)
+    cm = CostModel(cluster, workload, settings, profile)
+    base: dict[str, Any]
+    if given.outer_sync is not None:  # a low-communication plan: rounds of H inner steps and one exchange
+        raise_first(runtime_problems(given, Runtime.hetero_diloco))  # one single-device replica per device
+        cost = OuterSyncCost(cm, given.outer_sync.groups)
+        score = cost.score(given)
+        shares = {pipe.stages[0].devices[0]: pipe.samples for pipe in given.pipelines}
+        base = {**score.to_dict(), **cost.figures(shares, given.outer_sync.inner_steps, given.outer_sync.codec)}
+    else:
+        score = cm.score(given)
+        base = score.to_dict()
     made_for: Any = given.predicted.get("objective")
-    figures = {**score.to_dict(), **({"objective": made_for} if isinstance(made_for, dict) else {}),
+    figures = {**base, **({"objective": made_for} if isinstance(made_for, dict) else {}),
                **plan_price(given, cluster, score.step_time_s).to_dict()}
     return PlanResult(dataclasses.replace(given, predicted=figures), score, PlanRequest())

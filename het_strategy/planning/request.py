@@ -17,12 +17,13 @@ is frozen; Hydra composes the ``planner`` section against it (see
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from het_strategy.core.errors import field_error, require_option
+from het_strategy.core.errors import check_keys, field_error, require_option
 from het_strategy.core.runtime_rules import Runtime
+from het_strategy.planning.low_communication import OuterSyncBudget
 
 __all__ = ["PlanMode", "Objective", "CompressionPlanning", "ProfileSource", "PlanRequest"]
 
@@ -38,6 +39,9 @@ class PlanMode(StrEnum):
     """One pipeline through every device."""
     hybrid = "hybrid"
     """Pipelines x stages x tensor parallelism x micro-batches."""
+    low_communication = "low_communication"
+    """Groups (default: nodes) of uneven data parallelism exchanging every H steps (``low_communication``), shown
+    beside the synchronous plan with joint compression; runs on ``hetero_diloco``."""
 
 
 class Objective(StrEnum):
@@ -55,7 +59,8 @@ class CompressionPlanning(StrEnum):
     none = "none"
     """Syncs priced in ``settings.inter_node_compression`` (default uncompressed)."""
     joint = "joint"
-    """Placement x every inter-node method searched together (data parallelism); the plan carries the choice."""
+    """Placement x every inter-node method searched together (data parallelism); the plan carries the choice.
+    (Mode low_communication always plans its synchronous comparison so.)"""
 
 
 class ProfileSource(StrEnum):
@@ -70,10 +75,11 @@ class PlanRequest:
     """One planning request: the ``planner`` section (defaults: the fastest plan of any mode, any runtime)."""
 
     mode: PlanMode = PlanMode.auto
-    """auto | dp | pipeline | hybrid: the planners searched."""
+    """auto | dp | pipeline | hybrid | low_communication: the planners searched."""
     runtime: Runtime = Runtime("any")
-    """any | deepspeed | hetero: only plans that runtime runs (the slowdown against the unconstrained best is
-    reported)."""
+    """any | deepspeed | hetero | hetero_diloco: only plans that runtime runs (the slowdown against the
+    unconstrained best is reported); hetero_diloco runs low_communication plans (mode auto becomes
+    low_communication)."""
     compression: CompressionPlanning = CompressionPlanning.none
     """none | joint: placement and inter-node compression planned together (mode dp or auto, runtime any)."""
     objective: Objective = Objective.time
@@ -84,6 +90,8 @@ class PlanRequest:
     """Samples/s the plan must reach; null: no floor."""
     profile: Optional[ProfileSource] = None
     """null: datasheet figures | sailor: Sailor's measured per-layer times of the model."""
+    outer_sync: OuterSyncBudget = field(default_factory=OuterSyncBudget)
+    """mode low_communication: the largest H, the exchange's share of a round, the codecs, groups and split."""
 
     def __post_init__(self) -> None:
         convert = object.__setattr__  # frozen: the checked enum members replace the given strings
@@ -107,7 +115,14 @@ class PlanRequest:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise field_error(f"planner.{key}", value, f"be null or a number > 0 ({unit})")
-        if self.compression == CompressionPlanning.joint and (
+        if isinstance(self.outer_sync, Mapping):  # the Python API may give the section as a mapping
+            check_keys(self.outer_sync, {f.name for f in fields(OuterSyncBudget)}, "planner.outer_sync")
+            convert(self, "outer_sync", OuterSyncBudget(**self.outer_sync))
+        elif not isinstance(self.outer_sync, OuterSyncBudget):
+            raise field_error("planner.outer_sync", self.outer_sync, "be a mapping of max_inner_steps, "
+                              "max_sync_overhead, codecs, groups and split")
+        self._check_low_communication()
+        if self.compression == CompressionPlanning.joint and self.mode != PlanMode.low_communication and (
                 self.mode not in (PlanMode.dp, PlanMode.auto) or self.runtime != "any"):
             raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and "
                               "planner.runtime=any: the hetero strategy runs the hierarchical exchange for "
@@ -116,6 +131,27 @@ class PlanRequest:
             raise field_error("planner.mode", str(self.mode), "be dp or auto with planner.runtime=hetero (the hetero "
                               "strategy runs pure data-parallel plans)", "run pipeline plans with "
                               "planner.runtime=deepspeed")
+
+    def _check_low_communication(self) -> None:
+        """``runtime=hetero_diloco`` goes with mode low_communication (auto is read as it); that mode runs on
+        any or hetero_diloco, with the time objective, no budget and no floor."""
+        if self.runtime == Runtime.hetero_diloco:
+            if self.mode == PlanMode.auto:
+                object.__setattr__(self, "mode", PlanMode.low_communication)
+            elif self.mode != PlanMode.low_communication:
+                raise field_error("planner.runtime", "hetero_diloco", "go with planner.mode=low_communication (or "
+                                  f"auto), not {self.mode}: hetero_diloco runs low-communication plans")
+        if self.mode != PlanMode.low_communication:
+            return
+        if self.runtime not in (Runtime.any, Runtime.hetero_diloco):
+            raise field_error("planner.mode", "low_communication", "go with planner.runtime=any or hetero_diloco "
+                              f"(not {self.runtime}): only hetero_diloco runs low-communication plans")
+        if self.searches_sub_clusters:
+            key = "objective" if self.objective != Objective.time else \
+                next(k for k in ("budget_per_hour", "min_throughput") if getattr(self, k) is not None)
+            raise field_error(f"planner.{key}", str(getattr(self, key)), "stay at its default (objective time, no "
+                              "budget_per_hour or min_throughput) with planner.mode=low_communication, which plans "
+                              "the whole cluster")
 
     @property
     def searches_sub_clusters(self) -> bool:

@@ -31,8 +31,9 @@ from het_strategy.planning.structure import StructureResult, assemble_plan
 
 __all__ = ["MODES", "PlanningError", "search_plan", "plan_pipeline"]
 
-MODES = tuple(str(m) for m in PlanMode)
-"""The mode names, ``auto`` first."""
+MODES = tuple(str(m) for m in PlanMode if m != PlanMode.low_communication)
+"""The mode names of the synchronous planners, ``auto`` first (``low_communication`` is ``planning.plan``'s own
+step: ``low_communication.plan_low_communication``)."""
 
 
 class PlanningError(ConfigError):

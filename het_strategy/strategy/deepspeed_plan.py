@@ -86,10 +86,10 @@ class DeepSpeedPlanHolder:
             raise field_error("max_tp", max_tp, "be 1, 2, 4 or 8 (the largest tensor-parallel degree planned)")
         if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3)):
             raise field_error("zero_stage", zero_stage, "be 0, 1, 2, 3 or None (the plan's)")
-        try:
-            self.planner_mode = PlanMode(planner_mode)
-        except ValueError:
-            raise field_error("planner_mode", planner_mode, f"be one of {', '.join(PlanMode)}") from None
+        modes = [m for m in PlanMode if m != PlanMode.low_communication]  # that one runs on hetero_diloco
+        if planner_mode not in modes:
+            raise field_error("planner_mode", planner_mode, f"be one of {', '.join(modes)}")
+        self.planner_mode = PlanMode(planner_mode)
         if not isinstance(emulation, bool):
             raise field_error("emulation", emulation, "be true or false")
         self.cluster = cluster if emulation or not cluster_is_emulated(cluster) else cluster.without_emulation()

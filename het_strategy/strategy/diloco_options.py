@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Literal, Sequence, get_args
 
-from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
-from het_strategy.core.outer_sync import OUTER_CODECS, OuterSync, outer_codec
+from het_strategy.core.outer_sync import OUTER_CODECS, outer_codec
 
-__all__ = ["PLANNED", "GroupSplit", "InnerSplit", "DiLoCoOptions", "group_names"]
+__all__ = ["PLANNED", "GroupSplit", "InnerSplit", "DiLoCoOptions"]
 
 PLANNED = "planned"
 GroupSplit = Literal["node", "device"]
@@ -22,32 +21,6 @@ GroupSplit = Literal["node", "device"]
 InnerSplit = Literal["planned", "even"]
 """Samples per inner step: planned by speed (a faster group takes more), or even over the devices."""
 DEFAULT_OUTER_CODECS = ("none", "fp16", "q8", "q4")
-
-
-def group_names(groups: Any, cluster: ClusterSpec, field: str = "groups") -> tuple[tuple[str, ...], ...]:
-    """The device names of each group: ``"node"`` one group per node, ``"device"`` one per device, or a list of
-    device-name lists that covers the cluster's devices exactly once (ConfigError naming ``field``)."""
-    names = [d.name for d in cluster.devices]
-    if groups == "node":
-        by_node: dict[str, list[str]] = {}
-        for device in cluster.devices:
-            by_node.setdefault(device.node, []).append(device.name)
-        out = tuple(tuple(g) for g in by_node.values())
-    elif groups == "device":
-        out = tuple((name,) for name in names)
-    else:
-        out = tuple(tuple(g) for g in groups)
-        with_groups = OuterSync(1, "none", out)  # repeats and empty groups
-        try:
-            with_groups.check_covers(names, field)
-        except Exception as exc:
-            raise field_error(field, [list(g) for g in out], f"cover the cluster's devices exactly once "
-                              f"({exc})") from None
-    if len(out) < 2:
-        raise field_error(field, groups if isinstance(groups, str) else [list(g) for g in out],
-                          f"make at least 2 groups (cluster `{cluster.name}` gives {len(out)}): with one group "
-                          "there is nothing to exchange", "use strategy=hetero, or groups=device")
-    return out
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ from het_strategy.diloco.groups import DiLoCoGroups, build_groups, group_ranks
 from het_strategy.diloco.outer_exchange import OuterExchange
 from het_strategy.diloco.outer_loop import OuterLoop, OuterRecord
 from het_strategy.planning.run_plan import checked_run_plan, data_parallel_settings
-from het_strategy.strategy.diloco_options import PLANNED, DiLoCoOptions, group_names
+from het_strategy.planning.low_communication import resolve_groups
+from het_strategy.strategy.diloco_options import PLANNED, DiLoCoOptions
 from het_strategy.strategy.hetero import HeteroStrategy
 
 __all__ = ["HeteroDiLoCoStrategy"]
@@ -100,7 +101,7 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
         super().__init__(cluster, plan, **hetero_kwargs)
         given = self.plans.plan_source
         if isinstance(self.plans.cluster_source, ClusterSpec) and given is None:
-            group_names(self.options.groups, self.plans.cluster_source)  # a split that misses a device fails here
+            resolve_groups(self.plans.cluster_source, self.options.groups, "groups")  # a split missing a device
         if given is not None:
             for name, value in {**self.options.pinned(), "groups": groups, "split": split}.items():
                 if value not in (PLANNED, "node", "planned"):
@@ -125,9 +126,9 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
         from het_strategy.planning.low_communication import OuterSyncBudget, plan_low_communication
 
         o = self.options
+        groups = [list(g) for g in resolve_groups(cluster, o.groups, "groups")]
         budget = OuterSyncBudget(max_inner_steps=o.max_inner_steps, max_sync_overhead=o.max_sync_overhead,
-                                 codecs=o.outer_codecs, groups=[list(g) for g in group_names(o.groups, cluster)],
-                                 split=o.split)
+                                 codecs=o.outer_codecs, groups=groups, split=o.split)
         pinned = o.pinned()
         return plan_low_communication(cluster, workload, data_parallel_settings(global_batch, dtype), budget,
                                       profile, inner_steps=pinned.get("inner_steps"),
@@ -140,8 +141,8 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
         super().setup_environment()
         cluster = self.plans.require_cluster()
         given = self.plans.plan_source
-        names = given.outer_sync.groups if given is not None and given.outer_sync else group_names(
-            self.options.groups, cluster)
+        names = given.outer_sync.groups if given is not None and given.outer_sync else resolve_groups(
+            cluster, self.options.groups, "groups")
         self.groups = build_groups(names, [d.name for d in cluster.devices], self.global_rank, self._timeout)
         rank_debug(self.global_rank, "hetero_diloco: group %d of %s", self.groups.index, self.groups.ranks)
 
@@ -154,13 +155,14 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Each group's DDP over its own process group; every group starts from rank 0's parameters (or from
-        its checkpointed ones); the outer loop takes them as its outer parameters."""
+        """Each group's DDP over its own process group; every group starts from rank 0's parameters (sent to the
+        groups' leaders here, to each group's ranks by its DDP's initial broadcast), or from its checkpointed ones;
+        the outer loop takes them as its outer parameters."""
         groups = self._require_groups()
-        if self._restored is None:
+        if self._restored is None and groups.leaders is not None:  # rank 0 leads its group: once over the link
             with torch.no_grad():
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+                    dist.broadcast(tensor.data, src=0, group=groups.leaders)
         self._ddp_kwargs["process_group"] = groups.group
         super().configure_ddp()
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
