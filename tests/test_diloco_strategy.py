@@ -28,7 +28,7 @@ TWO_SITES = {"name": "two_sites", "inter_node_bandwidth_gbs": 0.00125, "nodes": 
     {"name": "a", "devices": [{"name": "fast", "type": "CPU", "tflops": {"fp32": 2.0}}]},
     {"name": "b", "devices": [{"name": "b0", "type": "CPU", "tflops": {"fp32": 1.0}},
                               {"name": "b1", "type": "CPU", "tflops": {"fp32": 1.0}}]}]}
-SHARES = {"fast": 6, "b0": 3, "b1": 3}  # uneven groups: 6 and 6 samples, split 1 and 2 ways
+SHARES = {"fast": 8, "b0": 2, "b1": 2}  # uneven groups: 8 and 4 samples per step, split 1 and 2 ways
 H = 3
 
 
@@ -99,8 +99,9 @@ def _group_steps(rows: list[list[dict]]) -> list[list[list[int]]]:
 
 
 def test_rounds_equal_hand_written_reference(tmp_path: Path) -> None:
-    """7 steps of 12 samples (6 on the fast device alone, 3 + 3 on the other site), H = 3: two full rounds and a
-    last partial one closed at the end of fit; the final parameters equal the float64 reference to 1e-10."""
+    """7 steps of 12 samples (8 on the fast device alone, 2 + 2 on the other site), H = 3: two full rounds and a
+    last partial one closed at the end of fit, the groups weighted 2 : 1 by their samples; the final parameters
+    equal the float64 reference to 1e-10."""
     data = IndexedData(84)
     out = tmp_path / "rows"
     out.mkdir()
@@ -108,7 +109,7 @@ def test_rounds_equal_hand_written_reference(tmp_path: Path) -> None:
     _trainer(tmp_path, _plan(tmp_path), max_epochs=1).fit(model, DataLoader(data, batch_size=4))
     rows = _rows(out)
     assert [len(r) for r in rows] == [7, 7, 7]
-    assert [len(r["indices"]) for r in rows[0]] == [6] * 7
+    assert [len(r["indices"]) for r in rows[0]] == [8] * 7
     assert sorted(i for rank in rows for r in rank for i in r["indices"]) == list(range(84))
     ref = _reference(data, _group_steps(rows))
     for p, q in zip(model.net.parameters(), ref.parameters()):

@@ -34,6 +34,19 @@ def test_own_model_on_own_cluster_yaml() -> None:
     assert float(shares.group(4)) > 0.5  # 10 classes: chance is 0.1
 
 
+def test_diloco_across_two_sites() -> None:
+    out = _run("diloco_two_sites.py", "--epochs", "1")
+    found = re.search(r"groups \[\['lab0', 'lab1'\], \['cloud0', 'cloud1'\]\], shares per rank \[(\d+), (\d+), (\d+), "
+                      r"(\d+)\], an outer step every (\d+) inner steps in (\w+): (\d+) outer steps, (\d+) bytes sent "
+                      r"per group in the last; final validation accuracy ([0-9.]+)", out)
+    assert found, out[-2000:]
+    shares = [int(found.group(i)) for i in (1, 2, 3, 4)]
+    assert sum(shares) == 64 and shares[0] > shares[2]  # the speed-1 site takes more samples per inner step
+    h, rounds = int(found.group(5)), int(found.group(7))
+    assert 1 <= h <= 8 and rounds >= 24 // h  # 1500 / 64 = 24 steps in the epoch
+    assert int(found.group(8)) > 0 and float(found.group(9)) > 0.5  # 10 classes: chance is 0.1
+
+
 def test_plain_ddp_with_the_compression_hook() -> None:
     out = _run("plain_ddp_compression.py", "--steps", "30")
     found = re.search(r"held-out accuracy ([0-9.]+), .* \(([0-9.]+)x less\)", out)

@@ -316,6 +316,12 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
     plan, cluster = getattr(strategy, "plan", None), getattr(strategy, "cluster", None)
     if plan is None or cluster is None:
         return {}
+    if job.strategy == "hetero_diloco":  # priced by outer rounds (planning/low_communication.py)
+        outer = strategy.outer
+        last = outer.records[-1] if outer is not None and outer.records else None
+        return {"diloco_shares": strategy.current_shares(), "predicted_step_s": plan.predicted.get("step_time_s"),
+                "outer_sync": plan.outer_sync.to_dict(), "outer_rounds": 0 if outer is None else outer.rounds,
+                "outer_bytes_per_round": None if last is None else last.bytes_sent * len(plan.outer_sync.groups)}
     if job.strategy == "hetero_deepspeed":
         from het_strategy.core.cost_model import CostModel
         from het_strategy.core.train_settings import TrainSettings
@@ -345,6 +351,11 @@ def _print_report(summary: dict[str, Any]) -> None:
         print("plan: " + " | ".join(" -> ".join(st) + f" x{n}" for st, n in zip(summary["plan_stages"],
                                                                               summary["plan_samples"]))
               + f"; predicted {summary['predicted_step_s']:.3f} s/step (cost model); {summary['plan_summary']}")
+    if "outer_sync" in summary:
+        sync = summary["outer_sync"]
+        print(f"hetero_diloco: groups {sync['groups']}, shares per rank {summary['diloco_shares']}, an outer step "
+              f"every {sync['inner_steps']} inner steps in {sync['codec']}: {summary['outer_rounds']} outer steps "
+              f"({summary['outer_bytes_per_round']} bytes per round over the groups' link)")
     if "shares" in summary:
         print(f"shares per rank: {summary['shares']}; predicted speed-up over an equal split "
               f"{summary['predicted_speedup_vs_equal']:.2f}x (cost model)")

@@ -67,17 +67,20 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
     """DiLoCo over groups of uneven data parallelism, planned for a heterogeneous cluster (module docstring).
 
     Args:
-        cluster, plan, workload, global_batch_size, ...: as ``HeteroStrategy`` (``plan``: a low-communication
-            plan, which carries ``outer_sync``).
+        cluster: as ``HeteroStrategy`` (the other arguments of ``HeteroStrategy`` are taken too).
+        plan: a low-communication plan (it carries ``outer_sync``), or None to plan at setup.
         inner_steps: H, inner steps per outer step, or ``"planned"``.
         outer_codec: the outer exchange's codec (``none``, ``fp16``, ``bf16``, ``q8`` ... ``q2``) or
             ``"planned"``.
         groups: ``"node"`` (one group per node), ``"device"``, or lists of device names.
         split: ``"planned"`` (samples per inner step by speed) or ``"even"`` (the same for every device).
-        max_inner_steps, max_sync_overhead, outer_codecs: the planner's quality budget (largest H, the fraction
-            of a round the exchange may take, the codecs it may choose, most faithful first).
-        outer_lr, outer_momentum: the default outer optimizer, Nesterov SGD.
+        max_inner_steps: the planner's quality budget: the largest H.
+        max_sync_overhead: the fraction of an outer round the planner lets the exchange take.
+        outer_codecs: the codecs the planner may choose, the most faithful first.
+        outer_lr: the default outer optimizer's (Nesterov SGD) learning rate.
+        outer_momentum: its momentum.
         outer_optimizer: ``params -> torch.optim.Optimizer`` instead of the default.
+        **hetero_kwargs: ``HeteroStrategy``'s arguments (``workload``, ``global_batch_size``, ...).
     """
 
     strategy_name = "hetero_diloco"
