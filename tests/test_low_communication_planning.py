@@ -280,3 +280,27 @@ def test_a_device_that_cannot_hold_a_replica_is_named() -> None:
     with pytest.raises(ConfigError, match="none fits n1d1") as info:
         plan_low_communication(cluster_from_dict(raw), small_workload(), _settings(), OuterSyncBudget())
     assert info.value.field == "settings.micro_batch_sizes"
+
+
+def test_planned_groups_merge_nodes_along_their_fastest_links_and_keep_the_fastest_split() -> None:
+    """Three nodes, a and b joined at 10 GB/s, c behind 10 Mbit/s: the candidates are per node, a+b | c, and per
+    device; the planned split is the candidate of the least predicted time per step, here a+b | c."""
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.train_settings import TrainSettings
+    from het_strategy.core.workload import load_workload
+    from het_strategy.planning.low_communication import OuterSyncBudget, candidate_splits, plan_low_communication
+
+    cluster = load_cluster({"name": "three_sites", "inter_node_bandwidth_gbs": 10, "links": [
+        {"nodes": ["a", "c"], "bandwidth_gbs": 0.00125}, {"nodes": ["b", "c"], "bandwidth_gbs": 0.00125}],
+        "nodes": [{"name": n, "devices": [{"type": t, "count": 2}]}
+                  for n, t in (("a", "A100-40GB"), ("b", "V100-16GB"), ("c", "T4"))]})
+    splits = candidate_splits(cluster)
+    assert [len(s) for s in splits] == [3, 2, 6]
+    assert splits[1] == (("a/0", "a/1", "b/0", "b/1"), ("c/0", "c/1"))
+    workload, settings = load_workload("gpt_small"), TrainSettings(global_batch_size=256, dtype="bf16")
+    chosen = plan_low_communication(cluster, workload, settings, OuterSyncBudget(groups="planned"))
+    each = {split: plan_low_communication(cluster, workload, settings, OuterSyncBudget(groups=split)).plan
+            for split in splits}
+    best = min(each, key=lambda s: (each[s].predicted["step_time_s"], len(s)))
+    assert chosen.plan.outer_sync.groups == best == splits[1]
+    assert [t for _, t in chosen.splits] == pytest.approx([each[s].predicted["step_time_s"] for s in splits])

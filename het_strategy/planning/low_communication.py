@@ -11,6 +11,9 @@ Steps of ``plan_low_communication``:
 1. **Groups**: ``budget.groups`` — ``node`` (one group per node of the
    cluster), ``device`` (one group per device) or explicit lists of device
    names that cover the cluster's devices exactly once; at least 2 groups.
+   ``planned`` plans every split of ``candidate_splits`` (per node, then nodes
+   merged along their fastest links, and per device) and keeps the one of the
+   least predicted time per sample (ties: the fewest groups).
    Every device takes part (no idle device: the runtime launches every rank).
 2. **Inner split** of the global batch over all devices: ``planned`` is the
    exact min-max integer split (``allocation.allocate_min_max``, each device
@@ -61,7 +64,7 @@ from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.structure import plan_from_pipelines
 
 __all__ = ["InnerSplit", "OuterSyncBudget", "CodecCandidate", "LowCommunicationResult", "sync_overhead",
-           "smallest_inner_steps", "resolve_groups", "inner_shares", "choose_outer_sync", "plan_low_communication",
+           "smallest_inner_steps", "resolve_groups", "candidate_splits", "inner_shares", "choose_outer_sync", "plan_low_communication",
            "recommendation"]
 
 MODE = "low_communication"
@@ -87,7 +90,8 @@ class OuterSyncBudget:
     codecs: tuple[str, ...] = ("none", "fp16", "q8", "q4")
     """The outer codecs accepted (each in ``OUTER_CODECS``), the most faithful first."""
     groups: Any = "node"
-    """node: one group per node | device: one group per device | a list of lists of device names."""
+    """node: one group per node | device: one group per device | planned: the split of the least time per sample
+    among ``candidate_splits`` | a list of lists of device names."""
     split: InnerSplit = InnerSplit.planned
     """planned: min-max shares, all devices finish an inner step together | even: equal shares."""
     min_speedup: float = 1.2
@@ -119,9 +123,9 @@ class OuterSyncBudget:
 
 
 def _checked_groups(groups: Any, field_name: str) -> Any:
-    if groups in ("node", "device"):
+    if groups in ("node", "device", "planned"):
         return str(groups)
-    rule = "be node, device, or a list of lists of device names, e.g. [[a0, a1], [b0, b1]]"
+    rule = "be node, device, planned, or a list of lists of device names, e.g. [[a0, a1], [b0, b1]]"
     if isinstance(groups, str) or not isinstance(groups, Sequence) or not all(
             not isinstance(g, str) and isinstance(g, Sequence) and g and all(isinstance(d, str) for d in g)
             for g in groups):
@@ -167,6 +171,8 @@ class LowCommunicationResult:
     even_inner_step_s: float
     """One inner step with equal shares (the baseline the planned split is compared with)."""
     budget: OuterSyncBudget = field(default_factory=OuterSyncBudget)
+    splits: tuple[tuple[tuple[tuple[str, ...], ...], float], ...] = ()
+    """``groups=planned``: every candidate split and its predicted time per step (``step_time_s``)."""
 
 
 def sync_overhead(exchange_s: float, inner_step_s: float, inner_steps: int) -> float:
@@ -188,6 +194,9 @@ def resolve_groups(cluster: ClusterSpec, groups: Any, field_name: str = "planner
                    ) -> tuple[tuple[str, ...], ...]:
     """``node``/``device``/explicit lists as device-name groups covering the cluster once (at least 2 groups)."""
     groups = _checked_groups(groups, field_name)
+    if groups == "planned":
+        raise field_error(field_name, groups, "be node, device or lists of device names here (planned is the "
+                          "planner's choice: het-plan planner.outer_sync.groups=planned, then run its plan.json)")
     if groups == "node":
         out = tuple(tuple(d.name for d in node.devices) for node in cluster.nodes)
     elif groups == "device":
@@ -256,10 +265,64 @@ def choose_outer_sync(cost: OuterSyncCost, inner_step_s: float, budget: OuterSyn
     return h, best.codec, tuple(candidates)
 
 
+def candidate_splits(cluster: ClusterSpec) -> list[tuple[tuple[str, ...], ...]]:
+    """The group splits ``groups=planned`` chooses among: one group per node, then, merge by merge, the two groups
+    joined by the fastest link (the slowest node pair between them, ``Network.send_s`` of a 1 MB message: every
+    such pair would sync each step once merged), down to 2 groups; and one group per device when a node holds
+    more than one (its devices' own link is then left out of every step)."""
+    from het_strategy.core.network import Network
+
+    net = Network(cluster)
+    first = {node.name: node.devices[0].name for node in cluster.nodes}
+    groups = [[node.name] for node in cluster.nodes]
+
+    def link_s(a: list[str], b: list[str]) -> float:
+        return max(net.send_s(1e6, first[x], first[y]) for x in a for y in b)
+
+    def named(split: list[list[str]]) -> tuple[tuple[str, ...], ...]:
+        return tuple(tuple(d.name for n in cluster.nodes if n.name in g for d in n.devices) for g in split)
+
+    out = [named(groups)] if len(groups) >= 2 else []
+    while len(groups) > 2:
+        i, j = min(((i, j) for i in range(len(groups)) for j in range(i + 1, len(groups))),
+                   key=lambda ij: (link_s(groups[ij[0]], groups[ij[1]]), ij))
+        groups = groups[:i] + [groups[i] + groups[j]] + groups[i + 1:j] + groups[j + 1:]
+        out.append(named(groups))
+    if any(len(node.devices) > 1 for node in cluster.nodes):
+        out.append(tuple((d.name,) for d in cluster.devices))
+    return out
+
+
 def plan_low_communication(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
                            budget: OuterSyncBudget = OuterSyncBudget(), profile: MeasuredProfile | None = None,
                            inner_steps: int | None = None, codec: str | None = None) -> LowCommunicationResult:
-    """The low-communication plan of ``cluster`` (module docstring: groups, inner split, H and codec)."""
+    """The low-communication plan of ``cluster`` (module docstring: groups, inner split, H and codec).
+
+    ``budget.groups="planned"``: every split of ``candidate_splits`` is planned so, and the one of the least
+    predicted time per sample wins (ties, within 1e-9: the fewest groups, the closest to synchronous training).
+    """
+    if budget.groups != "planned":
+        return _plan_split(cluster, workload, settings, budget, profile, inner_steps, codec)
+    results = []
+    for split in candidate_splits(cluster):
+        try:
+            results.append(_plan_split(cluster, workload, settings, dataclasses.replace(budget, groups=split),
+                                       profile, inner_steps, codec))
+        except ConfigError:
+            continue
+    if not results:
+        raise field_error("planner.outer_sync.groups", "planned", f"find a split of cluster `{cluster.name}` into "
+                          "at least 2 groups whose devices each hold the whole model")
+    floor = min(r.plan.predicted["step_time_s"] for r in results)
+    best = min((r for r in results if r.plan.predicted["step_time_s"] <= floor * (1 + 1e-9)),
+               key=lambda r: len(r.plan.outer_sync.groups))
+    splits = tuple((r.plan.outer_sync.groups, r.plan.predicted["step_time_s"]) for r in results)
+    return dataclasses.replace(best, splits=splits)
+
+
+def _plan_split(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, budget: OuterSyncBudget,
+                profile: MeasuredProfile | None, inner_steps: int | None, codec: str | None) -> LowCommunicationResult:
+    """The plan for ``budget.groups`` (a fixed split)."""
     cm = CostModel(cluster, workload, settings, profile)
     groups = resolve_groups(cluster, budget.groups)
     cost = OuterSyncCost(cm, groups)

@@ -75,6 +75,12 @@ def low_communication_report(result: "PlanResult", cluster: "ClusterSpec") -> st
                           [[str(c.codec), str(c.inner_steps), _time(c.exchange_s), _time(c.round_s),
                             f"{c.sync_overhead * 100:.1f}%", "yes" if c.feasible else "no"]
                            for c in low.candidates], right={1, 2, 3, 4})
+    if low.splits:
+        lines += ["", "group splits (groups=planned; the least time per sample, ties to the fewest groups):"]
+        lines += format_table(["groups", "split", "time per step", "chosen"],
+                              [[str(len(split)), " | ".join(compress_devices(list(g), cluster) for g in split),
+                                _time(step_s), "yes" if split == sync.groups else ""]
+                               for split, step_s in low.splits], right={0, 2})
     lines += ["", *_side_by_side(result)]
     line = result.summary()
     if line:

@@ -59,7 +59,9 @@ class DiLoCoOptions:
         if self.split not in get_args(InnerSplit):
             raise field_error("split", self.split, f"be one of {', '.join(get_args(InnerSplit))}")
         if isinstance(self.groups, str) and self.groups not in get_args(GroupSplit):
-            raise field_error("groups", self.groups, "be \"node\", \"device\" or a list of device-name lists")
+            raise field_error("groups", self.groups, "be \"node\", \"device\" or a list of device-name lists (the "
+                              "process groups are made before the plan; for a planned split run `het-plan "
+                              "planner.mode=low_communication planner.outer_sync.groups=planned` and pass its plan)")
         if not isinstance(self.groups, str) and not (
                 isinstance(self.groups, Sequence)
                 and all(isinstance(g, Sequence) and not isinstance(g, str) and all(isinstance(d, str) for d in g)
