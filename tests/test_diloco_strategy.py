@@ -102,12 +102,23 @@ def test_rounds_equal_hand_written_reference(tmp_path: Path) -> None:
     """7 steps of 12 samples (8 on the fast device alone, 2 + 2 on the other site), H = 3: two full rounds and a
     last partial one closed at the end of fit, the groups weighted 2 : 1 by their samples; the final parameters
     equal the float64 reference to 1e-10."""
+    from lightning.pytorch.loggers import CSVLogger
+
     data = IndexedData(84)
     out = tmp_path / "rows"
     out.mkdir()
     model = Recorder(str(out))
-    _trainer(tmp_path, _plan(tmp_path), max_epochs=1).fit(model, DataLoader(data, batch_size=4))
+    _trainer(tmp_path, _plan(tmp_path), max_epochs=1, logger=CSVLogger(tmp_path / "csv", name="", version=0)).fit(
+        model, DataLoader(data, batch_size=4))
     rows = _rows(out)
+    import csv
+
+    logged = [r for r in csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open())
+              if r.get("diloco/round")]
+    # the loggers see every outer step: rounds 1, 2 and the closing partial one, 12 x 3, 12 x 3, 12 x 1 samples
+    assert [(float(r["diloco/round"]), float(r["diloco/round_samples"])) for r in logged] == [
+        (1.0, 36.0), (2.0, 36.0), (3.0, 12.0)]
+    assert all(float(r["diloco/pseudo_grad_norm"]) > 0 and float(r["diloco/bytes_per_round"]) > 0 for r in logged)
     assert [len(r) for r in rows] == [7, 7, 7]
     assert [len(r["indices"]) for r in rows[0]] == [8] * 7
     assert sorted(i for rank in rows for r in rank for i in r["indices"]) == list(range(84))
