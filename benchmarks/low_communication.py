@@ -133,14 +133,15 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run(source: dict[str, Any], plan: Any, label: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """Train ``plan`` on the two emulated nodes; rank 0's summary and the bytes that crossed the link."""
+    """Train ``plan`` on the two emulated nodes (seed ``args.seed``); rank 0's summary and the bytes that crossed
+    the link."""
     import yaml
 
     from het_strategy.emulation.local_ranks import run_script_ranks
     from het_strategy.emulation.netshape import LinkShape
     from het_strategy.emulation.node_network import emulated_nodes
 
-    run_dir = tmp / label
+    run_dir = tmp / f"{label}_{args.seed}"
     run_dir.mkdir()
     cluster_path, plan_path, out = run_dir / "cluster.yaml", run_dir / "plan.json", run_dir / "summary.json"
     cluster_path.write_text(yaml.safe_dump(source, sort_keys=False))
@@ -228,7 +229,7 @@ def main() -> None:
             if args.only and label not in args.only:
                 continue
             args.seed = seed
-            r = runs[label, seed] = _run(source, plans[label], f"{label}_{seed}", args, Path(tmp))
+            r = runs[label, seed] = _run(source, plans[label], label, args, Path(tmp))
             print(f"  {label:<12} seed {seed}  wall {r['wall_s']:7.1f} s ({r['wall_s'] / args.steps * 1e3:6.0f} "
                   f"ms/step)  {r['crossed_mb']:8.1f} MB over the link  val loss {r['val_loss']:.4f}"
                   + (f"  ({r['rounds']} outer steps)" if r["rounds"] is not None else ""), flush=True)

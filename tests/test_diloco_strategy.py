@@ -153,3 +153,31 @@ def test_checkpoint_mid_round_resumes_exactly(tmp_path: Path) -> None:
                                                                       for rank in rows_full]
     for p, q in zip(resumed.net.parameters(), full.net.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12)
+
+
+def test_only_outer_steps_cross_the_link_between_two_emulated_nodes(tmp_path: Path) -> None:
+    """Two nodes (a network namespace each, 100 Mbit/s between them), one rank each, 8 steps at H = 4 in q8: the
+    bytes node b sends over its uplink are its two q8 payloads (a quarter of the fp32 parameters each) plus
+    Lightning's and the strategy's small collectives; the 8 fp32 gradient all-reduces DDP would send (8 x the
+    parameters' 1 MB) do not cross."""
+    import sys
+
+    from het_strategy.emulation.local_ranks import run_script_ranks
+    from het_strategy.emulation.netshape import LinkShape, netns_available
+    from het_strategy.emulation.node_network import emulated_nodes
+
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable here: {why}")
+    worker = Path(__file__).parent / "_diloco_node_worker.py"
+    with emulated_nodes(2, LinkShape(100)) as net:
+        before = net.uplink_tx_bytes(1)
+        codes = run_script_ranks([sys.executable, str(worker), str(tmp_path)], 2, tmp_path, 180,
+                                 {"PYTHONWARNINGS": "ignore"}, nodes=net)
+        sent_b = net.uplink_tx_bytes(1) - before
+    logs = "\n".join((tmp_path / f"log{r}.txt").read_text()[-2000:] for r in range(2))
+    assert codes == [0, 0], logs
+    result = json.loads((tmp_path / "result.json").read_text())
+    fp32 = 4 * result["params"]
+    assert result["rounds"] == 2 and all(fp32 / 4 <= b < fp32 / 3 for b in result["bytes_sent"]), result
+    assert 2 * fp32 / 4 <= sent_b < 2 * fp32 / 4 + fp32 / 2, (sent_b, fp32)  # far below one step of fp32 DDP
