@@ -182,7 +182,7 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
 
     def _start_rounds(self) -> None:
         """The plan's H and codec for the outer loop (once, at the first inner step of the fit)."""
-        assert self.outer is not None
+        assert self.outer is not None  # invariant: called from optimizer_step once configure_ddp built it
         plan, cluster, groups = self.plans.plan, self.plans.require_cluster(), self._require_groups()
         if plan is None or plan.outer_sync is None:
             raise ConfigError("hetero_diloco: no low-communication plan when training started", field="plan")
