@@ -304,3 +304,35 @@ def test_planned_groups_merge_nodes_along_their_fastest_links_and_keep_the_faste
     best = min(each, key=lambda s: (each[s].predicted["step_time_s"], len(s)))
     assert chosen.plan.outer_sync.groups == best == splits[1]
     assert [t for _, t in chosen.splits] == pytest.approx([each[s].predicted["step_time_s"] for s in splits])
+
+
+def test_the_outer_state_counts_against_a_devices_memory() -> None:
+    """A device that holds a replica but not the outer loop's fp32 outer parameters, momentum and residual
+    (``OUTER_STATE_BYTES`` per parameter) takes no micro-batch; with room for both it does, and the plan's
+    memory figure includes the outer state."""
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.outer_sync_cost import OUTER_STATE_BYTES, OuterSyncCost
+    from het_strategy.core.train_settings import TrainSettings
+    from het_strategy.core.workload import load_workload
+    from het_strategy.planning.low_communication import OuterSyncBudget, plan_low_communication
+
+    workload = load_workload("tiny_gpt")
+    settings = TrainSettings(global_batch_size=4, dtype="fp32", micro_batch_sizes=(1,))
+
+    def cluster(memory_gb: float):  # type: ignore[no-untyped-def]
+        return load_cluster({"name": "two", "inter_node_bandwidth_gbs": 0.00125, "nodes": [
+            {"name": n, "devices": [{"name": f"{n}0", "type": "CPU", "tflops": {"fp32": 1.0},
+                                     "memory_gb": memory_gb}]} for n in ("a", "b")]})
+
+    probe = CostModel(cluster(100.0), workload, settings)
+    replica = probe.stage_memory_bytes(0, workload.num_layers, 1, 1, 1, 1)
+    outer = OUTER_STATE_BYTES * workload.total_params
+    per_gb = probe.memory_capacity_bytes(probe.cluster.devices[0]) / 100.0
+    tight = cluster((replica + outer / 2) / per_gb)
+    assert probe.memory_budget_bytes(probe.cluster.devices[0], 1) >= replica  # CPU: no framework overhead
+    assert OuterSyncCost(CostModel(tight, workload, settings), (("a0",), ("b0",))).micro_batch("a0", 1) is None
+    with pytest.raises(ConfigError, match="settings.micro_batch_sizes"):
+        plan_low_communication(tight, workload, settings, OuterSyncBudget())
+    roomy = plan_low_communication(cluster((replica + 2 * outer) / per_gb), workload, settings, OuterSyncBudget())
+    assert roomy.score.memory_bytes["a0"] == pytest.approx(replica + outer)

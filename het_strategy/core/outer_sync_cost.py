@@ -50,8 +50,11 @@ the encode + the all-gather + max over groups of (decode + broadcast) + the
 outer step``: everything between a round's last inner step and the next
 round's first.
 
-Not priced: the memory of the outer copy of the parameters and its momentum
-(where the runtime keeps them is its choice).  Pure Python + numpy.
+**Memory.**  Beside the replica (``CostModel.stage_memory_bytes``) every device
+keeps ``OUTER_STATE_BYTES`` per parameter: the outer parameters and the outer
+optimizer's momentum in fp32, and a leader's error-feedback residual (counted on
+every device: any may lead).  A micro-batch fits when both do, and the plan's
+memory figures include them.  Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -67,10 +70,13 @@ from het_strategy.core.network import NodeTuple, SyncRoute
 from het_strategy.core.outer_sync import outer_codec
 from het_strategy.core.plan import Pipeline, Plan, Stage
 
-__all__ = ["FP32_BYTES", "ExchangePrice", "OuterSyncCost", "outer_payload_bytes"]
+__all__ = ["FP32_BYTES", "OUTER_STATE_BYTES", "ExchangePrice", "OuterSyncCost", "outer_payload_bytes"]
 
 FP32_BYTES = 4
 """Bytes per element of the pseudo-gradient and of the broadcast sum (fp32, whatever the training dtype)."""
+OUTER_STATE_BYTES = 3 * FP32_BYTES
+"""Bytes per parameter the outer loop keeps on a device (``diloco/outer_loop.py``): the outer parameters, the
+outer optimizer's momentum and the error-feedback residual, each fp32."""
 
 
 def outer_payload_bytes(token: Any, num_params: int, params: CodecParams = CodecParams()) -> int:
@@ -156,7 +162,8 @@ class OuterSyncCost:
         hit = self._compute.get(key)
         if hit is not None:
             return hit
-        L, budget = cm.workload.num_layers, cm.memory_budget_bytes(dev, 1)
+        L = cm.workload.num_layers
+        budget = cm.memory_budget_bytes(dev, 1) - OUTER_STATE_BYTES * cm.workload.total_params
         sizes = cm.settings.micro_batch_sizes
         first_above = min((m for m in sizes if m >= samples), default=None)  # one micro-batch of the whole share
         best: tuple[float, int | None] = (math.inf, None)
@@ -247,7 +254,7 @@ class OuterSyncCost:
             time_s, costs, mem = cm.pipeline_cost(pipe, dp)
             times.append(time_s)
             stage_costs.append(costs)
-            memory.update(mem)
+            memory.update({d: b + OUTER_STATE_BYTES * cm.workload.total_params for d, b in mem.items()})
         sync = max(self._sync) + fig["exchange_s"] / plan.outer_sync.inner_steps
         return PlanScore(step_time_s=fig["step_time_s"], samples_per_s=fig["samples_per_s"], pipeline_times_s=times,
                          sync_time_s=sync, update_time_s=max(self._update), memory_bytes=memory,
