@@ -369,8 +369,8 @@ def _device_difference(planned: list[str], actual: list[str]) -> str:
 
 
 _PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",
-              "device_dtypes", "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons", "compression",
-              "outer_sync"}
+              "device_dtypes", "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons",
+              "compression", "outer_sync"}
 _PIPELINE_KEYS = {"micro_batch_size", "num_micro_batches", "samples", "stages"}
 _STAGE_KEYS = {"devices", "layers", "tp"}
 

@@ -64,7 +64,8 @@ from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.structure import plan_from_pipelines
 
 __all__ = ["InnerSplit", "OuterSyncBudget", "CodecCandidate", "LowCommunicationResult", "sync_overhead",
-           "smallest_inner_steps", "resolve_groups", "candidate_splits", "inner_shares", "choose_outer_sync", "plan_low_communication",
+           "smallest_inner_steps", "resolve_groups", "candidate_splits", "inner_shares", "choose_outer_sync",
+           "plan_low_communication",
            "recommendation"]
 
 MODE = "low_communication"

@@ -27,8 +27,8 @@ from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_proble
 from het_strategy.planning import PlanRequest, plan
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
-__all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan", "checked_run_plan",
-           "shares_in_rank_order"]
+__all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan",
+           "checked_run_plan", "shares_in_rank_order"]
 
 PRECISION_DTYPES: dict[str, Dtype] = {
     "32": Dtype.fp32, "32-true": Dtype.fp32, "64": Dtype.fp32, "64-true": Dtype.fp32,

@@ -126,7 +126,8 @@ class CommHookBuilder:
         """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        inner, state = (self.user_hook, self.user_state) if self.user_hook is not None else (allreduce_hook, process_group)
+        inner, state = ((self.user_hook, self.user_state) if self.user_hook is not None
+                        else (allreduce_hook, process_group))
         if self.config is not None and self.config.method != "none":
             if self.run is None:
                 self.run = build_compression(model, self.config, cluster, world, rank, restored)

@@ -234,8 +234,10 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
         trainer = self.lightning_module.trainer
         if self.global_rank != 0:
             return
-        metrics = {"diloco/round": float(record.round), "diloco/bytes_per_round": float(record.bytes_sent * groups.count),
-                   "diloco/pseudo_grad_norm": record.pseudo_gradient_norm, "diloco/round_samples": float(record.samples)}
+        metrics = {"diloco/round": float(record.round),
+                   "diloco/bytes_per_round": float(record.bytes_sent * groups.count),
+                   "diloco/pseudo_grad_norm": record.pseudo_gradient_norm,
+                   "diloco/round_samples": float(record.samples)}
         for lightning_logger in trainer.loggers:
             lightning_logger.log_metrics(metrics, step=trainer.global_step)
 
