@@ -31,6 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _emulated_nodes import add_link_options, require_netns, run_on_nodes  # noqa: E402
+
 MODEL_YAML = Path(__file__).resolve().parents[1] / "configs" / "model" / "tiny_gpt.yaml"
 DEVICE_TFLOPS = 0.008  # a speed-1 device's sustained TFLOPS (about 1/7 of one core here on this model)
 
@@ -125,35 +128,9 @@ def _worker(args: argparse.Namespace) -> None:
 def _run(cluster: dict[str, Any], plan: Any, compression: str, args: argparse.Namespace, tmp: Path,
          label: str) -> dict[str, Any]:
     """Train ``plan`` on ``cluster`` (a namespace per node) and return rank 0's summary."""
-    import yaml
-
-    from het_strategy.emulation.local_ranks import run_script_ranks
-    from het_strategy.emulation.netshape import LinkShape
-    from het_strategy.emulation.node_network import emulated_nodes
-
-    run_dir = tmp / label
-    run_dir.mkdir()
-    cluster_path, plan_path, out = run_dir / "cluster.yaml", run_dir / "plan.json", run_dir / "summary.json"
-    cluster_path.write_text(yaml.safe_dump(cluster, sort_keys=False))
-    plan.save(plan_path)
-    world = sum(len(n["devices"]) for n in cluster["nodes"])
-    cmd = [sys.executable, __file__, "--worker", "--cluster", str(cluster_path), "--plan", str(plan_path),
-           "--compression", compression, "--out", str(out), "--steps", str(args.steps), "--skip", str(args.skip),
-           "--batch", str(args.batch), "--seed", str(args.seed)]
-    env = {"PYTHONWARNINGS": "ignore"}
-    if len(cluster["nodes"]) == 1:  # one node: its ranks talk over loopback, as inside that node's namespace
-        codes, crossed = run_script_ranks(cmd, world, run_dir, 1500, env), 0
-    else:
-        with emulated_nodes(len(cluster["nodes"]), LinkShape(args.rate_mbit)) as net:
-            tx0 = [net.uplink_tx_bytes(n) for n in range(len(net.nodes))]
-            codes = run_script_ranks(cmd, world, run_dir, 1500, env, nodes=net)
-            crossed = sum(net.uplink_tx_bytes(n) - tx0[n] for n in range(len(net.nodes)))
-    if codes != [0] * world:
-        logs = "\n".join((run_dir / f"log{r}.txt").read_text()[-3000:] for r in range(world))
-        raise SystemExit(f"{label}: ranks exited {codes}:\n{logs}")
-    summary = json.loads(out.read_text())
-    summary["crossed_mb"] = crossed / 1e6
-    return summary
+    return run_on_nodes(__file__, cluster, plan, tmp / label, args.rate_mbit, [
+        "--compression", compression, "--steps", str(args.steps), "--skip", str(args.skip), "--batch",
+        str(args.batch), "--seed", str(args.seed)], timeout_s=1500)
 
 
 def _compression_text(run: dict[str, Any]) -> str:
@@ -182,20 +159,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="training steps per run")
     ap.add_argument("--skip", type=int, default=14, help="steps left out of the means (compression warm-up: 10)")
     ap.add_argument("--batch", type=int, default=24, help="global batch (sequences of 128 bytes)")
-    ap.add_argument("--rate-mbit", type=float, default=100.0, help="the inter-node link, each way")
-    ap.add_argument("--slow-speed", type=float, default=0.6, help="the slow node's devices' speed")
-    ap.add_argument("--intra-gbs", type=float, default=1.0, help="the loopback's bandwidth as declared")
+    add_link_options(ap, rate_mbit=100.0, slow_speed=0.6)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.worker:
         _worker(args)
         return
     from het_strategy.core.cluster import cluster_from_dict
-    from het_strategy.emulation.netshape import netns_available
 
-    ok, reason = netns_available()
-    if not ok:
-        raise SystemExit(f"joint_planning needs network namespaces with tc: {reason}")
+    require_netns("joint_planning")
     source = cluster_dict(args.rate_mbit, args.slow_speed, args.intra_gbs)
     cluster = cluster_from_dict(source)
     _, workload = _workload()

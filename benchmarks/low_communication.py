@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _emulated_nodes import add_link_options, require_netns, run_on_nodes  # noqa: E402
 from joint_planning import _workload, cluster_dict  # noqa: E402
 
 LABELS = ("ddp", "sync", "diloco_even", "diloco")
@@ -135,33 +136,10 @@ def _worker(args: argparse.Namespace) -> None:
 def _run(source: dict[str, Any], plan: Any, label: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Train ``plan`` on the two emulated nodes (seed ``args.seed``); rank 0's summary and the bytes that crossed
     the link."""
-    import yaml
-
-    from het_strategy.emulation.local_ranks import run_script_ranks
-    from het_strategy.emulation.netshape import LinkShape
-    from het_strategy.emulation.node_network import emulated_nodes
-
-    run_dir = tmp / f"{label}_{args.seed}"
-    run_dir.mkdir()
-    cluster_path, plan_path, out = run_dir / "cluster.yaml", run_dir / "plan.json", run_dir / "summary.json"
-    cluster_path.write_text(yaml.safe_dump(source, sort_keys=False))
-    plan.save(plan_path)
-    world = sum(len(n["devices"]) for n in source["nodes"])
-    cmd = [sys.executable, __file__, "--worker", "--cluster", str(cluster_path), "--plan", str(plan_path),
-           "--compression", "planned" if label == "sync" else "none", "--out", str(out), "--steps",
-           str(args.steps), "--batch", str(args.batch), "--seed", str(args.seed), "--lr", str(args.lr),
-           "--val-batches", str(args.val_batches), "--outer-lr", str(args.outer_lr), "--outer-momentum",
-           str(args.outer_momentum)]
-    with emulated_nodes(len(source["nodes"]), LinkShape(args.rate_mbit)) as net:
-        tx0 = [net.uplink_tx_bytes(n) for n in range(len(net.nodes))]
-        codes = run_script_ranks(cmd, world, run_dir, 3000, {"PYTHONWARNINGS": "ignore"}, nodes=net)
-        crossed = sum(net.uplink_tx_bytes(n) - tx0[n] for n in range(len(net.nodes)))
-    if codes != [0] * world:
-        logs = "\n".join((run_dir / f"log{r}.txt").read_text()[-3000:] for r in range(world))
-        raise SystemExit(f"{label}: ranks exited {codes}:\n{logs}")
-    summary = json.loads(out.read_text())
-    summary["crossed_mb"] = crossed / 1e6
-    return summary
+    return run_on_nodes(__file__, source, plan, tmp / f"{label}_{args.seed}", args.rate_mbit, [
+        "--compression", "planned" if label == "sync" else "none", "--steps", str(args.steps), "--batch",
+        str(args.batch), "--seed", str(args.seed), "--lr", str(args.lr), "--val-batches", str(args.val_batches),
+        "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)])
 
 
 def _plan_text(label: str, plan: Any) -> str:
@@ -187,9 +165,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120, help="training steps per run (rounded up to a multiple of H)")
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences of 128 bytes)")
     ap.add_argument("--lr", type=float, default=1e-3, help="the inner (and DDP) AdamW learning rate")
-    ap.add_argument("--rate-mbit", type=float, default=10.0, help="the inter-node link, each way")
-    ap.add_argument("--slow-speed", type=float, default=0.5, help="the slow node's devices' speed")
-    ap.add_argument("--intra-gbs", type=float, default=1.0, help="the loopback's bandwidth as declared")
+    add_link_options(ap, rate_mbit=10.0, slow_speed=0.5)
     ap.add_argument("--max-inner-steps", type=int, default=500, help="the planner's largest H")
     ap.add_argument("--max-sync-overhead", type=float, default=0.05, help="the planner's exchange budget")
     ap.add_argument("--outer-lr", type=float, default=1.0, help="the outer SGD's learning rate (the strategy's "
@@ -205,11 +181,8 @@ def main() -> None:
         _worker(args)
         return
     from het_strategy.core.cluster import cluster_from_dict
-    from het_strategy.emulation.netshape import netns_available
 
-    ok, reason = netns_available()
-    if not ok:
-        raise SystemExit(f"low_communication needs network namespaces with tc: {reason}")
+    require_netns("low_communication")
     source = cluster_dict(args.rate_mbit, args.slow_speed, args.intra_gbs)
     cluster = cluster_from_dict(source)
     _, workload = _workload()
