@@ -102,7 +102,7 @@ def test_validation_sees_outer_parameters_then_the_group_its_own() -> None:
     ({"outer_momentum": 1.0}, "outer_momentum"),
     ({"outer_codec": "topk"}, "outer_codec"),
     ({"outer_codec": "powersgd"}, "outer_codec"),
-    ({"outer_codecs": ["q4", "topk"]}, "outer_codecs"),
+    ({"outer_codecs": ["q4", "topk"]}, "outer_codecs[1]"),
     ({"split": "fast"}, "split"),
     ({"groups": "site"}, "groups"),
     ({"groups": [["lab0", "lab1"], ["cloud0"]]}, "groups"),  # cloud1 in no group

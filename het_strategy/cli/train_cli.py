@@ -243,12 +243,13 @@ def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:
                                   moe_placement=job.moe.placement, **job.failure.strategy_args())
         return strategy, []
     if job.strategy == "hetero_diloco":
-        from dataclasses import asdict
+        from dataclasses import fields
 
         from het_strategy import HeteroDiLoCoStrategy
 
         # rank 0 plans the split, H and the codec (planning/low_communication.py) unless the options pin them
-        options = {k: v for k, v in asdict(job.diloco).items() if k != "outer_optimizer"}
+        options = {f.name: getattr(job.diloco, f.name) for f in fields(job.diloco)
+                   if f.init and f.name != "outer_optimizer"}
         return HeteroDiLoCoStrategy(cluster=job.cluster, workload=job.workload,
                                     global_batch_size=job.global_batch_size, **options,
                                     **job.failure.strategy_args()), []

@@ -6,12 +6,13 @@ Each bad value raises one ``ConfigError`` naming the argument (het-train:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Literal, Sequence, get_args
+from typing import Any, Callable, Literal, get_args
 
-from het_strategy.core.errors import field_error
-from het_strategy.core.outer_sync import OUTER_CODECS, outer_codec
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.outer_sync import outer_codec
 
 __all__ = ["PLANNED", "GroupSplit", "InnerSplit", "DiLoCoOptions"]
 
@@ -56,25 +57,12 @@ class DiLoCoOptions:
                               "\"planned\"")
         if self.outer_codec != PLANNED:
             object.__setattr__(self, "outer_codec", str(outer_codec(self.outer_codec, "outer_codec")))
-        if self.split not in get_args(InnerSplit):
-            raise field_error("split", self.split, f"be one of {', '.join(get_args(InnerSplit))}")
         if isinstance(self.groups, str) and self.groups not in get_args(GroupSplit):
             raise field_error("groups", self.groups, "be \"node\", \"device\" or a list of device-name lists (the "
                               "process groups are made before the plan; for a planned split run `het-plan "
                               "planner.mode=low_communication planner.outer_sync.groups=planned` and pass its plan)")
-        if not isinstance(self.groups, str) and not (
-                isinstance(self.groups, Sequence)
-                and all(isinstance(g, Sequence) and not isinstance(g, str) and all(isinstance(d, str) for d in g)
-                        for g in self.groups)):
-            raise field_error("groups", self.groups, "be \"node\", \"device\" or a list of device-name lists")
-        if isinstance(self.max_inner_steps, bool) or not isinstance(self.max_inner_steps, int) \
-                or self.max_inner_steps < 1:
-            raise field_error("max_inner_steps", self.max_inner_steps, "be an integer >= 1")
-        if not _number(self.max_sync_overhead) or not 0 < self.max_sync_overhead < 1:
-            raise field_error("max_sync_overhead", self.max_sync_overhead, "be a fraction in (0, 1)")
-        if isinstance(self.outer_codecs, str) or not self.outer_codecs:
-            raise field_error("outer_codecs", self.outer_codecs, f"be a non-empty list of {', '.join(OUTER_CODECS)}")
-        object.__setattr__(self, "outer_codecs", tuple(str(outer_codec(c, "outer_codecs")) for c in self.outer_codecs))
+        object.__setattr__(self, "budget", _budget(self))
+        object.__setattr__(self, "outer_codecs", self.budget.codecs)
         if not _number(self.outer_lr) or self.outer_lr <= 0:
             raise field_error("outer_lr", self.outer_lr, "be a number > 0")
         if not _number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
@@ -86,6 +74,9 @@ class DiLoCoOptions:
             import torch
 
             self.make_outer_optimizer([torch.zeros(1, requires_grad=True)])
+
+    budget: Any = field(init=False, repr=False, compare=False)
+    """The planner's ``OuterSyncBudget`` of these options (the split, the quality budget, the groups as given)."""
 
     def pinned(self) -> dict[str, Any]:
         """The choices the user fixed (not ``"planned"``), by argument name."""
@@ -104,6 +95,25 @@ class DiLoCoOptions:
         if not _number(lr) or lr <= 0:
             raise field_error("outer_optimizer.lr", lr, "be a number > 0 (the outer learning rate)")
         return optimizer
+
+
+_BUDGET_FIELDS = {"codecs": "outer_codecs"}
+"""``planner.outer_sync.<field>`` -> the strategy argument of another name (the rest keep theirs)."""
+
+
+def _budget(options: DiLoCoOptions) -> Any:
+    """The options' ``OuterSyncBudget``, checked by its own rules; an error names the strategy's argument."""
+    from het_strategy.planning.low_communication import OuterSyncBudget
+
+    try:
+        return OuterSyncBudget(max_inner_steps=options.max_inner_steps, max_sync_overhead=options.max_sync_overhead,
+                               codecs=options.outer_codecs, groups=options.groups, split=options.split)
+    except ConfigError as exc:
+        field = (exc.field or "").removeprefix("planner.outer_sync.")
+        head = re.match(r"[a-z_]+", field)
+        argument = field if head is None else _BUDGET_FIELDS.get(head.group(), head.group()) + field[head.end():]
+        raise ConfigError(str(exc).replace(f"`{exc.field}`", f"`{argument}`", 1), field=argument,
+                          value=exc.value) from None
 
 
 def _number(value: Any) -> bool:

@@ -37,6 +37,7 @@ Written on ``HeteroStrategy``; its ``pytorch_lightning`` twin is ``HeteroDiLoCoS
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
@@ -126,12 +127,10 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
         """``given`` checked, or the low-communication planner's choice for this cluster and budget."""
         if given is not None:
             return checked_run_plan(given, cluster, workload, global_batch, dtype, Runtime.hetero_diloco)
-        from het_strategy.planning.low_communication import OuterSyncBudget, plan_low_communication
+        from het_strategy.planning.low_communication import plan_low_communication
 
         o = self.options
-        groups = [list(g) for g in resolve_groups(cluster, o.groups, "groups")]
-        budget = OuterSyncBudget(max_inner_steps=o.max_inner_steps, max_sync_overhead=o.max_sync_overhead,
-                                 codecs=o.outer_codecs, groups=groups, split=o.split)
+        budget = dataclasses.replace(o.budget, groups=resolve_groups(cluster, o.groups, "groups"))
         pinned = o.pinned()
         return plan_low_communication(cluster, workload, data_parallel_settings(global_batch, dtype), budget,
                                       profile, inner_steps=pinned.get("inner_steps"),
@@ -148,6 +147,15 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
             cluster, self.options.groups, "groups")
         self.groups = build_groups(names, [d.name for d in cluster.devices], self.global_rank, self._timeout)
         rank_debug(self.global_rank, "hetero_diloco: group %d of %s", self.groups.index, self.groups.ranks)
+
+    @override
+    def teardown(self) -> None:
+        """The hetero teardown, then this rank's group process groups (``setup_environment`` makes new ones)."""
+        super().teardown()
+        if self.groups is not None and dist.is_initialized():
+            for group in {self.groups.group, self.groups.leaders} - {None, dist.GroupMember.NON_GROUP_MEMBER}:
+                dist.destroy_process_group(group)
+        self.groups = None
 
     @override
     def setup(self, trainer: Any) -> None:
