@@ -54,6 +54,8 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps({
             "params": sum(p.numel() for p in model.parameters()), "rounds": len(records),
             "bytes_sent": [r.bytes_sent for r in records]}))
+    torch.distributed.barrier()  # both ranks end together, their gloo pairs closed in order
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

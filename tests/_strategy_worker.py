@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,6 +24,21 @@ class IndexedData(Dataset):
 
     def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
         return self.x[i], self.y[i], i
+
+
+def float64_trainer(tmp: Path, strategy: Any, devices: int = 3, **kwargs: Any) -> pl.Trainer:
+    """A quiet float64 Trainer on ``devices`` CPU ranks (no logger, checkpoints or sanity check unless given)."""
+    torch.set_num_threads(1)
+    defaults = dict(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                    num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return pl.Trainer(default_root_dir=str(tmp), **defaults)
+
+
+def rank_rows(out: Path, ranks: int) -> list[list[dict]]:
+    """Every rank's rows as ``Recorder`` wrote them, in rank order."""
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def make_net(dim: int = 4) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from het_strategy import HeteroDiLoCoStrategy  # noqa: E402
 from het_strategy.core.outer_sync import OuterSync  # noqa: E402
 from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
-from tests._strategy_worker import IndexedData, Recorder, make_net  # noqa: E402
+from tests._strategy_worker import IndexedData, Recorder, float64_trainer, make_net, rank_rows  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
               pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
@@ -41,18 +41,13 @@ def _plan(tmp: Path, shares: dict[str, int] = SHARES) -> Path:
 
 
 def _trainer(tmp: Path, plan: Path, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
-    torch.set_num_threads(1)
     strategy = HeteroDiLoCoStrategy(cluster=TWO_SITES, plan=plan, start_method="fork", verbose=False,
                                     timeout=timedelta(seconds=120))
-    defaults = dict(accelerator="cpu", devices=3, strategy=strategy, precision="64-true", logger=False,
-                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                    num_sanity_val_steps=0)
-    defaults.update(kwargs)
-    return pl.Trainer(default_root_dir=str(tmp), **defaults)
+    return float64_trainer(tmp, strategy, **kwargs)
 
 
 def _rows(out: Path) -> list[list[dict]]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    return rank_rows(out, 3)
 
 
 def _reference(data: IndexedData, groups_steps: list[list[list[int]]], lr: float = 0.1, outer_lr: float = 0.7,

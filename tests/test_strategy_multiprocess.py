@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from het_strategy import HeteroStrategy  # noqa: E402
 from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT  # noqa: E402
-from tests._strategy_worker import IndexedData, Recorder, make_net  # noqa: E402
+from tests._strategy_worker import IndexedData, Recorder, float64_trainer, make_net, rank_rows  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
               pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
@@ -32,22 +32,13 @@ CLUSTER_521 = _local_cluster("three_speeds", {"fast": {"tflops": {"fp32": 5.0}},
 
 
 def _trainer(tmp: Path, **kwargs) -> pl.Trainer:  # type: ignore[no-untyped-def]
-    torch.set_num_threads(1)
     strategy = HeteroStrategy(cluster=CLUSTER_521, global_batch_size=16, start_method="fork", verbose=False,
                               timeout=__import__("datetime").timedelta(seconds=120))
-    defaults = dict(accelerator="cpu", devices=3, strategy=strategy, precision="64-true", logger=False,
-                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                    num_sanity_val_steps=0)
-    defaults.update(kwargs)
-    return pl.Trainer(default_root_dir=str(tmp), **defaults)
+    return float64_trainer(tmp, strategy, **kwargs)
 
 
 def _rows(out: Path) -> list[list[dict]]:
-    return _rows_of(out, 3)
-
-
-def _rows_of(out: Path, ranks: int) -> list[list[dict]]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return rank_rows(out, 3)
 
 
 def _reference(data: IndexedData, steps: list[list[list[int]]], accumulate: int, lr: float = 0.1
@@ -351,7 +342,7 @@ def test_a_three_rank_checkpoint_resumes_on_two_ranks_with_every_sample_once(tmp
     _two_rank_trainer(tmp_path / "b", survivors, 16, max_epochs=2, enable_checkpointing=False).fit(
         model, DataLoader(data, batch_size=8, shuffle=True), ckpt_path=str(path))
 
-    first, resumed = _rows_of(first_out, 3), _rows_of(resumed_out, 2)
+    first, resumed = rank_rows(first_out, 3), rank_rows(resumed_out, 2)
     assert [rows[0]["counted"] for rows in first] == [10, 4, 2]
     assert [rows[0]["counted"] for rows in resumed] == [12, 4]  # re-planned for the two devices left
     steps: list[tuple[int, list[int]]] = []  # (epoch, the global batch's sample ids) in training order
