@@ -59,6 +59,7 @@ from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, che
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
 from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LivenessGuard
+from het_strategy.strategy.process_exit import destroy_groups_at_exit, mark_failed
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.sampler import split_by_shares
@@ -249,11 +250,13 @@ class HeteroStrategy(DDPStrategy):
         cluster = self.plans.resolve_cluster(self.rank_context(), gather_device_names(self.world_size))
         rank_debug(self.global_rank, "setup_environment: cluster %s", cluster.name)
         self.liveness.start(self.global_rank, self.world_size, cluster.devices)
+        destroy_groups_at_exit()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A collective that failed because a rank is gone ends with the watchdog's one line (``LivenessGuard``)."""
         super().on_exception(exception)
+        mark_failed()
         self.liveness.after(exception)
 
     @override

@@ -122,6 +122,7 @@ from het_strategy.strategy.deepspeed_checkpoint import (CHECKPOINT_TAG, PLAN_KEY
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
 from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LivenessGuard
+from het_strategy.strategy.process_exit import destroy_groups_at_exit, mark_failed
 
 __all__ = ["HeteroDeepSpeedStrategy", "CHECKPOINT_TAG", "PLAN_KEY"]
 
@@ -234,6 +235,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         super().setup_environment()  # Lightning's process group (gloo on CPU); DeepSpeed wraps it
         init_deepspeed_distributed()
         self.liveness.start(self.global_rank, self.world_size, self.cluster.devices)
+        destroy_groups_at_exit()
         planning = self.plans.plan is None
         if planning:
             why = self.plans.limit_tp_to(self.lightning_module)
@@ -248,6 +250,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A collective that failed because a rank is gone ends with the watchdog's one line (``LivenessGuard``)."""
         super().on_exception(exception)
+        mark_failed()
         self.liveness.after(exception)
 
     @override
