@@ -57,15 +57,19 @@ import statistics
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict, load_cluster  # noqa: E402
+from het_strategy.core.compute_model import ComputeCalibration  # noqa: E402
 from het_strategy.core.cost_model import CostModel  # noqa: E402
 from het_strategy.core.memory import GiB, overhead_bytes  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
-from het_strategy.core.reference_profiles import SAILOR_DATA_DIR, load_sailor_profile, read_sailor_json  # noqa: E402
+from het_strategy.core.reference_profiles import (SAILOR_DATA_DIR, load_sailor_profile, read_sailor_json,  # noqa: E402
+                                                  sailor_device_type)
 from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
 from het_strategy.planning import search_plan  # noqa: E402
 from het_strategy.reference.amp_plans import amp_measured_plans  # noqa: E402
 from het_strategy.reference.amp_profile import load_amp_profile  # noqa: E402
+from het_strategy.reference.compute_calibration import (FP32_MATMUL, BlockMeasurement, block_measurements,  # noqa: E402
+                                                        cost_model_s, fit_calibration, one_type_node)
 from het_strategy.reference.sailor_memory import (SAILOR_GPU_MEMORY_GIB, sailor_overhead_bytes,  # noqa: E402
                                                   sailor_stage_memory)
 from het_strategy.reference.sailor_simulator import BackwardSend, sailor_iteration_time  # noqa: E402
@@ -73,49 +77,43 @@ from het_strategy.reference.sailor_simulator import BackwardSend, sailor_iterati
 SAILOR_PUBLISHED_S = {"sailor_a100_v100_80_240": 2.77, "sailor_a100_v100_128_384": 1.91}
 
 
-def _one_type_cluster(device_type: str, tp: int) -> ClusterSpec:
-    """8 devices of one type on a node whose link is the peak Sailor measured for a group of ``tp`` of them."""
-    node: dict = {"devices": [{"type": device_type, "count": 8}]}
-    intra = json.loads((SAILOR_DATA_DIR / "intra_node_bandwidth_fits.json").read_text())
-    for gpu, fits in intra.items():
-        if _catalog_name(gpu) == device_type:
-            sizes = sorted(int(k) for k in fits)
-            group = str(min((k for k in sizes if k >= tp), default=sizes[-1]))
-            node["intra_bandwidth_gbs"] = fits[group][1] / 1e9
-    return cluster_from_dict({"name": f"one_{device_type}", "nodes": [node]})
-
-
-def _catalog_name(sailor_gpu: str) -> str | None:
-    from het_strategy.core.catalog import lookup_device_type
-    from het_strategy.core.errors import ConfigError
-
-    try:
-        return lookup_device_type(sailor_gpu, "gpu").name
-    except ConfigError:
-        return None
-
-
-def layer_errors(workload: WorkloadSpec) -> tuple[list[tuple], list[tuple]]:
-    """Rows (gpu, tp, mbs, measured_s, analytic_s) for a middle block, and tp-scaling rows."""
+def tp_scaling_rows(workload: WorkloadSpec) -> list[tuple]:
+    """Rows (gpu, tp, mbs, measured tp-n s, measured tp-1 s x the model's tp rule) for a middle block of OPT-350."""
     profile = load_sailor_profile("OPT-350", workload)
     block = workload.num_layers // 2
-    rows, scaling = [], []
+    scaling = []
     for (gpu, tp), table in sorted(profile.times.items()):
-        cluster = _one_type_cluster(gpu, tp)
-        # Sailor's runs train in fp32 (its simulator and validation use fp16=False; the times match fp32 rates)
-        cm = CostModel(cluster, workload, TrainSettings(1024, dtype="fp32", max_tp=8))
+        if tp == 1:
+            continue
+        cluster = one_type_node(gpu, tp)
+        cm = CostModel(cluster, workload, TrainSettings(1024, dtype="fp32", max_tp=8,
+                                                        float32_matmul_precision=FP32_MATMUL))
         dev = cluster.devices[0]
         for mbs, layer_rows in sorted(table.items()):
-            f, b, _ = layer_rows[block]
-            analytic = cm.stage_compute_s(dev, tp, mbs, block, block + 1)
-            rows.append((gpu, tp, mbs, f + b, analytic))
             base = profile.times.get((gpu, 1), {}).get(mbs)
-            if tp > 1 and base is not None:
-                f1, b1, _ = base[block]
-                rule = cm.stage_compute_s(dev, tp, mbs, block, block + 1) / cm.stage_compute_s(dev, 1, mbs, block,
-                                                                                               block + 1)
-                scaling.append((gpu, tp, mbs, f + b, (f1 + b1) * rule))
-    return rows, scaling
+            if base is None:
+                continue
+            f, b, _ = layer_rows[block]
+            f1, b1, _ = base[block]
+            rule = cm.stage_compute_s(dev, tp, mbs, block, block + 1) / cm.stage_compute_s(dev, 1, mbs, block,
+                                                                                           block + 1)
+            scaling.append((gpu, tp, mbs, f + b, (f1 + b1) * rule))
+    return scaling
+
+
+def compute_rows(calibration: ComputeCalibration) -> list[tuple[BlockMeasurement, float]]:
+    """Every measured block with the cost model's time for it (the roofline with ``calibration`` + tp)."""
+    return [(m, cost_model_s(m, calibration)) for m in block_measurements()]
+
+
+def leave_one_gpu_out() -> dict[str, list[float]]:
+    """Per GPU type, the errors on its blocks of a roofline calibrated without that type."""
+    measurements = block_measurements()
+    out: dict[str, list[float]] = {}
+    for gpu in sorted({m.gpu for m in measurements}):
+        cal = fit_calibration([m for m in measurements if m.gpu != gpu])
+        out[gpu] = [_rel(m.seconds, cost_model_s(m, cal)) for m in measurements if m.gpu == gpu]
+    return out
 
 
 def _rel(measured: float, predicted: float) -> float:
@@ -212,14 +210,14 @@ def memory_rows(workload: WorkloadSpec, shapes: list[tuple[int, int, int, int]])
     profiles = read_sailor_json("layer_profiles.json")["OPT-350"]
     rows = []
     for gpu, by_mbs in sorted(profiles.items()):
-        device_type = _catalog_name(gpu)
+        device_type = sailor_device_type(gpu)
         if device_type is None:
             continue
         for tp in (1, 2, 4):
             sizes = sorted(int(m) for m, by_tp in by_mbs.items() if str(tp) in by_tp)
             if not sizes:
                 continue
-            cluster = _one_type_cluster(device_type, tp)
+            cluster = one_type_node(device_type, tp)
             cm = CostModel(cluster, workload, TrainSettings(1024, micro_batch_sizes=tuple(sizes), **_SAILOR_SETTINGS))
             capacity = cm.memory_capacity_bytes(cluster.devices[0])
             reserve = cm.settings.memory_reserve_gb * GiB
@@ -238,10 +236,10 @@ def memory_terms(workload: WorkloadSpec) -> list[str]:
     """Per-term lines: bytes per parameter, activations per sample of the embedding, a block and the head."""
     lines = []
     settings = TrainSettings(1024, **_SAILOR_SETTINGS)
-    cm = CostModel(_one_type_cluster("A100-40GB", 1), workload, settings)
+    cm = CostModel(one_type_node("A100-40GB", 1), workload, settings)
     table = read_sailor_json("layer_memory.json")["OPT-350"]
     last = workload.num_layers - 1
-    device = _one_type_cluster("A100-40GB", 1).devices[0]
+    device = one_type_node("A100-40GB", 1).devices[0]
     lines.append(f"  model state per parameter: ours {settings.state_bytes_per_param(1):.0f} B (fp16 weights + "
                  f"grads, fp32 Adam master + 2 moments, fp32 reduce buffer, the engine's copy), Sailor's 24 B; "
                  f"fixed: ours {overhead_bytes(device, 1) / GiB:.2f} GiB (tp 1) / {overhead_bytes(device, 2) / GiB:.2f}"
@@ -276,16 +274,30 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     opt = load_workload("opt350", dtype="fp16")
-    rows, scaling = layer_errors(load_workload("opt350", dtype="fp32"))
-    print("(a) OPT-350 block forward+backward, analytic vs Sailor-measured (ms):")
-    by_key: dict[tuple[str, int], list[float]] = {}
-    for gpu, tp, mbs, meas, pred in rows:
-        by_key.setdefault((gpu, tp), []).append(_rel(meas, pred))
-    for (gpu, tp), errs in sorted(by_key.items()):
-        print(f"  {gpu:<10} tp {tp}: median error {statistics.median(errs):6.1%}  worst {max(errs):6.1%}"
-              f"  ({len(errs)} micro-batch sizes)")
-    errs = [_rel(m, p) for *_, m, p in rows]
-    print(f"  all: median {statistics.median(errs):.1%}, worst {max(errs):.1%}")
+    calibration = ComputeCalibration.shipped()
+    rows, scaling = compute_rows(calibration), tp_scaling_rows(load_workload("opt350", dtype="fp32"))
+    print("(a) transformer blocks, the cost model without profiles (roofline + tp all-reduces) vs measured "
+          "(Sailor: forward + backward; AMP: forward), fp32 (TF32 where the GPU has it):")
+    print("  calibration: " + ", ".join(f"{k} {v:.3g}" for k, v in calibration.to_dict().items()))
+    by_key: dict[tuple[str, str, str, int], list[tuple[BlockMeasurement, float]]] = {}
+    for m, pred in rows:
+        by_key.setdefault((m.source, m.model, m.gpu, m.tp), []).append((m, pred))
+    for (source, model, gpu, tp), group in sorted(by_key.items()):
+        signed = [p / m.seconds - 1 for m, p in group]
+        print(f"  {source:<6} {model:<11} {gpu:<11} tp {tp}: median error "
+              f"{statistics.median(abs(e) for e in signed):6.1%}  worst {max(abs(e) for e in signed):6.1%}  "
+              f"(micro-batch {','.join(str(m.micro_batch) for m, _ in group)}: "
+              f"{' '.join(f'{e:+.0%}' for e in signed)})")
+    errs = [_rel(m.seconds, p) for m, p in rows]
+    tp1 = [_rel(m.seconds, p) for m, p in rows if m.tp == 1]
+    print(f"  all {len(errs)}: median {statistics.median(errs):.1%}, worst {max(errs):.1%}; tp 1 ({len(tp1)}): "
+          f"median {statistics.median(tp1):.1%}, worst {max(tp1):.1%}")
+    loo = leave_one_gpu_out()
+    print("  leave one GPU type out (calibrated on the others' tp-1 blocks, every block of that type predicted):")
+    for gpu, e in loo.items():
+        print(f"    {gpu:<11} median {statistics.median(e):6.1%}  worst {max(e):6.1%}  ({len(e)} blocks)")
+    loo_all = [x for e in loo.values() for x in e]
+    print(f"    all {len(loo_all)}: median {statistics.median(loo_all):.1%}, worst {max(loo_all):.1%}")
     tp_by_key: dict[tuple[str, int], list[float]] = {}
     for gpu, tp, mbs, meas, pred in scaling:
         tp_by_key.setdefault((gpu, tp), []).append(_rel(meas, pred))
@@ -376,6 +388,8 @@ def main() -> None:
     for line in memory_terms(opt):
         print(line)
     print(f"RESULT layer_median_err={statistics.median(errs):.3f} layer_worst_err={max(errs):.3f} "
+          f"layer_tp1_median_err={statistics.median(tp1):.3f} layer_tp1_worst_err={max(tp1):.3f} "
+          f"layer_loo_median_err={statistics.median(loo_all):.3f} layer_loo_worst_err={max(loo_all):.3f} "
           f"tp_scaling_median_err={statistics.median(tp_errs):.3f} "
           f"sailor_32_96={ratios['sailor_a100_v100_32_96']:.3f} sailor_80_240={ratios['sailor_a100_v100_80_240']:.3f} "
           f"sailor_128_384={ratios['sailor_a100_v100_128_384']:.3f} "

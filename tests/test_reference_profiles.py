@@ -40,7 +40,7 @@ def test_keys_are_catalog_names_and_ints(opt350_profile):
     catalog = set(device_catalog())
     assert opt350_profile.device_types() <= catalog
     assert {"A100-40GB", "V100-16GB", "GH200-96GB", "A100-80GB", "RTX-3090", "Titan-RTX",
-            "RTX-2080"} == opt350_profile.device_types()
+            "RTX-2080-Ti"} == opt350_profile.device_types()  # Sailor's RTX-2080 (11 GB)
     for (dt, tp), table in opt350_profile.times.items():
         assert isinstance(tp, int) and all(isinstance(mb, int) for mb in table)
         assert all(len(rows) == 26 for rows in table.values())

@@ -271,7 +271,7 @@ def _error_of(overrides: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["+train.momentum=0.9"], "`train.momentum` is 0.9; it must not be there: unknown key (known keys here: "
                               "accumulate_grad_batches,"),
     (["model.dropout=0.1"], "`model.dropout` is '0.1'; it must not be there: unknown key (known keys here: "
-                            "description, expert_ffn_hidden_size, ffn_hidden_size,"),
+                            "attention, description, expert_ffn_hidden_size, ffn_hidden_size,"),
     (["model.ffn_hidden_size=4096"], "`model.ffn_hidden_size` is 4096; it must be null or 4 * model.hidden_size = "
                                      "512"),
     (["model.num_layers=null"], "`model.num_layers` is 'null'; it must be an integer"),

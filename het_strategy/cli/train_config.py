@@ -24,6 +24,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig
 
 from het_strategy.cli.structured import store_schema, to_typed
+from het_strategy.core.compute_model import AttentionKernel
 from het_strategy.core.errors import field_error, require_int, require_number, require_option
 from het_strategy.planning.experts import MoEPlacement
 from het_strategy.planning.request import PlanRequest
@@ -100,6 +101,8 @@ class ModelConfig:
     """Every n-th block is MoE."""
     expert_ffn_hidden_size: Optional[int] = None
     """Width of one expert's MLP; null: the MLP width."""
+    attention: AttentionKernel = AttentionKernel.fused
+    """How attention runs, for the cost model's roofline (the demo model runs torch's fused attention)."""
     name: Optional[str] = None
     """Model name; null: the group option's name."""
     kind: str = "transformer"

@@ -50,6 +50,12 @@ class DeviceType:
     """Approximate on-demand list price, USD per device-hour (2024; see ``catalog.yaml``)."""
     aliases: tuple[str, ...] = ()
     """Other names accepted in cluster files (Sailor's ``A100-40``, ...)."""
+    compute_units: int | None = None
+    """Streaming multiprocessors (NVIDIA) or compute units (AMD): the roofline's wave quantisation
+    (``compute_model.py``); None for a device the roofline does not price (the CPU)."""
+    tf32_tflops: float | None = None
+    """Peak dense TF32 tensor-core TFLOPS, the rate of fp32 matmuls under ``float32_matmul_precision`` high or
+    medium; None: no TF32 units (fp32 matmuls run at the fp32 rate)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,6 +73,8 @@ def device_catalog() -> dict[str, DeviceType]:
             intra_node_bandwidth_gbs=float(e["intra_node_bandwidth_gbs"]),
             price_per_hour=float(e["price_per_hour"]),
             aliases=tuple(e.get("aliases", ())),
+            compute_units=e.get("compute_units"),
+            tf32_tflops=e.get("tf32_tflops"),
         )
         for name, e in raw.items()
     }

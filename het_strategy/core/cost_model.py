@@ -4,10 +4,10 @@ One function, ``CostModel.score(plan)``, scores every plan — planned here, rea
 from a file, or hand-made — so plans from different sources compare on equal
 terms.  Per micro-batch, a stage costs
 
-    t_s = sum over its layers of forward + backward time on its device
-          (measured profile if it covers the device type, else FLOPs / sustained
-          FLOP/s with backward = 2 x forward, +1 forward with activation
-          checkpointing) + tensor-parallel allreduces + MoE all-to-alls
+    t_s = sum over its layers of forward + backward time on its device (measured profile
+          if it covers the device type; else ``compute_model``'s roofline for a layer with a
+          shape on a catalog GPU; else FLOPs / sustained FLOP/s with backward = 2 x forward;
+          +1 forward with activation checkpointing) + tp allreduces + MoE all-to-alls
     c_s = activation forward + gradient backward over the link to the next stage
 
 and a pipeline with n micro-batches takes, in 1F1B order,
@@ -56,8 +56,9 @@ from typing import Any, Iterable
 import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec
+from het_strategy.core.compute_model import ComputeCalibration, device_roofline, layer_seconds
 from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync_s, wire_fraction
-from het_strategy.core.network import NO_SYNC, Network, SyncRoute, routes
+from het_strategy.core.network import BLOCK_TP_ALLREDUCES, NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.dtypes import DTYPE_BYTES
@@ -123,8 +124,11 @@ class CostModel:
     """Scores plans for one cluster, workload and set of training settings."""
 
     def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
-                 profile: MeasuredProfile | None = None, network: Network | None = None) -> None:
+                 profile: MeasuredProfile | None = None, network: Network | None = None,
+                 calibration: ComputeCalibration | None = None) -> None:
         self.cluster = cluster
+        self.calibration = calibration or ComputeCalibration.shipped()
+        """The roofline's fitted constants (``compute_model``; the shipped ones unless given)."""
         if network is None:
             network = profile.network(cluster) if profile is not None and profile.network is not None \
                 else Network(cluster)
@@ -150,7 +154,7 @@ class CostModel:
     def with_compression(self, token: str) -> "CostModel":
         """The same model, pricing the inter-node hop of gradient syncs in ``token`` (``compressed_sync``)."""
         settings = dataclasses.replace(self.settings, inter_node_compression=token)
-        return CostModel(self.cluster, self.workload, settings, self.profile, self.network)
+        return CostModel(self.cluster, self.workload, settings, self.profile, self.network, self.calibration)
 
     # -- per-layer times ------------------------------------------------------------------------
     def device_key(self, device: DeviceSpec) -> tuple:
@@ -160,7 +164,8 @@ class CostModel:
         if hit is not None and hit[0] is device:
             return hit[1]
         key = (device.type, tuple(sorted(device.tflops.items())), device.efficiency, device.memory_gb,
-               device.memory_bandwidth_gbs, device.emulated_speed, self.cluster.node(device.node).intra_bandwidth_gbs)
+               device.memory_bandwidth_gbs, device.emulated_speed, self.cluster.node(device.node).intra_bandwidth_gbs,
+               device.compute_units, device.tf32_tflops)
         self._representative.setdefault(key, device)
         self._device_keys[device.name] = (device, key)
         return key
@@ -188,15 +193,11 @@ class CostModel:
                 analytic = self._update_s(device, tp)
                 upd = [a if u is None else u for u, a in zip(upd, analytic)]
         else:
-            rate = device.flops_per_second(self.settings.compute_dtype(device)) * tp
-            comp = []
-            for layer in self.workload.layers:
-                fwd = layer.flops_per_sample * micro_batch / rate
-                comp.append(fwd * (4.0 if ckpt else 3.0))
+            comp = self._analytic_compute(device, tp, micro_batch, ckpt)
             upd = self._update_s(device, tp)
             if tp > 1:
                 # Megatron: 2 allreduces of the block's output forward, 2 backward, +2 in a recomputed forward
-                count = 6 if ckpt else 4
+                count = BLOCK_TP_ALLREDUCES * (3 if ckpt else 2)
                 for i, layer in enumerate(self.workload.layers):
                     if layer.name.startswith("block") or layer.moe:
                         comp[i] += count * self.network.tp_allreduce_s(self._out[i] * micro_batch, device.node, tp)
@@ -205,6 +206,22 @@ class CostModel:
                         comp[i] += (self.network.tp_allreduce_s(self._out[i] * micro_batch, device.node, tp) / 2
                                     + self.network.tp_allreduce_s(self._out[i - 1] * micro_batch, device.node, tp))
         return _prefix(comp), _prefix(upd)
+
+    def _analytic_compute(self, device: DeviceSpec, tp: int, micro_batch: int, ckpt: bool) -> list[float]:
+        """Per layer, fwd + bwd (+ a recomputed fwd) seconds of a micro-batch: the roofline, else FLOPs / rate."""
+        dtype = self.settings.compute_dtype(device)
+        rate = device.flops_per_second(dtype) * tp
+        roof = device_roofline(device, dtype, self.settings.float32_matmul_precision)
+        comp = []
+        for layer in self.workload.layers:
+            if roof is not None and layer.shape is not None:
+                fwd, bwd = layer_seconds(layer.shape, self.workload.seq_len, micro_batch, tp, DTYPE_BYTES[dtype],
+                                         roof, self.calibration)
+            else:
+                fwd = layer.flops_per_sample * micro_batch / rate
+                bwd = 2.0 * fwd
+            comp.append(fwd + bwd + (fwd if ckpt else 0.0))
+        return comp
 
     def _update_s(self, device: DeviceSpec, tp: int) -> list[float]:
         """Optimizer-update seconds per layer: Adam is memory bound (read/write the fp32 master, m, v and the

@@ -52,6 +52,12 @@ class DeviceSpec:
     """Relative speed when a local process emulates this device (tests, benchmarks)."""
     price_per_hour: float | None = None
     """USD per device-hour (the catalog's list price unless overridden); None: unknown (a custom device)."""
+    compute_units: int | None = None
+    """The catalog's streaming multiprocessors / compute units, for the roofline (``compute_model.py``); None
+    where the device's own figures price it instead: a custom or CPU device, measured ``tflops`` or an
+    ``efficiency`` given in the cluster file, or an emulated device."""
+    tf32_tflops: float | None = None
+    """The catalog's dense TF32 rate, with ``compute_units`` (None without TF32 units)."""
 
     def __post_init__(self) -> None:
         where = f"device `{self.name}`"
@@ -129,6 +135,8 @@ def device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: Devic
     else:
         raise field_error(f"{where}.tflops", tflops_raw, "be a number or a mapping dtype -> TFLOPS")
     measured = tflops_raw is not None
+    # the catalog's roofline prices a catalog GPU; a throughput the user gave, or an emulated speed, is used as is
+    datasheet = dt is not None and not measured and "efficiency" not in dev_raw and "emulated_speed" not in dev_raw
     eff_default = 1.0 if (measured and "efficiency" not in dev_raw) else (dt.efficiency if dt else 1.0)
     speed = dev_raw.get("emulated_speed")
     if "price_per_hour" in dev_raw:
@@ -146,4 +154,6 @@ def device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: Devic
         efficiency=require_number(dev_raw.get("efficiency", eff_default), f"{where}.efficiency"),
         emulated_speed=None if speed is None else _figure(speed, f"{where}.emulated_speed", "emulated_speed"),
         price_per_hour=price,
+        compute_units=dt.compute_units if datasheet else None,  # type: ignore[union-attr]
+        tf32_tflops=dt.tf32_tflops if datasheet else None,  # type: ignore[union-attr]
     )

@@ -54,7 +54,7 @@ import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec
 
-__all__ = ["NodeTuple", "SyncRoute", "Network", "NO_SYNC", "TP_LINK_EFFICIENCY", "routes"]
+__all__ = ["NodeTuple", "SyncRoute", "Network", "NO_SYNC", "TP_LINK_EFFICIENCY", "BLOCK_TP_ALLREDUCES", "routes"]
 
 TP_LINK_EFFICIENCY = 0.36
 """Fraction of the node link's peak that a blocking Megatron activation allreduce reaches.
@@ -66,6 +66,11 @@ allreduce — over the intra-node fit's peak has median 0.36 (spread 0.1-1.3; PC
 and NVLink nodes alike).  ``reference_profiles.measured_tp_link_efficiency``
 recomputes it from the data, and a test keeps the two together.
 """
+
+
+BLOCK_TP_ALLREDUCES = 2
+"""A transformer block's output all-reduces per pass (forward or backward) in a Megatron tp group: one after the
+attention's row-parallel projection, one after the MLP's (``Network.tp_allreduce_s`` each)."""
 
 
 class NodeTuple(tuple):

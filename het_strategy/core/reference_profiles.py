@@ -49,6 +49,8 @@ __all__ = [
     "sailor_peak_bandwidth_gbs",
     "SailorNetwork",
     "read_sailor_json",
+    "SAILOR_GPU_TYPES",
+    "sailor_device_type",
 ]
 
 SAILOR_DATA_DIR = Path(__file__).with_name("data") / "sailor"
@@ -75,10 +77,15 @@ def sailor_models() -> list[str]:
     return sorted(read_sailor_json("layer_profiles.json"))
 
 
-def _canonical_type(sailor_gpu: str) -> str | None:
+SAILOR_GPU_TYPES = {"RTX-2080": "RTX-2080-Ti"}
+"""Sailor's GPU names whose catalog type is not the one the name finds: Sailor's ``RTX-2080`` has 11 GB, the
+RTX 2080 Ti's memory (the RTX 2080 has 8 GB), and its measured fp32 blocks match the Ti's rate."""
+
+
+def sailor_device_type(sailor_gpu: str) -> str | None:
     """Our catalog's name for one of Sailor's GPU names, or None if the catalog lacks it."""
     try:
-        return lookup_device_type(sailor_gpu, "gpu").name
+        return lookup_device_type(SAILOR_GPU_TYPES.get(sailor_gpu, sailor_gpu), "gpu").name
     except ConfigError:
         return None
 
@@ -97,7 +104,7 @@ def load_sailor_profile(model: str = "OPT-350", workload: WorkloadSpec | None = 
     times: dict[tuple[str, int], dict[int, list[tuple[float, float, float]]]] = {}
     num_layers: int | None = None
     for sailor_gpu, by_mbs in data[model].items():
-        device_type = _canonical_type(sailor_gpu)
+        device_type = sailor_device_type(sailor_gpu)
         if device_type is None:
             continue
         for mbs_key, by_tp in by_mbs.items():
@@ -143,9 +150,9 @@ def _sailor_gpu_key(gpu: str, available: list[str], field_name: str) -> str:
     """Sailor's key for ``gpu`` given as Sailor's name or our catalog name."""
     if gpu in available:
         return gpu
-    wanted = _canonical_type(gpu)
+    wanted = sailor_device_type(gpu)
     for key in available:
-        if wanted is not None and _canonical_type(key) == wanted:
+        if wanted is not None and sailor_device_type(key) == wanted:
             return key
     raise field_error(field_name, gpu, "be a GPU type Sailor measured here", f"measured: {', '.join(available)}")
 

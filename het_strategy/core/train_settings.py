@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from het_strategy.core.catalog import device_catalog, lookup_device_type
 from het_strategy.core.compressed_sync import check_token
+from het_strategy.core.compute_model import Float32MatmulPrecision
 from het_strategy.core.dtypes import DTYPE_BYTES, ELEMENT_DTYPES, Dtype, as_dtype, as_element_dtype
-from het_strategy.core.errors import ConfigError, field_error, require_int, require_number
+from het_strategy.core.errors import ConfigError, field_error, require_int, require_number, require_option
 
 if TYPE_CHECKING:
     from het_strategy.core.device_spec import DeviceSpec
@@ -80,6 +81,9 @@ class TrainSettings:
     device_dtypes: dict[str, Dtype] = field(default_factory=dict)
     """With ``dtype=per_device``: the dtype a device type computes in, where it is not the type's own fast
     16-bit dtype (``{"T4": "fp32"}``); keys are catalog types (aliases become the catalog name)."""
+    float32_matmul_precision: Float32MatmulPrecision = Float32MatmulPrecision.highest
+    """torch's ``set_float32_matmul_precision`` in the training run: ``highest`` (torch's default) prices fp32
+    matmuls at the fp32 rate, ``high`` or ``medium`` at the TF32 tensor-core rate where the device has one."""
     inter_node_compression: str = "none"
     """The method token the gradient sync between nodes runs in: ``none``, or a compressed hierarchical exchange
     (node sums uncompressed, the node leaders' exchange in ``fp16``/``bf16``/``q2``...``q8``;
@@ -89,6 +93,8 @@ class TrainSettings:
         require_int(self.global_batch_size, "settings.global_batch_size", minimum=1)
         check_token(self.inter_node_compression, "settings.inter_node_compression")
         object.__setattr__(self, "dtype", as_dtype(self.dtype, "settings.dtype"))
+        object.__setattr__(self, "float32_matmul_precision", require_option(
+            Float32MatmulPrecision, self.float32_matmul_precision, "settings.float32_matmul_precision"))
         if self.zero_stage not in (0, 1, 2, 3):
             raise field_error("settings.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
         if self.max_tp not in (1, 2, 4, 8):

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from het_strategy.core.compute_model import AttentionKernel, LayerShape
 from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, as_dtype
 from het_strategy.core.plain_data import plain
-from het_strategy.core.errors import check_keys, field_error, require_int
+from het_strategy.core.errors import check_keys, field_error, require_int, require_option
 from het_strategy.core.files import naming_file, read_yaml_file
 from het_strategy.core.shipped import config_file
 
@@ -72,6 +73,9 @@ class LayerCost:
     tp_replicated_activation_bytes: float = 0.0
     """Of ``activation_bytes_per_sample``, the bytes every tensor-parallel rank keeps whole (a block's layer-norm
     inputs and dropout masks without sequence parallelism); the rest is split over tp."""
+    shape: LayerShape | None = None
+    """The layer's kind and dimensions, for the roofline (``compute_model.py``); None (a profiled module's
+    layer): priced by ``flops_per_sample`` at the device's sustained rate."""
 
     @property
     def total_params(self) -> int:
@@ -111,7 +115,7 @@ class WorkloadSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "seq_len": self.seq_len, "dtype": self.dtype.value,
-                "layers": [{k: v for k, v in layer.__dict__.items() if k != "moe"}
+                "layers": [{k: v for k, v in layer.__dict__.items() if k not in ("moe", "shape")}
                            | ({"moe": dict(layer.moe.__dict__)} if layer.moe else {}) for layer in self.layers]}
 
 
@@ -141,8 +145,12 @@ class TransformerConfig:
     """Every n-th block is MoE (1 = all blocks, 2 = every other block)."""
     expert_ffn_hidden_size: int | None = None
     """Width of one expert's MLP; the MLP width (``ffn_hidden_size`` or 4h) when not given."""
+    attention: AttentionKernel = AttentionKernel.fused
+    """How attention runs, for the roofline: ``fused`` (torch's ``scaled_dot_product_attention``) or
+    ``materialized`` (the scores written to memory: Megatron without flash attention)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", require_option(AttentionKernel, self.attention, "model.attention"))
         for f in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size"):
             require_int(getattr(self, f), f"model.{f}", minimum=1)
         if self.ffn_hidden_size is not None:
@@ -181,7 +189,9 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
     mlp_params = 2 * h * f + f + h
     block_act = (s * h * 34 + 5 * a * s * s) * scale
     whole = s * h * 10 * scale  # layer-norm inputs and dropout masks: whole on every tp rank
-    layers = [LayerCost("embedding", 2 * s * h, v * h + s * h, s * h * DTYPE_BYTES[dtype], boundary)]
+    block_shape = LayerShape("block", h, a, f, v, cfg.attention)
+    layers = [LayerCost("embedding", 2 * s * h, v * h + s * h, s * h * DTYPE_BYTES[dtype], boundary,
+                        shape=LayerShape("embedding", h, a, 0, v, cfg.attention))]
     for i in range(cfg.num_layers):
         is_moe = cfg.num_experts > 0 and (i % cfg.moe_every == cfg.moe_every - 1)
         if is_moe:
@@ -189,17 +199,19 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
                           flops_per_token_per_expert=4 * h * fe)
             router_flops = 2 * s * h * cfg.num_experts
             layers.append(LayerCost(f"block{i}", attn_flops + router_flops, attn_params + h * cfg.num_experts,
-                                    block_act + s * h * cfg.top_k * DTYPE_BYTES[dtype], boundary, moe, whole))
+                                    block_act + s * h * cfg.top_k * DTYPE_BYTES[dtype], boundary, moe, whole,
+                                    shape=LayerShape("block", h, a, 0, v, cfg.attention)))  # experts: priced apart
         else:
             layers.append(LayerCost(f"block{i}", attn_flops + mlp_flops, attn_params + mlp_params, block_act,
-                                    boundary, tp_replicated_activation_bytes=whole))
+                                    boundary, tp_replicated_activation_bytes=whole, shape=block_shape))
     # logits are kept in fp32 for the loss, twice (the upcast logits and the softmax the loss keeps)
-    layers.append(LayerCost("head", 2 * s * h * v, v * h + 2 * h, 2 * s * v * 4 + s * h * DTYPE_BYTES[dtype], s * 4))
+    layers.append(LayerCost("head", 2 * s * h * v, v * h + 2 * h, 2 * s * v * 4 + s * h * DTYPE_BYTES[dtype], s * 4,
+                            shape=LayerShape("head", h, a, 0, v, cfg.attention)))
     return WorkloadSpec(name=cfg.name, layers=tuple(layers), seq_len=s, dtype=dtype)
 
 
 MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "ffn_hidden_size",
-              "num_experts", "top_k", "moe_every", "expert_ffn_hidden_size", "kind", "description"}
+              "num_experts", "top_k", "moe_every", "expert_ffn_hidden_size", "attention", "kind", "description"}
 """The keys a model mapping (a model YAML file) may hold."""
 
 
