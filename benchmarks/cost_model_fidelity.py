@@ -1,10 +1,12 @@
 """How well the cost model prices what real clusters measured: Sailor's profiles and simulator, AMP's runs.
 
-(a) Per layer (fp32, as Sailor measured): the analytic model (datasheet FLOP/s x catalog efficiency, Megatron
-    tp allreduces over the node's link) against Sailor's measured forward +
-    backward time for every (gpu, tp, mbs) Sailor profiled on OPT-350 whose GPU the
-    catalog has; and the analytic *tp scaling* alone (the measured tp-1 time
-    scaled by the model's tp rule) against the measured tp > 1 times.
+(a) Per transformer block, the cost model without profiles (``core/compute_model.py``'s roofline with the shipped
+    calibration, plus Megatron's tp all-reduces over the node's link: Sailor's measured peak for Sailor's GPUs,
+    the catalog's link for AMP's) against every measured block of ``reference/compute_calibration.py``: Sailor's
+    forward + backward of OPT-350 and GPT-Neo-2.7 at every (gpu, tp, micro-batch) it profiled, AMP's GPT-2
+    forward on T4 and V100 at tp 1, 2, 4; fp32, TF32 where the GPU has it, as those runs did.  Then leave one
+    GPU type out: calibrate on the other types' tp-1 blocks, predict every block of that type.  Then the *tp
+    scaling* alone (the measured tp-1 time scaled by the model's tp rule) against the measured tp > 1 times.
 (b) Sailor's clusters (OPT-350, global batch 1024, planner.profile=sailor): our
     plan and Sailor's own 32:96 plan (../shared/reference) under our model and
     under Sailor's simulator (``reference/sailor_simulator.py``).  Sailor's runtime
@@ -38,7 +40,8 @@
     every micro-batch size Sailor profiled for that pair, and every stage shape (layers, position, pipeline
     depth) of the plans of (b); then the two formulas term by term.
 
-Last line: ``RESULT layer_median_err=... layer_worst_err=... tp_scaling_median_err=... sailor_32_96=...
+Last line: ``RESULT layer_median_err=... layer_worst_err=... layer_tp1_median_err=... layer_tp1_worst_err=...
+layer_loo_median_err=... layer_loo_worst_err=... tp_scaling_median_err=... sailor_32_96=...
 sailor_80_240=... sailor_128_384=... sailor_default_32_96=... sailor_default_80_240=...
 sailor_default_128_384=... amp_spearman=... amp_best_rank=... amp_tp2_ranks=...
 memory_median_err=... memory_worst_err=... memory_worst_below_gib=...``
@@ -340,7 +343,7 @@ def main() -> None:
         print(f"    our plan: {_plan_shape(res['plan'], res['cluster'])}")
 
     print("(c) AMP's measured plans, 3x4 V100 + 4 T4, GPT-2 1024h/24L, batch 32 (s/iteration), priced from the "
-          "datasheets and from AMP's measured per-layer profiles (reference/amp_profile.py):")
+          "roofline (no profile) and from AMP's measured per-layer profiles (reference/amp_profile.py):")
     cluster, gpt2 = load_cluster("amp_v100_t4"), load_workload("gpt2_amp", dtype="fp16")
     settings = TrainSettings(32, dtype="fp16", max_tp=2)
     datasheet, profiled = CostModel(cluster, gpt2, settings), CostModel(cluster, gpt2, settings, load_amp_profile(gpt2))
@@ -352,12 +355,12 @@ def main() -> None:
         by_profile.append(profiled.score(amp.plan).step_time_s)
     sheet_ranks, ranks = _ranks(by_sheet), _ranks(by_profile)
     for lab, m, d, p, rd, r in zip(labels, measured, by_sheet, by_profile, sheet_ranks, ranks):
-        print(f"  (mbs, tp, dp, pp) = {lab}: measured {m:.2f}  datasheet {d:.3f} (rank {rd})  "
+        print(f"  (mbs, tp, dp, pp) = {lab}: measured {m:.2f}  no profile {d:.3f} (rank {rd})  "
               f"AMP's profiles {p:.3f} (rank {r})")
     rho_sheet, rho = spearman(measured, by_sheet), spearman(measured, by_profile)
     best = ranks[labels.index((1, 1, 2, 8))]
     tp2 = sorted(r for lab, r in zip(labels, ranks) if lab[1] == 2)
-    print(f"  rank correlation (Spearman): datasheet {rho_sheet:.2f}, AMP's profiles {rho:.2f}; with the profiles "
+    print(f"  rank correlation (Spearman): no profile {rho_sheet:.2f}, AMP's profiles {rho:.2f}; with the profiles "
           f"(1,1,2,8) ranked {best}, tp-2 plans ranked {tp2} (measured: 1st; 5th and 6th)")
 
     shapes = stage_shapes(plans)
@@ -396,7 +399,7 @@ def main() -> None:
           f"sailor_default_32_96={default_ratios['sailor_a100_v100_32_96']:.3f} "
           f"sailor_default_80_240={default_ratios['sailor_a100_v100_80_240']:.3f} "
           f"sailor_default_128_384={default_ratios['sailor_a100_v100_128_384']:.3f} "
-          f"amp_datasheet_spearman={rho_sheet:.2f} "
+          f"amp_no_profile_spearman={rho_sheet:.2f} "
           f"amp_spearman={rho:.2f} amp_best_rank={best} "
           f"amp_tp2_ranks={','.join(map(str, tp2))} "
           f"memory_median_err={statistics.median(mem_errs):.3f} memory_worst_err={max(mem_errs):.3f} "

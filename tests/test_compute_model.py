@@ -128,3 +128,16 @@ def test_leave_one_gpu_type_out_predicts_the_left_out_type() -> None:
                     tp1.append(err)
     assert statistics.median(errors) <= 0.20
     assert statistics.median(tp1) <= 0.15
+
+
+def test_a_run_with_tf32_matmuls_gives_the_gpu_with_tf32_units_a_larger_share() -> None:
+    """The strategies plan with ``torch.get_float32_matmul_precision()``: in fp32 an A100 runs TF32 under ``high``,
+    a V100 has no TF32 units, so the A100's share of the global batch grows."""
+    from het_strategy.planning.run_plan import data_parallel_plan
+
+    cluster = cluster_from_dict({"name": "c", "nodes": [{"devices": [{"type": "A100-40GB"}, {"type": "V100-16GB"}]}]})
+    workload = load_workload("gpt_small", dtype="fp32")
+    a100 = cluster.devices[0].name
+    ieee = data_parallel_plan(cluster, workload, 64, "fp32").rank_shares()
+    tf32 = data_parallel_plan(cluster, workload, 64, "fp32", float32_matmul_precision="high").rank_shares()
+    assert tf32[a100] > ieee[a100] and sum(tf32.values()) == sum(ieee.values()) == 64

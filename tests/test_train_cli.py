@@ -274,6 +274,8 @@ def _error_of(overrides: list[str], capsys: pytest.CaptureFixture[str]) -> str:
                             "attention, description, expert_ffn_hidden_size, ffn_hidden_size,"),
     (["model.ffn_hidden_size=4096"], "`model.ffn_hidden_size` is 4096; it must be null or 4 * model.hidden_size = "
                                      "512"),
+    (["model.attention=materialized"], "`model.attention` is 'materialized'; it must be fused: het-train's char GPT"),
+    (["model.attention=flash"], "`model.attention` is 'flash'; it must be one of"),
     (["model.num_layers=null"], "`model.num_layers` is 'null'; it must be an integer"),
     (["output.summary=null", "output.dir=null"], "`output.dir` is 'null'; it must be a string"),
     (["strategy=fsdp"], "`strategy` is 'fsdp'; it must be a shipped strategy name (shipped: ddp, hetero, "

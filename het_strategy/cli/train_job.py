@@ -264,6 +264,9 @@ class TrainJob:
             raise field_error("model.ffn_hidden_size", m.ffn_hidden_size, f"be null or 4 * model.hidden_size = "
                               f"{4 * m.hidden_size}: het-train's char GPT has the 4h MLP",
                               "set model.expert_ffn_hidden_size for wider experts")
+        if m.attention != "fused":
+            raise field_error("model.attention", str(m.attention), "be fused: het-train's char GPT runs torch's "
+                              "scaled_dot_product_attention (the cost model prices what runs)")
         experts = m.num_experts
         if not experts:
             return
