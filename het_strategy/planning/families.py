@@ -66,10 +66,13 @@ class TypePool:
 
 
 def type_pools(cm: CostModel) -> list[TypePool]:
+    """One pool per device key; within it, the nodes holding most of its devices first (cluster order on a tie),
+    so a pipeline cut from the pool's units keeps its stages within a node where one node can hold them."""
     by_key: dict[tuple, dict[str, list[str]]] = {}
     for d in cm.cluster.devices:
         by_key.setdefault(cm.device_key(d), {}).setdefault(d.node, []).append(d.name)
-    return [TypePool(k, tuple(tuple(v) for v in nodes.values())) for k, nodes in by_key.items()]
+    return [TypePool(k, tuple(tuple(v) for v in sorted(nodes.values(), key=len, reverse=True)))
+            for k, nodes in by_key.items()]
 
 
 def _homogeneous(pool: TypePool, tp: int, stages: int) -> list[Slots]:
