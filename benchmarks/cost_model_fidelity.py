@@ -89,7 +89,7 @@ def tp_scaling_rows(workload: WorkloadSpec) -> list[tuple]:
         if tp == 1:
             continue
         cluster = one_type_node(gpu, tp)
-        cm = CostModel(cluster, workload, TrainSettings(1024, dtype="fp32", max_tp=8,
+        cm = CostModel(cluster, workload, TrainSettings(1024, dtype="fp32", max_tp=8, compute_model="roofline",
                                                         float32_matmul_precision=FP32_MATMUL))
         dev = cluster.devices[0]
         for mbs, layer_rows in sorted(table.items()):
@@ -343,7 +343,8 @@ def main() -> None:
         print(f"    our plan: {_plan_shape(res['plan'], res['cluster'])}")
 
     print("(c) AMP's measured plans, 3x4 V100 + 4 T4, GPT-2 1024h/24L, batch 32 (s/iteration), priced from the "
-          "roofline (no profile) and from AMP's measured per-layer profiles (reference/amp_profile.py):")
+          "datasheets (settings.compute_model=flops, the default) and from AMP's measured per-layer profiles "
+          "(reference/amp_profile.py):")
     cluster, gpt2 = load_cluster("amp_v100_t4"), load_workload("gpt2_amp", dtype="fp16")
     settings = TrainSettings(32, dtype="fp16", max_tp=2)
     datasheet, profiled = CostModel(cluster, gpt2, settings), CostModel(cluster, gpt2, settings, load_amp_profile(gpt2))
@@ -355,12 +356,12 @@ def main() -> None:
         by_profile.append(profiled.score(amp.plan).step_time_s)
     sheet_ranks, ranks = _ranks(by_sheet), _ranks(by_profile)
     for lab, m, d, p, rd, r in zip(labels, measured, by_sheet, by_profile, sheet_ranks, ranks):
-        print(f"  (mbs, tp, dp, pp) = {lab}: measured {m:.2f}  no profile {d:.3f} (rank {rd})  "
+        print(f"  (mbs, tp, dp, pp) = {lab}: measured {m:.2f}  datasheet {d:.3f} (rank {rd})  "
               f"AMP's profiles {p:.3f} (rank {r})")
     rho_sheet, rho = spearman(measured, by_sheet), spearman(measured, by_profile)
     best = ranks[labels.index((1, 1, 2, 8))]
     tp2 = sorted(r for lab, r in zip(labels, ranks) if lab[1] == 2)
-    print(f"  rank correlation (Spearman): no profile {rho_sheet:.2f}, AMP's profiles {rho:.2f}; with the profiles "
+    print(f"  rank correlation (Spearman): datasheet {rho_sheet:.2f}, AMP's profiles {rho:.2f}; with the profiles "
           f"(1,1,2,8) ranked {best}, tp-2 plans ranked {tp2} (measured: 1st; 5th and 6th)")
 
     shapes = stage_shapes(plans)
@@ -399,7 +400,7 @@ def main() -> None:
           f"sailor_default_32_96={default_ratios['sailor_a100_v100_32_96']:.3f} "
           f"sailor_default_80_240={default_ratios['sailor_a100_v100_80_240']:.3f} "
           f"sailor_default_128_384={default_ratios['sailor_a100_v100_128_384']:.3f} "
-          f"amp_no_profile_spearman={rho_sheet:.2f} "
+          f"amp_datasheet_spearman={rho_sheet:.2f} "
           f"amp_spearman={rho:.2f} amp_best_rank={best} "
           f"amp_tp2_ranks={','.join(map(str, tp2))} "
           f"memory_median_err={statistics.median(mem_errs):.3f} memory_worst_err={max(mem_errs):.3f} "

@@ -3,6 +3,7 @@ it was fitted on and, leaving one GPU type out, against those it was not."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -80,11 +81,14 @@ def test_fused_attention_moves_no_scores_and_tp_splits_the_matmuls() -> None:
     assert b1 > 2 * f1  # the fused backward recomputes the scores
 
 
-def test_the_cost_model_prices_a_shaped_layer_on_a_catalog_gpu_by_the_roofline() -> None:
+def test_with_compute_model_roofline_the_cost_model_prices_a_shaped_layer_on_a_catalog_gpu_by_it() -> None:
     cluster = cluster_from_dict({"name": "c", "nodes": [{"devices": [{"type": "A100-40GB"}]}]})
     workload = load_workload("gpt_small", dtype="bf16")
-    cm = CostModel(cluster, workload, TrainSettings(8, dtype="bf16"))
+    flops = CostModel(cluster, workload, TrainSettings(8, dtype="bf16"))  # the default: FLOPs over the rate
+    cm = CostModel(cluster, workload, TrainSettings(8, dtype="bf16", compute_model="roofline"))
     dev = cluster.devices[0]
+    rate = dev.flops_per_second("bf16")
+    assert flops.stage_compute_s(dev, 1, 2, 1, 2) == pytest.approx(3 * workload.layers[1].flops_per_sample * 2 / rate)
     roof = device_roofline(dev, "bf16")
     block = workload.layers[1]
     expected = sum(layer_seconds(block.shape, workload.seq_len, 2, 1, 2, roof, cm.calibration))
@@ -94,6 +98,8 @@ def test_the_cost_model_prices_a_shaped_layer_on_a_catalog_gpu_by_the_roofline()
 def test_bad_options_name_their_field() -> None:
     with pytest.raises(ConfigError, match="settings.float32_matmul_precision"):
         TrainSettings(8, float32_matmul_precision="tf32")
+    with pytest.raises(ConfigError, match="settings.compute_model"):
+        TrainSettings(8, compute_model="measured")
     with pytest.raises(ConfigError, match="model.attention"):
         load_workload({"name": "m", "num_layers": 1, "hidden_size": 8, "num_heads": 2, "seq_len": 4,
                        "vocab_size": 16, "attention": "flash"})
@@ -131,13 +137,20 @@ def test_leave_one_gpu_type_out_predicts_the_left_out_type() -> None:
 
 
 def test_a_run_with_tf32_matmuls_gives_the_gpu_with_tf32_units_a_larger_share() -> None:
-    """The strategies plan with ``torch.get_float32_matmul_precision()``: in fp32 an A100 runs TF32 under ``high``,
-    a V100 has no TF32 units, so the A100's share of the global batch grows."""
-    from het_strategy.planning.run_plan import data_parallel_plan
+    """Under the roofline, fp32 matmuls follow ``float32_matmul_precision`` (the strategies pass
+    ``torch.get_float32_matmul_precision()``): an A100 runs TF32 under ``high``, a V100 has no TF32 units, so
+    the A100's share of the global batch grows."""
+    from het_strategy.planning.run_plan import data_parallel_settings
+    from het_strategy.planning import PlanRequest, plan
 
     cluster = cluster_from_dict({"name": "c", "nodes": [{"devices": [{"type": "A100-40GB"}, {"type": "V100-16GB"}]}]})
     workload = load_workload("gpt_small", dtype="fp32")
     a100 = cluster.devices[0].name
-    ieee = data_parallel_plan(cluster, workload, 64, "fp32").rank_shares()
-    tf32 = data_parallel_plan(cluster, workload, 64, "fp32", float32_matmul_precision="high").rank_shares()
+
+    def shares(precision: str) -> dict[str, int]:
+        settings = dataclasses.replace(data_parallel_settings(64, "fp32", float32_matmul_precision=precision),
+                                       compute_model="roofline")
+        return plan(cluster, workload, settings, PlanRequest(mode="dp")).plan.rank_shares()
+
+    ieee, tf32 = shares("highest"), shares("high")
     assert tf32[a100] > ieee[a100] and sum(tf32.values()) == sum(ieee.values()) == 64

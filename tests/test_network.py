@@ -86,16 +86,18 @@ def test_tensor_parallel_allreduce_nvlink_vs_pcie() -> None:
     wl = load_workload("gpt2_amp", dtype="fp16")
     settings = TrainSettings(8, dtype="fp16", max_tp=2)
     out_bytes = wl.layers[1].output_bytes_per_sample
-    compute = {}
+    times = {}
     for intra in (150.0, 6.25):
         c = cluster(intra)
-        tp2 = CostModel(c, wl, settings).stage_compute_s(c.devices[0], 2, 1, 1, 2)
+        cm = CostModel(c, wl, settings)
+        tp1 = cm.stage_compute_s(c.devices[0], 1, 1, 1, 2)
+        tp2 = cm.stage_compute_s(c.devices[0], 2, 1, 1, 2)
         # 4 allreduces per block (2 forward, 2 backward), each 2 (tp-1) steps of bytes/tp, at the
         # fraction of the link a blocking tp allreduce reaches
         comm = 4 * 2 * (ALPHA + out_bytes / 2 / (intra * 1e9 * TP_LINK_EFFICIENCY))
-        compute[intra] = tp2 - comm
-    # what is left is the block's compute on one rank of the pair, the same over either link
-    assert compute[6.25] == pytest.approx(compute[150.0]) and compute[150.0] > 0
+        assert tp2 == pytest.approx(tp1 / 2 + comm)
+        times[intra] = tp2
+    assert times[6.25] > times[150.0]
 
 
 def test_gradients_move_in_fp32_unless_told() -> None:
@@ -141,14 +143,13 @@ def test_tp_link_efficiency_is_what_sailors_tp_profiles_imply() -> None:
 
 
 def test_analytic_tp_scaling_agrees_with_sailors_nvlink_profiles() -> None:
-    """Measured tp-1 block time x the model's tp rule vs measured tp > 1 on NVLink nodes: V100 and A100 tp 2
-    within 15%.  tp 4 is not (V100 16-26%, A100 up to 22%): the roofline keeps a block's layer norms and
-    residual adds whole on every tp rank, as Megatron without sequence parallelism runs them, while the
-    measured V100 block scales almost linearly (``benchmarks/cost_model_fidelity.py`` prints every case)."""
+    """Measured tp-1 block time x the model's tp rule vs measured tp > 1 on NVLink nodes: V100 tp 2 and 4,
+    A100 tp 2 within 15%.  A100 tp 4 is not: at these sizes its kernels are launch-bound (the measured
+    forward hardly shrinks from tp 2 to tp 4), which a FLOP-and-bytes model does not see (README)."""
     workload = load_workload("opt350", dtype="fp32")
     profile = load_sailor_profile("OPT-350", workload)
     block = workload.num_layers // 2
-    for gpu, intra, tps in (("V100-16GB", 68.17, (2,)), ("A100-40GB", 243.21, (2,))):
+    for gpu, intra, tps in (("V100-16GB", 68.17, (2, 4)), ("A100-40GB", 243.21, (2,))):
         cluster = cluster_from_dict({"name": "n", "nodes": [{"devices": [{"type": gpu, "count": 4}],
                                                              "intra_bandwidth_gbs": intra}]})
         cm = CostModel(cluster, workload, TrainSettings(8, dtype="fp32", max_tp=4))

@@ -1,5 +1,11 @@
 """How long a layer's kernels take on a GPU nobody profiled: a roofline over the layer's matmuls and memory passes.
 
+The cost model uses it with ``settings.compute_model=roofline`` (``ComputeModel``); the default, ``flops``, prices
+a layer by its FLOPs at the datasheet rate times the device's ``efficiency``.  The roofline is far closer to
+measured layers (``benchmarks/cost_model_fidelity.py``), but a layer's time per sample then falls with the
+micro-batch, which the planners' bounds and layer-split fronts do not expect: planning is slower and less often
+exact with it, so it is not the default yet.
+
 A transformer layer (``LayerShape``) is priced kernel by kernel, from the datasheet figures of the catalog
 (``DeviceSpec``: the matmul rate of the dtype, the memory bandwidth and the number of compute units):
 
@@ -46,7 +52,7 @@ from het_strategy.core.dtypes import Dtype
 if TYPE_CHECKING:
     from het_strategy.core.device_spec import DeviceSpec
 
-__all__ = ["AttentionKernel", "Float32MatmulPrecision", "LayerShape", "Roofline", "ComputeCalibration",
+__all__ = ["ComputeModel", "AttentionKernel", "Float32MatmulPrecision", "LayerShape", "Roofline", "ComputeCalibration",
            "CALIBRATION_FILE", "device_roofline", "gemm_s", "memory_s", "layer_seconds"]
 
 CALIBRATION_FILE = Path(__file__).with_name("data") / "compute_calibration.json"
@@ -55,6 +61,15 @@ TILE = (128, 128)
 """Output tile of one thread block of a matmul (cuBLAS's and CUTLASS's common large tile)."""
 LOGITS_BYTES = 4
 """The loss upcasts the logits to fp32 whatever the training dtype."""
+
+
+class ComputeModel(StrEnum):
+    """How the cost model prices a layer without a measured profile (``settings.compute_model``)."""
+
+    flops = "flops"
+    """The layer's FLOPs at the device's datasheet rate times its ``efficiency`` (backward = 2 x forward)."""
+    roofline = "roofline"
+    """This module's roofline, for a layer with a shape on a catalog GPU (FLOPs over the rate elsewhere)."""
 
 
 class AttentionKernel(StrEnum):

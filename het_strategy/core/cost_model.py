@@ -5,8 +5,8 @@ from a file, or hand-made — so plans from different sources compare on equal
 terms.  Per micro-batch, a stage costs
 
     t_s = sum over its layers of forward + backward time on its device (measured profile
-          if it covers the device type; else ``compute_model``'s roofline for a layer with a
-          shape on a catalog GPU; else FLOPs / sustained FLOP/s with backward = 2 x forward;
+          if it covers the device type; else FLOPs / sustained FLOP/s with backward = 2 x
+          forward, or with ``settings.compute_model=roofline`` ``compute_model``'s roofline;
           +1 forward with activation checkpointing) + tp allreduces + MoE all-to-alls
     c_s = activation forward + gradient backward over the link to the next stage
 
@@ -127,8 +127,7 @@ class CostModel:
                  profile: MeasuredProfile | None = None, network: Network | None = None,
                  calibration: ComputeCalibration | None = None) -> None:
         self.cluster = cluster
-        self.calibration = calibration or ComputeCalibration.shipped()
-        """The roofline's fitted constants (``compute_model``; the shipped ones unless given)."""
+        self.calibration = calibration or ComputeCalibration.shipped()  # the roofline's constants
         if network is None:
             network = profile.network(cluster) if profile is not None and profile.network is not None \
                 else Network(cluster)
@@ -211,7 +210,8 @@ class CostModel:
         """Per layer, fwd + bwd (+ a recomputed fwd) seconds of a micro-batch: the roofline, else FLOPs / rate."""
         dtype = self.settings.compute_dtype(device)
         rate = device.flops_per_second(dtype) * tp
-        roof = device_roofline(device, dtype, self.settings.float32_matmul_precision)
+        roof = device_roofline(device, dtype, self.settings.float32_matmul_precision) \
+            if self.settings.compute_model == "roofline" else None
         comp = []
         for layer in self.workload.layers:
             if roof is not None and layer.shape is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from het_strategy.core.catalog import device_catalog, lookup_device_type
 from het_strategy.core.compressed_sync import check_token
-from het_strategy.core.compute_model import Float32MatmulPrecision
+from het_strategy.core.compute_model import ComputeModel, Float32MatmulPrecision
 from het_strategy.core.dtypes import DTYPE_BYTES, ELEMENT_DTYPES, Dtype, as_dtype, as_element_dtype
 from het_strategy.core.errors import ConfigError, field_error, require_int, require_number, require_option
 
@@ -81,6 +81,11 @@ class TrainSettings:
     device_dtypes: dict[str, Dtype] = field(default_factory=dict)
     """With ``dtype=per_device``: the dtype a device type computes in, where it is not the type's own fast
     16-bit dtype (``{"T4": "fp32"}``); keys are catalog types (aliases become the catalog name)."""
+    compute_model: ComputeModel = ComputeModel.flops
+    """How a layer without a measured profile is priced: ``flops`` (FLOPs at the datasheet rate x the device's
+    efficiency) or ``roofline`` (``core/compute_model.py``: matmuls and memory passes from the datasheet,
+    calibrated on measured GPUs; far closer to measured layers, but the planners' bounds assume a time per
+    sample that does not fall with the micro-batch, so planning is slower and less often exact with it)."""
     float32_matmul_precision: Float32MatmulPrecision = Float32MatmulPrecision.highest
     """torch's ``set_float32_matmul_precision`` in the training run: ``highest`` (torch's default) prices fp32
     matmuls at the fp32 rate, ``high`` or ``medium`` at the TF32 tensor-core rate where the device has one."""
@@ -93,6 +98,8 @@ class TrainSettings:
         require_int(self.global_batch_size, "settings.global_batch_size", minimum=1)
         check_token(self.inter_node_compression, "settings.inter_node_compression")
         object.__setattr__(self, "dtype", as_dtype(self.dtype, "settings.dtype"))
+        object.__setattr__(self, "compute_model", require_option(ComputeModel, self.compute_model,
+                                                                 "settings.compute_model"))
         object.__setattr__(self, "float32_matmul_precision", require_option(
             Float32MatmulPrecision, self.float32_matmul_precision, "settings.float32_matmul_precision"))
         if self.zero_stage not in (0, 1, 2, 3):

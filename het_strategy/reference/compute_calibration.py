@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict
 from het_strategy.core.cost_model import CostModel
-from het_strategy.core.compute_model import (CALIBRATION_FILE, AttentionKernel, ComputeCalibration,
+from het_strategy.core.compute_model import (CALIBRATION_FILE, AttentionKernel, ComputeCalibration, ComputeModel,
                                              Float32MatmulPrecision, LayerShape, device_roofline, layer_seconds)
 from het_strategy.core.device_spec import DeviceSpec, device_from_dict
 from het_strategy.core.dtypes import Dtype
@@ -121,7 +121,8 @@ def cost_model_s(m: BlockMeasurement, cal: ComputeCalibration) -> float:
     for Sailor's GPUs the peak of Sailor's measured fit for a group of that size, for AMP's the catalog's link."""
     cluster = one_type_node(m.gpu, m.tp, sailor_link=m.source == "sailor")
     workload = _block_workload(m)
-    settings = TrainSettings(1, dtype=Dtype.fp32, max_tp=8, float32_matmul_precision=FP32_MATMUL)
+    settings = TrainSettings(1, dtype=Dtype.fp32, max_tp=8, compute_model=ComputeModel.roofline,
+                             float32_matmul_precision=FP32_MATMUL)
     model = CostModel(cluster, workload, settings, calibration=cal)
     device = cluster.devices[0]
     if not m.forward_only:
