@@ -3,7 +3,6 @@ it was fitted on and, leaving one GPU type out, against those it was not."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 
@@ -137,10 +136,8 @@ def test_leave_one_gpu_type_out_predicts_the_left_out_type() -> None:
 
 
 def test_a_run_with_tf32_matmuls_gives_the_gpu_with_tf32_units_a_larger_share() -> None:
-    """Under the roofline, fp32 matmuls follow ``float32_matmul_precision`` (the strategies pass
-    ``torch.get_float32_matmul_precision()``): an A100 runs TF32 under ``high``, a V100 has no TF32 units, so
-    the A100's share of the global batch grows."""
-    from het_strategy.planning.run_plan import data_parallel_settings
+    """Under the roofline, fp32 matmuls follow ``float32_matmul_precision``: an A100 runs TF32 under ``high``, a
+    V100 has no TF32 units, so the A100's share of the global batch grows."""
     from het_strategy.planning import PlanRequest, plan
 
     cluster = cluster_from_dict({"name": "c", "nodes": [{"devices": [{"type": "A100-40GB"}, {"type": "V100-16GB"}]}]})
@@ -148,8 +145,7 @@ def test_a_run_with_tf32_matmuls_gives_the_gpu_with_tf32_units_a_larger_share() 
     a100 = cluster.devices[0].name
 
     def shares(precision: str) -> dict[str, int]:
-        settings = dataclasses.replace(data_parallel_settings(64, "fp32", float32_matmul_precision=precision),
-                                       compute_model="roofline")
+        settings = TrainSettings(64, dtype="fp32", compute_model="roofline", float32_matmul_precision=precision)
         return plan(cluster, workload, settings, PlanRequest(mode="dp")).plan.rank_shares()
 
     ieee, tf32 = shares("highest"), shares("high")

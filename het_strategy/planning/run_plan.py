@@ -69,27 +69,23 @@ def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype:
     return WorkloadSpec(name=name, layers=tuple(layers), seq_len=tokens, dtype=dtype)
 
 
-def data_parallel_settings(global_batch_size: int, dtype: Dtype | str, idle_devices: bool = False,
-                           float32_matmul_precision: str = "highest") -> TrainSettings:
+def data_parallel_settings(global_batch_size: int, dtype: Dtype | str, idle_devices: bool = False) -> TrainSettings:
     """The settings a run's data-parallel plan is searched with.  ``idle_devices=False`` (the hetero strategy's):
-    a rank with no share would still run a filler sample and the sync every step, so every device takes part.
-    ``float32_matmul_precision``: the run's ``torch.get_float32_matmul_precision()`` (the strategies pass it)."""
+    a rank with no share would still run a filler sample and the sync every step, so every device takes part."""
     return TrainSettings(global_batch_size=global_batch_size, dtype=dtype, idle_devices=idle_devices,
-                         micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})),
-                         float32_matmul_precision=float32_matmul_precision)
+                         micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, global_batch_size})))
 
 
 def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: Dtype | str,
-                       given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None,
-                       float32_matmul_precision: str = "highest") -> Plan:
+                       given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None) -> Plan:
     """The run's pure data-parallel plan: ``given`` checked, or the planner's optimum.
 
     ``profile`` (measured per-layer times of this model per device type) replaces
     datasheet throughput where it covers a device type.
     """
     if given is None:
-        settings = data_parallel_settings(global_batch_size, dtype, float32_matmul_precision=float32_matmul_precision)
-        return plan(cluster, workload, settings, PlanRequest(mode="dp"), profile).plan
+        return plan(cluster, workload, data_parallel_settings(global_batch_size, dtype), PlanRequest(mode="dp"),
+                    profile).plan
     return checked_run_plan(given, cluster, workload, global_batch_size, dtype, Runtime.hetero)
 
 

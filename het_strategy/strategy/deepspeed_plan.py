@@ -109,11 +109,8 @@ class DeepSpeedPlanHolder:
                                   "pass workload= (a WorkloadSpec, a shipped model name or mapping) or plan=")
             if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
                 raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 when plan is None")
-            import torch  # fp32 matmuls priced as torch runs them here
-
             self.settings = TrainSettings(global_batch_size=global_batch_size, dtype="fp32",
-                                          zero_stage=zero_stage or 0, max_tp=max_tp,
-                                          float32_matmul_precision=torch.get_float32_matmul_precision())
+                                          zero_stage=zero_stage or 0, max_tp=max_tp)
         else:
             if zero_stage is not None:
                 loaded = dataclasses.replace(loaded, zero_stage=zero_stage)

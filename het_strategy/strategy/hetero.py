@@ -213,10 +213,8 @@ class HeteroStrategy(DDPStrategy):
 
     def run_plan(self, cluster: ClusterSpec, workload: WorkloadSpec, global_batch: int, dtype: str,
                  given: Plan | None, profile: MeasuredProfile | None) -> Plan:
-        """The run's plan (on rank 0): ``given`` checked, or the data-parallel planner's optimum (fp32 matmuls priced
-        as torch runs them here: ``torch.get_float32_matmul_precision()``)."""
-        return data_parallel_plan(cluster, workload, global_batch, dtype, given, profile,
-                                  torch.get_float32_matmul_precision())
+        """The run's plan (on rank 0): ``given`` checked, or the data-parallel planner's optimum."""
+        return data_parallel_plan(cluster, workload, global_batch, dtype, given, profile)
 
     def current_shares(self) -> list[int]:
         """Samples per rank of a full training global batch, in rank order."""

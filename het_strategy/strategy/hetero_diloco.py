@@ -132,9 +132,7 @@ class HeteroDiLoCoStrategy(HeteroStrategy):
         o = self.options
         budget = dataclasses.replace(o.budget, groups=resolve_groups(cluster, o.groups, "groups"))
         pinned = o.pinned()
-        settings = data_parallel_settings(global_batch, dtype,
-                                          float32_matmul_precision=torch.get_float32_matmul_precision())
-        return plan_low_communication(cluster, workload, settings, budget,
+        return plan_low_communication(cluster, workload, data_parallel_settings(global_batch, dtype), budget,
                                       profile, inner_steps=pinned.get("inner_steps"),
                                       codec=pinned.get("outer_codec")).plan
 
