@@ -329,15 +329,43 @@ def test_resume_refuses_a_file_that_is_no_lightning_checkpoint(tmp_path: Path, n
         ["cluster=local_cpu2", f"resume={weights}"], capsys)
 
 
-def test_a_lightning_checkpoint_passes_the_resume_check(tmp_path: Path) -> None:
+def _model_checkpoint(tmp_path: Path, name: str, *overrides: str) -> Path:
+    """A Lightning-shaped checkpoint of the char GPT het-train builds with ``overrides``."""
     import torch
 
     from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.demo.moe_gpt import build_char_model
 
-    ckpt = tmp_path / "step_2.ckpt"
-    torch.save({"state_dict": {"w": torch.ones(3)}, "global_step": 2, "epoch": 0}, ckpt)
+    cfg, auto = compose_train_config(["cluster=local_cpu2", f"output.dir={tmp_path}", *overrides])
+    ckpt = tmp_path / name
+    torch.save({"state_dict": build_char_model(TrainJob(cfg, auto).model_cfg).state_dict(), "global_step": 2,
+                "epoch": 0}, ckpt)
+    return ckpt
+
+
+def test_a_lightning_checkpoint_of_this_model_passes_the_resume_check(tmp_path: Path) -> None:
+    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+
+    ckpt = _model_checkpoint(tmp_path, "step_2.ckpt")
     cfg, auto = compose_train_config(["cluster=local_cpu2", f"resume={ckpt}", f"output.dir={tmp_path}"])
     assert TrainJob(cfg, auto).resume == str(ckpt)
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_in_one_line(tmp_path: Path, no_training: None,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    wider = _model_checkpoint(tmp_path, "wider.ckpt", "model.hidden_size=128", "model.num_heads=4")
+    err = _error_of(["cluster=local_cpu2", f"resume={wider}", "model.hidden_size=64", "model.num_heads=4"], capsys)
+    assert err.count("\n") <= 1 and f"`resume` is '{wider}'; it must be a checkpoint of the model `model.*` " \
+        "describes (`" in err and "there, [" in err, err
+    deeper = _model_checkpoint(tmp_path, "deeper.ckpt", "model.num_layers=3")
+    err = _error_of(["cluster=local_cpu2", f"resume={deeper}", "model.num_layers=2"], capsys)
+    assert "which this model has not" in err, err
+    state = torch.load(deeper, weights_only=True)
+    state["state_dict"] = {k: v for k, v in state["state_dict"].items() if "lm_head" not in k}
+    torch.save(state, deeper)
+    assert "it lacks `" in _error_of(["cluster=local_cpu2", f"resume={deeper}", "model.num_layers=3"], capsys)
 
 
 def test_output_dir_must_be_a_folder_it_can_write(tmp_path: Path, no_training: None,
