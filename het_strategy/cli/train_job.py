@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
+from het_strategy.cli.resume_check import check_checkpoint, check_checkpoint_model
 from het_strategy.cli.train_config import Accelerator, HetTrainConfig, WandbMode, typed_config
 from het_strategy.core.errors import ConfigError, field_error, require_option
-from het_strategy.core.files import check_readable_file
 from het_strategy.core.plan import Plan
 from het_strategy.planning.experts import MoEPlacement
 
 if TYPE_CHECKING:
-    from het_strategy.core.workload import TransformerConfig
     from het_strategy.planning.request import PlanRequest
 
 __all__ = ["PLANNED", "STRATEGY_TARGETS", "TrainJob"]
@@ -123,12 +121,12 @@ class TrainJob:
                               "rank takes its dtype from the hetero plan)", "use strategy=hetero, or bf16-mixed")
         _check_planner(c.planner)
         self.resume = c.resume
-        state = _check_checkpoint(self.resume) if self.resume is not None else None
+        state = check_checkpoint(self.resume) if self.resume is not None else None
         if self.strategy == "hetero_deepspeed":
             self._check_deepspeed_job()
         self._check_model()
         if state is not None:
-            _check_checkpoint_model(self.resume, state, self.model_cfg)
+            check_checkpoint_model(self.resume, state, self.model_cfg)
         if planned:
             self._plan_jointly()  # last: every other field is checked, and named, before the search
 
@@ -440,59 +438,11 @@ def _check_output(out_dir: str, summary: str | None) -> None:
         raise field_error("output.summary", summary, "be a file name (it names a folder inside output.dir)")
 
 
-def _check_checkpoint(path: str) -> dict:
-    """``resume`` must be a checkpoint Lightning can load: a torch file holding a dict with ``state_dict``; its
-    ``state_dict`` (memory-mapped)."""
-    file = check_readable_file(path, "resume", "checkpoint file")
-    if not zipfile.is_zipfile(file):
-        raise field_error("resume", path, "be a Lightning checkpoint (a torch.save file, e.g. "
-                          "output.dir/checkpoints/step_N.ckpt); this file is not one")
-    import torch
-
-    try:
-        # what Lightning's resume does (torch's weights_only default), memory-mapped: no tensor is read here
-        ckpt = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # a zip that is no torch file, or one holding objects a checkpoint doesn't
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise field_error("resume", path, f"be a Lightning checkpoint torch.load can read ({first})") from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise field_error("resume", path, "be a Lightning checkpoint (a dict with `state_dict`; this file holds "
-                          f"{'a dict with keys ' + ', '.join(map(str, list(ckpt)[:5])) if isinstance(ckpt, dict) else type(ckpt).__name__})")
-    return ckpt["state_dict"]
-
-
-def _check_checkpoint_model(path: str, state: Any, cfg: "TransformerConfig") -> None:
-    """``resume`` must hold this model: the parameter names and shapes of the char GPT ``model.*`` builds (built
-    on the meta device: nothing is allocated)."""
-    import torch
-
-    from het_strategy.demo.moe_gpt import build_char_model
-
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in build_char_model(cfg).state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")} if isinstance(state, dict) else {}
-    missing = [k for k in expected if k not in found]
-    wrong = [k for k in expected if k in found and found[k] != expected[k]]
-    extra = [k for k in found if k not in expected]
-    if not (missing or wrong or extra):
-        return
-    if wrong:
-        why = f"`{wrong[0]}` is {list(found[wrong[0]])} there, {list(expected[wrong[0]])} for this model"
-    elif missing:
-        why = f"it lacks `{missing[0]}`" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-    else:
-        why = f"it holds `{extra[0]}`, which this model has not" + (f" (and {len(extra) - 1} more)" if len(extra) > 1
-                                                                      else "")
-    raise field_error("resume", path, f"be a checkpoint of the model `model.*` describes ({why})",
-                      "resume with the model settings the checkpoint was trained with")
-
-
 def _check_planner(request: "PlanRequest") -> None:
     """het-train's strategies plan by step time (``planner.mode`` chooses the planners): every other
     ``planner`` field keeps its default."""
     from dataclasses import fields
 
-    from het_strategy.core.workload import TransformerConfig
     from het_strategy.planning.request import PlanRequest
 
     default = PlanRequest()
