@@ -127,11 +127,8 @@ def cost_model_s(m: BlockMeasurement, cal: ComputeCalibration) -> float:
     device = cluster.devices[0]
     if not m.forward_only:
         return model.stage_compute_s(device, m.tp, m.micro_batch, 0, 1)
-    roof = device_roofline(device, Dtype.fp32, FP32_MATMUL)
-    assert roof is not None  # invariant: every catalog GPU has compute units
-    fwd, _ = layer_seconds(m.shape, m.seq_len, m.micro_batch, m.tp, 4, roof, cal)
-    out = workload.layers[0].output_bytes_per_sample * m.micro_batch
-    return fwd + BLOCK_TP_ALLREDUCES * model.network.tp_allreduce_s(out, device.node, m.tp)
+    out = workload.layers[0].output_bytes_per_sample * m.micro_batch  # a forward: its roofline time + 2 all-reduces
+    return predicted_s(m, cal) + BLOCK_TP_ALLREDUCES * model.network.tp_allreduce_s(out, device.node, m.tp)
 
 
 def one_type_node(gpu: str, tp: int, sailor_link: bool = True) -> ClusterSpec:
