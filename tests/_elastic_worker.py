@@ -3,9 +3,13 @@
 Every agent runs one worker and names its device in HET_STRATEGY_DEVICE (``fast``, ``mid`` or ``slow`` of
 ``CLUSTER``).  The worker trains ``Recorder`` (float64) with the ``hetero`` strategy for 2 epochs of 48 samples
 (global batch 16), checkpointing every step into OUT_DIR/ckpt, and resumes from the newest checkpoint there
-(``elastic.latest_checkpoint``).  Each training step appends one line to OUT_DIR/steps.jsonl: the restart
-count, the global step, the epoch, the device and the samples it trained.  On the first attempt the ``slow``
-device's worker kills its own agent and itself (SIGKILL) as step KILL_STEP begins: the device is gone.
+(``elastic.latest_checkpoint``).  Each training step appends one line to OUT_DIR/steps.jsonl: the worker
+group, the global step, the epoch, the device, the world size and the samples it trained.
+
+Each worker group (one rendezvous round) is named by a token its rank 0 broadcasts at the start of training: the
+agents' restart counts differ after a membership change, the token does not.  A world that ``slow`` has not yet
+joined (it starts last) trains step 0 and then waits at step 1 until torchrun's agents restart it with ``slow``;
+in the world of three, ``slow`` kills its agent and itself as step KILL_STEP begins.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -33,17 +38,33 @@ class Logged(Recorder):
     def __init__(self, out_dir: str, kill_step: int) -> None:
         super().__init__(out_dir)
         self.kill_step = kill_step
+        self.group = ""
+
+    def on_train_start(self) -> None:
+        self.group = self.trainer.strategy.broadcast(f"{os.getpid()}-{time.time()}")
+        if os.environ["HET_STRATEGY_DEVICE"] == "slow":
+            (Path(self.out_dir) / "slow_joined").touch()
+
+    def _wait_for_slow(self) -> None:
+        """Until the agents restart this world of two with ``slow`` (SIGTERM, which Lightning notes and we obey)."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.trainer.received_sigterm:
+                os._exit(0)
+            time.sleep(0.1)
+        raise RuntimeError("the slow device never joined")
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        device = os.environ["HET_STRATEGY_DEVICE"]
-        if attempt == 0 and device == "slow" and self.trainer.global_step == self.kill_step:
+        device, world = os.environ["HET_STRATEGY_DEVICE"], self.trainer.world_size
+        if world < 3 and not (Path(self.out_dir) / "slow_joined").exists() and self.trainer.global_step == 1:
+            self._wait_for_slow()
+        if device == "slow" and self.trainer.global_step == self.kill_step:
             os.kill(os.getppid(), signal.SIGKILL)  # the agent: nothing restarts this device
             os.kill(os.getpid(), signal.SIGKILL)
         loss = super().training_step(batch, batch_idx)
         row = self.rows[-1]
-        line = {"attempt": attempt, "step": self.trainer.global_step, "epoch": row["epoch"], "device": device,
-                "world": self.trainer.world_size, "ids": row["indices"][: row["counted"]]}
+        line = {"group": self.group, "step": self.trainer.global_step, "epoch": row["epoch"], "device": device,
+                "world": world, "ids": row["indices"][: row["counted"]]}
         with open(Path(self.out_dir) / "steps.jsonl", "a") as fh:
             fh.write(json.dumps(line) + "\n")
         return loss

@@ -15,7 +15,7 @@ import pytest
 
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import ConfigError
-from het_strategy.strategy.elastic import DEVICE_ENV, latest_checkpoint, present_cluster
+from het_strategy.strategy.elastic import DEVICE_ENV, SHARE_STORE_ENV, latest_checkpoint, present_cluster
 
 TWO_NODES = {"name": "two", "nodes": [
     {"name": "a", "devices": [{"name": "a0", "type": "CPU"}, {"name": "a1", "type": "CPU"}]},
@@ -45,13 +45,32 @@ def test_the_newest_whole_checkpoint_is_the_highest_step(tmp_path: Path) -> None
     assert latest_checkpoint(tmp_path) == tmp_path / "step_10.ckpt"
 
 
+def test_ranks_that_name_their_devices_need_an_agent_that_keeps_its_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    from het_strategy import HeteroStrategy
+    from het_strategy.strategy.elastic import check_agent_store
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    check_agent_store()  # no device named: a plain torchrun run, as before
+    monkeypatch.setenv(DEVICE_ENV, "a0")
+    with pytest.raises(ConfigError) as err:
+        HeteroStrategy(cluster=TWO_NODES, global_batch_size=8)
+    assert str(err.value).startswith(f"`{SHARE_STORE_ENV}` is null; it must be 1 in torchrun's environment")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    check_agent_store()
+
+
 WORKER = Path(__file__).with_name("_elastic_worker.py")
+
+
+#: torchrun's agents must not share their TCP store with the workers: with it a device that joins waits forever
+#: for the round's MASTER_ADDR, and the agents' restart counts differ (pytorch/pytorch#135712).
+AGENT_ENV = {SHARE_STORE_ENV: "1"}
 
 
 def _agent(out: Path, device: str, port: int, kill_step: int) -> subprocess.Popen:
     repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, DEVICE_ENV: device, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, **AGENT_ENV, DEVICE_ENV: device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=3",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
            "--rdzv-conf=join_timeout=90,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,"
@@ -60,51 +79,58 @@ def _agent(out: Path, device: str, port: int, kill_step: int) -> subprocess.Pope
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _rows_once(path: Path, timeout_s: float) -> None:
+    """Until ``path`` holds a line (a step trained), or a TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text().strip()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no step trained within {timeout_s} s")
+        time.sleep(0.2)
+
+
 @pytest.mark.multiprocess
-def test_a_device_that_dies_is_dropped_and_the_survivors_go_on_exactly(tmp_path: Path) -> None:
-    """Three agents (devices fast, mid, slow: shares 10/4/2 of 16); as step 3 begins the slow device's agent and
-    worker are killed.  The other two detect it, torchrun restarts them as a world of two, the strategy re-plans
-    for fast and mid and resumes from the step-3 checkpoint: nothing is lost, every sample of both epochs is trained
-    exactly once, and the parameters equal one process's on the same global batches (float64)."""
+def test_a_device_that_joins_is_used_and_one_that_dies_is_dropped_exactly(tmp_path: Path) -> None:
+    """Devices fast and mid (speeds 5 and 2) start; once they train, slow (speed 1) joins: torchrun's agents restart
+    the group as a world of three (shares 10/4/2 of 16) from the newest checkpoint.  As step 3 begins slow's agent
+    and worker are killed: the other two detect it, torchrun restarts them as a world of two, the strategy re-plans
+    for fast and mid and resumes from the step-3 checkpoint.  Nothing is lost: every sample of both epochs is
+    trained exactly once, and the parameters equal one process's on the same global batches (float64)."""
     import torch
 
     from het_strategy.emulation.local_ranks import free_port
     from tests._strategy_worker import IndexedData, make_net
 
-    port = free_port()
+    port, steps = free_port(), tmp_path / "steps.jsonl"
     agents = {}
-    for device in ("fast", "mid", "slow"):  # fast first: its agent hosts the rendezvous store
-        agents[device] = _agent(tmp_path, device, port, kill_step=3)
-        time.sleep(1.0)
     try:
+        for device in ("fast", "mid"):  # fast first: its agent hosts the rendezvous store
+            agents[device] = _agent(tmp_path, device, port, kill_step=3)
+            time.sleep(1.0)
+        _rows_once(steps, timeout_s=120)
+        agents["slow"] = _agent(tmp_path, "slow", port, kill_step=3)
         for device in ("fast", "mid"):
             assert agents[device].wait(timeout=240) == 0, (tmp_path / f"agent-{device}.log").read_text()[-4000:]
     finally:
         for proc in agents.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    final_attempt = max(r["attempt"] for r in rows)
-    assert final_attempt >= 1 and {r["world"] for r in rows if r["attempt"] == final_attempt} == {2}
-    assert {r["device"] for r in rows if r["attempt"] == final_attempt} == {"fast", "mid"}
-    # the trajectory: each step as the last attempt that trained it
-    by_step: dict[int, tuple[int, int, list[int]]] = {}
-    for r in rows:
-        attempt, epoch, ids = by_step.get(r["step"], (-1, -1, []))
-        if r["attempt"] > attempt:
-            by_step[r["step"]] = (r["attempt"], r["epoch"], list(r["ids"]))
-        elif r["attempt"] == attempt:
-            ids.extend(r["ids"])
-    assert sorted(by_step) == list(range(6))
-    lost = [r for r in rows if r["attempt"] < by_step[r["step"]][0]]
-    assert not lost  # the kill came right after the step-3 checkpoint: no step was trained twice
+    rows = [json.loads(line) for line in steps.read_text().splitlines()]
+    groups = list(dict.fromkeys(r["group"] for r in rows))  # in the order they trained
+    devices = {g: {r["device"] for r in rows if r["group"] == g} for g in groups}
+    assert [devices[g] for g in groups] == [{"fast", "mid"}, {"fast", "mid", "slow"}, {"fast", "mid"}], devices
+    steps_of = {g: sorted({r["step"] for r in rows if r["group"] == g}) for g in groups}
+    assert steps_of[groups[0]] == [0] and steps_of[groups[1]] == [1, 2] and steps_of[groups[2]] == [3, 4, 5]
+    trajectory: dict[int, tuple[int, list[int]]] = {}
+    for r in rows:  # every step was trained by one group: its ranks' samples make the global batch
+        epoch, ids = trajectory.setdefault(r["step"], (r["epoch"], []))
+        ids.extend(r["ids"])
     for epoch in (0, 1):
-        seen = [i for _, e, ids in by_step.values() if e == epoch for i in ids]
+        seen = [i for e, ids in trajectory.values() if e == epoch for i in ids]
         assert sorted(seen) == list(range(48)), epoch
     data, net = IndexedData(48), make_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for step in range(6):
-        ids = by_step[step][2]
+        ids = trajectory[step][1]
         opt.zero_grad()
         (net(data.x[ids]).squeeze(-1) - data.y[ids]).pow(2).mean().backward()
         opt.step()
@@ -120,7 +146,7 @@ def _het_train_agents(out: Path, devices: list[str], max_steps: int, run_id: str
     port = free_port()
     procs = []
     for device in devices:
-        env = {**os.environ, DEVICE_ENV: device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, **AGENT_ENV, DEVICE_ENV: device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
                "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
                "--rdzv-conf=join_timeout=60,last_call_timeout=3,close_timeout=10", "-m", "het_strategy.cli.train_cli",

@@ -215,9 +215,13 @@ class TrainJob:
             raise field_error("devices", c.devices, "be 1 or null with elastic.enabled (one process per agent)")
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             raise field_error("elastic.enabled", True, "run under torchrun's elastic agent, one process per agent",
-                              "HET_STRATEGY_DEVICE=<device> torchrun --nnodes=MIN:MAX --nproc-per-node=1 "
+                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 HET_STRATEGY_DEVICE=<device> torchrun "
+                              "--nnodes=MIN:MAX --nproc-per-node=1 "
                               "--max-restarts=N --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT -m "
                               "het_strategy.cli.train_cli ... elastic.enabled=true")
+        from het_strategy.strategy.elastic import check_agent_store
+
+        check_agent_store()
         world = int(os.environ["WORLD_SIZE"])
         if world > self.cluster.num_devices:
             raise field_error("WORLD_SIZE", world, f"be at most the {self.cluster.num_devices} devices of cluster "

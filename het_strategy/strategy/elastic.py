@@ -1,7 +1,8 @@
 """Which devices of the cluster file this (re)start runs on, and the checkpoint it goes on from.
 
-Under torchrun's elastic agent (``torchrun --nnodes=MIN:MAX --nproc-per-node=1
---max-restarts=N --rdzv-backend=c10d ...``) the ranks of a restart are the
+Under torchrun's elastic agent (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun
+--nnodes=MIN:MAX --nproc-per-node=1 --max-restarts=N --rdzv-backend=c10d ...``;
+``check_agent_store`` says why the variable) the ranks of a restart are the
 agents that joined its rendezvous: after a device failed, or before a new one
 joined, they are a subset of the cluster file's devices, in any order.  Each
 agent names the device it runs on in ``HET_STRATEGY_DEVICE`` (a device name of
@@ -12,8 +13,9 @@ plans for it as for any cluster; a checkpoint of other devices re-plans
 (``checkpoint.restored_plan``) and its sampler goes on at the next global
 batch of the epoch (``sampler.HeteroBatchSampler.load_state_dict``).
 
-Every (re)start joins a process group of its own (``init_attempt_process_group``):
-torch's ``env://`` initialisation reuses the agent's store across restarts with
+A plain torchrun restart (no device names, the agent's shared store) joins a
+process group of its own (``init_attempt_process_group``): torch's ``env://``
+initialisation reuses the agent's store across restarts with
 the same keys, so a restarted worker reads the previous attempt's peer
 addresses and cannot connect (``Gloo connectFullMesh failed ... Connection
 refused``; pytorch/pytorch#167288); the keys are prefixed by the restart count.
@@ -36,10 +38,30 @@ from typing import Any
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 
-__all__ = ["DEVICE_ENV", "gather_device_names", "present_cluster", "latest_checkpoint", "init_attempt_process_group"]
+__all__ = ["DEVICE_ENV", "SHARE_STORE_ENV", "check_agent_store", "gather_device_names", "present_cluster",
+           "latest_checkpoint", "init_attempt_process_group"]
 
 DEVICE_ENV = "HET_STRATEGY_DEVICE"
 """The environment variable in which a rank names the cluster file's device it runs on."""
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torchrun's switch (in the agent's environment) that keeps its rendezvous TCP store from the workers."""
+
+
+def check_agent_store() -> None:
+    """A ConfigError when ranks name their devices (``HET_STRATEGY_DEVICE``) under a torchrun agent that shares
+    its TCP store with the workers (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default).
+
+    With the shared store a device that joins a running group waits for the round's ``MASTER_ADDR``, which the
+    agent of rank 0 never writes again, and the whole group ends after the store timeout; and the agents'
+    restart counts, which would key each attempt's process group, differ after a membership change
+    (pytorch/pytorch#135712).  With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round's rank 0 hosts a fresh
+    store on a fresh port, and Lightning's ``env://`` start needs nothing more."""
+    if os.environ.get(DEVICE_ENV) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise field_error(SHARE_STORE_ENV, os.environ.get(SHARE_STORE_ENV), "be 1 in torchrun's environment when "
+                          f"ranks name their devices ({DEVICE_ENV}): with the agent's shared store a device that "
+                          "joins hangs the rendezvous (pytorch/pytorch#135712)",
+                          f"{SHARE_STORE_ENV}=1 {DEVICE_ENV}=<device> torchrun --nnodes=MIN:MAX ...")
 
 
 def init_attempt_process_group(backend: str, rank: int, world_size: int, timeout: Any) -> bool:

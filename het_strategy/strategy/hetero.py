@@ -51,7 +51,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.core.runtime_rules import Runtime
 from het_strategy.planning.run_plan import data_parallel_plan, precision_dtype
-from het_strategy.strategy.elastic import gather_device_names, init_attempt_process_group
+from het_strategy.strategy.elastic import check_agent_store, gather_device_names, init_attempt_process_group
 from het_strategy.strategy.per_device_precision import PER_DEVICE
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, check_options, check_plan_source, \
@@ -128,6 +128,7 @@ class HeteroStrategy(DDPStrategy):
         workload_spec = check_workload_source(workload)  # setup builds it again in the run's dtype
         plan = check_plan_source(plan, cluster, workload_spec, self.runtime)
         check_options(cluster, global_batch_size, emulation, profile_input, probe, telemetry)
+        check_agent_store()  # ranks that name their devices run under an agent that keeps its store
         for key in ("ddp_comm_hook", "ddp_comm_state"):
             if key in ddp_kwargs:
                 raise field_error(key, type(ddp_kwargs[key]).__name__, "not be given to the hetero strategy",
