@@ -59,6 +59,33 @@ def test_ranks_that_name_their_devices_need_an_agent_that_keeps_its_store(monkey
     check_agent_store()
 
 
+def test_a_restart_whose_devices_hold_no_plan_names_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A (re)start on devices that cannot hold the model: one ConfigError naming the devices present."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    from het_strategy import HeteroStrategy
+    from tests._strategy_worker import IndexedData, Recorder
+
+    class Large(Recorder):  # 1M more parameters: about 16 MiB with gradients and momentum
+        def __init__(self, out_dir: str) -> None:
+            super().__init__(out_dir)
+            self.extra = torch.nn.Parameter(torch.zeros(1024, 1024))
+
+    cluster = {"name": "small", "nodes": [{"name": "n", "devices": [
+        {"name": "big", "type": "CPU"}, {"name": "tiny", "type": "CPU", "memory_gb": 0.001}]}]}
+    monkeypatch.setenv(DEVICE_ENV, "tiny")  # big is gone: tiny alone restarts
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                         strategy=HeteroStrategy(cluster=cluster, global_batch_size=8, verbose=False,
+                                                 heartbeat_timeout_s=None))
+    with pytest.raises(ConfigError) as err:
+        trainer.fit(Large(str(tmp_path)), DataLoader(IndexedData(16), batch_size=4))
+    assert str(err.value).startswith(f"the devices present (tiny, named in {DEVICE_ENV}) hold no plan: no dp plan "
+                                     "fits in memory"), str(err.value)
+
+
 WORKER = Path(__file__).with_name("_elastic_worker.py")
 
 

@@ -66,6 +66,39 @@ def test_bad_input_is_one_line_and_exit_2(overrides: list[str], needle: str,
     assert err.startswith("het-train: error:") and "\n" not in err and needle in err
 
 
+def test_an_error_every_rank_raises_is_printed_by_rank_zero_alone(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import het_strategy.strategy.rank_zero as rank_zero
+    from het_strategy.cli._common import run_cli
+    from het_strategy.core.errors import ConfigError
+
+    def refuse() -> None:
+        raise ConfigError("no dp plan fits in memory")
+
+    verdict: list = []
+
+    def broadcast(payload: list, src: int) -> None:  # rank 0's verdict reaches rank 1
+        if payload[0] is None:
+            payload[0] = verdict[0]
+        else:
+            verdict.append(payload[0])
+
+    monkeypatch.setattr(rank_zero.dist, "broadcast_object_list", broadcast)
+    for rank in (0, 1):
+        assert run_cli("het-train", lambda: rank_zero.decided_on_rank_zero(rank, 2, refuse)) == 2
+    assert capsys.readouterr().err == "het-train: error: no dp plan fits in memory\n"
+
+
+def test_an_elastic_run_under_an_agent_sharing_its_store_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    for name, value in (("TORCHELASTIC_RUN_ID", "job"), ("WORLD_SIZE", "2"), ("HET_STRATEGY_DEVICE", "rank0"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True")):
+        monkeypatch.setenv(name, value)
+    assert main(["cluster=local_cpu2", "elastic.enabled=true", "checkpoint.every_n_steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("het-train: error: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE` is null") and "\n" not in err
+
+
 def test_a_cluster_with_an_emulated_speed_of_zero_is_refused(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.yaml"

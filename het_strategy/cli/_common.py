@@ -371,7 +371,8 @@ def run_cli(prog: str, body: Callable[[], int | None]) -> int:
     try:
         return int(body() or 0)
     except ConfigError as exc:
-        print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
+        if not exc.reported_by_rank_zero:
+            print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except OmegaConfBaseException as exc:
         print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)

@@ -21,10 +21,13 @@ __all__ = ["ConfigError", "field_error", "fields_under", "check_keys", "is_posit
 class ConfigError(ValueError):
     """Bad cluster, model, batch or plan input; the CLIs turn it into exit code 2."""
 
-    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, value: Any = None,
+                 reported_by_rank_zero: bool = False) -> None:
         super().__init__(message)
         self.field = field
         self.value = value
+        self.reported_by_rank_zero = reported_by_rank_zero
+        """Rank 0 raised the same error and reports it: the CLIs exit 2 here without printing it again."""
 
 
 def field_error(field: str, value: Any, rule: str, fix: str | None = None) -> ConfigError:

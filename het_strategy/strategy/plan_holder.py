@@ -63,6 +63,8 @@ class PlanHolder:
         self.emulation, self.probe_cache_dir, self.probe_refresh = emulation, probe_cache_dir, probe_refresh
         self.profile_input, self.verbose = profile_input, verbose
         self.cluster: ClusterSpec | None = None
+        self.present: list[str] | None = None
+        """The devices the ranks named (``HET_STRATEGY_DEVICE``) when the cluster is the ones present."""
         """The cluster (once ``resolve_cluster`` ran); rank r plays ``cluster.devices[r]``."""
         self.plan: Plan | None = None
         """The training plan being run (after ``apply_plan``, the applied one)."""
@@ -92,6 +94,7 @@ class PlanHolder:
             cluster = load_cluster(source)
         if present is not None:
             cluster = present_cluster(cluster, present)
+            self.present = present
         if cluster.num_devices != ctx.world:
             raise field_error("cluster", cluster.name,
                               f"describe as many devices as the launched world has ranks ({ctx.world}); "
@@ -129,8 +132,17 @@ class PlanHolder:
         """Rank 0 plans (or checks the given plan) and broadcasts it; an error stops every rank."""
         cluster = self.require_cluster()
         profile = self.profile if workload is self.workload else None
-        return Plan.from_dict(decided_on_rank_zero(ctx.rank, ctx.world, lambda: self.planner(
-            cluster, workload, global_batch, ctx.dtype, self.plan_source, profile).to_dict()))
+
+        def decide() -> dict[str, Any]:
+            try:
+                return self.planner(cluster, workload, global_batch, ctx.dtype, self.plan_source, profile).to_dict()
+            except ConfigError as exc:
+                if self.present is None:
+                    raise
+                raise ConfigError(f"the devices present ({', '.join(self.present)}, named in {DEVICE_ENV}) hold no "
+                                  f"plan: {exc}", field=exc.field, value=exc.value) from None
+
+        return Plan.from_dict(decided_on_rank_zero(ctx.rank, ctx.world, decide))
 
     def shares_for(self, module: nn.Module, dataloader: DataLoader, global_batch: int, ctx: RankContext,
                    train_sampler: HeteroBatchSampler | None) -> list[int]:

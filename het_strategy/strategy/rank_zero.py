@@ -21,7 +21,8 @@ T = TypeVar("T")
 
 def decided_on_rank_zero(rank: int, world_size: int, decide: Callable[[], T]) -> T:
     """``decide()`` run on rank 0, its (picklable) result returned on every rank; a ``ConfigError`` it raises is
-    raised on every rank.  A collective when ``world_size > 1``."""
+    raised on every rank (marked ``reported_by_rank_zero`` on the others, so a CLI prints it once).  A collective
+    when ``world_size > 1``."""
     payload: list[Any] = [None]
     if rank == 0:
         try:
@@ -32,5 +33,5 @@ def decided_on_rank_zero(rank: int, world_size: int, decide: Callable[[], T]) ->
         dist.broadcast_object_list(payload, src=0)
     kind, value = payload[0]
     if kind == "error":
-        raise ConfigError(value)
+        raise ConfigError(value, reported_by_rank_zero=rank != 0)
     return value
