@@ -6,18 +6,21 @@ in ``HET_STRATEGY_DEVICE``, train the char GPT (4 blocks, hidden 128, sequence 3
 sequences of the standard library's source (25 global batches of 16 per epoch) with asynchronous checkpoints
 every 10 steps, resuming from the newest one at every (re)start.  When step 35 begins the driver kills device
 rank3's agent and worker (SIGKILL): the survivors detect it (heartbeat bound 5 s), torchrun restarts them as
-three, the strategy re-plans for the devices present and goes on from the step-30 checkpoint to step 60.  Then
-the job is launched again on all four agents: the restart plans for four devices and goes on from the step-60
-checkpoint to step 100.  (torchrun can also restart a running group when an agent joins; here its agents
-timed out assigning ranks in that round, ``role_info`` after 60 s, so the benchmark relaunches.)  Every worker logs each step's sample ids; the *trajectory* is each step as the last attempt
-that trained it.  Measured: samples of each epoch the trajectory misses or repeats (``lost_samples``,
-``duplicated_samples``), steps trained twice (work lost), ``detect_s`` (kill to the survivors' exit, from the
-agents' logs), ``recover_s`` (kill to the first step of the restart), the final parameters against one process
-training the trajectory's global batches in float64 (``final_max_diff``, the largest absolute difference; the
-module is built in float64: Lightning restores a checkpoint into the module before ``precision="64-true"``
-converts it, so a float32-built module would take the checkpoint through float32 on every resume, about 7e-8
-here), and ``async_stall_ratio`` (the stall of an asynchronous checkpoint over a synchronous one,
-``checkpoint_stall.py``'s measurement).
+three, the strategy re-plans for the devices present and goes on from the step-30 checkpoint.  When the three
+reach step 60 the driver starts a new agent for rank3: it joins the running group, torchrun's agents restart the
+group as four (each agent stops its worker with SIGTERM: ``PreemptionCheckpoint`` saves ``step_N.ckpt`` at the
+next step boundary and exits 143, so that every agent restarts), and the plan for four devices goes on from that checkpoint to step 100.  The agents run with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``strategy/elastic.check_agent_store`` says why).  Rank 0 of every
+worker group broadcasts a token; every worker logs it with each step's sample ids, and the *trajectory* is each
+step as the last group that trained it.  Measured: samples of each epoch the trajectory misses or repeats
+(``lost_samples``, ``duplicated_samples``), steps trained twice (``steps_redone``: work lost at the kill and at
+the join), ``detect_s`` (kill to the survivors' exit, from the agents' logs), ``recover_s`` (kill to the first
+step of the group of three), ``rejoin_s`` (rank3's new agent started to the first step of the group of four), the
+final parameters against one process training the trajectory's global batches in float64 (``final_max_diff``, the
+largest absolute difference; the module is built in float64: Lightning restores a checkpoint into the module
+before ``precision="64-true"`` converts it, so a float32-built module would take the checkpoint through float32 on
+every resume, about 7e-8 here), and ``async_stall_ratio`` (the stall of an asynchronous checkpoint over a
+synchronous one, ``checkpoint_stall.py``'s measurement).
 
 Part 2, ``hetero_deepspeed``.  The char GPT (4 blocks, hidden 128) as 2 pipelines x 2 stages on 4 ranks trains
 5 steps and checkpoints; the checkpoint loads into another shape, a whole-model replica beside a 2-stage
@@ -27,7 +30,7 @@ difference to the original plan trained 10 steps without stopping (fp32, DeepSpe
 Emulated compute checks the schedule and the bookkeeping, not a GPU's speed; the kill is a real SIGKILL and the
 rendezvous, restarts and gloo collectives are real.
 Last line: ``RESULT lost_samples=... duplicated_samples=... steps_redone=... detect_s=... recover_s=...
-final_max_diff=... async_stall_ratio=... reshard_max_diff=...``.
+rejoin_s=... worlds=4-3-4 final_max_diff=... async_stall_ratio=... reshard_max_diff=...``.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ DEVICES = ("rank0", "rank1", "rank2", "rank3")
 
 
 # -- part 1: the worker one agent runs ------------------------------------------------------------------------------
-def _worker(out: str, max_steps: int, launch: int) -> None:
+def _worker(out: str, max_steps: int) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -60,6 +63,7 @@ def _worker(out: str, max_steps: int, launch: int) -> None:
     from torch.utils.data import DataLoader, Dataset
 
     from het_strategy import HeteroStrategy
+    from het_strategy.callbacks.preemption import PreemptionCheckpoint
     from het_strategy.core.shipped import config_file
     from het_strategy.demo.char_gpt import CharGPT
     from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
@@ -77,13 +81,17 @@ def _worker(out: str, max_steps: int, launch: int) -> None:
             return x, y, i
 
     class Logged(CharGPT):
+        group = ""
+
+        def on_train_start(self) -> None:
+            self.group = self.trainer.strategy.broadcast(f"{os.getpid()}-{time.time()}")
+
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             x, y, ids = batch
             loss = super().training_step((x, y), batch_idx)
             counted = self.trainer.strategy.current_local_samples
-            row = {"t": time.time(), "launch": launch,
-                   "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                   "step": self.trainer.global_step, "epoch": self.current_epoch, "world": self.trainer.world_size,
+            row = {"t": time.time(), "group": self.group, "step": self.trainer.global_step,
+                   "epoch": self.current_epoch, "world": self.trainer.world_size,
                    "device": os.environ["HET_STRATEGY_DEVICE"], "ids": ids.tolist()[:counted]}
             with open(Path(out) / "steps.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -107,7 +115,8 @@ def _worker(out: str, max_steps: int, launch: int) -> None:
                          enable_model_summary=False, num_sanity_val_steps=0, plugins=[AsyncCheckpointIO()],
                          callbacks=[ModelCheckpoint(dirpath=str(Path(out) / "ckpt"), filename="step_{step}",
                                                     auto_insert_metric_name=False, every_n_train_steps=EVERY,
-                                                    save_top_k=-1)])
+                                                    save_top_k=-1),
+                                    PreemptionCheckpoint(Path(out) / "ckpt", "step_{step}.ckpt", exit_code=143)])
     resume = latest_checkpoint(Path(out) / "ckpt")
     trainer.fit(model, DataLoader(Numbered(), batch_size=4, shuffle=True),
                 ckpt_path=None if resume is None else str(resume))
@@ -122,14 +131,14 @@ def _optimizer(model: Any) -> Any:
 
 
 # -- part 1: the driver ------------------------------------------------------------------------------------------
-def _agent(out: Path, device: str, port: int, max_steps: int, launch: int) -> subprocess.Popen:
-    env = {**os.environ, "HET_STRATEGY_DEVICE": device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+def _agent(out: Path, device: str, port: int, max_steps: int) -> subprocess.Popen:
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "HET_STRATEGY_DEVICE": device,
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=3:4", "--nproc-per-node=1", "--max-restarts=5",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic-bench-{launch}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-bench",
            "--rdzv-conf=join_timeout=120,last_call_timeout=5,close_timeout=10,keep_alive_interval=1,"
-           "keep_alive_max_attempt=3", "--monitor-interval=0.5", __file__, "--worker", str(out), str(max_steps),
-           str(launch)]
+           "keep_alive_max_attempt=3", "--monitor-interval=0.5", __file__, "--worker", str(out), str(max_steps)]
     log = open(out / f"agent-{device}-{time.time():.0f}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -189,22 +198,23 @@ def _first_failure_after(out: Path, killed_at: float) -> float | None:
     return min(times) if times else None
 
 
-def _launch(out: Path, devices: tuple[str, ...], max_steps: int, launch: int, kill: tuple[str, int] | None = None
-            ) -> float | None:
-    """Start one agent per device and wait for the job; ``kill``: (device, step) whose agent and worker are killed
-    when that step begins.  Returns the kill's time."""
+def _run(out: Path, max_steps: int, kill_step: int, rejoin_step: int) -> tuple[float, float]:
+    """Start one agent per device; kill rank3's agent and worker when step ``kill_step`` begins, start a new agent
+    for it when step ``rejoin_step`` begins, and wait for the job.  Returns the kill's and the new agent's times."""
     from het_strategy.emulation.local_ranks import free_port
 
     port = free_port()
-    agents, killed_at = {}, None
-    for device in devices:  # the first agent hosts the rendezvous store
-        agents[device] = _agent(out, device, port, max_steps, launch)
+    agents = {}
+    for device in DEVICES:  # the first agent hosts the rendezvous store
+        agents[device] = _agent(out, device, port, max_steps)
         time.sleep(0.5)
     try:
-        if kill is not None:
-            _wait_for_step(out, kill[1], 600)
-            _kill_with_children(agents.pop(kill[0]).pid)
-            killed_at = time.time()
+        _wait_for_step(out, kill_step, 600)
+        _kill_with_children(agents.pop("rank3").pid)
+        killed_at = time.time()
+        _wait_for_step(out, rejoin_step, 600)
+        agents["rank3"] = _agent(out, "rank3", port, max_steps)
+        joined_at = time.time()
         for device, proc in agents.items():
             if proc.wait(timeout=900) != 0:
                 raise SystemExit(f"agent {device} exited {proc.returncode} (logs in {out})")
@@ -212,27 +222,25 @@ def _launch(out: Path, devices: tuple[str, ...], max_steps: int, launch: int, ki
         for proc in agents.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    return killed_at
+    return killed_at, joined_at
 
 
 def elastic_part(out: Path, max_steps: int, kill_step: int, rejoin_step: int) -> dict[str, Any]:
-    killed_at = _launch(out, DEVICES, rejoin_step, 0, kill=("rank3", kill_step))
-    assert killed_at is not None
-    _launch(out, DEVICES, max_steps, 1)
+    killed_at, joined_at = _run(out, max_steps, kill_step, rejoin_step)
     rows = _rows(out)
+    order = {g: i for i, g in enumerate(dict.fromkeys(r["group"] for r in rows))}  # groups run one after another
     trajectory: dict[int, dict[str, Any]] = {}
     for r in rows:
         have = trajectory.get(r["step"])
-        run = (r["launch"], r["attempt"])
+        run = order[r["group"]]
         if have is None or run > have["run"]:
-            trajectory[r["step"]] = {"run": run, "attempt": r["attempt"], "epoch": r["epoch"], "world": r["world"],
-                                     "ids": list(r["ids"]), "t": r["t"]}
+            trajectory[r["step"]] = {"run": run, "epoch": r["epoch"], "world": r["world"], "ids": list(r["ids"]),
+                                     "t": r["t"]}
         elif run == have["run"]:
             have["ids"] += r["ids"]
     if sorted(trajectory) != list(range(max_steps)):
         raise SystemExit(f"the trajectory has steps {sorted(trajectory)}, not 0..{max_steps - 1}")
-    redone = sum(1 for r in rows if (r["launch"], r["attempt"]) < trajectory[r["step"]]["run"]
-                 and r["device"] == "rank0")
+    redone = sum(1 for r in rows if order[r["group"]] < trajectory[r["step"]]["run"] and r["device"] == "rank0")
     lost = duplicated = 0
     per_epoch = SAMPLES // BATCH
     for epoch in sorted({s["epoch"] for s in trajectory.values()}):
@@ -240,8 +248,9 @@ def elastic_part(out: Path, max_steps: int, kill_step: int, rejoin_step: int) ->
         duplicated += len(ids) - len(set(ids))
         complete = sum(1 for s in trajectory.values() if s["epoch"] == epoch) == per_epoch
         lost += (SAMPLES - len(set(ids))) if complete else 0
-    restart = [s for s in trajectory.values() if s["run"] == (0, 1)]
-    recover_s = min(s["t"] for s in restart) - killed_at
+    first_step_of = {order[r["group"]]: (r["t"], r["world"]) for r in reversed(rows)}
+    recover_s = min(t for t, world in first_step_of.values() if t > killed_at and world == 3) - killed_at
+    rejoin_s = min(t for t, world in first_step_of.values() if t > joined_at and world == 4) - joined_at
     failed_at = _first_failure_after(out, killed_at)
     spans: list[list[int]] = []  # [first step, last step, world] of each run of one world size
     for step in sorted(trajectory):
@@ -255,6 +264,7 @@ def elastic_part(out: Path, max_steps: int, kill_step: int, rejoin_step: int) ->
     final_max_diff = _reference_diff(out, trajectory, max_steps)
     return {"lost_samples": lost, "duplicated_samples": duplicated, "steps_redone": redone,
             "detect_s": (failed_at - killed_at) if failed_at else float("nan"), "recover_s": recover_s,
+            "rejoin_s": rejoin_s,
             "final_max_diff": final_max_diff, "worlds": worlds}
 
 
@@ -367,8 +377,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--kill-step", type=int, default=35)
-    ap.add_argument("--rejoin-step", type=int, default=60, help="the first launch ends here; the relaunch on four "
-                    "devices goes on from it")
+    ap.add_argument("--rejoin-step", type=int, default=60, help="rank3's new agent starts when this step begins")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import checkpoint_stall
@@ -377,11 +386,13 @@ def main() -> None:
         out = Path(tmp) / "hetero"
         out.mkdir()
         print(f"part 1: char GPT {MODEL}, 4 agents on local_cpu4_mixed, {args.steps} steps of {BATCH}, "
-              f"async checkpoints every {EVERY}; rank3 killed at step {args.kill_step}, back from {args.rejoin_step}")
+              f"async checkpoints every {EVERY}; rank3 killed at step {args.kill_step}, a new agent for it at step "
+              f"{args.rejoin_step}")
         res = elastic_part(out, args.steps, args.kill_step, args.rejoin_step)
         print(f"  lost {res['lost_samples']} duplicated {res['duplicated_samples']} samples; {res['steps_redone']} "
               f"steps trained again; detected in {res['detect_s']:.1f} s, first step of the restart "
-              f"{res['recover_s']:.1f} s after the kill; final parameters vs one process: {res['final_max_diff']:.2e}")
+              f"{res['recover_s']:.1f} s after the kill; the group of four's first step {res['rejoin_s']:.1f} s after "
+              f"rank3's new agent started; final parameters vs one process: {res['final_max_diff']:.2e}")
         sync_s, base_s, _ = checkpoint_stall.stall(checkpoint_stall.run("sync", 30, 10), 10)
         async_s, base_a, _ = checkpoint_stall.stall(checkpoint_stall.run("async", 30, 10), 10)
         ratio = (async_s - base_a) / (sync_s - base_s)
@@ -392,12 +403,13 @@ def main() -> None:
         print(f"  largest parameter difference: {reshard:.2e}")
     print(f"RESULT lost_samples={res['lost_samples']} duplicated_samples={res['duplicated_samples']} "
           f"steps_redone={res['steps_redone']} detect_s={res['detect_s']:.1f} recover_s={res['recover_s']:.1f} "
+          f"rejoin_s={res['rejoin_s']:.1f} worlds={'-'.join(map(str, res['worlds']))} "
           f"final_max_diff={res['final_max_diff']:.2e} async_stall_ratio={ratio:.3f} reshard_max_diff={reshard:.2e}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], int(sys.argv[3]))
     elif len(sys.argv) == 3 and sys.argv[1] == "--ds-worker":
         _ds_worker(sys.argv[2])
     else:

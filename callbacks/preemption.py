@@ -14,10 +14,18 @@ a scheduler stopping a job sends the same.  ``PreemptionCheckpoint``:
    is waited for): a kill during the write leaves the previous checkpoint, never a half-written one.
    Rank 0 says in one line the step, the path, how long it took against ``grace_s`` (a warning when over: the
    platform may have ended the job first), and how to resume (``fit(ckpt_path=...)``, het-train ``resume=``).
-4. ``SystemExit(0)``: Lightning tears the run down and the process exits cleanly, with code 0.
+4. ``SystemExit(exit_code)``: Lightning tears the run down and the process exits cleanly, with code 0 by default.
 
 Cost: one 1-element all-reduce per training step.  Resuming is Lightning's ``fit(ckpt_path=...)``: the
 ``hetero`` strategy continues mid-epoch, on the same samples.
+
+Under torchrun's elastic agent the same SIGTERM is how an agent stops its worker when the group's membership
+changes (a device joins): with ``filename="step_{step}.ckpt"`` in the periodic checkpoints' folder, the step is
+in the name, ``strategy/elastic.latest_checkpoint`` takes it, and the new group goes on from the step the old one
+reached; the agent would otherwise SIGKILL the worker after its grace and the steps since the last periodic
+checkpoint would be trained again.  There the exit code must not be 0 (``exit_code=143``, a process ended by
+SIGTERM): the ranks agree to save, so every worker exits, and an agent that had not yet seen the change would
+read a 0 as the job finished and leave the group, where any other code makes it restart and rejoin.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from het_strategy.core.errors import field_error, require_number
+from het_strategy.core.errors import field_error, require_int, require_number
 from het_strategy.core.log import logger
 
 __all__ = ["PreemptionCheckpoint"]
@@ -43,25 +51,34 @@ class PreemptionCheckpoint(pl.Callback):
 
     Args:
         dirpath: the folder the checkpoint is written into (created when missing).
-        filename: its name (``preempted.ckpt``).
+        filename: its name (``preempted.ckpt``); ``{step}`` in it becomes the global step saved.
         grace_s: seconds the platform leaves between the notice and the kill; a save that takes longer is
             reported.
+        exit_code: the code every rank exits with after the save (0; 143 under torchrun's elastic agent).
     """
 
-    def __init__(self, dirpath: str | Path, filename: str = "preempted.ckpt", grace_s: float = 30.0) -> None:
+    def __init__(self, dirpath: str | Path, filename: str = "preempted.ckpt", grace_s: float = 30.0,
+                 exit_code: int = 0) -> None:
         if not isinstance(filename, str) or not filename.strip() or "/" in filename:
             raise field_error("filename", filename, "be a file name")
+        try:
+            filename.format(step=0)
+        except (KeyError, IndexError, ValueError):
+            raise field_error("filename", filename, "be a file name whose only placeholder is {step}") from None
         self.dirpath = Path(dirpath)
         self.filename = filename
         self.grace_s = require_number(grace_s, "grace_s")
+        self.exit_code = require_int(exit_code, "exit_code", minimum=0)
+        if self.exit_code > 255:
+            raise field_error("exit_code", exit_code, "be a process exit code, 0 to 255")
         self.saved: Path | None = None
         """The checkpoint written on SIGTERM (None until then)."""
         self._noticed: float | None = None
         self._previous: Any = None
 
-    @property
-    def path(self) -> Path:
-        return self.dirpath / self.filename
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` goes."""
+        return self.dirpath / self.filename.format(step=step)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -79,22 +96,23 @@ class PreemptionCheckpoint(pl.Callback):
         if not self._agreed(trainer):
             return
         started = time.perf_counter()
-        partial = self.path.with_name(self.path.name + ".tmp")
+        path = self.path(trainer.global_step)
+        partial = path.with_name(path.name + ".tmp")
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
         trainer.save_checkpoint(partial, weights_only=False)  # every rank; ends with a barrier
         _written(trainer.strategy.checkpoint_io)  # an asynchronous writer finishes first
         if trainer.is_global_zero:
-            _move(partial, self.path)
+            _move(partial, path)
             took = time.perf_counter() - started
             over = took > self.grace_s
             (logger.warning if over else logger.info)(
                 "SIGTERM: checkpoint of step %d written to %s in %.1f s (grace %g s%s); resume with "
-                "fit(ckpt_path=%r) (het-train resume=%s)", trainer.global_step, self.path, took, self.grace_s,
-                ": over it, the platform may have ended the job first" if over else "", str(self.path), self.path)
+                "fit(ckpt_path=%r) (het-train resume=%s)", trainer.global_step, path, took, self.grace_s,
+                ": over it, the platform may have ended the job first" if over else "", str(path), path)
         trainer.strategy.barrier("PreemptionCheckpoint")
-        self.saved = self.path
-        raise SystemExit(0)
+        self.saved = path
+        raise SystemExit(self.exit_code)
 
     def _agreed(self, trainer: pl.Trainer) -> bool:
         """Whether any rank got the notice (one all-reduce of a flag, on every rank)."""

@@ -83,6 +83,47 @@ def test_a_rank_that_stops_beating_is_named_once_and_every_survivor_ends(caplog)
     assert f"exit with code {EXIT_PEER_GONE}" in lines[0]
 
 
+def test_a_survivor_yet_to_see_the_silence_takes_the_lowest_survivors_verdict_before_the_store_goes() -> None:
+    """Rank 1 watches with a longer bound (3 s) than rank 0 (1 s): when rank 2 goes, rank 0 names it first and
+    announces it; rank 0 hosts the store, which goes with its process.  Rank 1 takes the verdict at its next beat,
+    before rank 0 exits, and ends naming rank 2, not rank 0, long before its own bound."""
+    store = dist.HashStore()
+    clients = [_Client(store) for _ in NAMES]
+    exits = [_Exits() for _ in NAMES]
+
+    def host_goes(code: int) -> None:
+        exits[0](code)
+        for client in clients:
+            client.dead = True
+
+    ranks = [Liveness(0, NAMES, 1.0, store_factory=lambda: clients[0], exit=host_goes),
+             Liveness(1, NAMES, 3.0, store_factory=lambda: clients[1], exit=exits[1]),
+             Liveness(2, NAMES, 1.0, store_factory=lambda: clients[2], exit=exits[2])]
+    for live in ranks:
+        live.start()
+    time.sleep(0.8)
+    clients[2].dead = True  # rank 2's process is gone
+    ranks[2].stop()
+    started = time.monotonic()
+    assert exits[1].done.wait(8) and exits[0].done.wait(8)
+    assert time.monotonic() - started < 2.5
+    assert exits[0].codes == exits[1].codes == [EXIT_PEER_GONE] and not exits[2].codes
+    assert ranks[0].gone == ranks[1].gone == [2]
+
+
+def test_a_verdict_of_an_earlier_run_on_the_same_store_is_not_taken() -> None:
+    """A store that outlives a run (torchrun's agent store) keeps its announced verdict: ranks that beat again
+    have moved their counters past it, and nobody ends."""
+    store = dist.HashStore()
+    store.set("het_liveness/2", "5")
+    store.set("het_strategy/liveness/logged", "2:5")  # rank 2 was gone at counter 5, in the earlier run
+    ranks, exits = _ranks(store)
+    time.sleep(0.6)
+    for live in ranks:
+        live.stop()
+    assert not any(e.codes for e in exits)
+
+
 def test_a_rank_that_stopped_normally_is_finished_not_gone() -> None:
     """Ranks end their runs one after another: a rank whose teardown stopped its heartbeat is not reported."""
     ranks, exits = _ranks(dist.HashStore())

@@ -104,3 +104,9 @@ def test_bad_arguments_name_the_field(tmp_path: Path) -> None:
         PreemptionCheckpoint(tmp_path, grace_s=0)
     with pytest.raises(ConfigError, match="`filename`"):
         PreemptionCheckpoint(tmp_path, filename="a/b.ckpt")
+    with pytest.raises(ConfigError, match="`exit_code` is 256; it must be a process exit code"):
+        PreemptionCheckpoint(tmp_path, exit_code=256)
+    with pytest.raises(ConfigError, match="`filename` is 'epoch_{epoch}.ckpt'; it must be a file name whose only"):
+        PreemptionCheckpoint(tmp_path, filename="epoch_{epoch}.ckpt")
+    # the step in the name: what an elastic restart's latest_checkpoint takes
+    assert PreemptionCheckpoint(tmp_path, filename="step_{step}.ckpt").path(7) == tmp_path / "step_7.ckpt"

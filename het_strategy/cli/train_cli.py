@@ -142,7 +142,11 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     if job.checkpoint.on_sigterm:
         from het_strategy.callbacks.preemption import PreemptionCheckpoint
 
-        callbacks.append(PreemptionCheckpoint(out / "checkpoints", grace_s=job.checkpoint.sigterm_grace_s))
+        # elastic: torchrun's agents stop a group whose membership changes by SIGTERM; the step in the name lets
+        # the new group go on from the step the old one reached (elastic.latest_checkpoint), and 143 makes every
+        # agent restart rather than take the job as finished
+        name, code = ("step_{step}.ckpt", 143) if job.elastic.enabled else ("preempted.ckpt", 0)
+        callbacks.append(PreemptionCheckpoint(out / "checkpoints", name, job.checkpoint.sigterm_grace_s, code))
     every = job.checkpoint.every_n_steps
     if every is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint

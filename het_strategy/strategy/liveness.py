@@ -14,17 +14,20 @@ peer is often not seen at all, and the survivors wait out the collective timeout
   callbacks' business); a rank that is *gone* (killed, crashed, its host lost) or frozen stops.
 - **Watchdog.**  The same thread reads every rank's counter in one ``multi_get`` per beat.  A peer silent for
   ``timeout_s`` is gone, unless it stopped normally (its teardown marks its last counter as finished: ranks do
-  not end their runs at the same instant).  The lowest-ranked survivor logs one line naming its rank, device and node (as the
-  cluster names them), and every survivor ends at once with exit code ``EXIT_PEER_GONE`` (``os._exit``: the
-  collective it may be blocked in would otherwise wait out the collective timeout).  A checkpoint being written
-  (``writing()``) is finished first, so no file is left half-written.  A store that stops answering for
-  ``timeout_s`` means rank 0, which hosts it, is gone.
+  not end their runs at the same instant).  The lowest-ranked survivor logs one line naming its rank, device and
+  node (as the cluster names them) and announces the verdict in the store; every survivor ends at once with exit
+  code ``EXIT_PEER_GONE`` (``os._exit``: the collective it may be blocked in would otherwise wait out the
+  collective timeout).  A survivor that has not yet seen the whole silence itself takes the announced verdict at
+  its next beat once it has seen half of it, and the lowest waits (up to ``VERDICT_WAIT_S``) until every survivor has taken it before it exits:
+  rank 0 hosts the store, and a survivor left without it would only end after a store timeout.  A checkpoint
+  being written (``writing()``) is finished first, so no file is left half-written.  A store that stops
+  answering for ``timeout_s`` means rank 0, which hosts it, is gone.
 - **A failed collective** (``wait_for_verdict``, from the strategy's ``on_exception``) waits up to
   ``timeout_s`` for the watchdog's verdict, so the run ends with that one line instead of every rank's
   traceback; an error with no silent peer behind it returns, and propagates as usual.
 
-Every rank ends within ``timeout_s`` plus one beat of a peer going silent.  Cost: two store requests per rank per
-beat (``interval_s`` is ``timeout_s / 10``: 3 s at the default bound).
+Every rank ends within ``timeout_s`` plus one beat of a peer going silent.  Cost: three store requests per rank
+per beat (``interval_s`` is ``timeout_s / 10``: 3 s at the default bound).
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ class Liveness:
             except Exception:  # the store is rank 0's: unreachable for long means rank 0 is gone
                 store, values = None, None
                 if now - store_ok > self.timeout_s and self.rank != 0:
-                    self._end([0], now - store_ok, "the rendezvous store it hosts stopped answering", None)
+                    self._end([0], now - store_ok, "the rendezvous store it hosts stopped answering", None, seen)
                     return
             if values is not None:
                 for r, value in enumerate(values):
@@ -142,7 +145,11 @@ class Liveness:
                 silent = [r for r in range(self.world_size) if r != self.rank and now - last_change[r] > self.timeout_s
                           and not _finished(store, r, values[r])]
                 if silent:
-                    self._end(silent, max(now - last_change[r] for r in silent), "no heartbeat", store)
+                    self._end(silent, max(now - last_change[r] for r in silent), "no heartbeat", store, seen)
+                    return
+                announced = _announced(store, values)  # taken once this rank too saw them silent a while
+                if announced and all(now - last_change[r] >= self.timeout_s / 2 for r in announced):
+                    self._end(announced, max(now - last_change[r] for r in announced), "no heartbeat", store, seen)
                     return
             self._stop.wait(self.interval_s)
         if store is not None:  # a normal stop: the others must not take this rank's silence for a loss
@@ -156,10 +163,10 @@ class Liveness:
         """Every rank has beaten once (``multi_get`` would block on a key that does not exist yet)."""
         return bool(store.check(keys))
 
-    def _end(self, gone: list[int], silent_s: float, why: str, store: Any) -> None:
-        """Every survivor ends with ``EXIT_PEER_GONE``; the lowest logs the one line first, and the others wait
-        (up to ``VERDICT_WAIT_S``) until it says so in ``store``, so a launcher that reports the first child to
-        exit reports after the line, not instead of it."""
+    def _end(self, gone: list[int], silent_s: float, why: str, store: Any, seen: list[bytes | None]) -> None:
+        """Every survivor ends with ``EXIT_PEER_GONE``; the lowest logs the one line first and announces the verdict
+        (``seen``: the counters it last saw), and the others wait (up to ``VERDICT_WAIT_S``) until it says so in
+        ``store``, so a launcher that reports the first child to exit reports after the line, not instead of it."""
         self.gone = gone
         survivors = [r for r in range(self.world_size) if r not in gone]
         with self._writing:  # a checkpoint being written is finished first
@@ -169,9 +176,10 @@ class Liveness:
                            "code %d", names, "is" if len(gone) == 1 else "are", why, silent_s, self.timeout_s,
                            len(survivors), EXIT_PEER_GONE)
                 sys.stderr.flush()
-                _say_logged(store)
+                _say_logged(store, gone, dict(enumerate(seen)), len(survivors))
             else:
                 _wait_until_logged(store)
+                _take(store)
             sys.stdout.flush()
             sys.stderr.flush()
             self._verdict.set()
@@ -235,15 +243,47 @@ def _job_store() -> Any:
 
 
 _LOGGED = "het_strategy/liveness/logged"
+"""The announced verdict: ``rank:counter`` of each rank found gone, its heartbeat counter when it fell silent."""
+_TAKEN = "het_strategy/liveness/taken"
+"""How many survivors took a verdict (a counter)."""
 VERDICT_WAIT_S = 3.0
-"""How long a survivor other than the lowest waits for the lowest's line before it exits."""
+"""How long a survivor other than the lowest waits for the lowest's line before it exits, and the lowest for the
+others to take its verdict."""
 
 
-def _say_logged(store: Any) -> None:
+def _say_logged(store: Any, gone: list[int], counters: dict[int, bytes | None], survivors: int) -> None:
+    """Announce the verdict, then wait (up to ``VERDICT_WAIT_S``) until the other ``survivors - 1`` took it."""
+    if store is None:
+        return
+    try:
+        taken = store.add(_TAKEN, 0)
+        store.set(_LOGGED, ",".join(f"{r}:{(counters.get(r) or b'').decode()}" for r in gone))
+        deadline = time.monotonic() + VERDICT_WAIT_S
+        while store.add(_TAKEN, 0) < taken + survivors - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - best effort: the others then end by their own watch
+        pass
+
+
+def _announced(store: Any, values: list[bytes]) -> list[int]:
+    """The ranks an announced verdict names, when each is still silent at the counter it names; else none.  A
+    verdict of an earlier run on a store that outlives it names counters that move on as soon as those ranks beat
+    again (the caller also wants to have seen them silent for half its bound)."""
+    try:
+        if not store.check([_LOGGED]):
+            return []
+        named = [entry.split(":") for entry in store.get(_LOGGED).decode().split(",") if entry]
+    except Exception:  # noqa: BLE001 - the store's own failure is handled at the next beat
+        return []
+    gone = [int(r) for r, counter in named if int(r) < len(values) and values[int(r)] == counter.encode()]
+    return gone if gone and len(gone) == len(named) else []
+
+
+def _take(store: Any) -> None:
     try:
         if store is not None:
-            store.set(_LOGGED, "1")
-    except Exception:  # noqa: BLE001 - best effort: the others then wait out VERDICT_WAIT_S
+            store.add(_TAKEN, 1)
+    except Exception:  # noqa: BLE001 - best effort: the lowest then waits out VERDICT_WAIT_S
         pass
 
 
