@@ -24,13 +24,22 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def no_process_group_left_behind():
-    """A test that initialised the default process group in the pytest process (a one-rank Trainer that failed in
-    setup keeps it) would hand it to a later test's forked ranks, which then wait forever on a group whose gloo
-    threads did not survive the fork: destroy it after every test."""
-    yield
+def no_process_state_left_behind():
+    """What an in-process Trainer leaves in the pytest process is undone after every test: the environment
+    (Lightning sets ``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE``...; a later test's subprocess that inherits
+    ``LOCAL_RANK`` takes itself for an externally launched rank and waits for peers nobody starts) and the default
+    process group (a one-rank Trainer that failed in setup keeps it; a later test's forked ranks would inherit it
+    and wait forever on a group whose gloo threads did not survive the fork)."""
+    import os
     import sys
 
+    environ = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -207,3 +207,48 @@ def test_het_train_elastic_goes_on_from_the_newest_checkpoint_on_the_devices_pre
     assert latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_6.ckpt"
     log = (tmp_path / "second-rank0.log").read_text()
     assert "re-planning" in log and "Restoring states from the checkpoint" in log and "step_4.ckpt" in log
+
+
+DS_WORKER = Path(__file__).with_name("_ds_elastic_worker.py")
+
+
+@pytest.mark.multiprocess
+def test_hetero_deepspeed_goes_on_from_the_newest_checkpoint_on_the_devices_present(tmp_path: Path) -> None:
+    """hetero_deepspeed under torchrun's elastic agent: agents on devices a and b train 4 steps, the plan made for
+    both, checkpointing every step; a later launch with a's agent alone re-plans for a, loads the step-4
+    checkpoint through its per-layer files (another plan) and goes on to the end of epoch 2.  The parameters equal
+    one process's over the same 6 global batches (fp32)."""
+    from het_strategy.emulation.local_ranks import free_port
+    from tests.test_ds_strategy import TOL, _reference
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for launch, devices, steps in ((0, ["a", "b"], 4), (1, ["a"], -1)):
+        port, procs = free_port(), []
+        for device in devices:
+            env = {**os.environ, **AGENT_ENV, DEVICE_ENV: device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                   "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                                          os.environ.get("PYTHONPATH", "")])}
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{len(devices)}", "--nproc-per-node=1",
+                   "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   f"--rdzv-id=ds{launch}", "--rdzv-conf=join_timeout=60,last_call_timeout=3,close_timeout=10",
+                   str(DS_WORKER), str(out), str(steps)]
+            log = open(tmp_path / f"{launch}-{device}.log", "w")  # noqa: SIM115 - closed with the process
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            time.sleep(1.0)
+        try:
+            for device, proc in zip(devices, procs):
+                assert proc.wait(timeout=300) == 0, (tmp_path / f"{launch}-{device}.log").read_text()[-4000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    starts = [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()]
+    assert [(s["world"], sorted(s["devices"]), s["step"]) for s in starts if s["rank"] == 0] == [
+        (2, ["a", "b"], 0), (1, ["a"], 4)], starts
+    assert latest_checkpoint(out / "ckpt") == out / "ckpt" / "step_6.ckpt"
+    final = json.loads((out / "final.json").read_text())
+    _, _, reference = _reference(epochs=2)
+    assert final["step"] == 6
+    for name, values in reference.items():
+        assert final["params"][name] == pytest.approx(values, **TOL), name

@@ -2,7 +2,8 @@
 
 ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) make ``path`` a
 DeepSpeed checkpoint directory (tag ``CHECKPOINT_TAG``), written by every rank
-through ``PlanRunner.save_checkpoint``: each stage's layers and its optimizer
+through ``PlanRunner.save_checkpoint`` and ended by rank 0's
+``elastic.COMPLETE_MARKER`` once every rank's files are there: each stage's layers and its optimizer
 state (partitioned under ZeRO 1; one subdirectory per replica for an
 asymmetric plan), with Lightning's other entries (loops, callbacks, LR
 schedulers, the training loader's position) and the plan (``PLAN_KEY``) as
@@ -36,6 +37,8 @@ each rank the layers of other stages stay untrained in the module).
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,7 @@ from het_strategy.ds_runtime.checkpoint_files import load_as_data
 from het_strategy.ds_runtime.engine import PlanRunner
 from het_strategy.ds_runtime.layer_state import LAYERS_DIR, read_layer_states, read_manifest, write_layer_states
 from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_KEY, FORMAT_KEY, check_format
+from het_strategy.strategy.elastic import COMPLETE_MARKER
 
 __all__ = ["CHECKPOINT_TAG", "PLAN_KEY", "save_plan_checkpoint", "load_plan_checkpoint"]
 
@@ -62,6 +66,19 @@ def save_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint: dict[str, A
     client[CHECKPOINT_KEY] = {FORMAT_KEY: CHECKPOINT_FORMAT}
     runner.save_checkpoint(filepath, CHECKPOINT_TAG, client)
     write_layer_states(runner, filepath, list(client))
+    _mark_complete(runner, Path(filepath))
+
+
+def _mark_complete(runner: PlanRunner, path: Path) -> None:
+    """Once every rank's files are written (a barrier), rank 0 writes ``elastic.COMPLETE_MARKER`` (by a rename): an
+    elastic restart takes only a directory that has it (``elastic.latest_checkpoint``)."""
+    import deepspeed.comm as ds_dist
+
+    ds_dist.barrier()
+    if runner.rank == 0:
+        part = path / f".{COMPLETE_MARKER}.part"
+        part.write_text(json.dumps({"global_steps": int(runner.engine.global_steps)}) + "\n")
+        os.replace(part, path / COMPLETE_MARKER)
 
 
 def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *, strict: bool = True

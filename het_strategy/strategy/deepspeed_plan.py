@@ -41,6 +41,7 @@ from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_proble
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec, load_workload, transformer_workload
 from het_strategy.emulation.speeds import cluster_is_emulated
+from het_strategy.strategy.elastic import present_cluster
 from het_strategy.planning.request import PlanMode
 from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy.rank_zero import decided_on_rank_zero
@@ -117,6 +118,16 @@ class DeepSpeedPlanHolder:
             self.check(loaded)
         self.plan: Plan | None = loaded
         """The plan run (``None`` until ``ensure`` when the strategy plans)."""
+
+    def use_devices_present(self, names: list[str] | None) -> None:
+        """Under torchrun's elastic agent (``names``: the device each rank named, ``elastic.gather_device_names``):
+        the run's cluster is those devices (``elastic.present_cluster``), and rank 0 plans for them at setup; a
+        given plan must name exactly them.  ``None``: the cluster as given."""
+        if names is None:
+            return
+        self.cluster = present_cluster(self.cluster, names)
+        if self.plan is not None:
+            self.check(self.plan)
 
     def check(self, plan: Plan, world_size: int | None = None) -> None:
         """Refuse a plan of another cluster, or one the deepspeed runtime cannot run."""

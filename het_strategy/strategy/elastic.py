@@ -38,8 +38,8 @@ from typing import Any
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 
-__all__ = ["DEVICE_ENV", "SHARE_STORE_ENV", "check_agent_store", "gather_device_names", "present_cluster",
-           "latest_checkpoint", "init_attempt_process_group"]
+__all__ = ["DEVICE_ENV", "SHARE_STORE_ENV", "COMPLETE_MARKER", "check_agent_store", "gather_device_names",
+           "present_cluster", "latest_checkpoint", "init_attempt_process_group"]
 
 DEVICE_ENV = "HET_STRATEGY_DEVICE"
 """The environment variable in which a rank names the cluster file's device it runs on."""
@@ -131,20 +131,29 @@ def present_cluster(cluster: ClusterSpec, names: list[str]) -> ClusterSpec:
 _STEP = re.compile(r"step[=_](\d+)")
 
 
+COMPLETE_MARKER = "complete"
+"""In a checkpoint directory (``hetero_deepspeed`` writes one, every rank its share): the file rank 0 writes once
+every rank's files are written.  A directory without it was cut short."""
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The ``*.ckpt`` of ``directory`` with the highest step in its name (``step_30.ckpt``, ``epoch=0-step=30.ckpt``)
     that is whole: a file cut short (its writer died mid-write: Lightning writes checkpoints in place) has no zip
-    directory at its end and is passed over for the one before; None when there is none."""
+    directory at its end, and a checkpoint directory (``hetero_deepspeed``'s) no ``COMPLETE_MARKER``; such a one is
+    passed over for the one before; None when there is none."""
     folder = Path(directory)
     if not folder.is_dir():
         return None
-    found = sorted(((int(m.group(1)), p) for p in folder.glob("*.ckpt")
-                    if p.is_file() and (m := _STEP.search(p.name))), reverse=True)
+    found = sorted(((int(m.group(1)), p) for p in folder.glob("*.ckpt") if (m := _STEP.search(p.name))),
+                   reverse=True)
     return next((p for _, p in found if _whole(p)), None)
 
 
 def _whole(path: Path) -> bool:
-    """``torch.save`` writes a zip archive: a file whose central directory reads is complete."""
+    """``torch.save`` writes a zip archive: a file whose central directory reads is complete; a directory is
+    complete with its ``COMPLETE_MARKER``."""
+    if path.is_dir():
+        return (path / COMPLETE_MARKER).is_file()
     try:
         with zipfile.ZipFile(path) as archive:
             return bool(archive.namelist())

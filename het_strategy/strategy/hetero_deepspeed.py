@@ -120,6 +120,7 @@ from het_strategy.strategy.arguments import check_timeouts
 from het_strategy.strategy.deepspeed_checkpoint import (CHECKPOINT_TAG, PLAN_KEY, load_plan_checkpoint,
                                                         save_plan_checkpoint)
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
+from het_strategy.strategy.elastic import check_agent_store, gather_device_names
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
 from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, LivenessGuard
 from het_strategy.strategy.process_exit import destroy_groups_at_exit, mark_failed
@@ -180,6 +181,7 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         self.gradient_clipping = float(gradient_clipping)
         """The largest global gradient norm (0 = off)."""
         check_timeouts(heartbeat_timeout_s, ddp_kwargs.get("timeout"))
+        check_agent_store()  # ranks that name their devices run under an agent that keeps its store
         ddp_kwargs.setdefault("timeout", timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self.liveness = LivenessGuard(heartbeat_timeout_s)
         """This rank's heartbeat and watchdog (from ``setup_environment``, with more than one rank)."""
@@ -234,6 +236,8 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # Lightning's process group (gloo on CPU); DeepSpeed wraps it
         init_deepspeed_distributed()
+        # under torchrun's elastic agent each rank names its device: the cluster is the devices present
+        self.plans.use_devices_present(gather_device_names(self.world_size))
         self.liveness.start(self.global_rank, self.world_size, self.cluster.devices)
         destroy_groups_at_exit()
         planning = self.plans.plan is None

@@ -18,10 +18,10 @@ peer is often not seen at all, and the survivors wait out the collective timeout
   node (as the cluster names them) and announces the verdict in the store; every survivor ends at once with exit
   code ``EXIT_PEER_GONE`` (``os._exit``: the collective it may be blocked in would otherwise wait out the
   collective timeout).  A survivor that has not yet seen the whole silence itself takes the announced verdict at
-  its next beat once it has seen half of it, and the lowest waits (up to ``VERDICT_WAIT_S``) until every survivor has taken it before it exits:
-  rank 0 hosts the store, and a survivor left without it would only end after a store timeout.  A checkpoint
-  being written (``writing()``) is finished first, so no file is left half-written.  A store that stops
-  answering for ``timeout_s`` means rank 0, which hosts it, is gone.
+  its next beat once it has seen half of it, and the lowest waits (up to ``VERDICT_WAIT_S``) until every survivor
+  has taken it before it exits: rank 0 hosts the store, and a survivor left without it would only end after a
+  store timeout.  A checkpoint being written (``writing()``) is finished first, so no file is left half-written.
+  A store that stops answering for ``timeout_s`` means rank 0, which hosts it, is gone.
 - **A failed collective** (``wait_for_verdict``, from the strategy's ``on_exception``) waits up to
   ``timeout_s`` for the watchdog's verdict, so the run ends with that one line instead of every rank's
   traceback; an error with no silent peer behind it returns, and propagates as usual.
