@@ -396,6 +396,12 @@ class PlanRunner:
         if self.layout.has_tensor_parallel:
             self._fill_tp_directories(Path(path), tag)
 
+    def barrier(self) -> None:
+        """Wait until every rank of the plan gets here (DeepSpeed's process group)."""
+        import deepspeed.comm as ds_dist
+
+        ds_dist.barrier()
+
     def _fill_tp_directories(self, path: Path, tag: str) -> None:
         import shutil
 

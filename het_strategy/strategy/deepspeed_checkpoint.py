@@ -72,9 +72,7 @@ def save_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint: dict[str, A
 def _mark_complete(runner: PlanRunner, path: Path) -> None:
     """Once every rank's files are written (a barrier), rank 0 writes ``elastic.COMPLETE_MARKER`` (by a rename): an
     elastic restart takes only a directory that has it (``elastic.latest_checkpoint``)."""
-    import deepspeed.comm as ds_dist
-
-    ds_dist.barrier()
+    runner.barrier()
     if runner.rank == 0:
         part = path / f".{COMPLETE_MARKER}.part"
         part.write_text(json.dumps({"global_steps": int(runner.engine.global_steps)}) + "\n")
