@@ -44,23 +44,7 @@ def main() -> None:
     out, max_steps = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
 
-    class PipeModel(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.ModuleList(base.build_layers())
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return torch.nn.functional.mse_loss(outputs, labels)
-
-        def training_step(self, batch, batch_idx):  # required by Lightning; the strategy makes the step
-            raise AssertionError("not called under hetero_deepspeed")
-
-        def configure_optimizers(self):
-            return base.optimizer(self.parameters())
-
+    class PipeModel(strategy_worker.pipe_model_class()):  # type: ignore[misc]
         def on_train_start(self) -> None:
             plan = self.trainer.strategy.plan
             with open(out / "starts.jsonl", "a") as fh:

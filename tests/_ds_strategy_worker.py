@@ -56,14 +56,11 @@ def dp_plan():
                                          samples=2) for i in range(4)))
 
 
-def main() -> None:
-    out_dir, zero_stage = sys.argv[1], int(sys.argv[2])
-    mode = sys.argv[3] if len(sys.argv) > 3 else "pipe"
+def pipe_model_class() -> type:
+    """The six blocks as a LightningModule for hetero_deepspeed (its ``pipeline_layers``; the strategy makes every
+    step, so ``training_step`` and ``validation_step`` are never called)."""
     import lightning.pytorch as pl
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
 
     class PipeModel(pl.LightningModule):
         def __init__(self) -> None:
@@ -84,6 +81,20 @@ def main() -> None:
 
         def configure_optimizers(self):
             return base.optimizer(self.parameters())
+
+    return PipeModel
+
+
+def main() -> None:
+    out_dir, zero_stage = sys.argv[1], int(sys.argv[2])
+    mode = sys.argv[3] if len(sys.argv) > 3 else "pipe"
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+
+    PipeModel = pipe_model_class()
 
     class Losses(pl.Callback):
         def __init__(self) -> None:

@@ -167,24 +167,30 @@ def test_a_device_that_joins_is_used_and_one_that_dies_is_dropped_exactly(tmp_pa
         assert got == pytest.approx(p.detach().flatten().tolist(), abs=1e-12), name
 
 
-def _het_train_agents(out: Path, devices: list[str], max_steps: int, run_id: str) -> list[subprocess.Popen]:
+def _launch_and_wait(log_dir: Path, run_id: str, devices: list[str], target: list[str], *, max_restarts: int = 0,
+                     env: dict[str, str] | None = None, timeout_s: float = 240) -> None:
+    """One torchrun agent per device (``--nnodes=1:N``, one process each) running ``target``; every agent must
+    exit 0 within ``timeout_s`` (its log, ``log_dir/<run_id>-<device>.log``, is shown when one does not)."""
     from het_strategy.emulation.local_ranks import free_port
 
-    port = free_port()
-    procs = []
-    for device in devices:
-        env = {**os.environ, **AGENT_ENV, DEVICE_ENV: device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-               "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-               "--rdzv-conf=join_timeout=60,last_call_timeout=3,close_timeout=10", "-m", "het_strategy.cli.train_cli",
-               "cluster=local_cpu2", "model=tiny_gpt", "model.num_layers=1", "model.hidden_size=32", "model.seq_len=32",
-               "train.global_batch_size=8", f"train.max_steps={max_steps}", "train.val_every_n_steps=100",
-               "train.val_batches=1", "data.max_bytes=200000", "elastic.enabled=true", "checkpoint.every_n_steps=2",
-               "logger=none", f"output.dir={out}"]
-        log = open(out.parent / f"{run_id}-{device}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        time.sleep(1.0)
-    return procs
+    port, procs = free_port(), []
+    try:
+        for device in devices:
+            agent_env = {**os.environ, **AGENT_ENV, **(env or {}), DEVICE_ENV: device, "OMP_NUM_THREADS": "1",
+                         "PYTHONWARNINGS": "ignore"}
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{len(devices)}", "--nproc-per-node=1",
+                   f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   f"--rdzv-id={run_id}", "--rdzv-conf=join_timeout=60,last_call_timeout=3,close_timeout=10", *target]
+            log = open(log_dir / f"{run_id}-{device}.log", "w")  # noqa: SIM115 - closed with the process
+            procs.append(subprocess.Popen(cmd, env=agent_env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+            time.sleep(1.0)
+        for device, proc in zip(devices, procs):
+            assert proc.wait(timeout=timeout_s) == 0, (log_dir / f"{run_id}-{device}.log").read_text()[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.multiprocess
@@ -194,14 +200,11 @@ def test_het_train_elastic_goes_on_from_the_newest_checkpoint_on_the_devices_pre
     out = tmp_path / "run"
     out.mkdir()
     for run_id, devices, steps in (("first", ["rank0", "rank1"], 4), ("second", ["rank0"], 6)):
-        procs = _het_train_agents(out, devices, steps, run_id)
-        try:
-            for device, proc in zip(devices, procs):
-                assert proc.wait(timeout=240) == 0, (tmp_path / f"{run_id}-{device}.log").read_text()[-4000:]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+        _launch_and_wait(tmp_path, run_id, devices, [
+            "-m", "het_strategy.cli.train_cli", "cluster=local_cpu2", "model=tiny_gpt", "model.num_layers=1",
+            "model.hidden_size=32", "model.seq_len=32", "train.global_batch_size=8", f"train.max_steps={steps}",
+            "train.val_every_n_steps=100", "train.val_batches=1", "data.max_bytes=200000", "elastic.enabled=true",
+            "checkpoint.every_n_steps=2", "logger=none", f"output.dir={out}"], max_restarts=1)
         summary = json.loads((out / "summary.json").read_text())
         assert summary["world_size"] == len(devices) and summary["max_steps"] == steps, summary
     assert latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_6.ckpt"
@@ -218,31 +221,13 @@ def test_hetero_deepspeed_goes_on_from_the_newest_checkpoint_on_the_devices_pres
     both, checkpointing every step; a later launch with a's agent alone re-plans for a, loads the step-4
     checkpoint through its per-layer files (another plan) and goes on to the end of epoch 2.  The parameters equal
     one process's over the same 6 global batches (fp32)."""
-    from het_strategy.emulation.local_ranks import free_port
     from tests.test_ds_strategy import TOL, _reference
 
     out = tmp_path / "run"
     out.mkdir()
-    for launch, devices, steps in ((0, ["a", "b"], 4), (1, ["a"], -1)):
-        port, procs = free_port(), []
-        for device in devices:
-            env = {**os.environ, **AGENT_ENV, DEVICE_ENV: device, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                   "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                                          os.environ.get("PYTHONPATH", "")])}
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{len(devices)}", "--nproc-per-node=1",
-                   "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                   f"--rdzv-id=ds{launch}", "--rdzv-conf=join_timeout=60,last_call_timeout=3,close_timeout=10",
-                   str(DS_WORKER), str(out), str(steps)]
-            log = open(tmp_path / f"{launch}-{device}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            time.sleep(1.0)
-        try:
-            for device, proc in zip(devices, procs):
-                assert proc.wait(timeout=300) == 0, (tmp_path / f"{launch}-{device}.log").read_text()[-4000:]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+    for run_id, devices, steps in (("ds0", ["a", "b"], 4), ("ds1", ["a"], -1)):
+        _launch_and_wait(tmp_path, run_id, devices, [str(DS_WORKER), str(out), str(steps)],
+                         env={"DS_ACCELERATOR": "cpu"}, timeout_s=300)
     starts = [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()]
     assert [(s["world"], sorted(s["devices"]), s["step"]) for s in starts if s["rank"] == 0] == [
         (2, ["a", "b"], 0), (1, ["a"], 4)], starts
