@@ -176,7 +176,7 @@ class Liveness:
                            "code %d", names, "is" if len(gone) == 1 else "are", why, silent_s, self.timeout_s,
                            len(survivors), EXIT_PEER_GONE)
                 sys.stderr.flush()
-                _say_logged(store, gone, dict(enumerate(seen)), len(survivors))
+                _say_logged(store, gone, seen, len(survivors))
             else:
                 _wait_until_logged(store)
                 _take(store)
@@ -251,13 +251,13 @@ VERDICT_WAIT_S = 3.0
 others to take its verdict."""
 
 
-def _say_logged(store: Any, gone: list[int], counters: dict[int, bytes | None], survivors: int) -> None:
+def _say_logged(store: Any, gone: list[int], counters: list[bytes | None], survivors: int) -> None:
     """Announce the verdict, then wait (up to ``VERDICT_WAIT_S``) until the other ``survivors - 1`` took it."""
     if store is None:
         return
     try:
         taken = store.add(_TAKEN, 0)
-        store.set(_LOGGED, ",".join(f"{r}:{(counters.get(r) or b'').decode()}" for r in gone))
+        store.set(_LOGGED, ",".join(f"{r}:{(counters[r] or b'').decode()}" for r in gone))
         deadline = time.monotonic() + VERDICT_WAIT_S
         while store.add(_TAKEN, 0) < taken + survivors - 1 and time.monotonic() < deadline:
             time.sleep(0.02)
