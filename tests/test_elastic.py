@@ -193,23 +193,38 @@ def _launch_and_wait(log_dir: Path, run_id: str, devices: list[str], target: lis
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+HET_TRAIN_TINY = ["-m", "het_strategy.cli.train_cli", "cluster=local_cpu2", "model=tiny_gpt", "model.num_layers=1",
+                  "model.hidden_size=32", "model.seq_len=32", "train.global_batch_size=8", "train.val_every_n_steps=100",
+                  "train.val_batches=1", "data.max_bytes=200000", "logger=none"]
+
+
 @pytest.mark.multiprocess
-def test_het_train_elastic_goes_on_from_the_newest_checkpoint_on_the_devices_present(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["hetero", "hetero_deepspeed"])
+def test_het_train_elastic_goes_on_from_the_newest_checkpoint_on_the_devices_present(tmp_path: Path,
+                                                                                     strategy: str) -> None:
     """het-train ``elastic.enabled=true`` under torchrun: two agents (devices rank0, rank1 of local_cpu2) train 4
-    steps; a later launch with rank0's agent alone goes on from the step-4 checkpoint on that one device, to 6."""
+    steps; a later launch with rank0's agent alone goes on from the step-4 checkpoint (mid-epoch) on that one
+    device, to 6.  The final training loss equals an uninterrupted 6-step run's on both devices (the same global
+    batches; hetero_deepspeed's checkpoint is loaded layer by layer into the one-device plan)."""
     out = tmp_path / "run"
     out.mkdir()
+    run = [*HET_TRAIN_TINY, f"strategy={strategy}"]
     for run_id, devices, steps in (("first", ["rank0", "rank1"], 4), ("second", ["rank0"], 6)):
-        _launch_and_wait(tmp_path, run_id, devices, [
-            "-m", "het_strategy.cli.train_cli", "cluster=local_cpu2", "model=tiny_gpt", "model.num_layers=1",
-            "model.hidden_size=32", "model.seq_len=32", "train.global_batch_size=8", f"train.max_steps={steps}",
-            "train.val_every_n_steps=100", "train.val_batches=1", "data.max_bytes=200000", "elastic.enabled=true",
-            "checkpoint.every_n_steps=2", "logger=none", f"output.dir={out}"], max_restarts=1)
+        _launch_and_wait(tmp_path, run_id, devices, [*run, f"train.max_steps={steps}", "elastic.enabled=true",
+                                                     "checkpoint.every_n_steps=2", f"output.dir={out}"],
+                         max_restarts=1, timeout_s=300)
         summary = json.loads((out / "summary.json").read_text())
         assert summary["world_size"] == len(devices) and summary["max_steps"] == steps, summary
     assert latest_checkpoint(out / "checkpoints") == out / "checkpoints" / "step_6.ckpt"
     log = (tmp_path / "second-rank0.log").read_text()
-    assert "re-planning" in log and "Restoring states from the checkpoint" in log and "step_4.ckpt" in log
+    assert "Restoring states from the checkpoint" in log and "step_4.ckpt" in log
+    assert ("re-planning" if strategy == "hetero" else "loaded layer by layer into this plan") in log
+    whole = tmp_path / "whole"
+    proc = subprocess.run([sys.executable, *run, "train.max_steps=6", f"output.dir={whole}"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = json.loads((whole / "summary.json").read_text())["final_train_loss"]
+    assert summary["final_train_loss"] == pytest.approx(reference, rel=1e-5)
 
 
 DS_WORKER = Path(__file__).with_name("_ds_elastic_worker.py")

@@ -97,11 +97,13 @@ def test_a_bf16_zero_1_checkpoint_loads_its_fp32_masters_into_asymmetric_replica
 
 
 def test_a_checkpoint_of_another_batch_or_dtype_is_refused_naming_the_fields(tmp_path: Path) -> None:
-    from het_strategy.strategy.deepspeed_checkpoint import _resharded
+    from het_strategy.strategy.deepspeed_checkpoint import _resharded, check_same_model
 
     saved = base.pipe_plan().to_dict()
     mine = {**base.asym_plan().to_dict(), "global_batch_size": 16, "dtype": "bf16"}
     with pytest.raises(ConfigError, match="differs in: dtype, global_batch_size"):
-        _resharded(None, tmp_path, saved, mine, {})  # type: ignore[arg-type]
+        check_same_model(tmp_path, saved, mine)
+    diff = check_same_model(tmp_path, saved, base.asym_plan().to_dict())
+    assert "pipelines" in diff
     with pytest.raises(ConfigError, match=r"hold per-layer state \(layers/\)"):
-        _resharded(None, tmp_path, saved, base.asym_plan().to_dict(), {})  # type: ignore[arg-type]
+        _resharded(None, tmp_path, diff, {})  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from het_strategy.cli.train_cli import main
+from het_strategy.cli.train_cli import compose_train_config, main
 from het_strategy.core.cluster_limits import MAX_DEVICES
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train.global_batch_size=16",
@@ -45,11 +45,13 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.seq_len=64", "train
      "`elastic.min_devices` is 3; it must be at most the 2 devices of cluster"),
     (["elastic.enabled=true"], "`checkpoint.every_n_steps` is null; it must be set with elastic.enabled"),
     (["elastic.enabled=true", "checkpoint.every_n_steps=2"], "run under torchrun's elastic agent"),
-    (["elastic.enabled=true", "checkpoint.every_n_steps=2", "strategy=ddp"], "go with strategy=hetero, not ddp"),
+    (["elastic.enabled=true", "checkpoint.every_n_steps=2", "strategy=ddp"],
+     "go with strategy=hetero or hetero_deepspeed, not ddp"),
     (["elastic.min_devices=0"], "elastic.min_devices"),
     (["strategy=ddp", "train.precision=per_device"], "`train.precision` is 'per_device'; it must go with strategy=hetero"),
     (["strategy=hetero_deepspeed", "train.precision=per_device"], "train.precision"),
-    (["strategy=hetero_deepspeed", "checkpoint.every_n_steps=2"], "checkpoint.every_n_steps"),
+    (["strategy=hetero_deepspeed", "checkpoint.async_save=true"], "checkpoint.async_save"),
+    (["strategy=hetero_deepspeed", "resume=/nonexistent.ckpt"], "be a checkpoint directory with strategy=hetero_deepspeed"),
     (["strategy=hetero_deepspeed", "compression=adaptive"], "DeepSpeed reduces"),
     (["model=moe_gpt_tiny", "moe.placement=random"], "moe.placement"),
     (["model=moe_gpt_tiny", "model.num_experts=5", "moe.placement=uniform"], "divisible by devices"),
@@ -64,6 +66,45 @@ def test_bad_input_is_one_line_and_exit_2(overrides: list[str], needle: str,
     assert main(["cluster=local_cpu2", *overrides]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("het-train: error:") and "\n" not in err and needle in err
+
+
+def test_resume_of_a_pipeline_run_names_what_keeps_the_checkpoint_from_loading(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """strategy=hetero_deepspeed ``resume=``: a directory cut short, and a checkpoint of another model or global
+    batch, are refused in one line before any worker starts; one of this model, batch and dtype passes the check
+    whatever its plan (it is loaded layer by layer)."""
+    pytest.importorskip("deepspeed")
+    import torch
+
+    from het_strategy.cli.train_job import TrainJob
+    from het_strategy.core.plan import SCHEMA_VERSION
+    from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_KEY, FORMAT_KEY
+    from het_strategy.strategy.deepspeed_checkpoint import CHECKPOINT_TAG, PLAN_KEY
+    from het_strategy.strategy.elastic import COMPLETE_MARKER
+
+    args = ["cluster=local_cpu2_pipeline", "strategy=hetero_deepspeed", *TINY]
+    cfg, _ = compose_train_config(args)
+    workload = TrainJob(cfg).workload
+
+    def checkpoint(name: str, gb: int, complete: bool = True) -> Path:
+        folder = tmp_path / name
+        (folder / CHECKPOINT_TAG).mkdir(parents=True)
+        plan = {"schema_version": SCHEMA_VERSION, "model": workload.fingerprint(), "global_batch_size": gb,
+                "dtype": "fp32", "pipelines": [], "cluster": "elsewhere"}
+        torch.save({CHECKPOINT_KEY: {FORMAT_KEY: CHECKPOINT_FORMAT}, PLAN_KEY: plan},
+                   folder / CHECKPOINT_TAG / "mp_rank_00_model_states.pt")
+        if complete:
+            (folder / COMPLETE_MARKER).write_text("{}")
+        return folder
+
+    TrainJob(compose_train_config([*args, f"resume={checkpoint('ok', 16)}"])[0])  # another plan: passes
+    for folder, needle in ((checkpoint("cut", 16, complete=False), "it has no `complete` file"),
+                           (checkpoint("batch", 8), "differs in: global_batch_size")):
+        assert main([*args, f"resume={folder}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("het-train: error: `resume`") and "\n" not in err and needle in err, err
+    assert main([*args, "model.hidden_size=32", f"resume={tmp_path / 'ok'}"]) == 2
+    assert "differs in: model;" in capsys.readouterr().err
 
 
 def test_an_error_every_rank_raises_is_printed_by_rank_zero_alone(monkeypatch: pytest.MonkeyPatch,

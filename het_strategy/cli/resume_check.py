@@ -10,9 +10,10 @@ from het_strategy.core.errors import field_error
 from het_strategy.core.files import check_readable_file
 
 if TYPE_CHECKING:
-    from het_strategy.core.workload import TransformerConfig
+    from het_strategy.core.dtypes import Dtype
+    from het_strategy.core.workload import TransformerConfig, WorkloadSpec
 
-__all__ = ["check_checkpoint", "check_checkpoint_model"]
+__all__ = ["check_checkpoint", "check_checkpoint_model", "check_pipeline_checkpoint"]
 
 
 def check_checkpoint(path: str) -> dict:
@@ -60,3 +61,25 @@ def check_checkpoint_model(path: str, state: Any, cfg: "TransformerConfig") -> N
                                                                       else "")
     raise field_error("resume", path, f"be a checkpoint of the model `model.*` describes ({why})",
                       "resume with the model settings the checkpoint was trained with")
+
+
+def check_pipeline_checkpoint(path: str, workload: "WorkloadSpec", global_batch_size: int, dtype: "Dtype") -> None:
+    """``resume`` with strategy=hetero_deepspeed: a complete checkpoint directory that ``hetero_deepspeed`` wrote,
+    of a plan of this model, global batch and dtype (any such plan: the strategy loads it layer by layer)."""
+    from pathlib import Path
+
+    from het_strategy.core.plan import SCHEMA_VERSION
+    from het_strategy.strategy.deepspeed_checkpoint import check_same_model, read_saved_plan
+    from het_strategy.strategy.elastic import COMPLETE_MARKER
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise field_error("resume", path, "be a checkpoint directory with strategy=hetero_deepspeed (every rank "
+                          "writes its share: output.dir/checkpoints/step_N.ckpt/)")
+    if not (folder / COMPLETE_MARKER).is_file():
+        raise field_error("resume", path, f"be a complete checkpoint directory (it has no `{COMPLETE_MARKER}` "
+                          "file: its writing did not finish)", "resume from the checkpoint before it")
+    _, saved = read_saved_plan(folder, "resume")
+    mine = {"schema_version": SCHEMA_VERSION, "model": workload.fingerprint(), "global_batch_size": global_batch_size,
+            "dtype": str(dtype)}
+    check_same_model(folder, saved, mine, "resume", partial=True)

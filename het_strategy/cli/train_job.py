@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
-from het_strategy.cli.resume_check import check_checkpoint, check_checkpoint_model
+from het_strategy.cli.resume_check import check_checkpoint, check_checkpoint_model, check_pipeline_checkpoint
 from het_strategy.cli.train_config import Accelerator, HetTrainConfig, WandbMode, typed_config
 from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.plan import Plan
@@ -121,9 +121,11 @@ class TrainJob:
                               "rank takes its dtype from the hetero plan)", "use strategy=hetero, or bf16-mixed")
         _check_planner(c.planner)
         self.resume = c.resume
-        state = check_checkpoint(self.resume) if self.resume is not None else None
+        state = None
         if self.strategy == "hetero_deepspeed":
             self._check_deepspeed_job()
+        elif self.resume is not None:
+            state = check_checkpoint(self.resume)
         self._check_model()
         if state is not None:
             check_checkpoint_model(self.resume, state, self.model_cfg)
@@ -206,8 +208,9 @@ class TrainJob:
         if e.min_devices is not None and e.min_devices > self.cluster.num_devices:
             raise field_error("elastic.min_devices", e.min_devices, f"be at most the {self.cluster.num_devices} "
                               f"devices of cluster `{self.cluster.name}`")
-        if self.strategy != "hetero":
-            raise field_error("elastic.enabled", True, f"go with strategy=hetero, not {self.strategy}")  # noqa
+        if self.strategy not in ("hetero", "hetero_deepspeed"):
+            raise field_error("elastic.enabled", True, f"go with strategy=hetero or hetero_deepspeed, not "
+                              f"{self.strategy}")
         if c.checkpoint.every_n_steps is None:
             raise field_error("checkpoint.every_n_steps", None, "be set with elastic.enabled (a restart goes on from "
                               "the newest checkpoint)", "e.g. checkpoint.every_n_steps=10")
@@ -329,11 +332,14 @@ class TrainJob:
         if self.train.accumulate_grad_batches != 1:
             raise field_error("train.accumulate_grad_batches", self.train.accumulate_grad_batches,
                               "be 1 with strategy=hetero_deepspeed (the plan's micro-batches are the accumulation)")
-        if self.checkpoint.every_n_steps is not None or self.resume is not None:
-            raise field_error("checkpoint.every_n_steps" if self.resume is None else "resume",
-                              self.checkpoint.every_n_steps if self.resume is None else self.resume,
-                              "be null with strategy=hetero_deepspeed in het-train (its checkpoints resume at "
-                              "epoch boundaries only; use the Python API's trainer.save_checkpoint)")
+        if self.checkpoint.async_save:
+            raise field_error("checkpoint.async_save", True, "be false with strategy=hetero_deepspeed (DeepSpeed "
+                              "writes every rank's checkpoint files itself, synchronously)")
+        if self.accelerator == Accelerator.cpu:  # DeepSpeed would guess it, in a warning, here and in every rank
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if self.resume is not None:
+            # any plan of the same model, global batch and dtype: the strategy reshards it layer by layer
+            check_pipeline_checkpoint(self.resume, self.workload, self.train.global_batch_size, self.dtype)
 
     @property
     def out_dir(self) -> Path:

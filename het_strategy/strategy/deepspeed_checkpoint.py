@@ -51,7 +51,8 @@ from het_strategy.ds_runtime.layer_state import LAYERS_DIR, read_layer_states, r
 from het_strategy.strategy.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_KEY, FORMAT_KEY, check_format
 from het_strategy.strategy.elastic import COMPLETE_MARKER
 
-__all__ = ["CHECKPOINT_TAG", "PLAN_KEY", "save_plan_checkpoint", "load_plan_checkpoint"]
+__all__ = ["CHECKPOINT_TAG", "PLAN_KEY", "save_plan_checkpoint", "load_plan_checkpoint", "read_saved_plan",
+           "check_same_model"]
 
 CHECKPOINT_TAG = "checkpoint"
 """The DeepSpeed tag checkpoints are written under (``<dir>/checkpoint/``, ``<dir>/replica<p>/checkpoint/``)."""
@@ -79,22 +80,45 @@ def _mark_complete(runner: PlanRunner, path: Path) -> None:
         os.replace(part, path / COMPLETE_MARKER)
 
 
-def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *, strict: bool = True
-                         ) -> dict[str, Any]:
-    """Restore this rank's stage (layers, optimizer state); returns Lightning's entries (the client state)."""
+def read_saved_plan(checkpoint_path: Any, field: str = "ckpt_path") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank 0's client state of the checkpoint directory ``checkpoint_path`` (read as data, its format checked)
+    and the plan it was trained with; a ``ConfigError`` on ``field`` for anything else."""
     path = Path(checkpoint_path)
     # rank 0's file carries the client state; an asymmetric plan's is under replica0/ (PlanRunner.checkpoint_dir)
     candidates = [d / CHECKPOINT_TAG / "mp_rank_00_model_states.pt" for d in (path, path / "replica0")]
     meta = next((c for c in candidates if c.is_file()), candidates[0])
     if not meta.is_file():
-        raise field_error("ckpt_path", str(checkpoint_path), "be a checkpoint directory written by "
+        raise field_error(field, str(checkpoint_path), "be a checkpoint directory written by "
                           f"hetero_deepspeed's save_checkpoint (no {meta.relative_to(path)} in it)")
-    meta_state = load_as_data(meta)
+    meta_state = load_as_data(meta, field)
     check_format(meta_state.get(CHECKPOINT_KEY), checkpoint_path, f"client state entry {CHECKPOINT_KEY!r}")
-    saved = meta_state.get(PLAN_KEY)
+    return meta_state, meta_state.get(PLAN_KEY) or {}
+
+
+def check_same_model(path: Any, saved: dict[str, Any], mine: dict[str, Any], field: str = "ckpt_path", *,
+                     partial: bool = False) -> list[str]:
+    """The plan fields ``saved`` and ``mine`` differ in (sorted); a ``ConfigError`` on ``field`` when one of them
+    is not reshardable (the model, global batch, dtype, schema).  ``partial``: ``mine`` holds only the fields
+    known before planning, and only those are compared."""
+    keys = set(mine) if partial else set(mine) | set(saved)
+    diff = sorted(k for k in keys if saved.get(k) != mine.get(k))
+    fixed = [k for k in diff if k not in _RESHARDABLE]
+    if fixed:
+        raise field_error(field, str(path), "hold a checkpoint of this strategy's model, batch and dtype (its "
+                          f"saved plan `{PLAN_KEY}` differs in: {', '.join(fixed)}; another plan of the same "
+                          "model, global batch and dtype loads)", "resume with the checkpoint's model, global "
+                          "batch and precision")
+    return diff
+
+
+def load_plan_checkpoint(runner: PlanRunner, plan: Plan, checkpoint_path: Any, *, strict: bool = True
+                         ) -> dict[str, Any]:
+    """Restore this rank's stage (layers, optimizer state); returns Lightning's entries (the client state)."""
+    path = Path(checkpoint_path)
+    meta_state, saved = read_saved_plan(path)
     mine = plan.to_dict()
     if saved != mine:
-        return _resharded(runner, path, saved or {}, mine, meta_state)
+        return _resharded(runner, path, check_same_model(path, saved, mine), meta_state)
     _, client = runner.load_checkpoint(path, CHECKPOINT_TAG, load_optimizer_states=True,
                                        load_lr_scheduler_states=False, load_module_strict=strict)
     if client is None:
@@ -111,16 +135,9 @@ _RESHARDABLE = {"cluster", "cluster_devices", "pipelines", "zero_stage", "mode",
 """Plan fields a checkpoint may differ in and still load, through its per-layer state (``layer_state``)."""
 
 
-def _resharded(runner: PlanRunner, path: Path, saved: dict[str, Any], mine: dict[str, Any],
-               meta_state: dict[str, Any]) -> dict[str, Any]:
-    """Load a checkpoint of another plan through its per-layer files; Lightning's entries from rank 0's file."""
-    diff = sorted(k for k in set(mine) | set(saved) if saved.get(k) != mine.get(k))
-    fixed = [k for k in diff if k not in _RESHARDABLE]
-    if fixed:
-        raise field_error("ckpt_path", str(path), "hold a checkpoint of this strategy's model, batch and dtype (its "
-                          f"saved plan `{PLAN_KEY}` differs in: {', '.join(fixed)}; another plan of the same "
-                          "model, global batch and dtype loads)", "resume with the checkpoint's global batch and "
-                          "precision")
+def _resharded(runner: PlanRunner, path: Path, diff: list[str], meta_state: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint of another plan (``diff``: the plan fields it differs in) through its per-layer files;
+    Lightning's entries from rank 0's file."""
     manifest = read_manifest(path)
     if manifest is None:
         raise field_error("ckpt_path", str(path), f"hold per-layer state ({LAYERS_DIR}/) to load into another plan "

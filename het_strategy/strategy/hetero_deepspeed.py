@@ -231,6 +231,23 @@ class HeteroDeepSpeedStrategy(DDPStrategy):
         if plugin is not None:
             self.plans.use_precision(plugin.precision)
 
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        """Lightning's ``TorchCheckpointIO``, which this strategy does not write through (``save_checkpoint``)."""
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        """A ``CheckpointIO`` plugin (e.g. ``AsyncCheckpointIO``) is refused in ``Trainer(...)``: DeepSpeed writes
+        every rank's checkpoint files itself, so the plugin would be passed over without a word."""
+        # by name: the pytorch_lightning twin meets lightning_fabric's class of the same name
+        if io is not None and type(io).__name__ != "TorchCheckpointIO":
+            raise field_error("Trainer.plugins", type(io).__name__, "hold no CheckpointIO plugin with "
+                              "hetero_deepspeed (DeepSpeed writes every rank's checkpoint files itself, "
+                              "synchronously)")
+        _inherited_property(type(self), __class__, "checkpoint_io").fset(self, io)
+
     # -- setup ------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
