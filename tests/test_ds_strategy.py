@@ -212,6 +212,27 @@ def test_construction():
 
 
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_a_checkpoint_io_plugin_is_refused_in_the_trainer(namespace):
+    """DeepSpeed writes the checkpoint files itself: an ``AsyncCheckpointIO`` would be passed over, so
+    ``Trainer(plugins=[...])`` refuses it, on both Lightning packages; without one the default stays."""
+    import importlib
+
+    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy.strategy.pytorch_lightning_classes import HeteroDeepSpeedStrategyPL
+
+    pl = importlib.import_module(namespace)
+    io = importlib.import_module(f"{namespace}.plugins.io")
+    cls = HeteroDeepSpeedStrategy if namespace == "lightning.pytorch" else HeteroDeepSpeedStrategyPL
+    with pytest.raises(ConfigError) as err:
+        pl.Trainer(strategy=cls(cluster=CLUSTER, plan=base.pipe_plan()), accelerator="cpu", devices=4,
+                   plugins=[io.AsyncCheckpointIO()], logger=False)
+    assert err.value.field == "Trainer.plugins" and "AsyncCheckpointIO" in str(err.value)
+    trainer = pl.Trainer(strategy=cls(cluster=CLUSTER, plan=base.pipe_plan()), accelerator="cpu", devices=4,
+                         logger=False)
+    assert type(trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
 def test_hetero_deepspeed_is_registered_on_each_lightning_package(namespace):
     pytest.importorskip(namespace)
     code = "\n".join([
