@@ -211,6 +211,26 @@ def test_construction():
     assert HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=worker.dp_plan(), zero_stage=3).plan.zero_stage == 3
 
 
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_best_plan_that_leaves_a_device_idle_is_refused_naming_it_and_why(elastic):
+    """Every hetero_deepspeed rank holds a stage: when the best plan leaves a device out (b is 1000x slower), rank
+    0's planning says which and why, and what to do (under torchrun: stop that device's agent)."""
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder
+
+    devices = [{"name": "a", "type": "CPU", "tflops": {"fp32": 1.0}},
+               {"name": "b", "type": "CPU", "tflops": {"fp32": 0.001}}]
+    cluster = load_cluster({"name": "two", "nodes": [{"name": "n", "devices": devices}]})
+    holder = DeepSpeedPlanHolder(cluster, workload="tiny_gpt", global_batch_size=16, max_tp=1)
+    if elastic:
+        holder.use_devices_present(["a", "b"])
+    with pytest.raises(ConfigError) as err:
+        holder.ensure(0, 1)
+    field = "HET_STRATEGY_DEVICE" if elastic else "cluster"
+    assert str(err.value).startswith(f"`{field}` is ") and "leaves b idle (b: too slow" in str(err.value)
+    assert ("stop the agents of the idle devices" in str(err.value)) == elastic
+
+
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
 def test_a_checkpoint_io_plugin_is_refused_in_the_trainer(namespace):
     """DeepSpeed writes the checkpoint files itself: an ``AsyncCheckpointIO`` would be passed over, so

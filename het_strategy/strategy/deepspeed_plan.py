@@ -41,7 +41,7 @@ from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_proble
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec, load_workload, transformer_workload
 from het_strategy.emulation.speeds import cluster_is_emulated
-from het_strategy.strategy.elastic import present_cluster
+from het_strategy.strategy.elastic import DEVICE_ENV, present_cluster
 from het_strategy.planning.request import PlanMode
 from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy.rank_zero import decided_on_rank_zero
@@ -118,6 +118,8 @@ class DeepSpeedPlanHolder:
             self.check(loaded)
         self.plan: Plan | None = loaded
         """The plan run (``None`` until ``ensure`` when the strategy plans)."""
+        self.elastic = False
+        """Whether the cluster is the devices the ranks named (``use_devices_present``)."""
 
     def use_devices_present(self, names: list[str] | None) -> None:
         """Under torchrun's elastic agent (``names``: the device each rank named, ``elastic.gather_device_names``):
@@ -126,6 +128,7 @@ class DeepSpeedPlanHolder:
         if names is None:
             return
         self.cluster = present_cluster(self.cluster, names)
+        self.elastic = True
         if self.plan is not None:
             self.check(self.plan)
 
@@ -185,11 +188,27 @@ class DeepSpeedPlanHolder:
         def search() -> tuple[str, str]:
             result = plan(self.cluster, workload, settings, PlanRequest(mode=self.planner_mode,
                                                                          runtime=Runtime.deepspeed))
+            self._refuse_idle(result.plan)
             return result.plan.to_json(), result.summary()
 
         value, summary = decided_on_rank_zero(rank, world_size, search)
         self.plan_summary = summary
         return Plan.from_dict(json.loads(value))
+
+    def _refuse_idle(self, best: Plan) -> None:
+        """The best plan leaves a device of the run idle: one line naming it and why (every rank of a
+        ``hetero_deepspeed`` run holds a stage, so its process has nothing to run)."""
+        idle = [d.name for d in self.cluster.devices if d.name not in best.used_devices]
+        if not idle:
+            return
+        why = "; ".join(f"{d}: {best.idle_reasons.get(d, 'not used by the best plan')}" for d in idle)
+        idle_part = f"leaves {', '.join(idle)} idle ({why}), and every hetero_deepspeed rank must hold a stage"
+        if self.elastic:
+            raise field_error(DEVICE_ENV, idle[0] if len(idle) == 1 else idle, "name only devices the plan uses: "
+                              f"the best plan for the devices present {idle_part}",
+                              "stop the agents of the idle devices: torchrun restarts the others without them")
+        raise field_error("cluster", self.cluster.name, f"hold only devices the plan uses: its best plan {idle_part}",
+                          "launch one process per device the plan uses, with a cluster of those devices")
 
     def stage_padding(self, module: Any) -> tuple[ClusterSpec | None, WorkloadSpec | None]:
         """``(cluster, workload)`` that ``PlanRunner`` pads each stage to; ``(None, None)`` on real devices."""
