@@ -118,8 +118,8 @@ class DeepSpeedPlanHolder:
             self.check(loaded)
         self.plan: Plan | None = loaded
         """The plan run (``None`` until ``ensure`` when the strategy plans)."""
-        self.elastic = False
-        """Whether the cluster is the devices the ranks named (``use_devices_present``)."""
+        self.present: list[str] | None = None
+        """The devices the ranks named (``HET_STRATEGY_DEVICE``) when the cluster is the ones present."""
 
     def use_devices_present(self, names: list[str] | None) -> None:
         """Under torchrun's elastic agent (``names``: the device each rank named, ``elastic.gather_device_names``):
@@ -128,7 +128,7 @@ class DeepSpeedPlanHolder:
         if names is None:
             return
         self.cluster = present_cluster(self.cluster, names)
-        self.elastic = True
+        self.present = names
         if self.plan is not None:
             self.check(self.plan)
 
@@ -203,7 +203,7 @@ class DeepSpeedPlanHolder:
             return
         why = "; ".join(f"{d}: {best.idle_reasons.get(d, 'not used by the best plan')}" for d in idle)
         idle_part = f"leaves {', '.join(idle)} idle ({why}), and every hetero_deepspeed rank must hold a stage"
-        if self.elastic:
+        if self.present is not None:
             raise field_error(DEVICE_ENV, idle[0] if len(idle) == 1 else idle, "name only devices the plan uses: "
                               f"the best plan for the devices present {idle_part}",
                               "stop the agents of the idle devices: torchrun restarts the others without them")
