@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.0, help="its Nesterov momentum (the strategy's "
                     "default, DiLoCo's, is 0.9)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the two DiLoCo runs (ddp and sync: seed 0)")
+    ap.add_argument("--first-seed", type=int, default=0, help="the DiLoCo runs' first seed (with --only)")
     ap.add_argument("--val-batches", type=int, default=20, help="held-out batches of 32 sequences")
     ap.add_argument("--only", nargs="*", choices=LABELS, help="run only these (the RESULT line needs all)")
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -182,6 +183,8 @@ def main() -> None:
         return
     from het_strategy.core.cluster import cluster_from_dict
 
+    if args.first_seed and not args.only:
+        ap.error("--first-seed goes with --only: the RESULT line compares seed 0's runs with ddp's and sync's")
     require_netns("low_communication")
     source = cluster_dict(args.rate_mbit, args.slow_speed, args.intra_gbs)
     cluster = cluster_from_dict(source)
@@ -195,7 +198,8 @@ def main() -> None:
     for label in LABELS:
         print(_plan_text(label, plans[label]), flush=True)
     runs: dict[tuple[str, int], dict[str, Any]] = {}
-    order = [(label, 0) for label in ("ddp", "sync")] + [(label, seed) for seed in range(args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    order = [(label, 0) for label in ("ddp", "sync")] + [(label, seed) for seed in seeds
                                                          for label in ("diloco_even", "diloco")]
     with tempfile.TemporaryDirectory(prefix="low_communication_") as tmp:
         for label, seed in order:
@@ -206,15 +210,23 @@ def main() -> None:
             print(f"  {label:<12} seed {seed}  wall {r['wall_s']:7.1f} s ({r['wall_s'] / args.steps * 1e3:6.0f} "
                   f"ms/step)  {r['crossed_mb']:8.1f} MB over the link  val loss {r['val_loss']:.4f}"
                   + (f"  ({r['rounds']} outer steps)" if r["rounds"] is not None else ""), flush=True)
+    paired = [s for s in seeds if ("diloco", s) in runs and ("diloco_even", s) in runs]
+    even_gaps = [(runs["diloco", s]["val_loss"] - runs["diloco_even", s]["val_loss"])
+                 / runs["diloco_even", s]["val_loss"] for s in paired]
+    if len(even_gaps) > 1:
+        sd = statistics.stdev(even_gaps)
+        print(f"  (diloco - diloco_even) / diloco_even, seeds {seeds[0]}-{seeds[-1]}: "
+              + " ".join(f"{g * 100:+.2f}%" for g in even_gaps)
+              + f"\n  mean {statistics.mean(even_gaps) * 100:+.2f}%, standard deviation {sd * 100:.2f}%, standard "
+              f"error {sd / math.sqrt(len(even_gaps)) * 100:.2f}%; heterogeneity-aware better in "
+              f"{sum(g < 0 for g in even_gaps)} of {len(even_gaps)}")
     if args.only:
         return
-    d, seeds = runs["diloco", 0], range(args.seeds)
+    d = runs["diloco", 0]
     wall = {label: statistics.mean(runs[label, s]["wall_s"] for s in seeds) for label in ("diloco", "diloco_even")}
     wall.update({label: runs[label, 0]["wall_s"] for label in ("ddp", "sync")})
     vs = {label: wall[label] / wall["diloco"] for label in ("ddp", "sync", "diloco_even")}
     gap = (d["val_loss"] - runs["ddp", 0]["val_loss"]) / runs["ddp", 0]["val_loss"]  # the same seed: init, data
-    even_gaps = [(runs["diloco", s]["val_loss"] - runs["diloco_even", s]["val_loss"])
-                 / runs["diloco_even", s]["val_loss"] for s in seeds]
     bytes_ratio = runs["ddp", 0]["crossed_mb"] / d["crossed_mb"]
     predicted_vs_even = plans["diloco_even"].predicted["step_time_s"] / plans["diloco"].predicted["step_time_s"]
     print(f"  diloco vs ddp {vs['ddp']:.1f}x, vs sync compressed {vs['sync']:.2f}x, vs even-split DiLoCo "
