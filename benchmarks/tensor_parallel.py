@@ -35,7 +35,8 @@ import argparse
 from _pipeline_common import emulated_cluster, run_plan
 
 from het_strategy.core.cluster import load_cluster
-from het_strategy.core.cost_model import CostModel, GiB
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.memory import GiB
 from het_strategy.core.plan import Plan
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import TransformerConfig, transformer_workload

@@ -129,6 +129,39 @@ def test_fit_outside_its_range_and_unknown_gpu_raise():
         sailor_bandwidth_gbs("A100-40GB", 3, 1e8)
 
 
+def test_devices_sailor_did_not_measure_are_priced_by_the_analytic_model_and_the_cluster_file_and_said_so(
+        opt350_profile):
+    """planner.profile=sailor on a cluster with GPU types Sailor did not measure (A10G; a node mixing A100 and T4):
+    those links get the cluster file's figures, those stages the analytic model, and the table lines name both;
+    a node of one measured type keeps Sailor's fit."""
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.network import Network
+    from het_strategy.core.reference_profiles import SailorNetwork
+    from het_strategy.core.train_settings import TrainSettings
+    from het_strategy.planning import PlanRequest, plan
+
+    cluster = load_cluster({"name": "three", "inter_node_bandwidth_gbs": 12.5, "nodes": [
+        {"name": "a100", "intra_bandwidth_gbs": 100, "devices": [{"type": "A100-40GB", "count": 2}]},
+        {"name": "mixed", "intra_bandwidth_gbs": 16, "devices": [{"type": "A100-40GB"}, {"type": "T4"}]},
+        {"name": "a10g", "intra_bandwidth_gbs": 16, "devices": [{"type": "A10G", "count": 2}]}]})
+    sailor, plain = SailorNetwork(cluster), Network(cluster)
+    for node in ("mixed", "a10g"):
+        assert sailor.intra_bandwidth(node, 2, 1e8) == plain.intra_bandwidth(node, 2, 1e8) == 16e9
+    assert sailor.inter_flow_bandwidth("a100", "a10g", 1, 1, 1e8) == plain.inter_flow_bandwidth("a100", "a10g", 1, 1,
+                                                                                                   1e8)
+    assert sailor.intra_bandwidth("a100", 2, 1e8) == pytest.approx(sailor_bandwidth_gbs("A100-40GB", 2, 1e8) * 1e9)
+    assert "the cluster file's figures on nodes mixed, a10g" in sailor.describe()
+
+    workload = load_workload("opt350")
+    result = plan(cluster, workload, TrainSettings(global_batch_size=32), PlanRequest(profile="sailor"))
+    assert set(result.plan.used_devices) == {d.name for d in cluster.devices}  # it plans, with every device
+    score = CostModel(cluster, workload, TrainSettings(global_batch_size=32), opt350_profile).score(result.plan)
+    assert score.step_time_s == pytest.approx(result.score.step_time_s) and score.network == sailor.describe()
+    assert score.compute == ("measured per-layer times of OPT-350 for A100-40GB tp 1; the analytic model for "
+                             "A10G tp 1, T4 tp 1 (not in the profile)")
+
+
 @pytest.mark.skipif(not _SHARED.is_dir(), reason="the shared reference folder is not on this machine")
 def test_vendored_copy_is_identical():
     for src in _SHARED.iterdir():

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -62,62 +61,11 @@ from het_strategy.core.network import BLOCK_TP_ALLREDUCES, NO_SYNC, Network, Syn
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.dtypes import DTYPE_BYTES
-from het_strategy.core.memory import GiB, MemoryModel, overhead_bytes
+from het_strategy.core.memory import MemoryModel, overhead_bytes
+from het_strategy.core.plan_score import PlanScore, StageCost
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 __all__ = ["StageCost", "PlanScore", "CostModel"]
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """Per-micro-batch cost of one stage, and its memory per device."""
-
-    compute_s: float
-    """Forward + backward of one micro-batch, seconds (tensor-parallel comm included)."""
-    send_s: float
-    """Activation to the next stage + gradient back, seconds (0 for the last stage)."""
-    memory_bytes: float
-    """Peak memory per device of the stage."""
-
-
-@dataclass
-class PlanScore:
-    """The cost model's figures for one plan."""
-
-    step_time_s: float
-    samples_per_s: float
-    pipeline_times_s: list[float]
-    sync_time_s: float
-    update_time_s: float
-    memory_bytes: dict[str, float]
-    memory_capacity_bytes: dict[str, float]
-    stage_costs: list[list[StageCost]] = field(default_factory=list)
-    grad_dtype: str = "fp32"
-    """Dtype the gradients were priced in."""
-    network: str = ""
-    """The link model that priced communication (one line)."""
-
-    @property
-    def fits(self) -> bool:
-        return all(self.memory_bytes[d] <= self.memory_capacity_bytes[d] for d in self.memory_bytes)
-
-    def worst_memory(self) -> tuple[str, float, float]:
-        """(device, needed bytes, capacity bytes) of the device with the least headroom."""
-        dev = max(self.memory_bytes, key=lambda d: self.memory_bytes[d] / self.memory_capacity_bytes[d])
-        return dev, self.memory_bytes[dev], self.memory_capacity_bytes[dev]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step_time_s": self.step_time_s,
-            "samples_per_s": self.samples_per_s,
-            "pipeline_times_s": self.pipeline_times_s,
-            "sync_time_s": self.sync_time_s,
-            "update_time_s": self.update_time_s,
-            "memory_gb": {d: round(b / GiB, 3) for d, b in self.memory_bytes.items()},
-            "memory_capacity_gb": {d: round(b / GiB, 3) for d, b in self.memory_capacity_bytes.items()},
-            "fits": self.fits,
-            "grad_dtype": str(self.grad_dtype),  # plain JSON (a Dtype is a StrEnum)
-        }
 
 
 class CostModel:
@@ -405,13 +353,15 @@ class CostModel:
             memory.update(mem)
             capacity.update({d: self.memory_capacity_bytes(self.cluster.device(d)) for d in mem})
         post = self._post_times_s(plan)
+        kinds = ((self.cluster.device(st.devices[0]).type, st.tp) for pipe in plan.pipelines for st in pipe.stages)
         last_device = max(post, key=lambda d: sum(post[d]))
         sync, update = post[last_device]
         step = max(pipeline_times) + sync + update
         return PlanScore(step_time_s=step, samples_per_s=plan.global_batch_size / step,
                          pipeline_times_s=pipeline_times, sync_time_s=sync, update_time_s=update,
                          memory_bytes=memory, memory_capacity_bytes=capacity, stage_costs=stage_costs,
-                         grad_dtype=self.settings.grad_reduce_dtype, network=self.network.describe())
+                         grad_dtype=self.settings.grad_reduce_dtype, network=self.network.describe(),
+                         compute="" if self.profile is None else self.profile.coverage(kinds))
 
     def pipeline_cost(self, pipe: Pipeline, dp: int, experts_by_dev: dict[str, dict[int, int]] | None = None,
                       group_tokens: float = 0.0, routes: list[SyncRoute] | None = None

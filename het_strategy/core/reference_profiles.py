@@ -146,15 +146,20 @@ def load_sailor_training_config(model: str = "OPT-350") -> dict[str, Any]:
 # -- bandwidth fits ---------------------------------------------------------------------------
 
 
-def _sailor_gpu_key(gpu: str, available: list[str], field_name: str) -> str:
-    """Sailor's key for ``gpu`` given as Sailor's name or our catalog name."""
+def _measured_key(gpu: str, available: list[str]) -> str | None:
+    """Sailor's key for ``gpu`` (Sailor's name or our catalog name) among ``available``; None if not measured."""
     if gpu in available:
         return gpu
     wanted = sailor_device_type(gpu)
-    for key in available:
-        if wanted is not None and sailor_device_type(key) == wanted:
-            return key
-    raise field_error(field_name, gpu, "be a GPU type Sailor measured here", f"measured: {', '.join(available)}")
+    return next((key for key in available if wanted is not None and sailor_device_type(key) == wanted), None)
+
+
+def _sailor_gpu_key(gpu: str, available: list[str], field_name: str) -> str:
+    """Sailor's key for ``gpu`` given as Sailor's name or our catalog name."""
+    key = _measured_key(gpu, available)
+    if key is None:
+        raise field_error(field_name, gpu, "be a GPU type Sailor measured here", f"measured: {', '.join(available)}")
+    return key
 
 
 def _fit(gpu: str, num_gpus: int, inter_node: bool, zone: str, peer_gpu: str | None,
@@ -230,6 +235,10 @@ class SailorNetwork(Network):
       the aggregate of the node's interface), divided by ``k``: one flow gets the
       1-GPU fit, four share the 4-GPU fit.  Counts beyond those measured use
       the largest measured count;
+    * a node whose devices are not all of one GPU type Sailor measured (an
+      unmeasured type, or a mix), and a pair of nodes Sailor has no fit for,
+      are priced from the cluster file's figures, as ``Network`` prices them,
+      and ``describe`` names those nodes;
     * a ring's step message is its chunk, ``min(buffer, 5e8 B) / n`` (DeepSpeed's
       reduce bucket, as Sailor's simulator takes it), and a fit is evaluated at
       that size and capped at its measured peak.  No latency term beyond the
@@ -242,10 +251,23 @@ class SailorNetwork(Network):
         super().__init__(cluster)
         self.latency_s = 0.0
         self.zone = zone
-        self._gpu_of_node = {n.name: n.devices[0].type for n in cluster.nodes}
+        measured = sorted(read_sailor_json("intra_node_bandwidth_fits.json"))
+        self._gpu_of_node: dict[str, str] = {}
+        """Sailor's GPU name of each node whose devices are all of one type it measured."""
+        for node in cluster.nodes:
+            types = {d.type for d in node.devices}
+            key = _measured_key(next(iter(types)), measured) if len(types) == 1 else None
+            if key is not None:
+                self._gpu_of_node[node.name] = key
+        self.unmeasured = [n.name for n in cluster.nodes if n.name not in self._gpu_of_node]
+        """Nodes priced from the cluster file's figures (no single GPU type Sailor measured)."""
 
     def describe(self) -> str:
-        return f"Sailor's measured bandwidth fits ({self.zone}), per message size, shared node interfaces"
+        line = f"Sailor's measured bandwidth fits ({self.zone}), per message size, shared node interfaces"
+        if self.unmeasured:
+            line += (f"; the cluster file's figures on node{'s' if len(self.unmeasured) > 1 else ''} "
+                     f"{', '.join(self.unmeasured)} (no single GPU type Sailor measured)")
+        return line
 
     def _gbs(self, coeffs: list[float], peak: float, message_bytes: Any) -> Any:
         m = np.log2(np.maximum(np.asarray(message_bytes, dtype=float), 1.0) / 1e6)
@@ -264,25 +286,35 @@ class SailorNetwork(Network):
         return coeffs, peak
 
     @functools.lru_cache(maxsize=None)
-    def _inter_fit(self, gpu: str, peer_gpu: str, k: int) -> tuple[list[float], float]:
+    def _inter_fit(self, gpu: str, peer_gpu: str, k: int) -> tuple[list[float], float] | None:
+        """The fit for ``k`` flows from ``gpu``'s node to ``peer_gpu``'s; None when Sailor measured no such pair."""
         data = read_sailor_json("inter_node_bandwidth_fits.json")[self.zone]
-        key = _sailor_gpu_key(gpu, sorted(data), "gpu")
+        key = _measured_key(gpu, sorted(data))
+        if key is None:
+            return None
         counts = sorted(int(c) for c in data[key])
         measured = max((c for c in counts if c <= k), default=counts[0])
         remote = data[key][str(measured)][self.zone]
-        peer_key = _sailor_gpu_key(peer_gpu, sorted(remote), "peer_gpu")
+        peer_key = _measured_key(peer_gpu, sorted(remote))
+        if peer_key is None:
+            return None
         peer_counts = sorted(int(c) for c in remote[peer_key])
         peer_measured = max((c for c in peer_counts if c <= k), default=peer_counts[0])
         coeffs, peak = remote[peer_key][str(peer_measured)]
         return coeffs, peak
 
     def intra_bandwidth(self, node: str, group_size: int, message_bytes: Any) -> Any:
+        if node not in self._gpu_of_node:
+            return super().intra_bandwidth(node, group_size, message_bytes)
         return self._gbs(*self._intra_fit(self._gpu_of_node[node], group_size), message_bytes)
 
     def inter_flow_bandwidth(self, node: str, peer: str, flows: int, peer_flows: int, message_bytes: Any) -> Any:
         k = max(flows, peer_flows)
-        coeffs, peak = self._inter_fit(self._gpu_of_node[node], self._gpu_of_node[peer], k)
-        return self._gbs(coeffs, peak, message_bytes) / k
+        fit = (self._inter_fit(self._gpu_of_node[node], self._gpu_of_node[peer], k)
+               if node in self._gpu_of_node and peer in self._gpu_of_node else None)
+        if fit is None:
+            return super().inter_flow_bandwidth(node, peer, flows, peer_flows, message_bytes)
+        return self._gbs(*fit, message_bytes) / k
 
     def ring_allreduce_s(self, num_bytes: Any, route: SyncRoute) -> Any:
         n = route.members

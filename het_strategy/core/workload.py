@@ -18,7 +18,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from het_strategy.core.compute_model import AttentionKernel, LayerShape
 from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, as_dtype
@@ -267,6 +267,15 @@ class MeasuredProfile:
 
     def covers(self, device_type: str, tp: int) -> bool:
         return (device_type, tp) in self.times
+
+    def coverage(self, used: Iterable[tuple[str, int]]) -> str:
+        """One line for the plan table: the (device type, tp) of ``used`` this profile prices, and those it has no
+        times for, which the analytic model prices (``settings.compute_model``)."""
+        pairs = sorted(set(used))
+        have = [f"{t} tp {tp}" for t, tp in pairs if self.covers(t, tp)]
+        lack = [f"{t} tp {tp}" for t, tp in pairs if not self.covers(t, tp)]
+        line = f"measured per-layer times of {self.model} for {', '.join(have) if have else 'no stage of the plan'}"
+        return line + (f"; the analytic model for {', '.join(lack)} (not in the profile)" if lack else "")
 
     def device_types(self) -> set[str]:
         return {dt for dt, _ in self.times}

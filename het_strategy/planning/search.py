@@ -16,7 +16,8 @@ step every other search runs per cluster (``runtimes``, ``joint``,
 from __future__ import annotations
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.cost_model import GiB, CostModel
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.memory import GiB
 from het_strategy.core.memory import overhead_bytes
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error

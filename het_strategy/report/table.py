@@ -202,6 +202,8 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
         f"  = slowest pipeline {slowest * 1e3:.1f} ms + gradient sync {score.sync_time_s * 1e3:.1f} ms"
         f" ({score.grad_dtype} gradients) + optimizer update {score.update_time_s * 1e3:.1f} ms",
     ]
+    if score.compute:
+        lines.append(f"  compute priced by: {score.compute}")
     if score.network:
         lines.append(f"  communication priced by: {score.network}")
     if plan.compression.get("inter_node"):
