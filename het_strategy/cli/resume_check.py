@@ -70,13 +70,13 @@ def check_pipeline_checkpoint(path: str, workload: "WorkloadSpec", global_batch_
 
     from het_strategy.core.plan import SCHEMA_VERSION
     from het_strategy.strategy.deepspeed_checkpoint import check_same_model, read_saved_plan
-    from het_strategy.strategy.elastic import COMPLETE_MARKER
+    from het_strategy.strategy.elastic import COMPLETE_MARKER, is_whole_checkpoint
 
     folder = Path(path)
     if not folder.is_dir():
         raise field_error("resume", path, "be a checkpoint directory with strategy=hetero_deepspeed (every rank "
                           "writes its share: output.dir/checkpoints/step_N.ckpt/)")
-    if not (folder / COMPLETE_MARKER).is_file():
+    if not is_whole_checkpoint(folder):
         raise field_error("resume", path, f"be a complete checkpoint directory (it has no `{COMPLETE_MARKER}` "
                           "file: its writing did not finish)", "resume from the checkpoint before it")
     _, saved = read_saved_plan(folder, "resume")

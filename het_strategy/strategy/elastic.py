@@ -39,7 +39,7 @@ from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 
 __all__ = ["DEVICE_ENV", "SHARE_STORE_ENV", "COMPLETE_MARKER", "check_agent_store", "gather_device_names",
-           "present_cluster", "latest_checkpoint", "init_attempt_process_group"]
+           "present_cluster", "latest_checkpoint", "is_whole_checkpoint", "init_attempt_process_group"]
 
 DEVICE_ENV = "HET_STRATEGY_DEVICE"
 """The environment variable in which a rank names the cluster file's device it runs on."""
@@ -146,10 +146,10 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         return None
     found = sorted(((int(m.group(1)), p) for p in folder.glob("*.ckpt") if (m := _STEP.search(p.name))),
                    reverse=True)
-    return next((p for _, p in found if _whole(p)), None)
+    return next((p for _, p in found if is_whole_checkpoint(p)), None)
 
 
-def _whole(path: Path) -> bool:
+def is_whole_checkpoint(path: Path) -> bool:
     """``torch.save`` writes a zip archive: a file whose central directory reads is complete; a directory is
     complete with its ``COMPLETE_MARKER``."""
     if path.is_dir():
