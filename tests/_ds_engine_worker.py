@@ -141,6 +141,9 @@ def main() -> None:
     result["sharded"] = any(getattr(q, "ds_tensor", None) is not None and q.ds_tensor.numel() < q.ds_numel
                             for q in runner.engine.module.parameters())
     result["params"] = {n: p.double().flatten().tolist() for n, p in runner.named_parameters().items()}
+    result["param_numel"] = sum(q.numel() for q in runner.engine.module.parameters())
+    result["state_numel"] = sum(v.numel() for st in runner.engine.optimizer.state.values() for v in st.values()
+                                if torch.is_tensor(v) and v.dim() > 0)
     with open(os.path.join(out_dir, f"rank{runner.rank}.json"), "w") as fh:
         json.dump(result, fh)
     torch.distributed.barrier()

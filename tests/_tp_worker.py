@@ -1,7 +1,8 @@
-"""One rank of the tensor-parallel runtime tests: ``python _tp_worker.py CASE OUT_DIR [CLIP [DTYPE [INF_RANK]]]``.
+"""One rank of the tensor-parallel runtime tests:
+``python _tp_worker.py CASE OUT_DIR [CLIP [DTYPE [INF_RANK [ZERO]]]]``.
 
 Trains ``STEPS`` steps of a small CharGPT (float64, or bf16 / fp16 with DTYPE; INF_RANK: that rank's gradient
-gets an inf in step 2) through ``PlanRunner`` on the whole
+gets an inf in step 2, ``-`` for none; ZERO: the plan's ZeRO stage, 0 by default) through ``PlanRunner`` on the whole
 global batch, and writes ``OUT_DIR/rank{r}.json``: the losses, a final eval loss and this rank's parameters,
 each compared with the matching part (``tensor_parallel.layers.shard_of``) of the single-process reference
 that ``reference`` trains on the same batch (``CharGPT.forward``, torch's ``clip_grad_norm_``).
@@ -19,7 +20,7 @@ SHAPE = dict(num_layers=2, hidden_size=16, num_heads=4, seq_len=8, vocab_size=64
 LR = 0.05
 
 
-def plan(case: str, dtype: str = "fp32"):
+def plan(case: str, dtype: str = "fp32", zero_stage: int = 0):
     """The cases (layers: embedding, block0, block1, head):
 
     - ``tp2``: one replica, one stage at tp 2 (world 2), micro-batches 3 + 3 + 1;
@@ -44,7 +45,8 @@ def plan(case: str, dtype: str = "fp32"):
         raise SystemExit(f"unknown case {case}")
     devices = tuple(sorted({d for p in pipes for d in p.devices}))
     return Plan(cluster="local", cluster_devices=devices, model={"name": "char_gpt", "num_layers": 4},
-                global_batch_size=BATCH, dtype=dtype, mode="manual", zero_stage=0, pipelines=tuple(pipes))
+                global_batch_size=BATCH, dtype=dtype, mode="manual", zero_stage=zero_stage,
+                pipelines=tuple(pipes))
 
 
 def model():
@@ -92,6 +94,13 @@ def reference(clip: float):
     return losses, final, named
 
 
+def _state_numel(optimizer) -> int:
+    """Elements of the optimizer's per-element state (AdamW's two moments)."""
+    import torch
+
+    return sum(v.numel() for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
 def main() -> None:
     import torch
 
@@ -104,6 +113,8 @@ def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     clip = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     dtype = sys.argv[4] if len(sys.argv) > 4 else "fp32"
+    inf_rank = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
+    zero = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     if dtype == "fp16":
         # DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (most CPUs); the path under
         # test (loss scaling, overflow skips, the reduction) is the same on torch's CPU fp16 kernels
@@ -114,11 +125,11 @@ def main() -> None:
     layers = m.pipeline_layers()
     specs = {i: tensor_parallel_plan_of(layer).shard_specs() if tensor_parallel_plan_of(layer) else {}
              for i, layer in enumerate(layers)}
-    runner = PlanRunner(plan(case, dtype), layers, CharGPT.pipeline_loss,
+    runner = PlanRunner(plan(case, dtype, zero), layers, CharGPT.pipeline_loss,
                         lambda params: torch.optim.AdamW(params, lr=LR), gradient_clipping=clip, timeout_s=120)
     x, y = batch()
     poison = {"on": False}
-    if len(sys.argv) > 5 and runner.rank == int(sys.argv[5]):  # an inf in this rank's gradient on step 2 only
+    if runner.rank == inf_rank:  # an inf in this rank's gradient on step 2 only
         param = next(q for q in runner.module.parameters() if q.requires_grad)
         param.register_hook(lambda g: g * float("inf") if poison["on"] else g)
     losses = []
@@ -144,7 +155,7 @@ def main() -> None:
     runner.save_checkpoint(os.path.join(out, "ckpt"), "t", {"step": STEPS})
     torch.manual_seed(7)
     other = CharGPT(**SHAPE).double() if dtype == "fp32" else CharGPT(**SHAPE)
-    again = PlanRunner(plan(case, dtype), other.pipeline_layers(), CharGPT.pipeline_loss,
+    again = PlanRunner(plan(case, dtype, zero), other.pipeline_layers(), CharGPT.pipeline_loss,
                        lambda params: torch.optim.AdamW(params, lr=LR), gradient_clipping=clip, timeout_s=120)
     _, client = again.load_checkpoint(os.path.join(out, "ckpt"), "t")
     saved = runner.named_parameters()
@@ -157,6 +168,8 @@ def main() -> None:
               "reload_max_diff": reloaded, "client_step": client["step"], "step_after_reload_max_diff": after,
               "ref_eval_loss": ref_final, "param_max_diff": worst, "names": names, "tp": tp,
               "micro_batch_sizes": list(runner.batch.micro_batch_sizes),
+              "state_numel": _state_numel(runner.engine.optimizer),
+              "param_numel": sum(q.numel() for q in runner.module.parameters()),
               "norm": runner.reducer.last_norm if runner.reducer is not None else None}
     with open(os.path.join(out, f"rank{runner.rank}.json"), "w") as f:
         json.dump(result, f)

@@ -94,11 +94,19 @@ def test_uneven_pipelines_match_one_process_on_the_global_batch(tmp_path, zero_s
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_asymmetric_replicas_match_one_process_in_float64(tmp_path, clip):
+@pytest.mark.parametrize("zero_stage, clip", [(0, 0.0), (0, 0.05), (1, 0.05)])
+def test_asymmetric_replicas_match_one_process_in_float64(tmp_path, zero_stage, clip):
     # Three replicas of different shapes (1 stage, 2 stages at [0, 2, 6], 1 stage) on 4 ranks, 3 + 4 + 1
-    # samples as 2+1 / 2+2 / 1: uneven counts, a short last micro-batch, overlapping holder sets.
-    ranks = _run_ranks(4, ["asym", "0", str(clip)], tmp_path)
+    # samples as 2+1 / 2+2 / 1: uneven counts, a short last micro-batch, overlapping holder sets.  At ZeRO 1
+    # the momentum buffers are sharded within each holder set ((0, 1, 3) for layers 0-1, (0, 2, 3) for 2-5):
+    # every element's buffer is kept once in each set, a third of it on each holder.
+    ranks = _run_ranks(4, ["asym", str(zero_stage), str(clip)], tmp_path)
+    states = [r["state_numel"] for r in ranks]
+    if zero_stage == 0:
+        assert states == [r["param_numel"] for r in ranks]
+    else:
+        assert sum(states) == ranks[0]["param_numel"]  # rank 0 holds every layer; each buffer kept once
+        assert max(states) <= ranks[0]["param_numel"] // 3 + 6
     assert [r["micro_batch_sizes"] for r in ranks] == [[2, 1], [2, 2], [2, 2], [1]]
     held = [sorted(int(n.split(".")[0]) for n in r["params"] if n.endswith("weight")) for r in ranks]
     assert held == [list(range(6)), [0, 1], [2, 3, 4, 5], list(range(6))]
@@ -170,13 +178,14 @@ def _pipe(devs, bounds, micro=2, samples=4):
 
 
 @pytest.mark.parametrize("plan, field, world", [
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1), "plan.zero_stage", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16", zero_stage=1), "plan.zero_stage",
+     None),  # ZeRO 1 within holder sets runs in fp32 only
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16", zero_stage=1), "plan.zero_stage",
      None),  # fp16 runs asymmetric at ZeRO 0 (the runtime scales the loss), not at 1
     (_plan([_pipe([("d0", "d1", "d2")], [0, 6]), _pipe([("d3", "d4")], [0, 6])]),
      "plan.pipelines[1].stages[0].tp", None),  # tp 2 beside tp 3: no common unit to reduce a shard in
-    (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], zero_stage=1), "plan.zero_stage", None),
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])], zero_stage=1), "plan.zero_stage",
+    (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], dtype="bf16", zero_stage=1), "plan.zero_stage", None),
+    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])], zero_stage=2), "plan.zero_stage",
      None),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), "WORLD_SIZE", 4),
     (_plan([_pipe(["d0"], [0, 6], micro=1, samples=4), _pipe(["d1"], [0, 6], micro=3, samples=3)], zero_stage=2),
@@ -206,6 +215,18 @@ def test_asymmetric_plans_are_runnable_at_zero_0_with_clipping():
     assert layout.holders(0) == (0, 2, 3) and layout.holders(3) == (1, 2, 3) and layout.holders(5) == (1, 2, 4)
     assert layout.holder_sets == ((0, 2, 3), (1, 2, 3), (1, 2, 4))
     assert layout.layers_by_holders(2) == [((0, 2, 3), [0, 1, 2]), ((1, 2, 3), [3]), ((1, 2, 4), [4, 5])]
+
+
+def test_per_replica_plans_run_zero_1_in_fp32_and_tell_deepspeed_zero_0():
+    # the runtime shards within holder sets itself; DeepSpeed's own ZeRO would shard over the replica's grid
+    from het_strategy.core.train_settings import TrainSettings
+    from het_strategy.ds_runtime.config import deepspeed_config
+
+    for plan in (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1),
+                 _plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], zero_stage=1)):
+        assert check_runnable(plan, len(plan.used_devices)).per_replica
+        settings = TrainSettings(plan.global_batch_size, dtype="fp32", zero_stage=1)
+        assert deepspeed_config(plan, settings, rank=0)["zero_optimization"]["stage"] == 0
 
 
 def test_importing_the_engine_does_not_import_deepspeed():

@@ -47,16 +47,19 @@ def _reference(steps: int, fresh_optimizer_after: int | None = None) -> dict[str
 
 @pytest.mark.multiprocess
 @pytest.mark.usefixtures("fresh_master_port")
-@pytest.mark.parametrize("first, second", [("pipe", "asym"), ("asym", "dp")])
-def test_a_checkpoint_continues_exactly_in_another_plan(tmp_path: Path, first: str, second: str) -> None:
+@pytest.mark.parametrize("first, first_zero, second, second_zero", [("pipe", 0, "asym", 1), ("asym", 0, "dp", 0),
+                                                                    ("asym", 1, "dp", 0)])
+def test_a_checkpoint_continues_exactly_in_another_plan(tmp_path: Path, first: str, first_zero: int, second: str,
+                                                        second_zero: int) -> None:
     """pipe -> asym: DeepSpeed's aligned grid (2 pipelines x 2 stages at [0, 4, 6]) into three replicas of
-    different shapes; asym -> dp: four ranks into two (world size 4 -> 2)."""
+    different shapes, their Adam moments sharded within the holder sets (ZeRO 1: each holder gets its slice);
+    asym -> dp: four ranks into two (world size 4 -> 2), from whole moments and from sharded ones (gathered)."""
     ckpt = tmp_path / "ckpt"
-    _phase(tmp_path, "save", first, ckpt)
+    _phase(tmp_path, "save", first, ckpt, zero=first_zero)
     manifest = json.loads((ckpt / "layers" / "manifest.json").read_text())
     assert manifest["num_layers"] == base.NUM_LAYERS and manifest["optimizer"] == "Adam"
     assert sorted(p.name for p in (ckpt / "layers").glob("layer_*.pt")) == [f"layer_{i:03d}.pt" for i in range(6)]
-    ranks = _phase(tmp_path, "load", second, ckpt)
+    ranks = _phase(tmp_path, "load", second, ckpt, zero=second_zero)
     ref = _reference(2 * worker.STEPS)
     covered: set[str] = set()
     for r in ranks:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.core.runtime_rules import Runtime, runtime_problems
+from het_strategy.core.runtime_rules import Runtime, runs_per_replica, runtime_problems
 from het_strategy.planning.runtimes import runnable
 
 pytest.importorskip("torch")
@@ -90,7 +90,8 @@ def test_planner_runtime_and_strategy_refuse_the_same_generated_plans():
                 assert sum(b.micro_batch_sizes) == b.samples and min(b.micro_batch_sizes) >= 1
             cfg = deepspeed_config(plan, TrainSettings(global_batch_size=plan.global_batch_size, dtype=plan.dtype,
                                                        zero_stage=plan.zero_stage), gradient_clipping=0.0)
-            assert cfg["zero_optimization"]["stage"] == plan.zero_stage
+            # a per-replica plan's ZeRO 1 is the runtime's own (holder_sharding): DeepSpeed runs at ZeRO 0
+            assert cfg["zero_optimization"]["stage"] == (0 if runs_per_replica(plan) else plan.zero_stage)
         # the launched world joins the rule only when given: one process per device the plan uses
         used = len(plan.used_devices)
         assert _runtime_accepts(plan, used) == planner

@@ -140,6 +140,21 @@ def test_tensor_parallel_plans_match_one_process_in_float64(tmp_path, case, worl
 
 
 @pytest.mark.multiprocess
+def test_zero_1_shards_the_optimizer_state_within_the_holder_sets_of_mixed_tp_replicas(tmp_path):
+    # the mixed case at ZeRO 1: each unit of a split linear is held by two ranks (the tp-1 rank and one tp-2 rank),
+    # the replicated parameters by all three; AdamW's moments are kept for a half or a third of each, and the
+    # update, the checkpoint round trip and the step after it are those of the single process
+    ranks = run_ds_ranks(WORKER, 3, ["mixed", str(CLIP), "fp32", "-", "1"], tmp_path, TIMEOUT_S)
+    _check_exact(ranks)
+    for r in ranks:
+        assert r["reload_max_diff"] == 0.0 and r["step_after_reload_max_diff"] == 0.0
+    whole = ranks[0]["param_numel"]  # the tp-1 rank holds every parameter whole
+    assert sum(r["state_numel"] for r in ranks) == pytest.approx(2 * whole, abs=2 * 3 * 16)  # two moments, once
+    assert ranks[0]["state_numel"] < 2 * whole * 0.6
+    assert ranks[1]["state_numel"] < 2 * ranks[1]["param_numel"] * 0.6
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype, bound", [("bf16", 1e-2), ("fp16", 2e-2)])
 def test_mixed_precision_mixed_tp_tracks_the_float64_reference(tmp_path, dtype, bound):
     # bf16 (BF16_Optimizer's fp32 buffers reduced per unit) and fp16 at ZeRO 0 (the loss scaled by the runtime,

@@ -30,10 +30,13 @@ The rules, by runtime:
        data parallelism) run at every ZeRO stage.
     3. Replicas with different stage boundaries (an asymmetric plan), plans
        with tp > 1 and fp16 plans at ZeRO 0 run each replica as its own
-       pipeline (``ds_runtime.replica_engine``; ``runs_per_replica``) at ZeRO 0:
-       no two ranks hold the same parameters for ZeRO to shard over.  Every
-       dtype runs (the runtime reduces the gradients DeepSpeed's
-       mixed-precision optimizer steps on).
+       pipeline (``ds_runtime.replica_engine``; ``runs_per_replica``).  Every
+       dtype runs at ZeRO 0 (the runtime reduces the gradients DeepSpeed's
+       mixed-precision optimizer steps on).  ZeRO 1 runs in fp32: the runtime
+       shards the optimizer state within each set of ranks holding the same
+       parameters (``ds_runtime.holder_sharding``).  In bf16 and fp16 it is
+       refused: DeepSpeed's mixed-precision optimizers keep their own whole
+       fp32 master copies, which that sharding does not reach (not built).
     4. fp16 at ZeRO 0 runs per replica (rule 3): DeepSpeed 0.19's ZeRO-0 fp16
        optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) unscale the
        gradients by the loss scale at the step, but its ``engine.backward``
@@ -166,17 +169,19 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
         out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "
                            "(DeepSpeed's pipeline engine refuses ZeRO 2 and 3)",
                            "use zero_stage 0 or 1, or plan pure data parallelism (mode dp)"))
-    if runs_per_replica(plan) and zero != 0:
+    if runs_per_replica(plan) and zero != 0 and not (zero == 1 and plan.dtype == "fp32"):
         if not shares_boundaries(plan):
             bounds = [pipe.boundaries() for pipe in plan.pipelines]
-            why = f"an asymmetric plan (its replicas have the different boundaries {bounds}"
+            why = f"an asymmetric plan (its replicas have the different boundaries {bounds})"
         elif has_tensor_parallel(plan):
-            why = "a plan with tensor parallelism (it runs each replica as its own pipeline"
+            why = "a plan with tensor parallelism (it runs each replica as its own pipeline)"
         else:
-            why = "this plan (it runs each replica as its own pipeline"
-        out.append(Problem("plan.zero_stage", zero, f"be 0 for {why}, so no two ranks hold the same parameters "
-                           "for ZeRO to shard)", "use zero_stage 0, or re-plan with max_tp=1 and mode pipeline "
-                           "(shared boundaries)"))
+            why = "this plan (it runs each replica as its own pipeline)"
+        out.append(Problem("plan.zero_stage", zero, f"be 0, or 1 in fp32, for {why}: the runtime shards the "
+                           "optimizer state within the sets of ranks holding the same parameters in fp32 only "
+                           "(DeepSpeed's bf16/fp16 optimizers keep whole fp32 master copies)",
+                           "use zero_stage 0, zero_stage 1 with dtype fp32, or re-plan with max_tp=1 and mode "
+                           "pipeline (shared boundaries)"))
     counts = [pipe.num_micro_batches for pipe in plan.pipelines]
     if zero >= 2 and len(set(counts)) > 1:
         common = max(counts)

@@ -146,8 +146,10 @@ class TrainSettings:
 
     @property
     def optimizer_bytes_per_param(self) -> int:
-        """Adam: m and v in fp32, plus an fp32 master copy under mixed precision."""
-        return 8 if self.dtype == Dtype.fp32 else 12
+        """Adam: m and v in fp32, plus an fp32 master copy under mixed precision, and in fp32 under ZeRO: the
+        sharded optimizer steps on an fp32 copy of its slice (DeepSpeed's ``single_partition_of_fp32_groups``,
+        ``ds_runtime.holder_sharding``'s chunks)."""
+        return 8 if self.dtype == Dtype.fp32 and self.zero_stage == 0 else 12
 
     def zero_shards(self, dp: int) -> ZeroShards:
         """How ``zero_stage`` splits weights, gradients and optimizer state over ``dp`` data-parallel replicas."""

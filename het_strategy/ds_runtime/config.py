@@ -293,7 +293,9 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         raise field_error("offload", offload, "be off for a plan run per replica (asymmetric, tensor-parallel or "
                           "fp16 at ZeRO 0: DeepSpeed offloads only through ZeRO, which such a plan cannot use)",
                           "re-plan within the devices' memory")
-    zero: dict[str, Any] = {"stage": plan.zero_stage}
+    # a per-replica plan's grid has no data-parallel group for DeepSpeed's ZeRO to shard over: DeepSpeed runs at
+    # ZeRO 0 and the runtime shards within the holder sets itself (ds_runtime.holder_sharding)
+    zero: dict[str, Any] = {"stage": plan.zero_stage if on_grid else 0}
     if off_optim:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if off_params:

@@ -190,6 +190,8 @@ class PlanRunner:
         self.sample_start = sum(q.samples for q in plan.pipelines[:p])
         self.reducer = None
         """The holder-set gradient reduction of an asymmetric plan (``None`` on DeepSpeed's own grid)."""
+        self.sharding = None
+        """ZeRO-1 within the holder sets of a per-replica plan at ZeRO 1 (``holder_sharding``), else ``None``."""
 
         # an aligned fp32 ZeRO-0 pipeline clips by the global norm itself (clipping.py): DeepSpeed 0.19 clips it
         # by stage 0's norm only
@@ -206,9 +208,10 @@ class PlanRunner:
         if self.layout.per_replica:
             from het_strategy.ds_runtime.replica_engine import build_replica_engine
 
-            self.engine, self.module, self.reducer = build_replica_engine(
+            self.engine, self.module, self.reducer, self.sharding = build_replica_engine(
                 self.layout, self.rank, layers, weighted, optimizer_factory, cfg,
-                gradient_clipping=gradient_clipping, activation_checkpoint_interval=activation_checkpoint_interval)
+                gradient_clipping=gradient_clipping, activation_checkpoint_interval=activation_checkpoint_interval,
+                shard_optimizer=plan.zero_stage == 1)
             self.optimizer = self.engine.optimizer
             self._emulate(emulated_cluster, workload)
             return

@@ -29,7 +29,7 @@ import torch
 from het_strategy.ds_runtime.clipping import clip_gradients
 from het_strategy.ds_runtime.replicas import ReplicaLayout
 
-__all__ = ["HolderSetReducer", "layer_parameters", "loss_scale"]
+__all__ = ["HolderSetReducer", "GradientPart", "holder_parts", "gradient_of", "layer_parameters", "loss_scale"]
 
 
 def layer_parameters(module: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Parameter]]]:
@@ -43,7 +43,7 @@ def layer_parameters(module: torch.nn.Module) -> dict[int, list[tuple[str, torch
     return out
 
 
-class _Part:
+class GradientPart:
     """One piece of one parameter's gradient this rank reduces: a unit of a shard, or the whole parameter."""
 
     __slots__ = ("param", "spec", "units_here", "unit", "scale", "counted")
@@ -56,22 +56,23 @@ class _Part:
         self.counted = counted
         """Counted in the global norm by this rank (shards: always; replicated parameters: on the lead)."""
 
-    def view(self, grad: torch.Tensor) -> torch.Tensor:
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of ``tensor``: the parameter, its gradient or any tensor of its shape (or flat)."""
         if self.spec is None:
-            return grad
+            return tensor.view(self.param.shape)
         from het_strategy.tensor_parallel.layers import unit_view
 
         # BF16_Optimizer's buffers are flat: seen in the parameter's shape to cut the unit out
-        return unit_view(grad.view(self.param.shape), self.spec, self.units_here, self.unit)
+        return unit_view(tensor.view(self.param.shape), self.spec, self.units_here, self.unit)
 
 
-def _parts(layout: ReplicaLayout, rank: int, module: torch.nn.Module,
-           specs: dict[int, dict[str, Any]]) -> list[tuple[tuple[int, ...], list[_Part]]]:
+def holder_parts(layout: ReplicaLayout, rank: int, module: torch.nn.Module,
+                 specs: dict[int, dict[str, Any]]) -> list[tuple[tuple[int, ...], list[GradientPart]]]:
     """This rank's parts per holder set, in ``holder_sets`` order (a set's parts in layer, parameter, unit order:
     the same sequence on every holder)."""
     group = layout.group_of(rank)
     tp, tp_rank = len(group), group.index(rank)
-    by_set: dict[tuple[int, ...], list[_Part]] = {}
+    by_set: dict[tuple[int, ...], list[GradientPart]] = {}
     for layer, params in sorted(layer_parameters(module).items()):
         units = layout.units(layer)
         here = units // tp
@@ -80,10 +81,10 @@ def _parts(layout: ReplicaLayout, rank: int, module: torch.nn.Module,
             if spec is not None and units > 1:
                 for k in range(here):
                     hs = layout.unit_holders(layer, tp_rank * here + k)
-                    by_set.setdefault(hs, []).append(_Part(q, spec, here, k, 1.0, True))
+                    by_set.setdefault(hs, []).append(GradientPart(q, spec, here, k, 1.0, True))
             else:
                 by_set.setdefault(layout.layer_holders(layer), []).append(
-                    _Part(q, None, 1, 0, 1.0 / tp, tp_rank == 0))
+                    GradientPart(q, None, 1, 0, 1.0 / tp, tp_rank == 0))
     return [(hs, by_set[hs]) for hs in layout.holder_sets if hs in by_set]
 
 
@@ -102,7 +103,7 @@ class HolderSetReducer:
         clips."""
         self.last_reduce_s = 0.0
         """Wall seconds of the last step's reduction (waiting for the other holders included)."""
-        self._buckets: list[tuple[tuple[int, ...], list[_Part]]] | None = None
+        self._buckets: list[tuple[tuple[int, ...], list[GradientPart]]] | None = None
         """This rank's parts per holder set, in the shared order (found on the first step: fixed after)."""
 
     @torch.no_grad()
@@ -114,10 +115,10 @@ class HolderSetReducer:
         t0 = time.perf_counter()
         replicas = self.layout.num_replicas
         if self._buckets is None:
-            self._buckets = _parts(self.layout, self.rank, module, self.specs)
+            self._buckets = holder_parts(self.layout, self.rank, module, self.specs)
         kept = _gradient_buffers(optimizer)
         for hs, parts in self._buckets:
-            views = [part.view(_gradient_of(part.param, kept)) for part in parts]
+            views = [part.view(gradient_of(part.param, kept)) for part in parts]
             wire = torch.promote_types(views[0].dtype, torch.float32)  # fp16 gradients are reduced in fp32
             flat = torch.cat([v.reshape(-1).to(wire) * part.scale if part.scale != 1.0 else v.reshape(-1).to(wire)
                               for v, part in zip(views, parts)])
@@ -132,7 +133,7 @@ class HolderSetReducer:
             for _, parts in self._buckets:
                 for part in parts:
                     if part.spec is None or part.unit == 0:  # each parameter once (its units share the tensor)
-                        grads.append(_gradient_of(part.param, kept))
+                        grads.append(gradient_of(part.param, kept))
                         counted.append(part.counted)
             scale = loss_scale(optimizer) or 1.0  # fp16: the gradients are scaled, so is the bound
             self.last_norm = clip_gradients(grads, counted, self.gradient_clipping * scale, self.groups.pipe) / scale
@@ -156,7 +157,7 @@ def _gradient_buffers(optimizer: Any) -> dict[int, torch.Tensor] | None:
     return {id(lp): hp for lps, hps in zip(groups, optimizer.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
 
 
-def _gradient_of(q: torch.nn.Parameter, kept: dict[int, torch.Tensor] | None) -> torch.Tensor:
+def gradient_of(q: torch.nn.Parameter, kept: dict[int, torch.Tensor] | None) -> torch.Tensor:
     """The gradient the optimizer steps on for ``q`` (zeros when this step gave it none)."""
     if kept is not None:
         return kept[id(q)]

@@ -18,13 +18,15 @@ before it), so one holder's copy is every holder's.  Each value is read with
 DeepSpeed's own accessors where a mixed-precision or ZeRO optimizer keeps it
 in flat fp32 partitions (``deepspeed.utils.safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state``: collectives over the stage's data-parallel
-group, which every holder of the stage calls in the same order), and from
-the torch optimizer's ``state`` otherwise (fp32 at ZeRO 0).
+group, which every holder of the stage calls in the same order), gathered
+from the holder sets where a per-replica plan shards it there
+(``holder_sharding.HolderSetSharding.full_state``), and from the torch
+optimizer's ``state`` otherwise (fp32 at ZeRO 0).
 
 ``read_layer_states`` loads them into a ``PlanRunner`` of another plan (other
 stage boundaries, replicas, world size or ZeRO stage 0 / 1): each rank copies
 its layers' values into its parameters (and the fp32 master copies) and sets
-its optimizer's state per parameter the same two ways.  Not covered, each
+its optimizer's state per parameter the same three ways.  Not covered, each
 refused in one line naming the field: tensor-parallel stages (a shard's
 state is not a whole parameter's), another dtype, another layer count, fp16
 (``FP16_Optimizer`` keeps no per-parameter mapping), ZeRO 2 and 3.  Files are
@@ -116,6 +118,8 @@ def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[s
     out.mkdir(parents=True, exist_ok=True)
     mixed, keys = _mixed(runner), _state_keys(runner)
     inner = _inner_optimizer(runner)
+    # ZeRO-1 within holder sets: each parameter's state gathered whole (a collective over every holder set)
+    gathered = runner.sharding.full_state() if runner.sharding is not None else None
     for layer, params in sorted(_layer_params(runner).items()):
         writer = runner.layout.layer_holders(layer)[0] == runner.rank
         if not (writer or mixed):  # DeepSpeed's accessors are collectives every holder calls; the others are not
@@ -127,7 +131,8 @@ def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[s
                 state = {k: safe_get_full_optimizer_state(q, k) for k in keys}
             else:
                 value = q.detach()
-                state = {k: v for k, v in inner.state.get(q, {}).items() if torch.is_tensor(v) and v.dim() > 0}
+                held = gathered.get(id(q), {}) if gathered is not None else inner.state.get(q, {})
+                state = {k: v for k, v in held.items() if torch.is_tensor(v) and v.dim() > 0}
             entries[name] = {"value": value.detach().to("cpu", torch.float32 if value.dtype != torch.float64
                                                         else torch.float64).clone(),
                              "state": {k: v.detach().cpu().clone() for k, v in state.items() if v is not None}}
@@ -190,6 +195,7 @@ def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, 
     if mixed:
         keys = sorted({k for saved in files.values() for entry in saved.values() for k in entry["state"]})
         _link_optimizer_state(runner, keys, manifest.get("step"))
+    sharded: dict[int, dict[str, torch.Tensor]] = {}
     for layer, params in sorted(_layer_params(runner).items()):
         saved = files[layer]
         for name, q in params:
@@ -207,12 +213,16 @@ def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, 
                 safe_set_full_fp32_param(q, value.to(torch.float32))
                 for key, tensor in entry["state"].items():
                     safe_set_full_optimizer_state(q, tensor.to(torch.float32), key)
+            elif runner.sharding is not None:
+                sharded[id(q)] = {key: tensor.to(q.dtype) for key, tensor in entry["state"].items()}
             elif entry["state"]:
                 state = inner.state[q]
                 for key, tensor in entry["state"].items():
                     state[key] = tensor.to(q.dtype).clone()
                 if manifest.get("step") is not None:
                     state["step"] = torch.tensor(float(manifest["step"]))
+    if runner.sharding is not None:
+        runner.sharding.set_full_state(sharded, manifest.get("step"))
     runner.engine.global_steps = int(manifest["global_steps"])
     runner.engine.global_samples = int(manifest["global_samples"])
 

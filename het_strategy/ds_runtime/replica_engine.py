@@ -52,8 +52,10 @@ subclasses and public entry points only:
 Loss weights are those of ``rank_batches`` with ``dp = replicas``: DeepSpeed
 divides each micro-batch loss by the rank's own accumulation count, the
 reducer averages over replicas, so the update is the global-batch mean.
-ZeRO >= 1 is refused (no two ranks hold the same parameter set to shard
-over); fp32 or fp64 layers, or DeepSpeed's bf16 / fp16 mixed precision.
+DeepSpeed runs at ZeRO 0 here (its ZeRO shards over a data-parallel group,
+which a replica's grid does not have); a ZeRO-1 plan shards the optimizer
+state within each holder set instead (``holder_sharding``, fp32 plans).
+Layers in fp32 or fp64, or DeepSpeed's bf16 / fp16 mixed precision.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, layer_parameters, loss_scale
+from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, holder_parts, layer_parameters, loss_scale
+from het_strategy.ds_runtime.holder_sharding import HolderSetSharding
 from het_strategy.ds_runtime.replicas import ReplicaLayout
 from het_strategy.ds_runtime.stage_exchange import StageLink, recv_grads, recv_tensors, send_grads, send_tensors
 
@@ -320,8 +323,10 @@ def _engine_class() -> type:
 
 def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any], loss_fn: Callable[..., Any],
                          optimizer_factory: Callable[..., torch.optim.Optimizer], ds_config: dict[str, Any], *,
-                         gradient_clipping: float, activation_checkpoint_interval: int = 0) -> tuple[Any, Any, Any]:
-    """``(engine, module, reducer)`` for this rank; every rank of the world calls it once, in step."""
+                         gradient_clipping: float, activation_checkpoint_interval: int = 0,
+                         shard_optimizer: bool = False) -> tuple[Any, Any, Any, HolderSetSharding | None]:
+    """``(engine, module, reducer, sharding)`` for this rank; every rank of the world calls it once, in step.
+    ``shard_optimizer``: ZeRO-1 within the holder sets (``holder_sharding``; the sharding, else None)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     groups = PlanGroups(layout, rank)
@@ -336,9 +341,11 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
     own_clip = gradient_clipping if (not mixed or layout.has_tensor_parallel) else 0.0
     reducer = HolderSetReducer(layout, rank, groups, own_clip, specs)
     optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
+    sharding = (HolderSetSharding(optimizer, holder_parts(layout, rank, module, specs), rank, groups.holders)
+                if shard_optimizer else None)
     mpu = module.mpu()
     engine = _engine_class()(args=None, model=module, optimizer=optimizer, model_parameters=None,
                              training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
                              collate_fn=None, config=ds_config, config_class=DeepSpeedConfig(ds_config, mpu),
                              reducer=reducer, links=_StageLinks(layout, rank, groups))
-    return engine, module, reducer
+    return engine, module, reducer, sharding

@@ -1,0 +1,167 @@
+"""ZeRO-1 for a per-replica plan: the optimizer state sharded over the ranks that hold the same parameters.
+
+DeepSpeed's ZeRO shards over one data-parallel group per rank.  A per-replica
+plan (asymmetric stage boundaries, tensor parallelism: ``replica_engine``) has
+no such group: a rank's layers are held by different sets of ranks
+(``ReplicaLayout.holder_sets``: layers 0-1 by ranks (0, 1, 3), layers 2-5 by
+(0, 2, 3)).  ``HolderSetSharding`` shards within each of them instead, as
+ZeRO-1 does within its group (DeepSpeed's ``stage_1_and_2``: a flat partition
+per rank, the client optimizer stepping on it, then an all-gather):
+
+1. This rank's parts (``holder_reduction.holder_parts``: units of shards and
+   whole parameters, per holder set, in the same order on every holder) are
+   cut into *runs*: consecutive parts of one optimizer param group.  Every
+   holder of a set cuts the same runs, since each parameter sits in the same
+   param group on every rank (``configure_optimizers`` is the same code).
+2. A run of ``N`` elements over a set of ``k`` ranks is split into ``k``
+   chunks of ``ceil(N / k)``; the ``i``-th holder owns chunk ``i``.  The user's
+   optimizer is rewritten in place to hold this rank's chunks instead of its
+   parameters (its param groups keep their hyperparameters, so learning-rate
+   schedulers go on working), so its state (Adam's moments, SGD's momentum)
+   exists for ``1 / k`` of the elements.
+3. Before each step (a step pre-hook) each chunk takes the current values and
+   the reduced, clipped gradients of its slice; after the step (a post-hook)
+   every set all-gathers its chunks and writes the updated values back into
+   each holder's parameters, sets in ``holder_sets`` order (the order the
+   reduction runs in: no two ranks wait on each other in opposite orders).
+
+The gradient reduction itself is unchanged (an all-reduce per set, which
+clipping by the global norm needs whole), so ZeRO-1 here saves optimizer
+memory and adds one all-gather of the parameters per step.  The optimizer
+must update each element from that element's own state, as SGD, Adam and
+AdamW do (DeepSpeed's ZeRO asks the same: a per-tensor norm, as LAMB's,
+would be taken over a chunk).  fp32 plans only (``core.runtime_rules``):
+DeepSpeed's mixed-precision optimizers keep their own fp32 copies.
+
+``full_state`` and ``set_full_state`` gather and scatter the state per
+parameter, for the per-layer checkpoint files (``layer_state``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from het_strategy.core.errors import field_error
+from het_strategy.ds_runtime.holder_reduction import GradientPart, gradient_of
+
+__all__ = ["HolderSetSharding"]
+
+
+class _Run:
+    """Consecutive parts of one holder set and one param group, and this rank's chunk of them."""
+
+    def __init__(self, parts: list[GradientPart], group: Any, holders: int, index: int) -> None:
+        self.parts, self.group, self.holders = parts, group, holders
+        self.sizes = [part.view(part.param.detach()).numel() for part in parts]
+        self.total = sum(self.sizes)
+        self.per = -(-self.total // holders)
+        """Elements per chunk (the last holders' chunks are padded or empty)."""
+        self.lo = min(index * self.per, self.total)
+        self.hi = min(self.lo + self.per, self.total)
+        dtype = torch.promote_types(parts[0].param.dtype, torch.float32)
+        self.chunk = torch.zeros(self.hi - self.lo, dtype=dtype, device=parts[0].param.device)
+        """This rank's slice, the tensor the optimizer steps on."""
+
+    def _slices(self) -> Any:
+        """(part, start, stop within the part, start within the chunk) of every part overlapping the chunk."""
+        offset = 0
+        for part, size in zip(self.parts, self.sizes):
+            a, b = max(self.lo, offset), min(self.hi, offset + size)
+            if a < b:
+                yield part, a - offset, b - offset, a - self.lo
+            offset += size
+
+    def read(self, tensor_of: Any) -> torch.Tensor:
+        """This chunk's slice of the tensors ``tensor_of(param)`` (the parameters, their gradients, ...)."""
+        out = torch.empty_like(self.chunk)
+        for part, a, b, at in self._slices():
+            out[at:at + b - a] = part.view(tensor_of(part.param)).reshape(-1)[a:b]
+        return out
+
+    def gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Every holder's ``chunk`` of this run, concatenated: the run's whole flat vector (a collective)."""
+        import deepspeed.comm as dist
+
+        padded = torch.zeros(self.per, dtype=chunk.dtype, device=chunk.device)
+        padded[:chunk.numel()] = chunk
+        pieces = [torch.empty_like(padded) for _ in range(self.holders)]
+        dist.all_gather(pieces, padded, group=self.group)
+        return torch.cat(pieces)[:self.total]
+
+    def write(self, flat: torch.Tensor, tensor_of: Any) -> None:
+        """Copy the run's flat vector ``flat`` into the tensors ``tensor_of(param)``, part by part."""
+        offset = 0
+        for part, size in zip(self.parts, self.sizes):
+            view = part.view(tensor_of(part.param))
+            view.copy_(flat[offset:offset + size].view(view.shape).to(view.dtype))
+            offset += size
+
+
+class HolderSetSharding:
+    """Shard ``optimizer``'s state over the holder sets of this rank's parameters (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: Sequence[tuple[tuple[int, ...], list[GradientPart]]],
+                 rank: int, groups: dict[tuple[int, ...], Any]) -> None:
+        self.optimizer = optimizer
+        group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
+        self.runs: list[_Run] = []
+        chunks: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+        for hs, parts in buckets:
+            for part in parts:
+                if id(part.param) not in group_of:
+                    raise field_error("configure_optimizers", "an optimizer without some of this rank's parameters",
+                                      "build the optimizer over self.parameters()")
+            for g, run_parts in itertools.groupby(parts, key=lambda part: group_of[id(part.param)]):
+                run = _Run(list(run_parts), groups[hs], len(hs), hs.index(rank))
+                self.runs.append(run)
+                chunks[g].append(run.chunk)
+        for group, held in zip(optimizer.param_groups, chunks):
+            group["params"] = held
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self._after_step)
+
+    @property
+    def chunks(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps on, one per run."""
+        return [run.chunk for run in self.runs]
+
+    @torch.no_grad()
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for run in self.runs:
+            run.chunk.copy_(run.read(lambda q: q.detach()))
+            run.chunk.grad = run.read(lambda q: gradient_of(q, None))
+
+    @torch.no_grad()
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for run in self.runs:
+            run.write(run.gather(run.chunk), lambda q: q.data)
+            run.chunk.grad = None
+
+    @torch.no_grad()
+    def full_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every per-element state tensor of the optimizer (``exp_avg``, ``momentum_buffer``, ...), whole, per
+        parameter of this rank (by ``id``); a collective over every holder set, in order."""
+        keys = sorted({k for chunk in self.chunks for k, v in self.optimizer.state.get(chunk, {}).items()
+                       if torch.is_tensor(v) and v.dim() > 0})
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for run in self.runs:
+            for key in keys:
+                state = self.optimizer.state.get(run.chunk, {}).get(key)
+                flat = run.gather(state if state is not None else torch.zeros_like(run.chunk))
+                run.write(flat, lambda q, key=key: out.setdefault(id(q), {}).setdefault(
+                    key, torch.zeros_like(q, dtype=run.chunk.dtype)))
+        return out
+
+    @torch.no_grad()
+    def set_full_state(self, states: dict[int, dict[str, torch.Tensor]], step: Any) -> None:
+        """Give each chunk its slice of the whole per-parameter ``states`` (by parameter ``id``) and ``step``."""
+        for run in self.runs:
+            keys = sorted({k for part in run.parts for k in states.get(id(part.param), {})})
+            state = self.optimizer.state[run.chunk]
+            for key in keys:
+                state[key] = run.read(lambda q, key=key: states[id(q)][key].to(run.chunk.dtype))
+            if step is not None and keys:
+                state["step"] = torch.tensor(float(step))
