@@ -29,15 +29,19 @@ def test_a_full_wave_of_whole_tiles_runs_at_the_calibrated_peak_times_the_depth_
     assert gemm_s(256, 256, 64, 1, ROOF, CAL) == pytest.approx(flops / (100e12 * 0.8 * 0.5) + 1e-5)
 
 
-def test_partial_tiles_and_a_partial_last_wave_cost_whole_ones() -> None:
-    # 640 x 128 output: 5 tiles on 4 units -> 2 waves, 5 of 8 slots busy; no padding; depth 1024 / 1088
-    flops = 2 * 640 * 128 * 1024
-    expected = flops / (100e12 * 0.8 * (5 / 8) * (1024 / 1088)) + 1e-5
-    assert gemm_s(640, 128, 1024, 1, ROOF, CAL) == pytest.approx(expected)
-    # 130 x 128 output: 2 tiles (the second holds 2 rows), one wave of 2 on 4 units; padding 130 / 256
-    flops = 2 * 130 * 128 * 1024
-    expected = flops / (100e12 * 0.8 * (2 / 4) * (130 / 256) * (1024 / 1088)) + 1e-5
-    assert gemm_s(130, 128, 1024, 1, ROOF, CAL) == pytest.approx(expected)
+def test_partial_tiles_and_a_partial_last_wave_cost_whole_ones_with_the_best_tile_kept() -> None:
+    # 384 x 384 output on 5 units, depth 1024 / 1088; the fill (busy slots x unpadded share) per tile:
+    # 256 x 128: 2 x 3 = 6 tiles, 2 waves (10 slots), padding 384 x 384 / (512 x 384) -> 0.6 x 0.75 = 0.45
+    # 128 x 128: 9 tiles, 2 waves -> 0.9;  128 x 64: 18 tiles, 4 waves -> 0.9;  64 x 64: 36 tiles, 8 waves -> 0.9
+    flops = 2 * 384 * 384 * 1024
+    roof5 = Roofline(100e12, True, 1e12, 5)
+    assert gemm_s(384, 384, 1024, 1, roof5, CAL) == pytest.approx(flops / (100e12 * 0.8 * 0.9 * (1024 / 1088))
+                                                                  + 1e-5)
+    # 130 x 64 output on 4 units: 128-row tiles fill at best 2 of 4 slots, 130 / 256 of them unpadded (0.25);
+    # 64 x 64 tiles: 3 tiles (the third 2 rows), one wave of 3 on 4 slots, padding 130 / 192 -> 0.5078
+    flops = 2 * 130 * 64 * 1024
+    expected = flops / (100e12 * 0.8 * (3 / 4) * (130 / 192) * (1024 / 1088)) + 1e-5
+    assert gemm_s(130, 64, 1024, 1, ROOF, CAL) == pytest.approx(expected)
     # fp32 on the vector units: its own peak fraction
     vector = Roofline(100e12, False, 1e12, 4)
     assert gemm_s(256, 256, 64, 1, vector, CAL) == pytest.approx(2 * 256 * 256 * 64 / (100e12 * 0.5 * 0.5) + 1e-5)

@@ -11,10 +11,11 @@ A transformer layer (``LayerShape``) is priced kernel by kernel, from the datash
 
 - **Matmuls** (``gemm_s``): ``2·m·n·k`` FLOPs at the matmul rate times an efficiency.  The efficiency is the
   calibrated peak fraction (``tensor_efficiency`` on tensor cores, ``vector_efficiency`` for fp32 on CUDA cores)
-  times three shape terms: *tile padding* (the output is computed in 128 x 128 tiles, a partial tile costs a
-  whole one), *wave quantisation* (the tiles run in waves of one tile per compute unit, a last partial wave costs a
-  whole one) and *small-depth falloff* ``k / (k + small_dim)`` (a short reduction cannot hide its loads).  Each
-  kernel also pays ``launch_s``.
+  times three shape terms: *tile padding* (the output is computed in tiles, a partial tile costs a whole one),
+  *wave quantisation* (the tiles run in waves of one tile per compute unit, a last partial wave costs a whole
+  one), both for the library's tile shapes (``TILES``, 256 x 128 down to 64 x 64) with the best kept, as
+  cuBLAS's heuristics pick a kernel per shape, and *small-depth falloff* ``k / (k + small_dim)`` (a short
+  reduction cannot hide its loads).  Each kernel also pays ``launch_s``.
 - **Memory-bound passes** (``memory_s``): layer norms, activations, softmax, dropout, bias and residual adds and
   layout copies move their elements at the memory bandwidth times ``memory_efficiency``.  The passes are counted
   from the kernels Megatron-style blocks run (``_block_passes``): an element read and written counts 2.
@@ -57,8 +58,8 @@ __all__ = ["ComputeModel", "AttentionKernel", "Float32MatmulPrecision", "LayerSh
 
 CALIBRATION_FILE = Path(__file__).with_name("data") / "compute_calibration.json"
 """The shipped calibration (written by ``reference/compute_calibration.py``)."""
-TILE = (128, 128)
-"""Output tile of one thread block of a matmul (cuBLAS's and CUTLASS's common large tile)."""
+TILES = ((256, 128), (128, 128), (128, 64), (64, 64))
+"""Output tiles of one thread block a matmul library chooses among (CUTLASS's and cuBLAS's common tiles)."""
 LOGITS_BYTES = 4
 """The loss upcasts the logits to fp32 whatever the training dtype."""
 
@@ -161,17 +162,23 @@ def device_roofline(device: DeviceSpec, dtype: Dtype | str,
 
 
 def gemm_s(m: float, n: float, k: float, batch: float, roof: Roofline, cal: ComputeCalibration) -> float:
-    """Seconds of ``batch`` matmuls of ``(m x k) @ (k x n)`` (see the module docstring)."""
+    """Seconds of ``batch`` matmuls of ``(m x k) @ (k x n)`` with the fastest of ``TILES`` (see the module
+    docstring)."""
     if min(m, n, k, batch) <= 0:
         return 0.0
-    tiles_m, tiles_n = math.ceil(m / TILE[0]), math.ceil(n / TILE[1])
-    tiles = batch * tiles_m * tiles_n
-    waves = math.ceil(tiles / roof.compute_units)
-    occupancy = tiles / (waves * roof.compute_units)
-    padding = (m * n) / (tiles_m * TILE[0] * tiles_n * TILE[1])
+    shape = max(_tile_fill(m, n, batch, tile, roof.compute_units) for tile in TILES)
     depth = k / (k + cal.small_dim)
     peak = cal.tensor_efficiency if roof.tensor_cores else cal.vector_efficiency
-    return 2.0 * m * n * k * batch / (roof.matmul_flops * peak * occupancy * padding * depth) + cal.launch_s
+    return 2.0 * m * n * k * batch / (roof.matmul_flops * peak * shape * depth) + cal.launch_s
+
+
+def _tile_fill(m: float, n: float, batch: float, tile: tuple[int, int], units: int) -> float:
+    """The fraction of the compute units' tile slots doing useful work: the tiles' padding times the occupancy
+    of their waves."""
+    tiles_m, tiles_n = math.ceil(m / tile[0]), math.ceil(n / tile[1])
+    tiles = batch * tiles_m * tiles_n
+    waves = math.ceil(tiles / units)
+    return (tiles / (waves * units)) * (m * n) / (tiles_m * tile[0] * tiles_n * tile[1])
 
 
 def memory_s(elements: float, element_bytes: float, kernels: int, roof: Roofline, cal: ComputeCalibration) -> float:

@@ -197,13 +197,15 @@ class CharGPT(pl.LightningModule):
 
     @staticmethod
     def pipeline_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean next-byte cross-entropy of one micro-batch (the ``hetero_deepspeed`` contract)."""
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        """Mean next-byte cross-entropy of one micro-batch (the ``hetero_deepspeed`` contract), over the logits in
+        fp32 at least: a bf16 or fp16 model's softmax would lose most of the loss's gradient to rounding (Megatron
+        and the cost model's ``compute_model.LOGITS_BYTES`` do the same)."""
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(wide.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return self.pipeline_loss(self(x), y)
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

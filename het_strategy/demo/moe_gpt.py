@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
@@ -91,8 +90,7 @@ class MoECharGPT(CharGPT):
     @override
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = self.pipeline_loss(self(x), y)
         if self.training:
             loss = loss + self.hparams.aux_loss_coef * self.aux_loss()
         return loss
