@@ -180,7 +180,7 @@ def per_device_part(args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)

@@ -6,7 +6,8 @@ no such group: a rank's layers are held by different sets of ranks
 (``ReplicaLayout.holder_sets``: layers 0-1 by ranks (0, 1, 3), layers 2-5 by
 (0, 2, 3)).  ``HolderSetSharding`` shards within each of them instead, as
 ZeRO-1 does within its group (DeepSpeed's ``stage_1_and_2``: a flat partition
-per rank, the client optimizer stepping on it, then an all-gather):
+per rank, a reduce-scatter into it, the client optimizer stepping on it, then
+an all-gather):
 
 1. This rank's parts (``holder_reduction.holder_parts``: units of shards and
    whole parameters, per holder set, in the same order on every holder) are
@@ -14,23 +15,27 @@ per rank, the client optimizer stepping on it, then an all-gather):
    holder of a set cuts the same runs, since each parameter sits in the same
    param group on every rank (``configure_optimizers`` is the same code).
 2. A run of ``N`` elements over a set of ``k`` ranks is split into ``k``
-   chunks of ``ceil(N / k)``; the ``i``-th holder owns chunk ``i``.  The user's
-   optimizer is rewritten in place to hold this rank's chunks instead of its
-   parameters (its param groups keep their hyperparameters, so learning-rate
-   schedulers go on working), so its state (Adam's moments, SGD's momentum)
-   exists for ``1 / k`` of the elements.
-3. Before each step (a step pre-hook) each chunk takes the current values and
-   the reduced, clipped gradients of its slice; after the step (a post-hook)
-   every set all-gathers its chunks and writes the updated values back into
-   each holder's parameters, sets in ``holder_sets`` order (the order the
-   reduction runs in: no two ranks wait on each other in opposite orders).
+   chunks of ``ceil(N / k)``; the holder of group rank ``i`` owns chunk ``i``.
+   The user's optimizer is rewritten in place to hold this rank's chunks
+   instead of its parameters (its param groups keep their hyperparameters, so
+   learning-rate schedulers go on working), so its state (Adam's moments,
+   SGD's momentum) exists for ``1 / k`` of the elements.
+3. The gradient reduction (the schedule's ``ReduceGrads``, in place of
+   ``HolderSetReducer``): per run, in ``holder_sets`` order (no two ranks wait
+   on each other in opposite orders), one reduce-scatter of the gradients
+   (replicated parts of a tp stage scaled by ``1 / tp``, as the reducer does)
+   into the owner's chunk, divided by the replica count.  Every element of the
+   model is then in exactly one chunk in the world, so clipping takes the
+   global norm as one all-reduce of the chunks' squared norms.
+4. Before the step (a step pre-hook) each chunk takes the current values of
+   its slice; after it (a post-hook) every run all-gathers its chunks and
+   writes the updated values into each holder's parameters.
 
-The gradient reduction itself is unchanged (an all-reduce per set, which
-clipping by the global norm needs whole), so ZeRO-1 here saves optimizer
-memory and adds one all-gather of the parameters per step.  The optimizer
-must update each element from that element's own state, as SGD, Adam and
-AdamW do (DeepSpeed's ZeRO asks the same: a per-tensor norm, as LAMB's,
-would be taken over a chunk).  fp32 plans only (``core.runtime_rules``):
+A step moves what the reducer's all-reduce moves (a reduce-scatter and an
+all-gather), the same as DeepSpeed's ZeRO-1, and the cost model's sync.  The
+optimizer must update each element from that element's own state, as SGD,
+Adam and AdamW do (DeepSpeed's ZeRO asks the same: a per-tensor norm, as
+LAMB's, would be taken over a chunk).  fp32 plans only (``core.runtime_rules``):
 DeepSpeed's mixed-precision optimizers keep their own fp32 copies.
 
 ``full_state`` and ``set_full_state`` gather and scatter the state per
@@ -40,11 +45,13 @@ parameter, for the per-layer checkpoint files (``layer_state``).
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Sequence
 
 import torch
 
 from het_strategy.core.errors import field_error
+from het_strategy.ds_runtime.clipping import clip_gradients
 from het_strategy.ds_runtime.holder_reduction import GradientPart, gradient_of
 
 __all__ = ["HolderSetSharding"]
@@ -53,7 +60,10 @@ __all__ = ["HolderSetSharding"]
 class _Run:
     """Consecutive parts of one holder set and one param group, and this rank's chunk of them."""
 
-    def __init__(self, parts: list[GradientPart], group: Any, holders: int, index: int) -> None:
+    def __init__(self, parts: list[GradientPart], group: Any, holders: int) -> None:
+        import deepspeed.comm as dist
+
+        index = dist.get_rank(group=group)  # the chunk this rank owns: its rank in the set's group
         self.parts, self.group, self.holders = parts, group, holders
         self.sizes = [part.view(part.param.detach()).numel() for part in parts]
         self.total = sum(self.sizes)
@@ -81,6 +91,20 @@ class _Run:
             out[at:at + b - a] = part.view(tensor_of(part.param)).reshape(-1)[a:b]
         return out
 
+    def reduce_scatter(self) -> torch.Tensor:
+        """This chunk's slice of the run's gradients summed over the holders (a collective)."""
+        import deepspeed.comm as dist
+
+        flat = torch.zeros(self.per * self.holders, dtype=self.chunk.dtype, device=self.chunk.device)
+        offset = 0
+        for part, size in zip(self.parts, self.sizes):
+            grad = part.view(gradient_of(part.param, None)).reshape(-1)
+            flat[offset:offset + size] = grad * part.scale if part.scale != 1.0 else grad
+            offset += size
+        out = torch.empty(self.per, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_tensor(out, flat, group=self.group)
+        return out[:self.hi - self.lo]
+
     def gather(self, chunk: torch.Tensor) -> torch.Tensor:
         """Every holder's ``chunk`` of this run, concatenated: the run's whole flat vector (a collective)."""
         import deepspeed.comm as dist
@@ -101,11 +125,19 @@ class _Run:
 
 
 class HolderSetSharding:
-    """Shard ``optimizer``'s state over the holder sets of this rank's parameters (see the module docstring)."""
+    """Reduce into, and shard ``optimizer``'s state over, the holder sets of this rank's parameters (see the module
+    docstring); called as the plan's gradient reduction."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: Sequence[tuple[tuple[int, ...], list[GradientPart]]],
-                 rank: int, groups: dict[tuple[int, ...], Any]) -> None:
+                 groups: dict[tuple[int, ...], Any], num_replicas: int, gradient_clipping: float) -> None:
         self.optimizer = optimizer
+        self.num_replicas = num_replicas
+        self.gradient_clipping = float(gradient_clipping)
+        """The largest global norm the reduction clips to (0: off)."""
+        self.last_norm: float | None = None
+        """The global gradient norm of the last step (before clipping), when clipping is on."""
+        self.last_reduce_s = 0.0
+        """Wall seconds of the last step's reduction (waiting for the other holders included)."""
         group_of = {id(q): g for g, group in enumerate(optimizer.param_groups) for q in group["params"]}
         self.runs: list[_Run] = []
         chunks: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
@@ -115,7 +147,7 @@ class HolderSetSharding:
                     raise field_error("configure_optimizers", "an optimizer without some of this rank's parameters",
                                       "build the optimizer over self.parameters()")
             for g, run_parts in itertools.groupby(parts, key=lambda part: group_of[id(part.param)]):
-                run = _Run(list(run_parts), groups[hs], len(hs), hs.index(rank))
+                run = _Run(list(run_parts), groups[hs], len(hs))
                 self.runs.append(run)
                 chunks[g].append(run.chunk)
         for group, held in zip(optimizer.param_groups, chunks):
@@ -129,10 +161,20 @@ class HolderSetSharding:
         return [run.chunk for run in self.runs]
 
     @torch.no_grad()
+    def __call__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
+        """Reduce this step's gradients into the chunks, then clip them by the global norm (module docstring)."""
+        t0 = time.perf_counter()
+        for run in self.runs:
+            run.chunk.grad = run.reduce_scatter().div_(self.num_replicas)
+        if self.gradient_clipping > 0:
+            grads = [run.chunk.grad for run in self.runs]
+            self.last_norm = clip_gradients(grads, [True] * len(grads), self.gradient_clipping, None)
+        self.last_reduce_s = time.perf_counter() - t0
+
+    @torch.no_grad()
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         for run in self.runs:
             run.chunk.copy_(run.read(lambda q: q.detach()))
-            run.chunk.grad = run.read(lambda q: gradient_of(q, None))
 
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

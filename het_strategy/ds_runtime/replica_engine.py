@@ -31,7 +31,9 @@ subclasses and public entry points only:
     ``HolderSetReducer``: per holder set, in the shared order, one flat
     allreduce (in fp32 at least) of this rank's parts of the gradients,
     divided by the replica count (``replicas`` says which parts: units of a
-    shard, or whole replicated parameters scaled by ``1 / tp``);
+    shard, or whole replicated parameters scaled by ``1 / tp``); at ZeRO 1 to
+    ``HolderSetSharding``, a reduce-scatter of the same parts into the chunk
+    each holder owns;
   * on a tp > 1 last stage, the loss is broadcast from the stage's lead only.
 
   The gradients reduced are those the optimizer steps on: ``param.grad`` in
@@ -243,7 +245,8 @@ def _engine_class() -> type:
     class ReplicaPipelineEngine(PipelineEngine):
         """A ``PipelineEngine`` with partitioned stage sends and the plan's holder-set reduction."""
 
-        def __init__(self, *args: Any, reducer: HolderSetReducer, links: _StageLinks, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, reducer: HolderSetReducer | HolderSetSharding, links: _StageLinks,
+                     **kwargs: Any) -> None:
             object.__setattr__(self, "plan_reducer", reducer)
             object.__setattr__(self, "plan_links", links)
             # PipelineEngine.__init__ ends with a warm-up send of a 0 from each rank to stage_to_global(next),
@@ -339,10 +342,10 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
     # with tp > 1, where its norm would count a replicated parameter once per tp rank: the reducer clips then
     mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
     own_clip = gradient_clipping if (not mixed or layout.has_tensor_parallel) else 0.0
-    reducer = HolderSetReducer(layout, rank, groups, own_clip, specs)
     optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
-    sharding = (HolderSetSharding(optimizer, holder_parts(layout, rank, module, specs), rank, groups.holders)
-                if shard_optimizer else None)
+    sharding = (HolderSetSharding(optimizer, holder_parts(layout, rank, module, specs), groups.holders,
+                                  layout.num_replicas, own_clip) if shard_optimizer else None)
+    reducer = sharding if sharding is not None else HolderSetReducer(layout, rank, groups, own_clip, specs)
     mpu = module.mpu()
     engine = _engine_class()(args=None, model=module, optimizer=optimizer, model_parameters=None,
                              training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
