@@ -29,7 +29,8 @@ import torch
 from het_strategy.ds_runtime.clipping import clip_gradients
 from het_strategy.ds_runtime.replicas import ReplicaLayout
 
-__all__ = ["HolderSetReducer", "GradientPart", "holder_parts", "gradient_of", "layer_parameters", "loss_scale"]
+__all__ = ["HolderSetReducer", "GradientPart", "holder_parts", "gradient_of", "scaled_flat", "layer_parameters",
+           "loss_scale"]
 
 
 def layer_parameters(module: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Parameter]]]:
@@ -119,9 +120,7 @@ class HolderSetReducer:
         kept = _gradient_buffers(optimizer)
         for hs, parts in self._buckets:
             views = [part.view(gradient_of(part.param, kept)) for part in parts]
-            wire = torch.promote_types(views[0].dtype, torch.float32)  # fp16 gradients are reduced in fp32
-            flat = torch.cat([v.reshape(-1).to(wire) * part.scale if part.scale != 1.0 else v.reshape(-1).to(wire)
-                              for v, part in zip(views, parts)])
+            flat = scaled_flat(views, parts)
             dist.all_reduce(flat, group=self.groups.holders[hs])
             flat.div_(replicas)
             k = 0
@@ -138,6 +137,14 @@ class HolderSetReducer:
             scale = loss_scale(optimizer) or 1.0  # fp16: the gradients are scaled, so is the bound
             self.last_norm = clip_gradients(grads, counted, self.gradient_clipping * scale, self.groups.pipe) / scale
         self.last_reduce_s = time.perf_counter() - t0
+
+
+def scaled_flat(views: list[torch.Tensor], parts: list[GradientPart]) -> torch.Tensor:
+    """The gradient ``views`` of ``parts`` as one flat vector in fp32 at least (fp16 gradients are reduced in fp32),
+    each replicated part of a tp stage scaled by its ``1 / tp``."""
+    wire = torch.promote_types(views[0].dtype, torch.float32)
+    return torch.cat([v.reshape(-1).to(wire) * part.scale if part.scale != 1.0 else v.reshape(-1).to(wire)
+                      for v, part in zip(views, parts)])
 
 
 def loss_scale(optimizer: Any) -> float | None:

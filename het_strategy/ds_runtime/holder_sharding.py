@@ -52,7 +52,7 @@ import torch
 
 from het_strategy.core.errors import field_error
 from het_strategy.ds_runtime.clipping import clip_gradients
-from het_strategy.ds_runtime.holder_reduction import GradientPart, gradient_of
+from het_strategy.ds_runtime.holder_reduction import GradientPart, gradient_of, scaled_flat
 
 __all__ = ["HolderSetSharding"]
 
@@ -95,12 +95,8 @@ class _Run:
         """This chunk's slice of the run's gradients summed over the holders (a collective)."""
         import deepspeed.comm as dist
 
-        flat = torch.zeros(self.per * self.holders, dtype=self.chunk.dtype, device=self.chunk.device)
-        offset = 0
-        for part, size in zip(self.parts, self.sizes):
-            grad = part.view(gradient_of(part.param, None)).reshape(-1)
-            flat[offset:offset + size] = grad * part.scale if part.scale != 1.0 else grad
-            offset += size
+        flat = scaled_flat([part.view(gradient_of(part.param, None)) for part in self.parts], self.parts)
+        flat = torch.nn.functional.pad(flat.to(self.chunk.dtype), (0, self.per * self.holders - self.total))
         out = torch.empty(self.per, dtype=flat.dtype, device=flat.device)
         dist.reduce_scatter_tensor(out, flat, group=self.group)
         return out[:self.hi - self.lo]
