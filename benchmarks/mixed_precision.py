@@ -11,15 +11,17 @@ not the other moves single runs apart by more than any precision does):
   and in fp16 at ZeRO 1 (DeepSpeed's own grid trains fp16 at ZeRO >= 1 only: ``core.runtime_rules``);
 - **asymmetric**: one rank holding every layer, a pipeline of two ranks split at layer 2, one more rank
   holding every layer (``ds_runtime.replica_engine``), in fp32 and bf16 at ZeRO 0 (its fp16 is tested, not run
-  here), and in fp32 at ZeRO 1 (AdamW's moments sharded within the holder sets: ``ds_runtime.holder_sharding``).
+  here), and in fp32 and bf16 at ZeRO 1 (AdamW's moments, and bf16's fp32 master weights, sharded within the
+  holder sets: ``ds_runtime.holder_sharding``).
 
 After the last step, the mean loss over ``--val-batches`` held-out batches (files the training set does not
 have), their sequences spread evenly over the whole held-out text.  Every run is repeated for each of ``--seeds``
 (weights and batch order): two runs that differ only in rounding drift apart as training goes on (each step's
 rounding changes the next step's gradient), by about 1-2% of this loss in one 400-step run whatever the
 precision, so one pair of runs cannot resolve a 1% gap; the mean over seeds can.  ``loss_gap_<dtype>`` is the
-largest relative gap between the mean validation loss of that dtype and the fp32 mean of the same plan, over the
-same seeds; ``zero1_gap`` that of the asymmetric ZeRO-1 run (seed 0 only: it is exact, not noisy);
+largest relative gap between the mean validation loss of a run in that dtype (any ZeRO stage) and the fp32 ZeRO-0
+mean of the same plan, over the same seeds; ``zero1_gap`` that of the asymmetric fp32 ZeRO-1 run to the ZeRO-0 one
+(seed 0 only: it is exact, not noisy);
 ``seed_noise`` is the relative standard deviation of the aligned fp32 run's validation loss across the seeds,
 the scale a precision gap is read against.  It checks that the mixed-precision paths train like fp32 on the same
 samples; it cannot say anything about speed (a CPU has no fast bf16/fp16 units).
@@ -206,7 +208,8 @@ def main() -> None:
         print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in b.items()))
         return
     seeds = [int(x) for x in args.seeds.split(",")]
-    runs = {"aligned": (("fp32", 0), ("bf16", 0), ("fp16", 1)), "asymmetric": (("fp32", 0), ("bf16", 0), ("fp32", 1))}
+    runs = {"aligned": (("fp32", 0), ("bf16", 0), ("fp16", 1)),
+            "asymmetric": (("fp32", 0), ("bf16", 0), ("fp32", 1), ("bf16", 1))}
     gaps: dict[str, float] = {}
     means: dict[str, float] = {}
     """Per plan, the fp32 ZeRO-0 mean."""

@@ -144,6 +144,9 @@ def main() -> None:
     result["param_numel"] = sum(q.numel() for q in runner.engine.module.parameters())
     result["state_numel"] = sum(v.numel() for st in runner.engine.optimizer.state.values() for v in st.values()
                                 if torch.is_tensor(v) and v.dim() > 0)
+    result["master_numel"] = (sum(c.numel() for c in runner.sharding.chunks) if runner.sharding is not None
+                              else None)
+    result["param_dtype"] = str(next(runner.engine.module.parameters()).dtype)
     with open(os.path.join(out_dir, f"rank{runner.rank}.json"), "w") as fh:
         json.dump(result, fh)
     torch.distributed.barrier()

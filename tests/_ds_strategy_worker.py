@@ -138,6 +138,17 @@ def main() -> None:
     if mixed:
         result["param_dtype"] = str(next(runner.engine.module.parameters()).dtype)
         result["optimizer"] = type(runner.engine.optimizer).__name__
+        if runner.sharding is not None:  # ZeRO 1: the fp32 master chunks survive a checkpoint round trip exactly
+            from het_strategy.strategy.hetero_deepspeed import CHECKPOINT_TAG
+
+            result["masters"] = [c.tolist() for c in runner.sharding.chunks]
+            path = os.path.join(out_dir, "last.ckpt")
+            trainer.save_checkpoint(path)
+            with torch.no_grad():
+                for q in [*runner.engine.module.parameters(), *runner.sharding.chunks]:
+                    q.zero_()
+            runner.load_checkpoint(path, CHECKPOINT_TAG)
+            result["masters_restored"] = [c.tolist() for c in runner.sharding.chunks]
         _write(out_dir, trainer.global_rank, result)
         return
     # a checkpoint round trip: save (every rank), spoil this rank's weights, load them back through DeepSpeed

@@ -49,9 +49,15 @@ def main() -> None:
             from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
             named = list(runner.engine.module.named_parameters())
-            result["masters"] = {n: safe_get_full_fp32_param(q).double().flatten().tolist() for n, q in named}
-            result["moments"] = {n: safe_get_full_optimizer_state(q, "exp_avg_sq").double().flatten().tolist()
-                                 for n, q in named}
+            if runner.sharding is not None:  # ZeRO 1 within the holder sets: gathered from them (collectives)
+                values, states = runner.sharding.full_values(), runner.sharding.full_state()
+                masters = {n: values[id(q)] for n, q in named}
+                moments = {n: states[id(q)]["exp_avg_sq"] for n, q in named}
+            else:
+                masters = {n: safe_get_full_fp32_param(q) for n, q in named}
+                moments = {n: safe_get_full_optimizer_state(q, "exp_avg_sq") for n, q in named}
+            result["masters"] = {n: v.double().flatten().tolist() for n, v in masters.items()}
+            result["moments"] = {n: v.double().flatten().tolist() for n, v in moments.items()}
     result["losses"] = [runner.train_step(x, y) for _ in range(STEPS)]
     if phase == "save":
         save_plan_checkpoint(runner, plan, {"epoch": 0, "global_step": STEPS, "marker": "saved"}, ckpt)

@@ -157,6 +157,30 @@ def test_mixed_precision_tracks_fp32(tmp_path, mode, zero_stage, dtype):
 
 
 @pytest.mark.multiprocess
+def test_asymmetric_bf16_at_zero_1_shards_the_fp32_masters_and_steps_as_zero_0(tmp_path):
+    """bf16 at ZeRO 1 on the asymmetric plan: the layers run in bf16, the fp32 master weights and the momentum
+    buffers are sharded within the holder sets (a third of each set on each holder), the update clipped by the
+    global norm.  It follows the ZeRO-0 run (DeepSpeed's BF16_Optimizer: whole fp32 masters on every rank) step
+    for step: the same bf16 gradients, reduced in fp32, stepped in fp32; only the order of the fp32 sums
+    differs.  And both track the fp32 reference."""
+    (tmp_path / "zero0").mkdir()
+    (tmp_path / "zero1").mkdir()
+    zero0 = _run_ranks(4, ["asym", "0", "0.05", "bf16"], tmp_path / "zero0")
+    zero1 = _run_ranks(4, ["asym", "1", "0.05", "bf16"], tmp_path / "zero1")
+    numel = zero1[0]["param_numel"]  # rank 0 holds every layer
+    states = [r["state_numel"] for r in zero1]
+    masters = [r["master_numel"] for r in zero1]
+    assert sum(states) == sum(masters) == numel and max(masters) <= numel // 3 + 6
+    assert all(r["param_dtype"] == "torch.bfloat16" for r in zero0 + zero1)
+    for a, b in zip(zero0, zero1):
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-4), f"rank {a['rank']}"
+        for name, values in b["params"].items():  # at most one bf16 ulp (2**-7 relative) where a rounding flips
+            assert values == pytest.approx(a["params"][name], rel=2**-7, abs=1e-4), f"rank {a['rank']}: {name}"
+    ref_losses, _, _ = _reference(0.05, "pipe")
+    assert zero1[0]["losses"] == pytest.approx(ref_losses, **MIXED_TOL["bf16"])
+
+
+@pytest.mark.multiprocess
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     """Rank 3 (replica 2, holding every layer) gets an inf gradient in its first backward; the holder-set
     reduction carries it to each layer's other holders, so every replica's bf16 optimizer skips step 1, and
@@ -178,13 +202,11 @@ def _pipe(devs, bounds, micro=2, samples=4):
 
 
 @pytest.mark.parametrize("plan, field, world", [
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="bf16", zero_stage=1), "plan.zero_stage",
-     None),  # ZeRO 1 within holder sets runs in fp32 only
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16", zero_stage=1), "plan.zero_stage",
      None),  # fp16 runs asymmetric at ZeRO 0 (the runtime scales the loss), not at 1
     (_plan([_pipe([("d0", "d1", "d2")], [0, 6]), _pipe([("d3", "d4")], [0, 6])]),
      "plan.pipelines[1].stages[0].tp", None),  # tp 2 beside tp 3: no common unit to reduce a shard in
-    (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], dtype="bf16", zero_stage=1), "plan.zero_stage", None),
+    (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], dtype="fp16", zero_stage=1), "plan.zero_stage", None),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])], zero_stage=2), "plan.zero_stage",
      None),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), "WORLD_SIZE", 4),
@@ -217,16 +239,20 @@ def test_asymmetric_plans_are_runnable_at_zero_0_with_clipping():
     assert layout.layers_by_holders(2) == [((0, 2, 3), [0, 1, 2]), ((1, 2, 3), [3]), ((1, 2, 4), [4, 5])]
 
 
-def test_per_replica_plans_run_zero_1_in_fp32_and_tell_deepspeed_zero_0():
-    # the runtime shards within holder sets itself; DeepSpeed's own ZeRO would shard over the replica's grid
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_per_replica_plans_run_zero_1_and_tell_deepspeed_zero_0_without_its_bf16(dtype):
+    # the runtime shards within holder sets itself (in bf16 the fp32 masters too, and it clips); DeepSpeed's own
+    # ZeRO would shard over the replica's grid, its BF16_Optimizer would keep whole fp32 masters
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.ds_runtime.config import deepspeed_config
 
-    for plan in (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1),
-                 _plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], zero_stage=1)):
+    for plan in (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1, dtype=dtype),
+                 _plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], zero_stage=1, dtype=dtype)):
         assert check_runnable(plan, len(plan.used_devices)).per_replica
-        settings = TrainSettings(plan.global_batch_size, dtype="fp32", zero_stage=1)
-        assert deepspeed_config(plan, settings, rank=0)["zero_optimization"]["stage"] == 0
+        settings = TrainSettings(plan.global_batch_size, dtype=dtype, zero_stage=1)
+        cfg = deepspeed_config(plan, settings, rank=0, gradient_clipping=1.0)
+        assert cfg["zero_optimization"]["stage"] == 0
+        assert not cfg["bf16"]["enabled"] and cfg["gradient_clipping"] == 0.0
 
 
 def test_importing_the_engine_does_not_import_deepspeed():

@@ -76,13 +76,16 @@ def test_a_checkpoint_continues_exactly_in_another_plan(tmp_path: Path, first: s
 
 @pytest.mark.multiprocess
 @pytest.mark.usefixtures("fresh_master_port")
-def test_a_bf16_zero_1_checkpoint_loads_its_fp32_masters_into_asymmetric_replicas(tmp_path: Path) -> None:
-    """bf16 keeps fp32 master weights and moments in DeepSpeed's flat partitions (ZeRO 1 over the aligned grid's
-    replicas, BF16_Optimizer per asymmetric replica): the new plan's masters are the saved fp32 values exactly,
-    not the bf16 weights rounded, and training goes on."""
+@pytest.mark.parametrize("asym_zero", [0, 1])
+def test_a_bf16_zero_1_checkpoint_loads_its_fp32_masters_into_asymmetric_replicas(tmp_path: Path,
+                                                                                 asym_zero: int) -> None:
+    """bf16 keeps fp32 master weights and moments apart from the bf16 weights (ZeRO 1 over the aligned grid's
+    replicas: DeepSpeed's flat partitions; per asymmetric replica: BF16_Optimizer's at ZeRO 0, the holder sets'
+    chunks at ZeRO 1): the new plan's masters are the saved fp32 values exactly, not the bf16 weights rounded,
+    and training goes on."""
     ckpt = tmp_path / "ckpt"
     _phase(tmp_path, "save", "pipe", ckpt, "bf16", 1)
-    ranks = _phase(tmp_path, "load", "asym", ckpt, "bf16", 0)
+    ranks = _phase(tmp_path, "load", "asym", ckpt, "bf16", asym_zero)
     from het_strategy.ds_runtime.checkpoint_files import load_as_data
 
     saved = {i: load_as_data(ckpt / "layers" / f"layer_{i:03d}.pt") for i in range(base.NUM_LAYERS)}

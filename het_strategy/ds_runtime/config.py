@@ -262,9 +262,13 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     Asymmetric plans (replicas with different boundaries) and plans with tp > 1
     run each replica as its own one-replica grid (``ds_runtime.replica_engine``):
     their ``train_batch_size`` is ``micro * gas``; ``gradient_clipping`` is 0
-    in fp32 and with tp > 1 (the runtime clips by the global norm after its own
-    reduction, counting each shard once), otherwise (asymmetric bf16 and fp16)
-    DeepSpeed's mixed-precision optimizer clips, after that reduction.
+    in fp32, with tp > 1 and at ZeRO 1 (the runtime clips by the global norm
+    after its own reduction, counting each shard once), otherwise (asymmetric
+    bf16 and fp16 at ZeRO 0) DeepSpeed's mixed-precision optimizer clips, after
+    that reduction.  At ZeRO 1 in bf16 DeepSpeed's bf16 is off: the runtime runs
+    the layers in bf16 and keeps the fp32 master weights sharded itself
+    (``ds_runtime.holder_sharding``), so DeepSpeed's ``BF16_Optimizer`` (whole
+    fp32 copies) is not built.
 
     Refused: plans the deepspeed runtime cannot run (``core.runtime_rules``) and
     asymmetric plans with offload.
@@ -303,16 +307,18 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     if off_optim and plan.zero_stage == 0:
         # DeepSpeed offloads only through ZeRO; stage 1 shards nothing extra at dp=1 and is the cheapest host
         zero["stage"] = 1
+    # ZeRO 1 run per replica: the holder-set sharding keeps the fp32 masters and clips (DeepSpeed runs plain)
+    holder_sharded = not on_grid and plan.zero_stage == 1
     cfg: dict[str, Any] = {
         "train_batch_size": micro * gas * dp,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        # asymmetric fp32: the runtime clips by the global norm itself, after its own gradient reduction; in
-        # bf16/fp16 DeepSpeed's optimizer clips (the norm over the replica's stages, after that reduction)
-        "gradient_clipping": (float(gradient_clipping) if on_grid or (plan.dtype != "fp32"
+        # per replica in fp32, with tp or at ZeRO 1: the runtime clips by the global norm itself, after its own
+        # reduction; in bf16/fp16 at ZeRO 0 DeepSpeed's optimizer clips (the norm over the replica's stages)
+        "gradient_clipping": (float(gradient_clipping) if on_grid or (plan.dtype != "fp32" and not holder_sharded
                                                                        and not has_tensor_parallel(plan)) else 0.0),
         "zero_optimization": zero,
-        "bf16": {"enabled": plan.dtype == "bf16"},
+        "bf16": {"enabled": plan.dtype == "bf16" and not holder_sharded},
         "fp16": {"enabled": plan.dtype == "fp16"},
         "steps_per_print": 100,
         "wall_clock_breakdown": False,

@@ -211,7 +211,8 @@ class PlanRunner:
             self.engine, self.module, self.reducer, self.sharding = build_replica_engine(
                 self.layout, self.rank, layers, weighted, optimizer_factory, cfg,
                 gradient_clipping=gradient_clipping, activation_checkpoint_interval=activation_checkpoint_interval,
-                shard_optimizer=plan.zero_stage == 1)
+                shard_optimizer=plan.zero_stage == 1,
+                compute_dtype=TORCH_DTYPES[plan.dtype] if plan.dtype != "fp32" else None)
             self.optimizer = self.engine.optimizer
             self._emulate(emulated_cluster, workload)
             return

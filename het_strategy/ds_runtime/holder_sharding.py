@@ -27,19 +27,32 @@ an all-gather):
    into the owner's chunk, divided by the replica count.  Every element of the
    model is then in exactly one chunk in the world, so clipping takes the
    global norm as one all-reduce of the chunks' squared norms.
-4. Before the step (a step pre-hook) each chunk takes the current values of
-   its slice; after it (a post-hook) every run all-gathers its chunks and
-   writes the updated values into each holder's parameters.
+4. After the step (a post-hook) every run all-gathers its chunks and writes
+   the updated values into each holder's parameters.  The chunks are the
+   master weights: before a step (a pre-hook) a chunk element is taken from
+   its parameter only where the parameter no longer holds the chunk's value
+   rounded to the parameter's dtype, i.e. where something else set it (the
+   first step, a checkpoint load, a user's edit).
+
+**bf16** (DeepSpeed's bf16 off, the layers cast to bf16 by the engine
+builder): the chunks are fp32, so each holder keeps ``1 / k`` of the fp32
+master weights, as DeepSpeed's ZeRO-1 keeps its fp32 partition
+(``single_partition_of_fp32_groups``); the gradients accumulate in the
+parameters' bf16 ``.grad`` over the micro-batches (DeepSpeed's default
+``grad_accum_dtype``: the model's dtype) and are reduced in fp32.  The
+chunks ride along in the optimizer's ``state_dict`` (``het_master``), so a
+DeepSpeed checkpoint restores them exactly.
 
 A step moves what the reducer's all-reduce moves (a reduce-scatter and an
 all-gather), the same as DeepSpeed's ZeRO-1, and the cost model's sync.  The
 optimizer must update each element from that element's own state, as SGD,
 Adam and AdamW do (DeepSpeed's ZeRO asks the same: a per-tensor norm, as
-LAMB's, would be taken over a chunk).  fp32 plans only (``core.runtime_rules``):
-DeepSpeed's mixed-precision optimizers keep their own fp32 copies.
+LAMB's, would be taken over a chunk).  fp32 and bf16 plans (``core.runtime_rules``):
+fp16 would need a loss scaler, which this has not.
 
-``full_state`` and ``set_full_state`` gather and scatter the state per
-parameter, for the per-layer checkpoint files (``layer_state``).
+``full_state`` / ``set_full_state`` and ``full_values`` / ``set_full_values``
+gather and scatter the state and the master weights per parameter, for the
+per-layer checkpoint files (``layer_state``).
 """
 
 from __future__ import annotations
@@ -57,6 +70,10 @@ from het_strategy.ds_runtime.holder_reduction import GradientPart, gradient_of, 
 __all__ = ["HolderSetSharding"]
 
 
+_MASTERS = "het_master"
+"""The optimizer ``state_dict`` key of the fp32 master chunks (bf16 parameters)."""
+
+
 class _Run:
     """Consecutive parts of one holder set and one param group, and this rank's chunk of them."""
 
@@ -71,9 +88,10 @@ class _Run:
         """Elements per chunk (the last holders' chunks are padded or empty)."""
         self.lo = min(index * self.per, self.total)
         self.hi = min(self.lo + self.per, self.total)
-        dtype = torch.promote_types(parts[0].param.dtype, torch.float32)
+        self.param_dtype = parts[0].param.dtype
+        dtype = torch.promote_types(self.param_dtype, torch.float32)
         self.chunk = torch.zeros(self.hi - self.lo, dtype=dtype, device=parts[0].param.device)
-        """This rank's slice, the tensor the optimizer steps on."""
+        """This rank's slice, the tensor the optimizer steps on: the master weights."""
 
     def _slices(self) -> Any:
         """(part, start, stop within the part, start within the chunk) of every part overlapping the chunk."""
@@ -150,6 +168,11 @@ class HolderSetSharding:
             group["params"] = held
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
+        self.mixed = any(run.chunk.dtype != run.param_dtype for run in self.runs)
+        """The parameters are in a lower precision than the chunks (bf16): the chunks are checkpointed too."""
+        if self.mixed:
+            optimizer.register_state_dict_post_hook(self._save_masters)
+            optimizer.register_load_state_dict_pre_hook(self._load_masters)
 
     @property
     def chunks(self) -> list[torch.Tensor]:
@@ -170,7 +193,25 @@ class HolderSetSharding:
     @torch.no_grad()
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         for run in self.runs:
-            run.chunk.copy_(run.read(lambda q: q.detach()))
+            current = run.read(lambda q: q.detach())
+            changed = current != run.chunk.to(run.param_dtype).to(run.chunk.dtype)
+            run.chunk[changed] = current[changed]
+
+    def _save_masters(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict[_MASTERS] = [run.chunk.detach().clone() for run in self.runs]
+        return state_dict
+
+    @torch.no_grad()
+    def _load_masters(self, optimizer: Any, state_dict: dict[str, Any]) -> None:
+        masters = state_dict.pop(_MASTERS, None)
+        if masters is None:
+            return  # from parameters alone: the first step takes the chunks from them
+        if [tuple(m.shape) for m in masters] != [tuple(run.chunk.shape) for run in self.runs]:
+            raise field_error("checkpoint.optimizer." + _MASTERS, [tuple(m.shape) for m in masters],
+                              f"be this rank's chunks {[tuple(run.chunk.shape) for run in self.runs]} (a checkpoint "
+                              "of the same plan)", "load per-layer files (layer_state) into another plan")
+        for run, master in zip(self.runs, masters):
+            run.chunk.copy_(master.to(run.chunk.dtype))
 
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -192,6 +233,21 @@ class HolderSetSharding:
                 run.write(flat, lambda q, key=key: out.setdefault(id(q), {}).setdefault(
                     key, torch.zeros_like(q, dtype=run.chunk.dtype)))
         return out
+
+    @torch.no_grad()
+    def full_values(self) -> dict[int, torch.Tensor]:
+        """The master weights, whole, per parameter of this rank (by ``id``); a collective, as ``full_state``."""
+        out: dict[int, torch.Tensor] = {}
+        for run in self.runs:
+            run.write(run.gather(run.chunk),
+                      lambda q, run=run: out.setdefault(id(q), torch.zeros_like(q, dtype=run.chunk.dtype)))
+        return out
+
+    @torch.no_grad()
+    def set_full_values(self, values: dict[int, torch.Tensor]) -> None:
+        """Give each chunk its slice of the whole master weights ``values`` (by parameter ``id``)."""
+        for run in self.runs:
+            run.chunk.copy_(run.read(lambda q: values[id(q)].to(run.chunk.dtype)))
 
     @torch.no_grad()
     def set_full_state(self, states: dict[int, dict[str, torch.Tensor]], step: Any) -> None:

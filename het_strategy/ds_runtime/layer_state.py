@@ -20,7 +20,8 @@ in flat fp32 partitions (``deepspeed.utils.safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state``: collectives over the stage's data-parallel
 group, which every holder of the stage calls in the same order), gathered
 from the holder sets where a per-replica plan shards it there
-(``holder_sharding.HolderSetSharding.full_state``), and from the torch
+(``holder_sharding.HolderSetSharding.full_state``, and ``full_values``: the
+fp32 masters of bf16 parameters), and from the torch
 optimizer's ``state`` otherwise (fp32 at ZeRO 0).
 
 ``read_layer_states`` loads them into a ``PlanRunner`` of another plan (other
@@ -120,6 +121,7 @@ def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[s
     inner = _inner_optimizer(runner)
     # ZeRO-1 within holder sets: each parameter's state gathered whole (a collective over every holder set)
     gathered = runner.sharding.full_state() if runner.sharding is not None else None
+    masters = runner.sharding.full_values() if runner.sharding is not None and runner.sharding.mixed else None
     for layer, params in sorted(_layer_params(runner).items()):
         writer = runner.layout.layer_holders(layer)[0] == runner.rank
         if not (writer or mixed):  # DeepSpeed's accessors are collectives every holder calls; the others are not
@@ -130,7 +132,7 @@ def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[s
                 value = safe_get_full_fp32_param(q)
                 state = {k: safe_get_full_optimizer_state(q, k) for k in keys}
             else:
-                value = q.detach()
+                value = masters[id(q)] if masters is not None else q.detach()
                 held = gathered.get(id(q), {}) if gathered is not None else inner.state.get(q, {})
                 state = {k: v for k, v in held.items() if torch.is_tensor(v) and v.dim() > 0}
             entries[name] = {"value": value.detach().to("cpu", torch.float32 if value.dtype != torch.float64
@@ -196,6 +198,7 @@ def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, 
         keys = sorted({k for saved in files.values() for entry in saved.values() for k in entry["state"]})
         _link_optimizer_state(runner, keys, manifest.get("step"))
     sharded: dict[int, dict[str, torch.Tensor]] = {}
+    values: dict[int, torch.Tensor] = {}
     for layer, params in sorted(_layer_params(runner).items()):
         saved = files[layer]
         for name, q in params:
@@ -214,7 +217,9 @@ def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, 
                 for key, tensor in entry["state"].items():
                     safe_set_full_optimizer_state(q, tensor.to(torch.float32), key)
             elif runner.sharding is not None:
-                sharded[id(q)] = {key: tensor.to(q.dtype) for key, tensor in entry["state"].items()}
+                values[id(q)] = value
+                sharded[id(q)] = {key: tensor.to(torch.promote_types(q.dtype, torch.float32))
+                                  for key, tensor in entry["state"].items()}
             elif entry["state"]:
                 state = inner.state[q]
                 for key, tensor in entry["state"].items():
@@ -222,6 +227,7 @@ def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, 
                 if manifest.get("step") is not None:
                     state["step"] = torch.tensor(float(manifest["step"]))
     if runner.sharding is not None:
+        runner.sharding.set_full_values(values)  # the fp32 masters (bf16 parameters), not their rounding
         runner.sharding.set_full_state(sharded, manifest.get("step"))
     runner.engine.global_steps = int(manifest["global_steps"])
     runner.engine.global_samples = int(manifest["global_samples"])

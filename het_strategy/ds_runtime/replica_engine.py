@@ -56,7 +56,8 @@ divides each micro-batch loss by the rank's own accumulation count, the
 reducer averages over replicas, so the update is the global-batch mean.
 DeepSpeed runs at ZeRO 0 here (its ZeRO shards over a data-parallel group,
 which a replica's grid does not have); a ZeRO-1 plan shards the optimizer
-state within each holder set instead (``holder_sharding``, fp32 plans).
+state within each holder set instead (``holder_sharding``; in bf16 the fp32
+master weights too, DeepSpeed's bf16 off and the layers cast here).
 Layers in fp32 or fp64, or DeepSpeed's bf16 / fp16 mixed precision.
 """
 
@@ -327,9 +328,11 @@ def _engine_class() -> type:
 def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any], loss_fn: Callable[..., Any],
                          optimizer_factory: Callable[..., torch.optim.Optimizer], ds_config: dict[str, Any], *,
                          gradient_clipping: float, activation_checkpoint_interval: int = 0,
-                         shard_optimizer: bool = False) -> tuple[Any, Any, Any, HolderSetSharding | None]:
+                         shard_optimizer: bool = False, compute_dtype: torch.dtype | None = None
+                         ) -> tuple[Any, Any, Any, HolderSetSharding | None]:
     """``(engine, module, reducer, sharding)`` for this rank; every rank of the world calls it once, in step.
-    ``shard_optimizer``: ZeRO-1 within the holder sets (``holder_sharding``; the sharding, else None)."""
+    ``shard_optimizer``: ZeRO-1 within the holder sets (``holder_sharding``; the sharding, else None); the layers
+    then run in ``compute_dtype`` (bf16; None: as built), cast here since DeepSpeed runs them plain."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     groups = PlanGroups(layout, rank)
@@ -338,6 +341,8 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
                              activation_checkpoint_interval=activation_checkpoint_interval, dynamic_shape=True)
     broadcast_from_first_replica(layout, rank, groups, module)
     specs = split_layers(layout, rank, groups, module, layers)
+    if shard_optimizer and compute_dtype is not None:
+        module.to(compute_dtype)  # the fp32 masters are the sharding's chunks
     # DeepSpeed's mixed-precision optimizer clips (ds_config's gradient_clipping) after the reduction, except
     # with tp > 1, where its norm would count a replicated parameter once per tp rank: the reducer clips then
     mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
