@@ -1,10 +1,13 @@
 """How much the ``hetero_deepspeed`` runtime's rules cost: the runnable best against the unconstrained best.
 
-For every shipped cluster and each training dtype (fp32, bf16 and fp16, at ZeRO 0: tensor-parallel stages run
-there, and fp16 at ZeRO 0 runs per replica, where the runtime scales the loss), ``planning.plan`` with ``PlanRequest(runtime="deepspeed")`` plans the
-best plan the runtime runs and reports its predicted slowdown against the best plan of any runtime (the cost
-model's figures; ``settings.max_tp`` at its default, 8).  0.0%: the runtime runs the winning plan.
-Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... clusters=N``.
+For every shipped cluster and each training dtype (fp32, bf16 and fp16 at ZeRO 0: tensor-parallel stages run
+there, and fp16 at ZeRO 0 runs per replica, where the runtime scales the loss; fp32 and bf16 at ZeRO 1: per-replica
+plans shard the optimizer state, and bf16's fp32 masters, within their holder sets), ``planning.plan`` with
+``PlanRequest(runtime="deepspeed")`` plans the best plan the runtime runs and reports its predicted slowdown
+against the best plan of any runtime (the cost model's figures; ``settings.max_tp`` at its default, 8).  0.0%: the
+runtime runs the winning plan.
+Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... max_slowdown_fp32_zero1=...
+max_slowdown_bf16_zero1=... clusters=N``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
 
-DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 0))
+DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 0), ("fp32", 1), ("bf16", 1))
 """(dtype, ZeRO stage) of each column."""
 
 
@@ -27,7 +30,7 @@ def main() -> None:
     ap.add_argument("--model", default="gpt_small", help="shipped model name")
     ap.add_argument("--batch", type=int, default=64, help="global batch size")
     args = ap.parse_args()
-    worst = {dtype: 0.0 for dtype, _ in DTYPES}
+    worst = {column: 0.0 for column in DTYPES}
     names = shipped_names("cluster")
     print(f"model {args.model}, global batch {args.batch}; predicted slowdown of the best plan hetero_deepspeed "
           "runs against the unconstrained best")
@@ -41,14 +44,15 @@ def main() -> None:
                 result = plan(cluster, load_workload(args.model, dtype=dtype), settings, PlanRequest(runtime="deepspeed"))
             except ConfigError as exc:
                 cells.append("no plan")
-                print(f"  {name} {dtype}: {exc}")
-                worst[dtype] = float("inf")
+                print(f"  {name} {dtype} ZeRO {zero}: {exc}")
+                worst[(dtype, zero)] = float("inf")
                 continue
             slowdown = result.runtime_slowdown or 0.0
-            worst[dtype] = max(worst[dtype], slowdown)
+            worst[(dtype, zero)] = max(worst[(dtype, zero)], slowdown)
             cells.append(f"{slowdown * 100:.1f}%")
         print(f"{name:<26}" + "".join(f"{c:>16}" for c in cells), flush=True)
-    print("RESULT " + " ".join(f"max_slowdown_{d}={worst[d] * 100:.1f}%" for d, _ in DTYPES) + f" clusters={len(names)}")
+    print("RESULT " + " ".join(f"max_slowdown_{d}{'_zero1' if z else ''}={worst[(d, z)] * 100:.1f}%" for d, z in DTYPES)
+          + f" clusters={len(names)}")
 
 
 if __name__ == "__main__":
