@@ -8,7 +8,7 @@ from het_strategy.cli.plan_cli import compose_plan_config, run_plan
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
-from het_strategy.core.workload import TransformerConfig, transformer_workload
+from het_strategy.core.workload import TransformerConfig, load_workload, transformer_workload
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.runtime_rules import Problem, Runtime, runtime_problems
 from het_strategy.planning import PlanRequest, plan as make_plan
@@ -131,6 +131,16 @@ def test_at_fp16_zero_1_the_runtime_takes_the_best_aligned_plan_and_says_what_it
     assert choice.slowdown > 0.05
     assert f"{choice.slowdown * 100:.1f}% slower" in choice.summary()
     assert "`plan.zero_stage` is 1; it must be 0, or 1 in fp32 or bf16, for an asymmetric plan" in choice.summary()
+
+
+def test_a_runnable_plan_faster_than_the_unconstrained_search_found_is_the_unconstrained_best():
+    # fp16 at ZeRO 1 on mixed_a100_v100_t4: the unconstrained search's plan (tp > 1, not runnable there) is predicted
+    # 0.2% slower than the best runnable plan the restricted searches find; that plan is then the best of both
+    settings = TrainSettings(global_batch_size=64, max_tp=2, zero_stage=1, dtype="fp16")
+    choice = _runtime_choice(load_cluster("mixed_a100_v100_t4"), load_workload("gpt_small", dtype="fp16"), settings,
+                             mode="auto", runtime="deepspeed")
+    assert choice.unconstrained is choice.plan and choice.slowdown == 0.0
+    assert "0.0% slower" in choice.summary()
 
 
 def test_tensor_parallel_best_runs_on_the_deepspeed_runtime():
