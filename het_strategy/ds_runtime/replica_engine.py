@@ -58,7 +58,8 @@ DeepSpeed runs at ZeRO 0 here (its ZeRO shards over a data-parallel group,
 which a replica's grid does not have); a ZeRO-1 plan shards the optimizer
 state within each holder set instead (``holder_sharding``; in bf16 the fp32
 master weights too, DeepSpeed's bf16 off and the layers cast here).
-Layers in fp32 or fp64, or DeepSpeed's bf16 / fp16 mixed precision.
+Layers in fp32 or fp64, DeepSpeed's bf16 / fp16 mixed precision, or at ZeRO 1
+bf16 layers over the sharding's fp32 masters.
 """
 
 from __future__ import annotations
