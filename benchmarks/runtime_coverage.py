@@ -1,13 +1,13 @@
 """How much the ``hetero_deepspeed`` runtime's rules cost: the runnable best against the unconstrained best.
 
 For every shipped cluster and each training dtype (fp32, bf16 and fp16 at ZeRO 0: tensor-parallel stages run
-there, and fp16 at ZeRO 0 runs per replica, where the runtime scales the loss; fp32 and bf16 at ZeRO 1: per-replica
-plans shard the optimizer state, and bf16's fp32 masters, within their holder sets), ``planning.plan`` with
+there, and fp16 at ZeRO 0 runs per replica, where the runtime scales the loss; each at ZeRO 1 too: per-replica
+plans shard the optimizer state, and bf16's and fp16's fp32 masters, within their holder sets), ``planning.plan`` with
 ``PlanRequest(runtime="deepspeed")`` plans the best plan the runtime runs and reports its predicted slowdown
 against the best plan of any runtime (the cost model's figures; ``settings.max_tp`` at its default, 8).  0.0%: the
 runtime runs the winning plan.
 Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... max_slowdown_fp32_zero1=...
-max_slowdown_bf16_zero1=... clusters=N``.
+max_slowdown_bf16_zero1=... max_slowdown_fp16_zero1=... clusters=N``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
 
-DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 0), ("fp32", 1), ("bf16", 1))
+DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 0), ("fp32", 1), ("bf16", 1), ("fp16", 1))
 """(dtype, ZeRO stage) of each column."""
 
 

@@ -146,6 +146,19 @@ def main() -> None:
                                 if torch.is_tensor(v) and v.dim() > 0)
     result["master_numel"] = (sum(c.numel() for c in runner.sharding.chunks) if runner.sharding is not None
                               else None)
+    if runner.sharding is not None and runner.sharding.scaler is not None:
+        # fp16 at ZeRO 1: a checkpoint round trip brings back the fp32 master chunks and the loss scaler's state
+        sharding = runner.sharding
+        masters = [c.clone() for c in sharding.chunks]
+        sharding.scaler.cur_scale, sharding.scaler.cur_hysteresis = 1234.0, 1
+        runner.save_checkpoint(os.path.join(out_dir, "ckpt"), "t", {})
+        with torch.no_grad():
+            for c in sharding.chunks:
+                c.zero_()
+        sharding.scaler.cur_scale, sharding.scaler.cur_hysteresis = 1.0, 2
+        runner.load_checkpoint(os.path.join(out_dir, "ckpt"), "t")
+        result["restored"] = {"scale": sharding.scaler.cur_scale, "hysteresis": sharding.scaler.cur_hysteresis,
+                              "masters": all(torch.equal(a, b) for a, b in zip(masters, sharding.chunks))}
     result["param_dtype"] = str(next(runner.engine.module.parameters()).dtype)
     with open(os.path.join(out_dir, f"rank{runner.rank}.json"), "w") as fh:
         json.dump(result, fh)

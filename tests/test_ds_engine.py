@@ -146,14 +146,17 @@ def _assert_tracks_fp32(ranks: list[dict], dtype: str, steps: int = worker.STEPS
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode, zero_stage, dtype", [("pipe", 0, "bf16"), ("asym", 0, "bf16"),
+@pytest.mark.parametrize("mode, zero_stage, dtype", [("pipe", 0, "bf16"), ("asym", 0, "bf16"), ("asym", 1, "fp16"),
                                                      pytest.param("pipe", 1, "fp16", marks=needs_cpu_fp16)])
 def test_mixed_precision_tracks_fp32(tmp_path, mode, zero_stage, dtype):
     """The aligned grid (BF16_Optimizer at ZeRO 0, DeepSpeed's ZeRO-1 fp16 optimizer) and the asymmetric replicas
-    (the holder-set reduction of BF16_Optimizer's fp32 gradient buffers) train the fp32 layers in bf16/fp16 with
-    fp32 master weights: 3 steps stay within MIXED_TOL of the fp32 single-process reference."""
+    (the holder-set reduction of BF16_Optimizer's fp32 gradient buffers; at ZeRO 1 in fp16 the holder sets' own
+    fp32 master chunks and loss scale) train the fp32 layers in bf16/fp16 with fp32 master weights: 3 steps stay
+    within MIXED_TOL of the fp32 single-process reference."""
     ranks = _run_ranks(4, [mode, str(zero_stage), "0.0", dtype], tmp_path)
     _assert_tracks_fp32(ranks, dtype)
+    if (mode, zero_stage, dtype) == ("asym", 1, "fp16"):  # a checkpoint brings back the masters and the loss scale
+        assert all(r["restored"] == {"scale": 1234.0, "hysteresis": 1, "masters": True} for r in ranks)
 
 
 @pytest.mark.multiprocess
@@ -181,12 +184,14 @@ def test_asymmetric_bf16_at_zero_1_shards_the_fp32_masters_and_steps_as_zero_0(t
 
 
 @pytest.mark.multiprocess
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    """Rank 3 (replica 2, holding every layer) gets an inf gradient in its first backward; the holder-set
-    reduction carries it to each layer's other holders, so every replica's bf16 optimizer skips step 1, and
-    the two steps after it are those of a 2-step fp32 run."""
-    ranks = _run_ranks(4, ["asym", "0", "0.0", "bf16", "3"], tmp_path)
-    _assert_tracks_fp32(ranks, "bf16", steps=worker.STEPS - 1, skipped=1)
+@pytest.mark.parametrize("zero_stage, dtype", [(0, "bf16"), (1, "fp16")])
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path, zero_stage, dtype):
+    """Rank 3 (replica 2, holding every layer) gets an inf gradient in its first backward.  At ZeRO 0 the
+    holder-set reduction carries it to each layer's other holders, so every replica's bf16 optimizer skips step 1;
+    at ZeRO 1 in fp16 the sharding's overflow vote (one all-reduce over the world) makes every rank skip it.  The
+    two steps after it are those of a 2-step fp32 run."""
+    ranks = _run_ranks(4, ["asym", str(zero_stage), "0.0", dtype, "3"], tmp_path)
+    _assert_tracks_fp32(ranks, dtype, steps=worker.STEPS - 1, skipped=1)
 
 
 def _plan(pipelines, zero_stage=0, devices=8, dtype="fp32"):
@@ -202,11 +207,10 @@ def _pipe(devs, bounds, micro=2, samples=4):
 
 
 @pytest.mark.parametrize("plan, field, world", [
-    (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], dtype="fp16", zero_stage=1), "plan.zero_stage",
-     None),  # fp16 runs asymmetric at ZeRO 0 (the runtime scales the loss), not at 1
     (_plan([_pipe([("d0", "d1", "d2")], [0, 6]), _pipe([("d3", "d4")], [0, 6])]),
      "plan.pipelines[1].stages[0].tp", None),  # tp 2 beside tp 3: no common unit to reduce a shard in
-    (_plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], dtype="fp16", zero_stage=1), "plan.zero_stage", None),
+    (_plan([_pipe([("d0", "d1")], [0, 6]), _pipe(["d2"], [0, 6])], dtype="fp16", zero_stage=2), "plan.zero_stage",
+     None),  # tensor parallelism runs per replica, which shards the optimizer state only (ZeRO 1)
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2", "d3"], [0, 4, 6])], zero_stage=2), "plan.zero_stage",
      None),
     (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])]), "WORLD_SIZE", 4),
@@ -239,7 +243,7 @@ def test_asymmetric_plans_are_runnable_at_zero_0_with_clipping():
     assert layout.layers_by_holders(2) == [((0, 2, 3), [0, 1, 2]), ((1, 2, 3), [3]), ((1, 2, 4), [4, 5])]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_per_replica_plans_run_zero_1_and_tell_deepspeed_zero_0_without_its_bf16(dtype):
     # the runtime shards within holder sets itself (in bf16 the fp32 masters too, and it clips); DeepSpeed's own
     # ZeRO would shard over the replica's grid, its BF16_Optimizer would keep whole fp32 masters
@@ -252,7 +256,7 @@ def test_per_replica_plans_run_zero_1_and_tell_deepspeed_zero_0_without_its_bf16
         settings = TrainSettings(plan.global_batch_size, dtype=dtype, zero_stage=1)
         cfg = deepspeed_config(plan, settings, rank=0, gradient_clipping=1.0)
         assert cfg["zero_optimization"]["stage"] == 0
-        assert not cfg["bf16"]["enabled"] and cfg["gradient_clipping"] == 0.0
+        assert not cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"] and cfg["gradient_clipping"] == 0.0
 
 
 def test_importing_the_engine_does_not_import_deepspeed():

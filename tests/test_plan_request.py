@@ -74,9 +74,9 @@ def test_data_parallel_plan_is_the_dp_request(case: dict) -> None:
 
 
 def test_the_result_carries_what_the_table_prints_beside_the_plan() -> None:
-    # fp16 at ZeRO 1: tensor-parallel plans run per replica, in fp16 at ZeRO 0 only (core.runtime_rules), so the
-    # runtime keeps tp = 1
-    settings = TrainSettings(global_batch_size=64, max_tp=2, zero_stage=1, dtype="fp16")
+    # ZeRO 2: pipelines and tensor-parallel plans run at ZeRO 0 and 1 only (core.runtime_rules), so the runtime
+    # keeps pure data parallelism
+    settings = TrainSettings(global_batch_size=64, max_tp=2, zero_stage=2, dtype="fp16")
     cluster, workload = load_cluster("amp_v100_t4"), load_workload("gpt_small", dtype=settings.dtype)
     result = plan(cluster, workload, settings, PlanRequest(runtime="deepspeed"))
     assert result.unconstrained is not None and result.unconstrained is not result.plan

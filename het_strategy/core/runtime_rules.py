@@ -32,12 +32,12 @@ The rules, by runtime:
        with tp > 1 and fp16 plans at ZeRO 0 run each replica as its own
        pipeline (``ds_runtime.replica_engine``; ``runs_per_replica``).  Every
        dtype runs at ZeRO 0 (the runtime reduces the gradients DeepSpeed's
-       mixed-precision optimizer steps on).  ZeRO 1 runs in fp32 and bf16: the
-       runtime shards the optimizer state (and in bf16 the fp32 master
-       weights) within each set of ranks holding the same parameters
-       (``ds_runtime.holder_sharding``).  In fp16 it is refused: that sharding
-       has no loss scaler (DeepSpeed's fp16 optimizers keep their own whole
-       fp32 master copies, which it does not reach).
+       mixed-precision optimizer steps on).  ZeRO 1 runs in every dtype: the
+       runtime shards the optimizer state (and in bf16 and fp16 the fp32
+       master weights; fp16 with a dynamic loss scale) within each set of
+       ranks holding the same parameters (``ds_runtime.holder_sharding``).
+       ZeRO 2 and 3 are refused: that sharding splits neither the gradients
+       nor the weights.
     4. fp16 at ZeRO 0 runs per replica (rule 3): DeepSpeed 0.19's ZeRO-0 fp16
        optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) unscale the
        gradients by the loss scale at the step, but its ``engine.backward``
@@ -170,7 +170,7 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
         out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "
                            "(DeepSpeed's pipeline engine refuses ZeRO 2 and 3)",
                            "use zero_stage 0 or 1, or plan pure data parallelism (mode dp)"))
-    if runs_per_replica(plan) and zero != 0 and not (zero == 1 and plan.dtype in ("fp32", "bf16")):
+    if runs_per_replica(plan) and zero >= 2:
         if not shares_boundaries(plan):
             bounds = [pipe.boundaries() for pipe in plan.pipelines]
             why = f"an asymmetric plan (its replicas have the different boundaries {bounds})"
@@ -178,11 +178,10 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
             why = "a plan with tensor parallelism (it runs each replica as its own pipeline)"
         else:
             why = "this plan (it runs each replica as its own pipeline)"
-        out.append(Problem("plan.zero_stage", zero, f"be 0, or 1 in fp32 or bf16, for {why}: the runtime shards "
-                           "the optimizer state within the sets of ranks holding the same parameters in fp32 and "
-                           "bf16 only (it has no fp16 loss scaler)",
-                           "use zero_stage 0, zero_stage 1 with dtype fp32 or bf16, or re-plan with max_tp=1 and "
-                           "mode pipeline (shared boundaries)"))
+        out.append(Problem("plan.zero_stage", zero, f"be 0 or 1 for {why}: the runtime shards the optimizer "
+                           "state within the sets of ranks holding the same parameters (ZeRO 1), not the gradients "
+                           "or the weights",
+                           "use zero_stage 0 or 1, or re-plan with max_tp=1 and mode pipeline (shared boundaries)"))
     counts = [pipe.num_micro_batches for pipe in plan.pipelines]
     if zero >= 2 and len(set(counts)) > 1:
         common = max(counts)

@@ -52,7 +52,11 @@ __all__ = [
     "hetero_pipeline_module",
     "expert_map",
     "write_deepspeed_files",
+    "FP16_INITIAL_SCALE_POWER",
 ]
+
+FP16_INITIAL_SCALE_POWER = 16
+"""fp16's dynamic loss scale starts at ``2 ** 16`` (DeepSpeed's ``initial_scale_power`` default), halved on overflow."""
 
 
 @dataclass(frozen=True)
@@ -265,10 +269,11 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     in fp32, with tp > 1 and at ZeRO 1 (the runtime clips by the global norm
     after its own reduction, counting each shard once), otherwise (asymmetric
     bf16 and fp16 at ZeRO 0) DeepSpeed's mixed-precision optimizer clips, after
-    that reduction.  At ZeRO 1 in bf16 DeepSpeed's bf16 is off: the runtime runs
-    the layers in bf16 and keeps the fp32 master weights sharded itself
-    (``ds_runtime.holder_sharding``), so DeepSpeed's ``BF16_Optimizer`` (whole
-    fp32 copies) is not built.
+    that reduction.  At ZeRO 1 in bf16 and fp16 DeepSpeed's bf16 / fp16 is off:
+    the runtime runs the layers in that dtype and keeps the fp32 master weights
+    sharded itself (``ds_runtime.holder_sharding``; fp16 with DeepSpeed's
+    dynamic loss scaler from ``2 ** FP16_INITIAL_SCALE_POWER``), so DeepSpeed's
+    ``BF16_Optimizer`` / ``FP16_Optimizer`` (whole fp32 copies) are not built.
 
     Refused: plans the deepspeed runtime cannot run (``core.runtime_rules``) and
     asymmetric plans with offload.
@@ -319,12 +324,12 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
                                                                        and not has_tensor_parallel(plan)) else 0.0),
         "zero_optimization": zero,
         "bf16": {"enabled": plan.dtype == "bf16" and not holder_sharded},
-        "fp16": {"enabled": plan.dtype == "fp16"},
+        "fp16": {"enabled": plan.dtype == "fp16" and not holder_sharded},
         "steps_per_print": 100,
         "wall_clock_breakdown": False,
     }
-    if plan.dtype == "fp16":
-        cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16})
+    if cfg["fp16"]["enabled"]:
+        cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": FP16_INITIAL_SCALE_POWER})
     if plan.dtype != "fp32":
         # reduce gradients in the dtype the cost model priced (settings.grad_dtype; fp32 unless set)
         cfg["communication_data_type"] = str(settings.grad_reduce_dtype)  # plain JSON: the config is saved too

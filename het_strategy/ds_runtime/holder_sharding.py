@@ -34,21 +34,32 @@ an all-gather):
    rounded to the parameter's dtype, i.e. where something else set it (the
    first step, a checkpoint load, a user's edit).
 
-**bf16** (DeepSpeed's bf16 off, the layers cast to bf16 by the engine
-builder): the chunks are fp32, so each holder keeps ``1 / k`` of the fp32
-master weights, as DeepSpeed's ZeRO-1 keeps its fp32 partition
+**bf16 and fp16** (DeepSpeed's bf16 / fp16 off, the layers cast by the
+engine builder): the chunks are fp32, so each holder keeps ``1 / k`` of the
+fp32 master weights, as DeepSpeed's ZeRO-1 keeps its fp32 partition
 (``single_partition_of_fp32_groups``); the gradients accumulate in the
-parameters' bf16 ``.grad`` over the micro-batches (DeepSpeed's default
+parameters' 16-bit ``.grad`` over the micro-batches (DeepSpeed's default
 ``grad_accum_dtype``: the model's dtype) and are reduced in fp32.  The
 chunks ride along in the optimizer's ``state_dict`` (``het_master``), so a
 DeepSpeed checkpoint restores them exactly.
+
+**fp16's loss scale** is DeepSpeed's ``DynamicLossScaler`` (``scaler``): the
+engine multiplies the last stage's loss by ``loss_scale``, the reduction
+divides the chunks' gradients by it, and one all-reduce (max) over the world
+of "a chunk holds an inf or a nan" is every rank's overflow decision (an
+overflow on one rank reaches only its own holder sets through the
+reduce-scatter; the other sets' holders must skip too).  On an overflow every
+chunk's gradient is dropped, so the optimizer leaves chunks and state as they
+are, and ``optimizer.overflow`` tells DeepSpeed's engine, which counts a
+skipped step and holds the learning-rate scheduler, as with its own fp16
+optimizers; the scale is updated either way.  The scaler's state rides in the
+``state_dict`` too (``het_loss_scale``).
 
 A step moves what the reducer's all-reduce moves (a reduce-scatter and an
 all-gather), the same as DeepSpeed's ZeRO-1, and the cost model's sync.  The
 optimizer must update each element from that element's own state, as SGD,
 Adam and AdamW do (DeepSpeed's ZeRO asks the same: a per-tensor norm, as
-LAMB's, would be taken over a chunk).  fp32 and bf16 plans (``core.runtime_rules``):
-fp16 would need a loss scaler, which this has not.
+LAMB's, would be taken over a chunk).
 
 ``full_state`` / ``set_full_state`` and ``full_values`` / ``set_full_values``
 gather and scatter the state and the master weights per parameter, for the
@@ -71,7 +82,10 @@ __all__ = ["HolderSetSharding"]
 
 
 _MASTERS = "het_master"
-"""The optimizer ``state_dict`` key of the fp32 master chunks (bf16 parameters)."""
+"""The optimizer ``state_dict`` key of the fp32 master chunks (16-bit parameters)."""
+_LOSS_SCALE = "het_loss_scale"
+"""The optimizer ``state_dict`` key of the fp16 loss scaler's state."""
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 class _Run:
@@ -143,9 +157,12 @@ class HolderSetSharding:
     docstring); called as the plan's gradient reduction."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: Sequence[tuple[tuple[int, ...], list[GradientPart]]],
-                 groups: dict[tuple[int, ...], Any], num_replicas: int, gradient_clipping: float) -> None:
+                 groups: dict[tuple[int, ...], Any], num_replicas: int, gradient_clipping: float,
+                 scaler: Any = None) -> None:
         self.optimizer = optimizer
         self.num_replicas = num_replicas
+        self.scaler = scaler
+        """fp16's dynamic loss scaler (DeepSpeed's ``DynamicLossScaler``), or None."""
         self.gradient_clipping = float(gradient_clipping)
         """The largest global norm the reduction clips to (0: off)."""
         self.last_norm: float | None = None
@@ -175,6 +192,11 @@ class HolderSetSharding:
             optimizer.register_load_state_dict_pre_hook(self._load_masters)
 
     @property
+    def loss_scale(self) -> float | None:
+        """What the last stage multiplies its loss by (fp16), or None."""
+        return None if self.scaler is None else float(self.scaler.cur_scale)
+
+    @property
     def chunks(self) -> list[torch.Tensor]:
         """The tensors the optimizer steps on, one per run."""
         return [run.chunk for run in self.runs]
@@ -183,12 +205,31 @@ class HolderSetSharding:
     def __call__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
         """Reduce this step's gradients into the chunks, then clip them by the global norm (module docstring)."""
         t0 = time.perf_counter()
+        scale = self.loss_scale or 1.0
         for run in self.runs:
-            run.chunk.grad = run.reduce_scatter().div_(self.num_replicas)
+            run.chunk.grad = run.reduce_scatter().div_(self.num_replicas * scale)
+        if self.scaler is not None and self._overflowed():
+            for run in self.runs:
+                run.chunk.grad = None  # the optimizer skips a parameter without a gradient: nothing moves
+            self.last_reduce_s = time.perf_counter() - t0
+            return
         if self.gradient_clipping > 0:
             grads = [run.chunk.grad for run in self.runs]
             self.last_norm = clip_gradients(grads, [True] * len(grads), self.gradient_clipping, None)
         self.last_reduce_s = time.perf_counter() - t0
+
+    def _overflowed(self) -> bool:
+        """Whether any rank's chunks hold an inf or a nan (one all-reduce over the world); updates the scale and
+        ``optimizer.overflow`` (module docstring)."""
+        import deepspeed.comm as dist
+
+        bad = any(not bool(torch.isfinite(run.chunk.grad).all()) for run in self.runs)
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.runs[0].chunk.device if self.runs else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        overflow = bool(flag.item() > 0)
+        self.scaler.update_scale(overflow)
+        self.optimizer.overflow = overflow  # type: ignore[attr-defined]  # DeepSpeed's engine reads it
+        return overflow
 
     @torch.no_grad()
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -199,10 +240,16 @@ class HolderSetSharding:
 
     def _save_masters(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict[_MASTERS] = [run.chunk.detach().clone() for run in self.runs]
+        if self.scaler is not None:
+            state_dict[_LOSS_SCALE] = {k: float(getattr(self.scaler, k)) for k in _SCALER_FIELDS}
         return state_dict
 
     @torch.no_grad()
     def _load_masters(self, optimizer: Any, state_dict: dict[str, Any]) -> None:
+        scaler_state = state_dict.pop(_LOSS_SCALE, None)
+        if self.scaler is not None and scaler_state is not None:
+            for key in _SCALER_FIELDS:
+                setattr(self.scaler, key, type(getattr(self.scaler, key))(scaler_state[key]))
         masters = state_dict.pop(_MASTERS, None)
         if masters is None:
             return  # from parameters alone: the first step takes the chunks from them

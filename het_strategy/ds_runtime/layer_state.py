@@ -101,7 +101,7 @@ def reshard_problem(runner: PlanRunner) -> str | None:
                        "whole parameter's)"
     if plan.dtype == "fp16":
         return "plan.dtype is 'fp16'; it must be fp32 or bf16 (DeepSpeed's FP16_Optimizer keeps no per-parameter " \
-               "mapping)"
+               "mapping, and fp16's loss scale is not kept per layer)"
     if plan.zero_stage > 1:
         return f"plan.zero_stage is {plan.zero_stage}; it must be 0 or 1"
     return None

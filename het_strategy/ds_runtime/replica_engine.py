@@ -56,10 +56,11 @@ divides each micro-batch loss by the rank's own accumulation count, the
 reducer averages over replicas, so the update is the global-batch mean.
 DeepSpeed runs at ZeRO 0 here (its ZeRO shards over a data-parallel group,
 which a replica's grid does not have); a ZeRO-1 plan shards the optimizer
-state within each holder set instead (``holder_sharding``; in bf16 the fp32
-master weights too, DeepSpeed's bf16 off and the layers cast here).
+state within each holder set instead (``holder_sharding``; in bf16 and fp16
+the fp32 master weights too, DeepSpeed's bf16 / fp16 off and the layers cast
+here; fp16 with DeepSpeed's dynamic loss scaler).
 Layers in fp32 or fp64, DeepSpeed's bf16 / fp16 mixed precision, or at ZeRO 1
-bf16 layers over the sharding's fp32 masters.
+bf16 / fp16 layers over the sharding's fp32 masters.
 """
 
 from __future__ import annotations
@@ -272,9 +273,11 @@ def _engine_class() -> type:
 
         def _exec_scaled_backward_pass(self, buffer_id: int) -> None:
             # fp16 at ZeRO 0: DeepSpeed 0.19's engine.backward scales the loss for ZeRO optimizers only, while its
-            # FP16_Optimizer / FP16_UnfusedOptimizer unscale by the loss scale at the step; the loss is scaled
-            # here (the stages before receive gradients already scaled)
-            scale = loss_scale(self.optimizer)
+            # FP16_Optimizer / FP16_UnfusedOptimizer unscale by the loss scale at the step; at ZeRO 1 the holder
+            # sets' sharding keeps the scale and unscales in its reduction.  The loss is scaled here (the stages
+            # before receive gradients already scaled)
+            scale = (self.plan_reducer.loss_scale if isinstance(self.plan_reducer, HolderSetSharding)
+                     else loss_scale(self.optimizer))
             if scale is not None and self.is_last_stage():
                 self.loss = self.loss * scale
             PipelineEngine._exec_backward_pass(self, buffer_id)
@@ -326,6 +329,17 @@ def _engine_class() -> type:
     return ReplicaPipelineEngine
 
 
+def _fp16_scaler() -> Any:
+    """DeepSpeed's dynamic loss scaler with its fp16 defaults (window 1000, hysteresis 2, minimum 1) from
+    ``2 ** FP16_INITIAL_SCALE_POWER``, as ``deepspeed_config`` configures DeepSpeed's own fp16 optimizers."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from het_strategy.ds_runtime.config import FP16_INITIAL_SCALE_POWER
+
+    return DynamicLossScaler(init_scale=2.0 ** FP16_INITIAL_SCALE_POWER, scale_window=1000, min_scale=1,
+                             delayed_shift=2, consecutive_hysteresis=False, dtype=torch.float16)
+
+
 def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any], loss_fn: Callable[..., Any],
                          optimizer_factory: Callable[..., torch.optim.Optimizer], ds_config: dict[str, Any], *,
                          gradient_clipping: float, activation_checkpoint_interval: int = 0,
@@ -333,7 +347,8 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
                          ) -> tuple[Any, Any, Any, HolderSetSharding | None]:
     """``(engine, module, reducer, sharding)`` for this rank; every rank of the world calls it once, in step.
     ``shard_optimizer``: ZeRO-1 within the holder sets (``holder_sharding``; the sharding, else None); the layers
-    then run in ``compute_dtype`` (bf16; None: as built), cast here since DeepSpeed runs them plain."""
+    then run in ``compute_dtype`` (bf16 or fp16, the latter with DeepSpeed's dynamic loss scaler; None: as built),
+    cast here since DeepSpeed runs them plain."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     groups = PlanGroups(layout, rank)
@@ -350,7 +365,8 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
     own_clip = gradient_clipping if (not mixed or layout.has_tensor_parallel) else 0.0
     optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
     sharding = (HolderSetSharding(optimizer, holder_parts(layout, rank, module, specs), groups.holders,
-                                  layout.num_replicas, own_clip) if shard_optimizer else None)
+                                  layout.num_replicas, own_clip, _fp16_scaler() if compute_dtype == torch.float16
+                                  else None) if shard_optimizer else None)
     reducer = sharding if sharding is not None else HolderSetReducer(layout, rank, groups, own_clip, specs)
     mpu = module.mpu()
     engine = _engine_class()(args=None, model=module, optimizer=optimizer, model_parameters=None,

@@ -116,7 +116,7 @@ def search_runtime(cluster: ClusterSpec, workload: WorkloadSpec, settings: Train
                             f"{why[0]}; try planner.runtime=any, settings.zero_stage=0 or settings.dtype=fp32")
     chosen = min(found, key=lambda p: p.predicted["step_time_s"])
     if chosen.predicted["step_time_s"] <= best.predicted["step_time_s"]:
-        # the restricted searches found a plan the unconstrained one missed (its searches are not exhaustive in
-        # every mode): that runnable plan is the unconstrained best, and nothing is lost
+        # the restricted searches found a runnable plan at least as fast as the unconstrained search's (which is
+        # not exhaustive in every mode): that plan is the unconstrained best too, and nothing is lost
         return RuntimeChoice(chosen, chosen, target)
     return RuntimeChoice(chosen, best, target)
