@@ -86,7 +86,7 @@ def plans(batch: int, micro: int) -> dict[str, Any]:
 
 
 def run(plan: Any, dtype: str, zero_stage: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Train ``plan`` in ``dtype`` on 4 ranks; rank 0's ``{"train_loss", "val_loss"}``."""
+    """Train ``plan`` in ``dtype`` on 4 ranks; rank 0's ``{"val_loss"}``."""
     import dataclasses
 
     from het_strategy.emulation.local_ranks import run_script_ranks
@@ -141,16 +141,15 @@ def _worker(spec_path: str) -> None:
         xs, ys = zip(*(data[int(i)] for i in indices))
         return torch.stack(xs), torch.stack(ys)
 
-    train_loss = 0.0
     for step in range(spec["steps"]):
-        train_loss = runner.train_step(*stacked(train, order[step * batch:(step + 1) * batch]))
+        runner.train_step(*stacked(train, order[step * batch:(step + 1) * batch]))
     # held-out sequences spread evenly over the whole validation text (every held-out file), not its first files
     spread = torch.linspace(0, len(val) - 1, spec["val_batches"] * batch).long()
     val_losses = [runner.eval_step(*stacked(val, spread[k * batch:(k + 1) * batch]))
                   for k in range(spec["val_batches"])]
     if runner.rank == 0:
         tmp = spec["out"] + ".tmp"
-        Path(tmp).write_text(json.dumps({"train_loss": train_loss, "val_loss": sum(val_losses) / len(val_losses)}))
+        Path(tmp).write_text(json.dumps({"val_loss": sum(val_losses) / len(val_losses)}))
         os.replace(tmp, spec["out"])
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -218,8 +218,7 @@ def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, 
                     safe_set_full_optimizer_state(q, tensor.to(torch.float32), key)
             elif runner.sharding is not None:
                 values[id(q)] = value
-                sharded[id(q)] = {key: tensor.to(torch.promote_types(q.dtype, torch.float32))
-                                  for key, tensor in entry["state"].items()}
+                sharded[id(q)] = entry["state"]  # set_full_state casts each slice to its chunk's dtype
             elif entry["state"]:
                 state = inner.state[q]
                 for key, tensor in entry["state"].items():
