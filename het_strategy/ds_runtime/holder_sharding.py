@@ -211,9 +211,7 @@ class HolderSetSharding:
         if self.scaler is not None and self._overflowed():
             for run in self.runs:
                 run.chunk.grad = None  # the optimizer skips a parameter without a gradient: nothing moves
-            self.last_reduce_s = time.perf_counter() - t0
-            return
-        if self.gradient_clipping > 0:
+        elif self.gradient_clipping > 0:
             grads = [run.chunk.grad for run in self.runs]
             self.last_norm = clip_gradients(grads, [True] * len(grads), self.gradient_clipping, None)
         self.last_reduce_s = time.perf_counter() - t0
