@@ -1,5 +1,5 @@
 """(a) bf16 and fp16 pipelines on ``hetero_deepspeed``'s runtime against fp32, on the same samples: the validation
-loss; (b) per-device precision on ``hetero`` against uniform bf16: speed and loss.
+loss; (b) per-device precision on ``hetero`` and ``hetero_deepspeed`` against uniform bf16: speed and loss.
 
 The char GPT (4 blocks, hidden 128, sequence 64: 6 pipeline layers) trains on the standard library's source
 (``demo.stdlib_text``) through ``ds_runtime.PlanRunner`` on 4 CPU ranks, the same global batches in the same
@@ -26,18 +26,22 @@ mean of the same plan, over the same seeds; ``zero1_gap`` that of the asymmetric
 the scale a precision gap is read against.  It checks that the mixed-precision paths train like fp32 on the same
 samples; it cannot say anything about speed (a CPU has no fast bf16/fp16 units).
 
-(b) The main job (het-train, ``strategy=hetero``, the tiny char GPT) on an emulated 2-rank cluster: one device
+(b) The main job (het-train, ``strategy=hetero`` and ``strategy=hetero_deepspeed``, the tiny char GPT) on an
+emulated 2-rank cluster: one device
 with fast bf16 units only (an A100-like ``{fp32: 0.001, bf16: 0.004}`` TFLOPS) and one with fast fp16 units only
 (a V100-like ``{fp32: 0.001, fp16: 0.004}``), each rank's compute padded to its emulated time in the dtype it
 computes in.  Uniform ``bf16-mixed`` runs the second device at its fp32 rate (the planner gives it a fifth of
 the batch); ``per_device`` runs it in fp16 with loss scaling (half the batch).  ``per_device_ratio`` is the
 measured samples/s of per_device over bf16 (means over the steps after warm-up), against the cost model's
 ``predicted_ratio``; ``per_device_loss_gap`` the relative gap of their final validation losses over every
-held-out sequence, against ``seed_noise_b``, the gap between two bf16 runs of different seeds.  The emulation
+held-out sequence, against ``seed_noise_b``, the gap between two bf16 runs of different seeds; the ``ds_`` keys
+are the same on ``hetero_deepspeed`` (DeepSpeed's bf16 against the runtime's own fp32 masters under
+per_device: ``core.runtime_rules`` deepspeed rule 7).  The emulation
 checks the schedule (who computes how much in which dtype, the fp32 all-reduce, the agreed skip), not a GPU's
 bf16/fp16 speed: the CPU's real 16-bit compute is kept below the padded time.
 Last line: ``RESULT loss_gap_bf16=... loss_gap_fp16=... zero1_gap=... per_device_ratio=... predicted_ratio=...
-per_device_loss_gap=... seed_noise=... seed_noise_b=... val_fp32=...``.
+per_device_loss_gap=... seed_noise_b=... ds_per_device_ratio=... ds_predicted_ratio=... ds_per_device_loss_gap=...
+ds_seed_noise_b=... seed_noise=... val_fp32=...``.
 """
 
 from __future__ import annotations
@@ -156,35 +160,43 @@ def _worker(spec_path: str) -> None:
 
 
 def per_device_part(args: argparse.Namespace) -> dict[str, float]:
-    """Part (b): het-train in bf16-mixed (seeds 0 and 1) and per_device (seed 0); the ratios and loss gaps."""
+    """Part (b), on each strategy of ``--strategies-b``: het-train in bf16-mixed (seeds 0 and 1) and per_device
+    (seed 0); the ratios and loss gaps (keys prefixed ``ds_`` for ``hetero_deepspeed``)."""
     import yaml
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _het_train import run_het_train
 
-    runs: dict[str, dict[str, Any]] = {}
+    out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="het_per_device_") as tmp:
         cluster = Path(tmp) / "cluster.yaml"
         cluster.write_text(yaml.safe_dump(UNITS))
-        common = [f"cluster={cluster}", "strategy=hetero", f"train.max_steps={args.steps_b}",
-                  f"train.global_batch_size={args.batch_b}", f"train.val_every_n_steps={args.steps_b}",
-                  "train.val_batches=1"]
-        for name, precision, seed in (("bf16", "bf16-mixed", 0), ("per_device", "per_device", 0),
-                                      ("bf16_seed1", "bf16-mixed", 1)):
-            runs[name] = run_het_train([*common, f"train.precision={precision}", f"train.seed={seed}"],
-                                       Path(tmp) / name)
-            r = runs[name]
-            print(f"  {name:<11} shares {r['shares']}  {r['step_s']:.3f} s/step (predicted {r['predicted_step_s']:.3f})"
-                  f"  {r['samples_per_s']:.2f} samples/s  val loss {r['final_val_loss']:.4f}", flush=True)
-    bf16, per_device = runs["bf16"], runs["per_device"]
-    ratio = per_device["samples_per_s"] / bf16["samples_per_s"]
-    predicted = bf16["predicted_step_s"] / per_device["predicted_step_s"]
-    gap = abs(per_device["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]
-    noise = abs(runs["bf16_seed1"]["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]
-    print(f"  per_device over bf16: measured {ratio:.3f}x, predicted {predicted:.3f}x "
-          f"(model error {abs(ratio - predicted) / predicted:.1%}); loss gap {gap:.2%} vs seed noise {noise:.2%}")
-    return {"per_device_ratio": ratio, "predicted_ratio": predicted, "per_device_loss_gap": gap,
-            "seed_noise_b": noise}
+        for strategy in args.strategies_b.split(","):
+            runs: dict[str, dict[str, Any]] = {}
+            common = [f"cluster={cluster}", f"strategy={strategy}", f"train.max_steps={args.steps_b}",
+                      f"train.global_batch_size={args.batch_b}", f"train.val_every_n_steps={args.steps_b}",
+                      "train.val_batches=1"]
+            print(f"  {strategy}:")
+            for name, precision, seed in (("bf16", "bf16-mixed", 0), ("per_device", "per_device", 0),
+                                          ("bf16_seed1", "bf16-mixed", 1)):
+                runs[name] = run_het_train([*common, f"train.precision={precision}", f"train.seed={seed}"],
+                                           Path(tmp) / strategy / name)
+                r = runs[name]
+                shares = r.get("shares", r.get("plan_samples"))
+                print(f"    {name:<11} shares {shares}  {r['step_s']:.3f} s/step (predicted "
+                      f"{r['predicted_step_s']:.3f})  {r['samples_per_s']:.2f} samples/s  val loss "
+                      f"{r['final_val_loss']:.4f}", flush=True)
+            bf16, per_device = runs["bf16"], runs["per_device"]
+            ratio = per_device["samples_per_s"] / bf16["samples_per_s"]
+            predicted = bf16["predicted_step_s"] / per_device["predicted_step_s"]
+            gap = abs(per_device["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]
+            noise = abs(runs["bf16_seed1"]["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]
+            print(f"    per_device over bf16: measured {ratio:.3f}x, predicted {predicted:.3f}x (model error "
+                  f"{abs(ratio - predicted) / predicted:.1%}); loss gap {gap:.2%} vs seed noise {noise:.2%}")
+            prefix = "ds_" if strategy == "hetero_deepspeed" else ""
+            out.update({f"{prefix}per_device_ratio": ratio, f"{prefix}predicted_ratio": predicted,
+                        f"{prefix}per_device_loss_gap": gap, f"{prefix}seed_noise_b": noise})
+    return out
 
 
 def main() -> None:
@@ -200,6 +212,8 @@ def main() -> None:
     ap.add_argument("--steps-b", type=int, default=30, help="part (b): optimizer steps per het-train run")
     ap.add_argument("--batch-b", type=int, default=20, help="part (b): global batch (20: 16/4 in bf16, 10/10 per "
                     "device)")
+    ap.add_argument("--strategies-b", default="hetero,hetero_deepspeed", help="part (b): comma-separated "
+                    "strategies, each run in bf16 and per_device")
     ap.add_argument("--part", choices=("a", "b", "all"), default="all")
     args = ap.parse_args()
     b = per_device_part(args) if args.part in ("b", "all") else {}
@@ -238,8 +252,7 @@ def main() -> None:
     noise = statistics.stdev(fp32_aligned) / base if len(fp32_aligned) > 1 else float("nan")
     print(f"  seed noise (aligned fp32, relative standard deviation over the seeds): {noise:.2%}")
     print(f"RESULT loss_gap_bf16={gaps['bf16']:.4f} loss_gap_fp16={gaps['fp16']:.4f} zero1_gap={gaps['zero1']:.4f} "
-          + "".join(f"{k}={b[k]:.4f} " for k in ("per_device_ratio", "predicted_ratio", "per_device_loss_gap") if b)
-          + f"seed_noise={noise:.4f} " + (f"seed_noise_b={b['seed_noise_b']:.4f} " if b else "")
+          + "".join(f"{k}={v:.4f} " for k, v in b.items()) + f"seed_noise={noise:.4f} "
           + f"val_fp32={base:.4f}")
 
 

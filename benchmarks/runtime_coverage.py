@@ -1,13 +1,15 @@
 """How much the ``hetero_deepspeed`` runtime's rules cost: the runnable best against the unconstrained best.
 
-For every shipped cluster and each training dtype (fp32, bf16 and fp16 at ZeRO 0: tensor-parallel stages run
-there, and fp16 at ZeRO 0 runs per replica, where the runtime scales the loss; each at ZeRO 1 too: per-replica
-plans shard the optimizer state, and bf16's and fp16's fp32 masters, within their holder sets), ``planning.plan`` with
+For every shipped cluster and each training dtype (fp32, bf16, fp16 and per_device at ZeRO 0: tensor-parallel stages
+run there, fp16 at ZeRO 0 runs per replica, where the runtime scales the loss, and per_device per replica over the
+runtime's own fp32 masters; each at ZeRO 1 too: per-replica plans shard the optimizer state, and the 16-bit dtypes'
+fp32 masters, within their holder sets), ``planning.plan`` with
 ``PlanRequest(runtime="deepspeed")`` plans the best plan the runtime runs and reports its predicted slowdown
 against the best plan of any runtime (the cost model's figures; ``settings.max_tp`` at its default, 8).  0.0%: the
 runtime runs the winning plan.
-Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... max_slowdown_fp32_zero1=...
-max_slowdown_bf16_zero1=... max_slowdown_fp16_zero1=... clusters=N``.
+Last line: ``RESULT max_slowdown_fp32=... max_slowdown_bf16=... max_slowdown_fp16=... max_slowdown_per_device=...
+max_slowdown_fp32_zero1=... max_slowdown_bf16_zero1=... max_slowdown_fp16_zero1=... max_slowdown_per_device_zero1=...
+clusters=N``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
 
-DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 0), ("fp32", 1), ("bf16", 1), ("fp16", 1))
+DTYPES = (("fp32", 0), ("bf16", 0), ("fp16", 0), ("per_device", 0), ("fp32", 1), ("bf16", 1), ("fp16", 1),
+          ("per_device", 1))
 """(dtype, ZeRO stage) of each column."""
 
 
@@ -34,7 +37,7 @@ def main() -> None:
     names = shipped_names("cluster")
     print(f"model {args.model}, global batch {args.batch}; predicted slowdown of the best plan hetero_deepspeed "
           "runs against the unconstrained best")
-    print(f"{'cluster':<26}" + "".join(f"{f'{d} (ZeRO {z})':>16}" for d, z in DTYPES))
+    print(f"{'cluster':<26}" + "".join(f"{f'{d} (ZeRO {z})':>19}" for d, z in DTYPES))
     for name in names:
         cluster = load_cluster(name)
         cells = []
@@ -50,7 +53,7 @@ def main() -> None:
             slowdown = result.runtime_slowdown or 0.0
             worst[(dtype, zero)] = max(worst[(dtype, zero)], slowdown)
             cells.append(f"{slowdown * 100:.1f}%")
-        print(f"{name:<26}" + "".join(f"{c:>16}" for c in cells), flush=True)
+        print(f"{name:<26}" + "".join(f"{c:>19}" for c in cells), flush=True)
     print("RESULT " + " ".join(f"max_slowdown_{d}{'_zero1' if z else ''}={worst[(d, z)] * 100:.1f}%" for d, z in DTYPES)
           + f" clusters={len(names)}")
 

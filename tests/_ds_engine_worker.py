@@ -89,6 +89,10 @@ def dp_plan(zero_stage: int = 0):
                            Pipeline((Stage(("cpu1",), (0, NUM_LAYERS)),), micro_batch_size=3, samples=3)))
 
 
+PER_DEVICE_DTYPES = ("bf16", "fp16")
+"""A ``per_device`` run's dtypes: even plan devices compute in bf16, odd ones in fp16."""
+
+
 def inject_inf(runner, rank: int) -> None:
     """Make ``rank``'s first backward put an inf into one of its gradients (a hook on its first parameter)."""
     import torch
@@ -108,8 +112,8 @@ def inject_inf(runner, rank: int) -> None:
 
 
 def main() -> None:
-    """argv: mode out_dir [zero_stage [clip [dtype [inf_rank]]]]; dtype fp32 | bf16 | fp16 (layers stay fp32 and
-    DeepSpeed runs them in the plan's dtype); inf_rank: that rank's first backward yields an inf gradient."""
+    """argv: mode out_dir [zero_stage [clip [dtype [inf_rank]]]]; dtype fp32 | bf16 | fp16 | per_device (layers
+    stay fp32 and DeepSpeed runs them in the plan's dtype; per_device: ``PER_DEVICE_DTYPES``); inf_rank: that rank's first backward yields an inf gradient."""
     import dataclasses
 
     mode, out_dir = sys.argv[1], sys.argv[2]
@@ -122,7 +126,10 @@ def main() -> None:
     from het_strategy.ds_runtime.engine import PlanRunner
 
     plan = {"pipe": pipe_plan, "dp": dp_plan, "asym": asym_plan}[mode](zero_stage)
-    if dtype != "fp32":
+    if dtype == "per_device":  # bf16 and fp16 ranks, and a pipeline whose two stages differ (asym: cpu1 -> cpu2)
+        plan = dataclasses.replace(plan, dtype=dtype, device_dtypes={d: PER_DEVICE_DTYPES[i % 2] for i, d in
+                                                                     enumerate(plan.cluster_devices)})
+    elif dtype != "fp32":
         plan = dataclasses.replace(plan, dtype=dtype)
     # ZeRO 3: shard every parameter (the default keeps small ones whole, which these are)
     overrides = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
@@ -160,6 +167,11 @@ def main() -> None:
         result["restored"] = {"scale": sharding.scaler.cur_scale, "hysteresis": sharding.scaler.cur_hysteresis,
                               "masters": all(torch.equal(a, b) for a, b in zip(masters, sharding.chunks))}
     result["param_dtype"] = str(next(runner.engine.module.parameters()).dtype)
+    if dtype == "per_device":  # the fp32 master weights of this rank's parameters, whole (a collective)
+        names = {id(q): n for n, q in runner.engine.module.named_parameters()}
+        result["masters"] = {names[i]: v.double().flatten().tolist()
+                             for i, v in runner.sharding.full_values().items()}
+        result["rank_params"] = {n: q.double().flatten().tolist() for n, q in runner.engine.module.named_parameters()}
     with open(os.path.join(out_dir, f"rank{runner.rank}.json"), "w") as fh:
         json.dump(result, fh)
     torch.distributed.barrier()

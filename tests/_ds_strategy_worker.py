@@ -1,4 +1,5 @@
-"""Rank 0 of the Trainer test: ``python _ds_strategy_worker.py OUT_DIR ZERO_STAGE [pipe|asym|dp|badbatch|asym_bf16]``.
+"""Rank 0 of the Trainer test: ``python _ds_strategy_worker.py OUT_DIR ZERO_STAGE [pipe|asym|dp|badbatch|asym_bf16|
+asym_per_device]``.
 
 Lightning's subprocess launcher starts ranks 1..3 by re-running this command
 line.  DS_ACCELERATOR=cpu and MASTER_ADDR/MASTER_PORT come from the
@@ -12,7 +13,8 @@ DataLoader batch_size of 4, not 8; writes the ConfigError's field.  After fit
 Trainer + model resumes from it (``fit(ckpt_path=...)``, ``max_epochs=2``), and
 a third of another plan (the other ZeRO stage; the aligned plan for ``asym``)
 resumes from it too, through its per-layer state (refused for ZeRO 2, which has none).  ``asym_bf16``: the asymmetric plan in bf16
-under ``Trainer(precision="bf16-mixed")``, fit only.
+under ``Trainer(precision="bf16-mixed")``, fit only; ``asym_per_device``: the same plan with bf16 and fp16 ranks
+under ``PerDevicePrecision``.
 """
 
 from __future__ import annotations
@@ -110,18 +112,28 @@ def main() -> None:
                                                                         for i in range(1 if one else 4)]}]}
     plan = (one_device_plan() if one else base.asym_plan() if mode.startswith("asym") else dp_plan() if mode == "dp"
             else base.pipe_plan())
-    mixed = mode == "asym_bf16"
+    mixed = mode in ("asym_bf16", "asym_per_device")
+    per_device = mode == "asym_per_device"
+    plugins = []
     if mixed:
         import dataclasses
 
-        plan = dataclasses.replace(plan, dtype="bf16")
+        if per_device:  # bf16 on cpu0, cpu2; fp16 on cpu1, cpu3 (replica 1 is an fp16 -> bf16 pipeline)
+            from het_strategy.strategy.per_device_precision import PerDevicePrecision
+
+            plugins.append(PerDevicePrecision())
+            plan = dataclasses.replace(plan, dtype="per_device",
+                                       device_dtypes={f"cpu{i}": ("bf16", "fp16")[i % 2] for i in range(4)})
+        else:
+            plan = dataclasses.replace(plan, dtype="bf16")
     strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
     data = DataLoader(dataset(), batch_size=4 if one else base.BATCH)
     val = DataLoader(TensorDataset(*base.batch()), batch_size=base.BATCH)
     losses = Losses()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1 if one else 4, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=1, callbacks=[losses], precision="bf16-mixed" if mixed else "32-true")
+                         num_sanity_val_steps=1, callbacks=[losses], plugins=plugins,
+                         precision=None if per_device else "bf16-mixed" if mixed else "32-true")
     if one:
         try:
             trainer.fit(PipeModel(), data, val)

@@ -132,10 +132,12 @@ def test_uneven_pure_data_parallel_matches_one_process(tmp_path, zero_stage):
 
 # bf16 keeps 8 mantissa bits: after 3 steps the losses and the parameters (held in bf16) are within these of fp32
 MIXED_TOL = {"bf16": dict(rel=2e-2, abs=4e-3), "fp16": dict(rel=2e-3, abs=5e-4)}
+MIXED_TOL["per_device"] = MIXED_TOL["bf16"]  # its bf16 ranks set the bound
 
 
-def _assert_tracks_fp32(ranks: list[dict], dtype: str, steps: int = worker.STEPS, skipped: int = 0) -> None:
-    ref_losses, _, ref_params = _reference(mode="pipe", steps=steps)
+def _assert_tracks_fp32(ranks: list[dict], dtype: str, steps: int = worker.STEPS, skipped: int = 0,
+                        clip: float = 0.0) -> None:
+    ref_losses, _, ref_params = _reference(clip, mode="pipe", steps=steps)
     tol = MIXED_TOL[dtype]
     for r in ranks:
         assert r["skipped_steps"] == skipped, f"rank {r['rank']}"
@@ -164,8 +166,9 @@ def test_asymmetric_bf16_at_zero_1_shards_the_fp32_masters_and_steps_as_zero_0(t
     """bf16 at ZeRO 1 on the asymmetric plan: the layers run in bf16, the fp32 master weights and the momentum
     buffers are sharded within the holder sets (a third of each set on each holder), the update clipped by the
     global norm.  It follows the ZeRO-0 run (DeepSpeed's BF16_Optimizer: whole fp32 masters on every rank) step
-    for step: the same bf16 gradients, reduced in fp32, stepped in fp32; only the order of the fp32 sums
-    differs.  And both track the fp32 reference."""
+    for step: bf16 gradients, reduced in fp32, stepped in fp32.  The masters start apart by one rounding: the
+    sharding takes them from the model's fp32 weights, BF16_Optimizer from their bf16 rounding (0.1% in the
+    losses after it).  And both track the fp32 reference."""
     (tmp_path / "zero0").mkdir()
     (tmp_path / "zero1").mkdir()
     zero0 = _run_ranks(4, ["asym", "0", "0.05", "bf16"], tmp_path / "zero0")
@@ -176,7 +179,7 @@ def test_asymmetric_bf16_at_zero_1_shards_the_fp32_masters_and_steps_as_zero_0(t
     assert sum(states) == sum(masters) == numel and max(masters) <= numel // 3 + 6
     assert all(r["param_dtype"] == "torch.bfloat16" for r in zero0 + zero1)
     for a, b in zip(zero0, zero1):
-        assert b["losses"] == pytest.approx(a["losses"], rel=1e-4), f"rank {a['rank']}"
+        assert b["losses"] == pytest.approx(a["losses"], rel=2e-3), f"rank {a['rank']}"
         for name, values in b["params"].items():  # at most one bf16 ulp (2**-7 relative) where a rounding flips
             assert values == pytest.approx(a["params"][name], rel=2**-7, abs=1e-4), f"rank {a['rank']}: {name}"
     ref_losses, _, _ = _reference(0.05, "pipe")
@@ -192,6 +195,29 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path, zero_stage, d
     two steps after it are those of a 2-step fp32 run."""
     ranks = _run_ranks(4, ["asym", str(zero_stage), "0.0", dtype, "3"], tmp_path)
     _assert_tracks_fp32(ranks, dtype, steps=worker.STEPS - 1, skipped=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero_stage, inf_rank", [(0, None), (1, "3")])
+def test_per_device_precision_gives_every_rank_the_same_update(tmp_path, zero_stage, inf_rank):
+    """The asymmetric plan with bf16 on ranks 0, 2 and fp16 on ranks 1, 3: replica 1 is a pipeline from an fp16
+    stage to a bf16 one.  Every holder of a parameter ends with bitwise the same fp32 master weight (whole on
+    each holder at ZeRO 0, sharded at ZeRO 1), its own parameter is that master rounded to its dtype, and the
+    run tracks fp32 clipped by the global norm.  An inf in fp16 rank 3's first backward makes every rank skip
+    that step."""
+    args = ["asym", str(zero_stage), "0.05", "per_device"] + ([inf_rank] if inf_rank else [])
+    ranks = _run_ranks(4, args, tmp_path)
+    skipped = 1 if inf_rank else 0
+    _assert_tracks_fp32(ranks, "per_device", steps=worker.STEPS - skipped, skipped=skipped, clip=0.05)
+    assert [r["param_dtype"] for r in ranks] == ["torch.bfloat16", "torch.float16"] * 2
+    by_name: dict[str, list[list[float]]] = {}
+    for r in ranks:
+        wire = torch.bfloat16 if r["param_dtype"] == "torch.bfloat16" else torch.float16
+        for name, master in r["masters"].items():
+            by_name.setdefault(name, []).append(master)
+            rounded = torch.tensor(master, dtype=torch.float64).to(wire).double().tolist()
+            assert r["rank_params"][name] == rounded, f"rank {r['rank']}: {name}"
+    assert all(len(held) >= 2 and all(m == held[0] for m in held) for held in by_name.values())
 
 
 def _plan(pipelines, zero_stage=0, devices=8, dtype="fp32"):

@@ -152,19 +152,21 @@ def test_trainer_fit_on_uneven_pipelines_matches_one_process(tmp_path, zero_stag
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_trainer_fit_in_bf16_mixed_on_asymmetric_replicas_tracks_fp32(tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage, mode", [(0, "asym_bf16"), (1, "asym_bf16"), (0, "asym_per_device")])
+def test_trainer_fit_in_bf16_mixed_on_asymmetric_replicas_tracks_fp32(tmp_path, zero_stage, mode):
     """``Trainer(precision="bf16-mixed")`` with the asymmetric plan in bf16: at ZeRO 0 DeepSpeed's bf16 optimizer
     (fp32 master weights) on every replica and the holder-set reduction of its fp32 gradients, at ZeRO 1 the fp32
     masters and the optimizer state sharded within the holder sets (restored exactly from a checkpoint); within
-    bf16's rounding of the fp32 single-process run."""
-    ranks = _fit(tmp_path, zero_stage, "asym_bf16")
+    bf16's rounding of the fp32 single-process run.  ``PerDevicePrecision`` with bf16 and fp16 ranks: the
+    runtime's whole fp32 masters on each holder at ZeRO 0 (restored exactly too)."""
+    ranks = _fit(tmp_path, zero_stage, mode)
     ref_losses, ref_val, ref_params = _reference()
     tol = dict(rel=2e-2, abs=4e-3)  # bf16 keeps 8 mantissa bits (the parameters are compared as held, in bf16)
+    per_device = mode == "asym_per_device"
     for r in ranks:
-        assert r["param_dtype"] == "torch.bfloat16"
-        assert r["optimizer"] == ("BF16_Optimizer" if zero_stage == 0 else "SGD")
-        if zero_stage == 1:
+        assert r["param_dtype"] == ("torch.float16" if per_device and r["rank"] % 2 else "torch.bfloat16")
+        assert r["optimizer"] == ("BF16_Optimizer" if zero_stage == 0 and not per_device else "SGD")
+        if zero_stage == 1 or per_device:
             assert r["masters_restored"] == r["masters"] and any(any(c) for c in r["masters"])
         assert r["global_step"] == base.STEPS
         assert r["losses"] == pytest.approx(ref_losses, **tol), f"rank {r['rank']}"

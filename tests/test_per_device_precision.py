@@ -3,6 +3,7 @@ plugin's parts, and a 2-rank ``hetero`` run with one bf16 and one fp16 rank agai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from het_strategy.core.cost_model import CostModel
 from het_strategy.core.dtypes import Dtype, fast_dtype
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.core.runtime_rules import Runtime, runtime_problems
+from het_strategy.core.runtime_rules import Runtime, holds_own_masters, runs_per_replica, runtime_problems
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
@@ -89,11 +90,19 @@ def test_bad_per_device_input_names_the_field(make, message) -> None:  # type: i
     assert str(err.value).startswith(message)
 
 
-def test_hetero_deepspeed_refuses_a_per_device_plan_in_one_rule() -> None:
-    p = Plan("c", ("a", "b"), {"num_layers": 2}, 2, (Pipeline((Stage(("a",), (0, 1)), Stage(("b",), (1, 2))), 1, 2),),
+def test_hetero_deepspeed_runs_a_per_device_pipeline_but_not_a_tp_group_of_two_dtypes() -> None:
+    # a pipeline from a bf16 stage to an fp16 one runs per replica, over the runtime's own fp32 masters
+    p = Plan("c", ("a", "b", "c"), {"num_layers": 2}, 2, (Pipeline((Stage(("a",), (0, 1)), Stage(("b",), (1, 2))),
+                                                                  1, 2),),
              dtype="per_device", device_dtypes={"a": "bf16", "b": "fp16"})
-    assert [pr.field for pr in runtime_problems(p, Runtime.deepspeed)] == ["plan.dtype"]
-    assert "per-device precision runs on the hetero strategy" in str(runtime_problems(p, Runtime.deepspeed)[0])
+    assert runtime_problems(p, Runtime.deepspeed) == [] and runs_per_replica(p) and holds_own_masters(p)
+    assert runtime_problems(dataclasses.replace(p, zero_stage=1), Runtime.deepspeed) == []
+    assert {pr.field for pr in runtime_problems(dataclasses.replace(p, zero_stage=2), Runtime.deepspeed)} == \
+        {"plan.zero_stage"}  # a per-replica plan's sharding splits the optimizer state only
+    # a tensor-parallel stage all-reduces one dtype: refused in one rule naming the stage's devices
+    tp = dataclasses.replace(p, pipelines=(Pipeline((Stage(("a", "b"), (0, 2)),), 1, 2),))
+    (problem,) = runtime_problems(tp, Runtime.deepspeed)
+    assert problem.field == "plan.pipelines[0].stages[0].devices" and "compute in bf16, fp16" in str(problem)
 
 
 # -- the plugin's parts --------------------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ class TrainConfig:
     """AdamW weight decay."""
     precision: str = "32-true"
     """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA) | ... (``run_plan.PRECISION_DTYPES``), or
-    per_device (strategy=hetero): each rank in its device type's fast 16-bit dtype (``PerDevicePrecision``)."""
+    per_device (strategy=hetero or hetero_deepspeed): each rank in its device type's fast 16-bit dtype
+    (``PerDevicePrecision``)."""
     accumulate_grad_batches: int = 1
     """Batches accumulated per optimizer step."""
     val_every_n_steps: int = 50

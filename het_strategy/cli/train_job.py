@@ -116,9 +116,10 @@ class TrainJob:
         if self.strategy != "hetero_deepspeed" and c.train.max_tp not in (None, 1):
             raise field_error("train.max_tp", c.train.max_tp, f"be 1 with strategy={self.strategy} (it runs data "
                               "parallelism)", "use strategy=hetero_deepspeed for tensor-parallel stages")
-        if self.dtype == "per_device" and self.strategy != "hetero":
-            raise field_error("train.precision", "per_device", f"go with strategy=hetero, not {self.strategy} (each "
-                              "rank takes its dtype from the hetero plan)", "use strategy=hetero, or bf16-mixed")
+        if self.dtype == "per_device" and self.strategy not in ("hetero", "hetero_deepspeed"):
+            raise field_error("train.precision", "per_device", f"go with strategy=hetero or hetero_deepspeed, not "
+                              f"{self.strategy} (each rank takes its dtype from the plan)",
+                              "use strategy=hetero or hetero_deepspeed, or bf16-mixed")
         _check_planner(c.planner)
         self.resume = c.resume
         state = None

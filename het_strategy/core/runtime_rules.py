@@ -29,7 +29,7 @@ The rules, by runtime:
        pipeline parallelism"``).  One-stage replicas (pure
        data parallelism) run at every ZeRO stage.
     3. Replicas with different stage boundaries (an asymmetric plan), plans
-       with tp > 1 and fp16 plans at ZeRO 0 run each replica as its own
+       with tp > 1, fp16 plans at ZeRO 0 and ``per_device`` plans (rule 7) run each replica as its own
        pipeline (``ds_runtime.replica_engine``; ``runs_per_replica``).  Every
        dtype runs at ZeRO 0 (the runtime reduces the gradients DeepSpeed's
        mixed-precision optimizer steps on).  ZeRO 1 runs in every dtype: the
@@ -49,12 +49,15 @@ The rules, by runtime:
        runs the largest micro-batch count of any replica: a replica with fewer
        samples than that count cannot be cut into it.
     6. With ``world_size`` given: one process per device the plan uses.
-    7. One dtype per run: a ``per_device`` plan (bf16 on some devices, fp16
-       on others) runs on the ``hetero`` strategy only.  DeepSpeed's engine
-       takes one precision config, its fp16 optimizers keep scaled fp16
-       gradients where its bf16 optimizer keeps fp32 ones, and its pipeline
-       sends carry one activation dtype; mixing them needs a per-replica fp16
-       path with unscaled fp32 gradient buffers, which is not built.
+    7. A ``per_device`` plan (bf16 on some devices, fp16 on others) runs per
+       replica (rule 3) with the runtime's own fp32 master weights
+       (``holds_own_masters``: ``ds_runtime.holder_sharding``, sharded at ZeRO 1,
+       whole on every holder at ZeRO 0), since DeepSpeed's engine takes one
+       precision config: each rank computes in its device's dtype, a stage casts
+       what it receives to its own, gradients are reduced in fp32 and one loss
+       scale (DeepSpeed's dynamic scaler, kept in step on every rank by the one
+       overflow decision) covers every backward.  A tensor-parallel group
+       computes in one dtype (its all-reduces sum one dtype).
 
 ``hetero`` (the ``hetero`` strategy: uneven data parallelism on Lightning's DDP)
     1. Every pipeline is one stage of one device (a pure data-parallel plan);
@@ -80,7 +83,7 @@ from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.plan import Plan
 
 __all__ = ["Runtime", "as_runtime", "Problem", "runtime_problems", "raise_first", "shares_boundaries",
-           "has_tensor_parallel", "runs_per_replica"]
+           "has_tensor_parallel", "runs_per_replica", "holds_own_masters"]
 
 
 class Runtime(StrEnum):
@@ -143,7 +146,14 @@ def runs_per_replica(plan: Plan) -> bool:
     boundaries differ, a stage has tp > 1, or the plan is fp16 at ZeRO 0 (rule 4); otherwise the plan runs on
     DeepSpeed's own stage x replica grid."""
     return (not shares_boundaries(plan) or has_tensor_parallel(plan)
-            or (plan.dtype == "fp16" and plan.zero_stage == 0))
+            or (plan.dtype == "fp16" and plan.zero_stage == 0) or plan.dtype == "per_device")
+
+
+def holds_own_masters(plan: Plan) -> bool:
+    """The deepspeed runtime keeps the optimizer state (and in 16-bit dtypes the fp32 master weights) itself, in
+    ``ds_runtime.holder_sharding``: a per-replica plan at ZeRO 1 (sharded within the holder sets), or a
+    ``per_device`` plan (rule 7; at ZeRO 0 whole on every holder).  DeepSpeed's engine then runs plain."""
+    return runs_per_replica(plan) and (plan.zero_stage == 1 or plan.dtype == "per_device")
 
 
 def runtime_problems(plan: Plan, runtime: Runtime | str, world_size: int | None = None) -> list[Problem]:
@@ -161,10 +171,7 @@ def _no_rules(plan: Plan, world_size: int | None) -> list[Problem]:
 
 def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
     out: list[Problem] = _tp_degrees(plan) + _no_outer_sync(plan, "hetero_deepspeed")
-    if plan.dtype == "per_device":
-        out.append(Problem("plan.dtype", "per_device", "be fp32, bf16 or fp16 (hetero_deepspeed runs one dtype per "
-                           "run; per-device precision runs on the hetero strategy)",
-                           "plan with settings.dtype=bf16 or fp16, or run pure data parallelism on hetero"))
+    out += _tp_group_dtypes(plan)
     zero = plan.zero_stage
     if zero >= 2 and any(len(pipe.stages) > 1 for pipe in plan.pipelines):
         out.append(Problem("plan.zero_stage", zero, "be 0 or 1 for a plan with a multi-stage pipeline "
@@ -196,6 +203,22 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
         if world_size != used:
             out.append(Problem("WORLD_SIZE", world_size, f"equal the plan's device count ({used})",
                                "start one process per device the plan uses"))
+    return out
+
+
+def _tp_group_dtypes(plan: Plan) -> list[Problem]:
+    """Rule 7: the devices of a tensor-parallel stage compute in one dtype."""
+    out: list[Problem] = []
+    if plan.dtype != "per_device":
+        return out
+    for p, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            dtypes = sorted({str(plan.compute_dtype(d)) for d in stage.devices})
+            if len(dtypes) > 1:
+                out.append(Problem(f"plan.pipelines[{p}].stages[{s}].devices", list(stage.devices),
+                                   f"compute in one dtype (a tensor-parallel group all-reduces one dtype; these "
+                                   f"compute in {', '.join(dtypes)})",
+                                   "set settings.device_dtypes so the group's devices share a dtype"))
     return out
 
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.runtime_rules import (Runtime, has_tensor_parallel, raise_first, runtime_problems,
-                                             runs_per_replica)
+from het_strategy.core.runtime_rules import (Runtime, has_tensor_parallel, holds_own_masters, raise_first,
+                                             runtime_problems, runs_per_replica)
 
 if TYPE_CHECKING:
     from het_strategy.core.cost_model import CostModel, PlanScore
@@ -312,8 +312,8 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     if off_optim and plan.zero_stage == 0:
         # DeepSpeed offloads only through ZeRO; stage 1 shards nothing extra at dp=1 and is the cheapest host
         zero["stage"] = 1
-    # ZeRO 1 run per replica: the holder-set sharding keeps the fp32 masters and clips (DeepSpeed runs plain)
-    holder_sharded = not on_grid and plan.zero_stage == 1
+    # ZeRO 1 run per replica, or per_device: the holder sets keep the fp32 masters and clip (DeepSpeed runs plain)
+    holder_sharded = holds_own_masters(plan)
     cfg: dict[str, Any] = {
         "train_batch_size": micro * gas * dp,
         "train_micro_batch_size_per_gpu": micro,

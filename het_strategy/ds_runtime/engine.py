@@ -68,7 +68,7 @@ import torch
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
+from het_strategy.core.runtime_rules import Runtime, holds_own_masters, raise_first, runtime_problems
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.config import deepspeed_config, rank_batches, rank_layout
@@ -211,8 +211,8 @@ class PlanRunner:
             self.engine, self.module, self.reducer, self.sharding = build_replica_engine(
                 self.layout, self.rank, layers, weighted, optimizer_factory, cfg,
                 gradient_clipping=gradient_clipping, activation_checkpoint_interval=activation_checkpoint_interval,
-                shard_optimizer=plan.zero_stage == 1,
-                compute_dtype=TORCH_DTYPES[plan.dtype] if plan.dtype != "fp32" else None)
+                holder_state=("sharded" if plan.zero_stage == 1 else "whole") if holds_own_masters(plan) else None,
+                compute_dtype=self._rank_torch_dtype(), loss_scaling="fp16" in self._plan_dtypes())
             self.optimizer = self.engine.optimizer
             self._emulate(emulated_cluster, workload)
             return
@@ -253,7 +253,8 @@ class PlanRunner:
             raise field_error("workload.num_layers", workload.num_layers,
                               f"equal the plan's layer count ({self.layout.num_layers})")
         self.padding = StagePadding(cluster, self.assignment.device, workload, self.layout.layers_of(self.rank),
-                                    self.plan.dtype, step=lambda: int(self.engine.global_steps),
+                                    str(self.plan.compute_dtype(self.assignment.device)),
+                                    step=lambda: int(self.engine.global_steps),
                                     tp=len(self.layout.group_of(self.rank)))
         self.padding.attach(self.module)
 
@@ -286,11 +287,22 @@ class PlanRunner:
         return torch.tensor(w, dtype=torch.float32 if first is None else torch.promote_types(first.dtype,
                                                                                                torch.float32))
 
+    def _plan_dtypes(self) -> set[str]:
+        """The dtypes the plan's devices compute in (several for a ``per_device`` plan)."""
+        return {str(self.plan.compute_dtype(d)) for d in self.plan.used_devices}
+
+    def _rank_torch_dtype(self) -> torch.dtype | None:
+        """What this rank computes in: its device's dtype (None in a one-dtype fp32 plan: the layers' own dtype,
+        fp32, or fp64 in the exactness tests)."""
+        if self.plan.dtype == "fp32":
+            return None
+        return TORCH_DTYPES[str(self.plan.compute_dtype(self.assignment.device))]
+
     def _compute_inputs(self, x: Any) -> Any:
-        """Floating-point inputs in the plan's compute dtype (DeepSpeed runs the layers in bf16/fp16 there)."""
-        if self.plan.dtype == "fp32":  # the layers' own dtype (fp32, or fp64 in the exactness tests)
+        """Floating-point inputs in this rank's compute dtype (DeepSpeed runs the layers in bf16/fp16 there)."""
+        dtype = self._rank_torch_dtype()
+        if dtype is None:
             return x
-        dtype = TORCH_DTYPES[self.plan.dtype]
         if isinstance(x, (tuple, list)):
             return tuple(t.to(dtype) if t.is_floating_point() else t for t in x)
         return x.to(dtype) if x.is_floating_point() else x

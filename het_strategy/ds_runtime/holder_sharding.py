@@ -1,4 +1,5 @@
-"""ZeRO-1 for a per-replica plan: the optimizer state sharded over the ranks that hold the same parameters.
+"""ZeRO-1 for a per-replica plan: the optimizer state sharded over the ranks that hold the same parameters
+(or kept whole by each of them, for mixed per-device precision at ZeRO 0).
 
 DeepSpeed's ZeRO shards over one data-parallel group per rank.  A per-replica
 plan (asymmetric stage boundaries, tensor parallelism: ``replica_engine``) has
@@ -55,6 +56,16 @@ skipped step and holds the learning-rate scheduler, as with its own fp16
 optimizers; the scale is updated either way.  The scaler's state rides in the
 ``state_dict`` too (``het_loss_scale``).
 
+**Unsharded** (``shard=False``, a ``per_device`` plan at ZeRO 0: bf16 on some
+ranks and fp16 on others, which DeepSpeed's one precision config cannot run):
+each holder keeps its runs whole (one chunk per run, the fp32 masters and the
+optimizer state of all of it, as DeepSpeed's ``BF16_Optimizer`` does at
+ZeRO 0), the reduction is one all-reduce per run, nothing is gathered after
+the step, and the global norm counts each run on the set's first holder.
+Since chunks, reductions and the scale are fp32, holders computing in
+different dtypes reduce together; each writes the masters back rounded to its
+own parameters' dtype.
+
 A step moves what the reducer's all-reduce moves (a reduce-scatter and an
 all-gather), the same as DeepSpeed's ZeRO-1, and the cost model's sync.  The
 optimizer must update each element from that element's own state, as SGD,
@@ -91,15 +102,17 @@ _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis
 class _Run:
     """Consecutive parts of one holder set and one param group, and this rank's chunk of them."""
 
-    def __init__(self, parts: list[GradientPart], group: Any, holders: int) -> None:
+    def __init__(self, parts: list[GradientPart], group: Any, holders: int, shard: bool = True) -> None:
         import deepspeed.comm as dist
 
-        index = dist.get_rank(group=group)  # the chunk this rank owns: its rank in the set's group
-        self.parts, self.group, self.holders = parts, group, holders
+        self.parts, self.group, self.holders, self.shard = parts, group, holders, shard
         self.sizes = [part.view(part.param.detach()).numel() for part in parts]
         self.total = sum(self.sizes)
-        self.per = -(-self.total // holders)
-        """Elements per chunk (the last holders' chunks are padded or empty)."""
+        self.per = -(-self.total // holders) if shard else self.total
+        """Elements per chunk (sharded: the last holders' chunks are padded or empty; else the whole run)."""
+        index = dist.get_rank(group=group) if shard else 0  # the chunk this rank owns: its rank in the set's group
+        self.counted = shard or dist.get_rank(group=group) == 0
+        """This rank's chunk enters the global norm (unsharded: the set's first holder counts the run)."""
         self.lo = min(index * self.per, self.total)
         self.hi = min(self.lo + self.per, self.total)
         self.param_dtype = parts[0].param.dtype
@@ -128,7 +141,11 @@ class _Run:
         import deepspeed.comm as dist
 
         flat = scaled_flat([part.view(gradient_of(part.param, None)) for part in self.parts], self.parts)
-        flat = torch.nn.functional.pad(flat.to(self.chunk.dtype), (0, self.per * self.holders - self.total))
+        flat = flat.to(self.chunk.dtype)
+        if not self.shard:  # every holder keeps the whole run (``flat`` is a new tensor: torch.cat's)
+            dist.all_reduce(flat, group=self.group)
+            return flat
+        flat = torch.nn.functional.pad(flat, (0, self.per * self.holders - self.total))
         out = torch.empty(self.per, dtype=flat.dtype, device=flat.device)
         dist.reduce_scatter_tensor(out, flat, group=self.group)
         return out[:self.hi - self.lo]
@@ -137,6 +154,8 @@ class _Run:
         """Every holder's ``chunk`` of this run, concatenated: the run's whole flat vector (a collective)."""
         import deepspeed.comm as dist
 
+        if not self.shard:
+            return chunk
         padded = torch.zeros(self.per, dtype=chunk.dtype, device=chunk.device)
         padded[:chunk.numel()] = chunk
         pieces = [torch.empty_like(padded) for _ in range(self.holders)]
@@ -158,8 +177,10 @@ class HolderSetSharding:
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: Sequence[tuple[tuple[int, ...], list[GradientPart]]],
                  groups: dict[tuple[int, ...], Any], num_replicas: int, gradient_clipping: float,
-                 scaler: Any = None) -> None:
+                 scaler: Any = None, shard: bool = True) -> None:
         self.optimizer = optimizer
+        self.shard = shard
+        """ZeRO 1: each holder keeps ``1 / k`` of the state; False: every holder keeps it whole (ZeRO 0)."""
         self.num_replicas = num_replicas
         self.scaler = scaler
         """fp16's dynamic loss scaler (DeepSpeed's ``DynamicLossScaler``), or None."""
@@ -178,7 +199,7 @@ class HolderSetSharding:
                     raise field_error("configure_optimizers", "an optimizer without some of this rank's parameters",
                                       "build the optimizer over self.parameters()")
             for g, run_parts in itertools.groupby(parts, key=lambda part: group_of[id(part.param)]):
-                run = _Run(list(run_parts), groups[hs], len(hs))
+                run = _Run(list(run_parts), groups[hs], len(hs), shard)
                 self.runs.append(run)
                 chunks[g].append(run.chunk)
         for group, held in zip(optimizer.param_groups, chunks):
@@ -213,7 +234,7 @@ class HolderSetSharding:
                 run.chunk.grad = None  # the optimizer skips a parameter without a gradient: nothing moves
         elif self.gradient_clipping > 0:
             grads = [run.chunk.grad for run in self.runs]
-            self.last_norm = clip_gradients(grads, [True] * len(grads), self.gradient_clipping, None)
+            self.last_norm = clip_gradients(grads, [run.counted for run in self.runs], self.gradient_clipping, None)
         self.last_reduce_s = time.perf_counter() - t0
 
     def _overflowed(self) -> bool:

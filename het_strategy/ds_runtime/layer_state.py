@@ -30,7 +30,8 @@ its layers' values into its parameters (and the fp32 master copies) and sets
 its optimizer's state per parameter the same three ways.  Not covered, each
 refused in one line naming the field: tensor-parallel stages (a shard's
 state is not a whole parameter's), another dtype, another layer count, fp16
-(``FP16_Optimizer`` keeps no per-parameter mapping), ZeRO 2 and 3.  Files are
+(``FP16_Optimizer`` keeps no per-parameter mapping; a ``per_device`` plan's fp16
+devices: the loss scale is not per layer), ZeRO 2 and 3.  Files are
 read as data (``checkpoint_files.load_as_data``) and written under a
 temporary name, then renamed.
 """
@@ -102,6 +103,10 @@ def reshard_problem(runner: PlanRunner) -> str | None:
     if plan.dtype == "fp16":
         return "plan.dtype is 'fp16'; it must be fp32 or bf16 (DeepSpeed's FP16_Optimizer keeps no per-parameter " \
                "mapping, and fp16's loss scale is not kept per layer)"
+    fp16 = [d for d in plan.used_devices if plan.compute_dtype(d) == "fp16"]
+    if fp16:
+        return f"plan.device_dtypes.{fp16[0]} is 'fp16'; it must be fp32 or bf16 (fp16's loss scale is not kept " \
+               "per layer)"
     if plan.zero_stage > 1:
         return f"plan.zero_stage is {plan.zero_stage}; it must be 0 or 1"
     return None

@@ -58,14 +58,19 @@ DeepSpeed runs at ZeRO 0 here (its ZeRO shards over a data-parallel group,
 which a replica's grid does not have); a ZeRO-1 plan shards the optimizer
 state within each holder set instead (``holder_sharding``; in bf16 and fp16
 the fp32 master weights too, DeepSpeed's bf16 / fp16 off and the layers cast
-here; fp16 with DeepSpeed's dynamic loss scaler).
-Layers in fp32 or fp64, DeepSpeed's bf16 / fp16 mixed precision, or at ZeRO 1
-bf16 / fp16 layers over the sharding's fp32 masters.
+here; fp16 with DeepSpeed's dynamic loss scaler).  A ``per_device`` plan
+(``core.runtime_rules`` rule 7) runs the same way at ZeRO 1, and at ZeRO 0
+with the masters and state whole on each holder: each rank's layers are cast
+to its device's dtype, a stage casts the activations it receives to its own
+(the gradient it sends back is in the sender's dtype), and one loss scale
+covers every backward when any rank computes in fp16.
+Layers in fp32 or fp64, DeepSpeed's bf16 / fp16 mixed precision, or bf16 /
+fp16 layers over the sharding's fp32 masters.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -214,10 +219,22 @@ def _module_class() -> type:
             self._grid, self._topo = grid, grid.topology()
             self.num_stages, self.stage_id = grid.pipe_parallel_size, grid.stage_id
 
+        het_input_dtype: torch.dtype | None = None
+        """The dtype a stage computes in, when the engine builder cast it: what it receives is cast to it (a
+        ``per_device`` plan's stages may compute in different dtypes)."""
+
         def _partition_layers(self, method: str = "het_replica") -> None:
             start, stop = self._het_bounds
             self.parts = [start, stop]
             self._set_bounds(start=start, stop=stop)
+
+        def forward(self, forward_input: Any) -> Any:
+            dtype = self.het_input_dtype
+            if dtype is not None:  # differentiable: the gradient sent back is in the sender's dtype
+                cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                        for t in ((forward_input,) if isinstance(forward_input, torch.Tensor) else forward_input)]
+                forward_input = cast[0] if isinstance(forward_input, torch.Tensor) else tuple(cast)
+            return super().forward(forward_input)
 
     return ReplicaPipelineModule
 
@@ -343,12 +360,15 @@ def _fp16_scaler() -> Any:
 def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any], loss_fn: Callable[..., Any],
                          optimizer_factory: Callable[..., torch.optim.Optimizer], ds_config: dict[str, Any], *,
                          gradient_clipping: float, activation_checkpoint_interval: int = 0,
-                         shard_optimizer: bool = False, compute_dtype: torch.dtype | None = None
+                         holder_state: Literal["sharded", "whole"] | None = None,
+                         compute_dtype: torch.dtype | None = None, loss_scaling: bool = False
                          ) -> tuple[Any, Any, Any, HolderSetSharding | None]:
     """``(engine, module, reducer, sharding)`` for this rank; every rank of the world calls it once, in step.
-    ``shard_optimizer``: ZeRO-1 within the holder sets (``holder_sharding``; the sharding, else None); the layers
-    then run in ``compute_dtype`` (bf16 or fp16, the latter with DeepSpeed's dynamic loss scaler; None: as built),
-    cast here since DeepSpeed runs them plain."""
+    ``holder_state``: the runtime keeps the optimizer state and master weights itself (``holder_sharding``; the
+    sharding, else None), ``"sharded"`` within the holder sets (ZeRO 1) or ``"whole"`` on each holder; the
+    layers then run in ``compute_dtype`` (bf16 or fp16; None: as built), cast here since DeepSpeed runs them
+    plain, and the stage casts what it receives to it.  ``loss_scaling``: DeepSpeed's dynamic loss scaler (some
+    rank of the plan computes in fp16)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     groups = PlanGroups(layout, rank)
@@ -357,16 +377,23 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
                              activation_checkpoint_interval=activation_checkpoint_interval, dynamic_shape=True)
     broadcast_from_first_replica(layout, rank, groups, module)
     specs = split_layers(layout, rank, groups, module, layers)
-    if shard_optimizer and compute_dtype is not None:
-        module.to(compute_dtype)  # the fp32 masters are the sharding's chunks
+    weights = None
+    if holder_state is not None and compute_dtype is not None:
+        # the fp32 masters are the sharding's chunks, taken from the weights as built (not as rounded by the cast,
+        # which differs between holders computing in different dtypes)
+        weights = {id(q): q.detach().clone() for q in module.parameters()}
+        module.to(compute_dtype)
+        module.het_input_dtype = compute_dtype
     # DeepSpeed's mixed-precision optimizer clips (ds_config's gradient_clipping) after the reduction, except
     # with tp > 1, where its norm would count a replicated parameter once per tp rank: the reducer clips then
     mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
     own_clip = gradient_clipping if (not mixed or layout.has_tensor_parallel) else 0.0
     optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
     sharding = (HolderSetSharding(optimizer, holder_parts(layout, rank, module, specs), groups.holders,
-                                  layout.num_replicas, own_clip, _fp16_scaler() if compute_dtype == torch.float16
-                                  else None) if shard_optimizer else None)
+                                  layout.num_replicas, own_clip, _fp16_scaler() if loss_scaling else None,
+                                  shard=holder_state == "sharded") if holder_state is not None else None)
+    if sharding is not None and weights is not None:
+        sharding.set_full_values(weights)
     reducer = sharding if sharding is not None else HolderSetReducer(layout, rank, groups, own_clip, specs)
     mpu = module.mpu()
     engine = _engine_class()(args=None, model=module, optimizer=optimizer, model_parameters=None,

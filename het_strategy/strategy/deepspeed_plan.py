@@ -51,9 +51,11 @@ __all__ = ["ZeroStage", "DEEPSPEED_PRECISIONS", "DeepSpeedPlanHolder", "load_pla
 ZeroStage = Literal[0, 1, 2, 3]
 """A ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over the replicas."""
 
-DEEPSPEED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+DEEPSPEED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "per_device")
 """Lightning's precisions the strategy runs, each in the dtype ``run_plan.precision_dtype`` gives it: DeepSpeed's
-bf16 and fp16 keep fp32 master weights, which is Lightning's ``-mixed`` (its ``-true`` keeps none)."""
+bf16 and fp16 keep fp32 master weights, which is Lightning's ``-mixed`` (its ``-true`` keeps none); ``per_device``
+(the ``PerDevicePrecision`` plugin) runs each rank in its device's dtype over the runtime's fp32 masters
+(``core.runtime_rules`` deepspeed rule 7)."""
 
 
 def load_plan_source(plan: Any) -> Plan | None:

@@ -82,7 +82,8 @@ every plan the ``deepspeed`` rule table of ``core.runtime_rules`` accepts
 pipeline and at any ZeRO stage as one-stage replicas; asymmetric replicas,
 of different lengths and boundaries, ``ds_runtime.replica_engine``, at ZeRO
 0); ``Trainer(precision=...)`` ``32-true`` (fp32), ``bf16-mixed`` (DeepSpeed's
-bf16) or ``16-mixed`` (its fp16 with dynamic loss scaling; at ZeRO 0 per replica), with
+bf16) or ``16-mixed`` (its fp16 with dynamic loss scaling; at ZeRO 0 per replica), or
+``plugins=[PerDevicePrecision()]`` (each rank in its device's dtype, per replica), with
 fp32 master weights, checked against the plan's dtype when the Trainer is
 built (without a plan, rank 0 plans in that dtype; on CPU Lightning turns
 ``16-mixed`` into ``bf16-mixed``); automatic optimization; gradient clipping

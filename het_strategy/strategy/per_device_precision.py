@@ -20,8 +20,10 @@ the strategy hands this rank's to the plugin (``use``).  Then, on each rank:
   its scale), otherwise every rank clips and steps on the same gradients.
 
 The scale and its clean-step count are the plugin's ``state_dict``, saved in
-Lightning's checkpoint.  Pure data parallelism only: the rule table refuses
-``per_device`` plans on ``hetero_deepspeed`` (``core.runtime_rules``).
+Lightning's checkpoint.  On ``hetero_deepspeed`` the plugin only names the
+precision: the strategy's runtime runs the step, each rank in its device's dtype
+over the runtime's own fp32 masters and one loss scale (``core.runtime_rules``
+deepspeed rule 7, ``ds_runtime.holder_sharding``).
 """
 
 from __future__ import annotations
