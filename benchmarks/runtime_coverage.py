@@ -37,7 +37,7 @@ def main() -> None:
     names = shipped_names("cluster")
     print(f"model {args.model}, global batch {args.batch}; predicted slowdown of the best plan hetero_deepspeed "
           "runs against the unconstrained best")
-    print(f"{'cluster':<26}" + "".join(f"{f'{d} (ZeRO {z})':>19}" for d, z in DTYPES))
+    print(f"{'cluster':<26}" + "".join(f"{f'{d} (ZeRO {z})':>21}" for d, z in DTYPES))
     for name in names:
         cluster = load_cluster(name)
         cells = []
@@ -53,7 +53,7 @@ def main() -> None:
             slowdown = result.runtime_slowdown or 0.0
             worst[(dtype, zero)] = max(worst[(dtype, zero)], slowdown)
             cells.append(f"{slowdown * 100:.1f}%")
-        print(f"{name:<26}" + "".join(f"{c:>19}" for c in cells), flush=True)
+        print(f"{name:<26}" + "".join(f"{c:>21}" for c in cells), flush=True)
     print("RESULT " + " ".join(f"max_slowdown_{d}{'_zero1' if z else ''}={worst[(d, z)] * 100:.1f}%" for d, z in DTYPES)
           + f" clusters={len(names)}")
 

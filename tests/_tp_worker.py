@@ -44,9 +44,15 @@ def plan(case: str, dtype: str = "fp32", zero_stage: int = 0):
     else:
         raise SystemExit(f"unknown case {case}")
     devices = tuple(sorted({d for p in pipes for d in p.devices}))
+    dtypes = PER_DEVICE_DTYPES.get(case, {}) if dtype == "per_device" else {}
     return Plan(cluster="local", cluster_devices=devices, model={"name": "char_gpt", "num_layers": 4},
-                global_batch_size=BATCH, dtype=dtype, mode="manual", zero_stage=zero_stage,
+                global_batch_size=BATCH, dtype=dtype, device_dtypes=dtypes, mode="manual", zero_stage=zero_stage,
                 pipelines=tuple(pipes))
+
+
+PER_DEVICE_DTYPES = {"mixed": {"a": "fp16", "b": "bf16", "c": "bf16"}, "send": {"a": "bf16", "b": "bf16", "c": "fp16"}}
+"""A ``per_device`` run's dtypes: each tp group in one dtype, the replicas (``mixed``) or the two stages (``send``:
+a bf16 tp-2 stage sending to an fp16 tp-1 one) in different ones."""
 
 
 def model():
@@ -115,7 +121,7 @@ def main() -> None:
     dtype = sys.argv[4] if len(sys.argv) > 4 else "fp32"
     inf_rank = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
     zero = int(sys.argv[6]) if len(sys.argv) > 6 else 0
-    if dtype == "fp16":
+    if dtype in ("fp16", "per_device"):
         # DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (most CPUs); the path under
         # test (loss scaling, overflow skips, the reduction) is the same on torch's CPU fp16 kernels
         from deepspeed.accelerator import get_accelerator

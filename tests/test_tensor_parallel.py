@@ -155,14 +155,18 @@ def test_zero_1_shards_the_optimizer_state_within_the_holder_sets_of_mixed_tp_re
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dtype, bound, zero", [("bf16", 1e-2, 0), ("fp16", 2e-2, 0), ("bf16", 1e-2, 1),
-                                                ("fp16", 2e-2, 1)])
-def test_mixed_precision_mixed_tp_tracks_the_float64_reference(tmp_path, dtype, bound, zero):
+@pytest.mark.parametrize("case, dtype, bound, zero", [("mixed", "bf16", 1e-2, 0), ("mixed", "fp16", 2e-2, 0),
+                                                      ("mixed", "bf16", 1e-2, 1), ("mixed", "fp16", 2e-2, 1),
+                                                      ("mixed", "per_device", 2e-2, 0),
+                                                      ("send", "per_device", 2e-2, 1)])
+def test_mixed_precision_mixed_tp_tracks_the_float64_reference(tmp_path, case, dtype, bound, zero):
     # bf16 (BF16_Optimizer's fp32 buffers reduced per unit) and fp16 at ZeRO 0 (the loss scaled by the runtime,
     # the scaled fp16 gradients reduced in fp32 and clipped against the scaled bound) with fp32 master weights,
     # and bf16 / fp16 at ZeRO 1 (the fp32 masters sharded within the holder sets; fp16's loss scale kept there):
-    # after 3 steps at lr 0.05 the half-precision compute is 0.1-1.1% off (fp16 and bf16 alike, measured)
-    ranks = run_ds_ranks(WORKER, 3, ["mixed", str(CLIP), dtype, "-", str(zero)], tmp_path, TIMEOUT_S)
+    # after 3 steps at lr 0.05 the half-precision compute is 0.1-1.1% off (fp16 and bf16 alike, measured).
+    # per_device (_tp_worker.PER_DEVICE_DTYPES): an fp16 tp-1 replica beside a bf16 tp-2 one, whole fp32 masters
+    # on each holder; a bf16 tp-2 stage sending partitioned bf16 activations to an fp16 stage, sharded masters
+    ranks = run_ds_ranks(WORKER, 3, [case, str(CLIP), dtype, "-", str(zero)], tmp_path, TIMEOUT_S)
     for r in ranks:
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=bound)
         assert r["eval_loss"] == pytest.approx(r["ref_eval_loss"], rel=bound)

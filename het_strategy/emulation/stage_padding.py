@@ -9,9 +9,15 @@ pad (``padding.BatchPadding``) would shift all of a step's waiting to its end.
   taken ``f(m) = stage_compute_s(m) / 3`` (the cost model's split: backward =
   2 x forward; ``m`` is the micro-batch's first dimension);
 - backward: the hook wraps the stage's output in ``_PadBackward``, an identity
-  whose backward runs first in the stage's backward and sleeps
-  ``2 f(m)`` minus the real backward expected from the real forward
-  (``backward_ratio`` x forward), so the gradient leaves the stage on time.
+  whose backward runs first in the stage's backward and notes the time; a
+  multi-grad hook on the stage's trainable parameters
+  (``torch.autograd.graph.register_multi_grad_hook``) runs once their
+  gradients are all computed, still inside the stage's backward, and sleeps
+  ``2 f(m)`` minus the real backward measured between the two, so the
+  gradient leaves the stage on time whatever the real backward's ratio to the
+  forward (a CPU's fp16 backward takes about 6x its forward).  A stage without
+  trainable parameters sleeps at the start instead, ``2 f(m)`` minus the real
+  backward expected from the real forward (``backward_ratio`` x forward).
 
 Times are the cost model's (``CostModel.stage_compute_s`` of the device with
 its ``emulated_speed``, at the stage's tp: the compute of its shard and the
@@ -44,7 +50,7 @@ class _PadBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ctx.padding.pad_backward(ctx.micro, ctx.forward_s)
+        ctx.padding.backward_started(ctx.micro, ctx.forward_s)
         return grad, None, None, None
 
 
@@ -63,6 +69,10 @@ class StagePadding:
         """Total seconds slept so far (forward and backward)."""
         self._cache: dict[int, float] = {}
         self._t0 = 0.0
+        self._measured = False
+        """The attached stage has trainable parameters: its backward is padded at its end, measured."""
+        self._backward: tuple[int, float] | None = None
+        """(micro-batch size, start time) of the stage backward running now, when it is measured."""
 
     def stage_s(self, micro: int) -> float:
         """Emulated forward + backward seconds of one micro-batch of ``micro`` samples on this stage."""
@@ -78,8 +88,20 @@ class StagePadding:
             time.sleep(seconds)
             self.slept_s += seconds
 
-    def pad_backward(self, micro: int, forward_s: float) -> None:
-        self._sleep(self.stage_s(micro) * 2 / 3 - self.backward_ratio * forward_s)
+    def backward_started(self, micro: int, forward_s: float) -> None:
+        """The stage's backward of a ``micro``-sample micro-batch begins (its forward took ``forward_s``)."""
+        if self._measured:
+            self._backward = (micro, time.perf_counter())
+        else:
+            self._sleep(self.stage_s(micro) * 2 / 3 - self.backward_ratio * forward_s)
+
+    def _backward_done(self, grads: Any) -> None:
+        """Every trainable parameter's gradient of this backward is computed: pad to the emulated backward."""
+        if self._backward is None:
+            return
+        micro, start = self._backward
+        self._backward = None
+        self._sleep(self.stage_s(micro) * 2 / 3 - (time.perf_counter() - start))
 
     def attach(self, module: torch.nn.Module) -> list[Any]:
         """Register the hooks on the stage module; returns their handles."""
@@ -98,4 +120,9 @@ class StagePadding:
                 return _PadBackward.apply(output, self, micro, real)
             return output
 
-        return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+        handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+        params = [q for q in module.parameters() if q.requires_grad]
+        self._measured = bool(params)
+        if params:
+            handles.append(torch.autograd.graph.register_multi_grad_hook(params, self._backward_done))
+        return handles
