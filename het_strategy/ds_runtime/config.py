@@ -274,6 +274,8 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     sharded itself (``ds_runtime.holder_sharding``; fp16 with DeepSpeed's
     dynamic loss scaler from ``2 ** FP16_INITIAL_SCALE_POWER``), so DeepSpeed's
     ``BF16_Optimizer`` / ``FP16_Optimizer`` (whole fp32 copies) are not built.
+    A ``per_device`` plan runs per replica the same way at every ZeRO stage it
+    allows (``core.runtime_rules.holds_own_masters``), its bf16 / fp16 off.
 
     Refused: plans the deepspeed runtime cannot run (``core.runtime_rules``) and
     asymmetric plans with offload.
