@@ -1,4 +1,5 @@
-"""One rank of the re-sharding test: ``python _reshard_worker.py PHASE OUT_DIR PLAN CKPT [DTYPE [ZERO]]``.
+"""One rank of the re-sharding test: ``python _reshard_worker.py PHASE OUT_DIR PLAN CKPT [DTYPE [ZERO]]`` (DTYPE
+fp32, bf16, fp16 or per_device: ``_ds_engine_worker.PER_DEVICE_DTYPES``).
 
 PHASE ``save``: train ``STEPS`` steps of PLAN (``pipe``, ``asym`` or ``dp`` of ``_ds_engine_worker``) with Adam
 and write a checkpoint to CKPT the way ``hetero_deepspeed`` does (``save_plan_checkpoint``).  PHASE ``load``:
@@ -35,8 +36,11 @@ def main() -> None:
     from het_strategy.ds_runtime.engine import PlanRunner
     from het_strategy.strategy.deepspeed_checkpoint import load_plan_checkpoint, save_plan_checkpoint
 
-    plan = dataclasses.replace({"pipe": base.pipe_plan, "dp": base.dp_plan, "asym": base.asym_plan}[plan_name](zero),
-                               dtype=dtype)
+    plan = {"pipe": base.pipe_plan, "dp": base.dp_plan, "asym": base.asym_plan}[plan_name](zero)
+    # per_device: bf16 and fp16 ranks, as _ds_engine_worker runs them
+    dtypes = ({d: base.PER_DEVICE_DTYPES[i % 2] for i, d in enumerate(plan.cluster_devices)}
+              if dtype == "per_device" else {})
+    plan = dataclasses.replace(plan, dtype=dtype, device_dtypes=dtypes)
     layers = [layer.float() for layer in base.build_layers()]
     runner = PlanRunner(plan, layers, torch.nn.functional.mse_loss, adam, timeout_s=60)
     x, y = (t.float() for t in base.batch("pipe"))
@@ -45,7 +49,7 @@ def main() -> None:
         client = load_plan_checkpoint(runner, plan, ckpt)
         result["client"] = {k: v for k, v in client.items() if isinstance(v, (int, float, str))}
         result["global_steps_loaded"] = int(runner.engine.global_steps)
-        if dtype == "bf16":  # the fp32 master weights the optimizer steps on, as loaded
+        if dtype == "bf16" or runner.sharding is not None:  # the fp32 master weights the optimizer steps on
             from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
             named = list(runner.engine.module.named_parameters())
@@ -58,6 +62,9 @@ def main() -> None:
                 moments = {n: safe_get_full_optimizer_state(q, "exp_avg_sq") for n, q in named}
             result["masters"] = {n: v.double().flatten().tolist() for n, v in masters.items()}
             result["moments"] = {n: v.double().flatten().tolist() for n, v in moments.items()}
+            result["loss_scale"] = runner.sharding.scaler_state() if runner.sharding is not None else None
+    elif runner.sharding is not None and runner.sharding.scaler is not None:
+        runner.sharding.scaler.cur_scale = 1024.0  # fp16: a scale the load must bring back (not the first one)
     result["losses"] = [runner.train_step(x, y) for _ in range(STEPS)]
     if phase == "save":
         save_plan_checkpoint(runner, plan, {"epoch": 0, "global_step": STEPS, "marker": "saved"}, ckpt)

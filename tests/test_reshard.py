@@ -102,6 +102,49 @@ def test_a_bf16_zero_1_checkpoint_loads_its_fp32_masters_into_asymmetric_replica
     assert rounded > 0  # the masters carry more than bf16 does
 
 
+@pytest.mark.multiprocess
+@pytest.mark.usefixtures("fresh_master_port")
+def test_a_per_device_checkpoint_loads_its_masters_and_loss_scale_into_another_plan(tmp_path: Path) -> None:
+    """per_device (bf16 and fp16 ranks) at ZeRO 1 on the asymmetric replicas, then at ZeRO 0 on the aligned
+    pipelines: the per-layer files carry the holder sets' fp32 masters and moments, and the manifest the one loss
+    scale (set to 1024 before saving), so the new plan starts from exactly those and training goes on."""
+    ckpt = tmp_path / "ckpt"
+    _phase(tmp_path, "save", "asym", ckpt, "per_device", 1)
+    ranks = _phase(tmp_path, "load", "pipe", ckpt, "per_device", 0)
+    from het_strategy.ds_runtime.checkpoint_files import load_as_data
+
+    saved = {i: load_as_data(ckpt / "layers" / f"layer_{i:03d}.pt") for i in range(base.NUM_LAYERS)}
+    for r in ranks:
+        assert r["loss_scale"]["cur_scale"] == 1024.0
+        for name, values in r["masters"].items():
+            layer, _, local = name.partition(".")
+            assert values == saved[int(layer)][local]["value"].double().flatten().tolist(), (r["rank"], name)
+            moment = saved[int(layer)][local]["state"]["exp_avg_sq"].double().flatten()
+            assert r["moments"][name] == moment.tolist() and moment.abs().sum() > 0, (r["rank"], name)
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+
+
+@pytest.mark.parametrize("name, dtype, zero, refused", [
+    ("asym", "fp16", 0, True),  # DeepSpeed's FP16_UnfusedOptimizer per replica: no per-parameter mapping
+    ("pipe", "fp16", 1, True),  # DeepSpeed's ZeRO-1 fp16 optimizer on its own grid
+    ("asym", "fp16", 1, False),  # the holder sets' fp32 masters and loss scale
+    ("pipe", "per_device", 0, False),
+])
+def test_per_layer_files_refuse_fp16_only_on_deepspeeds_own_fp16_optimizers(name, dtype, zero, refused) -> None:
+    import dataclasses
+    from types import SimpleNamespace
+
+    from het_strategy.ds_runtime.layer_state import reshard_problem
+
+    plan = {"pipe": base.pipe_plan, "asym": base.asym_plan}[name](zero)
+    dtypes = {d: base.PER_DEVICE_DTYPES[i % 2] for i, d in enumerate(plan.cluster_devices)} if dtype == "per_device" \
+        else {}
+    problem = reshard_problem(SimpleNamespace(plan=dataclasses.replace(plan, dtype=dtype, device_dtypes=dtypes)))
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert problem.startswith("plan.dtype is 'fp16'") and "FP16_Optimizer" in problem
+
+
 def test_a_checkpoint_of_another_batch_or_dtype_is_refused_naming_the_fields(tmp_path: Path) -> None:
     from het_strategy.strategy.deepspeed_checkpoint import _resharded, check_same_model
 

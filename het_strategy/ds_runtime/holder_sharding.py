@@ -257,18 +257,25 @@ class HolderSetSharding:
             changed = current != run.chunk.to(run.param_dtype).to(run.chunk.dtype)
             run.chunk[changed] = current[changed]
 
+    def scaler_state(self) -> dict[str, float] | None:
+        """The fp16 loss scaler's state (the same on every rank: one overflow decision), or None."""
+        return None if self.scaler is None else {k: float(getattr(self.scaler, k)) for k in _SCALER_FIELDS}
+
+    def load_scaler_state(self, state: dict[str, float] | None) -> None:
+        """Restore ``scaler_state()``'s figures (nothing without a scaler or a state)."""
+        if self.scaler is not None and state is not None:
+            for key in _SCALER_FIELDS:
+                setattr(self.scaler, key, type(getattr(self.scaler, key))(state[key]))
+
     def _save_masters(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict[_MASTERS] = [run.chunk.detach().clone() for run in self.runs]
         if self.scaler is not None:
-            state_dict[_LOSS_SCALE] = {k: float(getattr(self.scaler, k)) for k in _SCALER_FIELDS}
+            state_dict[_LOSS_SCALE] = self.scaler_state()
         return state_dict
 
     @torch.no_grad()
     def _load_masters(self, optimizer: Any, state_dict: dict[str, Any]) -> None:
-        scaler_state = state_dict.pop(_LOSS_SCALE, None)
-        if self.scaler is not None and scaler_state is not None:
-            for key in _SCALER_FIELDS:
-                setattr(self.scaler, key, type(getattr(self.scaler, key))(scaler_state[key]))
+        self.load_scaler_state(state_dict.pop(_LOSS_SCALE, None))
         masters = state_dict.pop(_MASTERS, None)
         if masters is None:
             return  # from parameters alone: the first step takes the chunks from them

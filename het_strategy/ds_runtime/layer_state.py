@@ -11,7 +11,8 @@ writes ``<checkpoint>/layers/``:
   optimizer's per-parameter state (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's
   ``momentum_buffer``, ``step``), whole;
 - ``manifest.json`` (rank 0): the format, the layer count, the dtype, the
-  optimizer's class, DeepSpeed's step counters and the client state's keys.
+  optimizer's class, DeepSpeed's step counters, the client state's keys and
+  the fp16 loss scaler's state where the holder sets keep one.
 
 Every replica holds the same values after a step (the gradients are reduced
 before it), so one holder's copy is every holder's.  Each value is read with
@@ -30,8 +31,9 @@ its layers' values into its parameters (and the fp32 master copies) and sets
 its optimizer's state per parameter the same three ways.  Not covered, each
 refused in one line naming the field: tensor-parallel stages (a shard's
 state is not a whole parameter's), another dtype, another layer count, fp16
-(``FP16_Optimizer`` keeps no per-parameter mapping; a ``per_device`` plan's fp16
-devices: the loss scale is not per layer), ZeRO 2 and 3.  Files are
+on DeepSpeed's own fp16 optimizers (``FP16_Optimizer`` keeps no per-parameter
+mapping; fp16 per replica at ZeRO 1 and ``per_device`` plans keep their masters
+in the holder sets, and the one loss scale goes in the manifest), ZeRO 2 and 3.  Files are
 read as data (``checkpoint_files.load_as_data``) and written under a
 temporary name, then renamed.
 """
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from het_strategy.core.errors import field_error
+from het_strategy.core.runtime_rules import holds_own_masters
 from het_strategy.ds_runtime.checkpoint_files import load_as_data
 
 if TYPE_CHECKING:
@@ -100,13 +103,9 @@ def reshard_problem(runner: PlanRunner) -> str | None:
             if stage.tp > 1:
                 return f"plan.pipelines[{p}].stages[{s}].tp is {stage.tp}; it must be 1 (a shard's state is not a " \
                        "whole parameter's)"
-    if plan.dtype == "fp16":
-        return "plan.dtype is 'fp16'; it must be fp32 or bf16 (DeepSpeed's FP16_Optimizer keeps no per-parameter " \
-               "mapping, and fp16's loss scale is not kept per layer)"
-    fp16 = [d for d in plan.used_devices if plan.compute_dtype(d) == "fp16"]
-    if fp16:
-        return f"plan.device_dtypes.{fp16[0]} is 'fp16'; it must be fp32 or bf16 (fp16's loss scale is not kept " \
-               "per layer)"
+    if plan.dtype == "fp16" and not holds_own_masters(plan):
+        return "plan.dtype is 'fp16'; it must be fp32 or bf16, or run per replica at ZeRO 1 (DeepSpeed's " \
+               "FP16_Optimizer keeps no per-parameter mapping)"
     if plan.zero_stage > 1:
         return f"plan.zero_stage is {plan.zero_stage}; it must be 0 or 1"
     return None
@@ -150,7 +149,8 @@ def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[s
                     "dtype": str(runner.plan.dtype), "optimizer": type(inner).__name__, "step": _step_of(runner),
                     "global_steps": int(runner.engine.global_steps),
                     "global_samples": int(getattr(runner.engine, "global_samples", 0)),
-                    "client_keys": sorted(client_keys)}
+                    "client_keys": sorted(client_keys),
+                    "loss_scale": runner.sharding.scaler_state() if runner.sharding is not None else None}
         part = out / ".manifest.json.part"
         part.write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(part, out / "manifest.json")
@@ -233,6 +233,7 @@ def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, 
     if runner.sharding is not None:
         runner.sharding.set_full_values(values)  # the fp32 masters (bf16 parameters), not their rounding
         runner.sharding.set_full_state(sharded, manifest.get("step"))
+        runner.sharding.load_scaler_state(manifest.get("loss_scale"))  # fp16: one scale for the whole run
     runner.engine.global_steps = int(manifest["global_steps"])
     runner.engine.global_samples = int(manifest["global_samples"])
 
