@@ -136,8 +136,9 @@ class _Run:
             out[at:at + b - a] = part.view(tensor_of(part.param)).reshape(-1)[a:b]
         return out
 
-    def reduce_scatter(self) -> torch.Tensor:
-        """This chunk's slice of the run's gradients summed over the holders (a collective)."""
+    def reduce(self) -> torch.Tensor:
+        """This chunk's slice of the run's gradients summed over the holders (a collective: a reduce-scatter, or
+        unsharded an all-reduce)."""
         import deepspeed.comm as dist
 
         flat = scaled_flat([part.view(gradient_of(part.param, None)) for part in self.parts], self.parts)
@@ -228,7 +229,7 @@ class HolderSetSharding:
         t0 = time.perf_counter()
         scale = self.loss_scale or 1.0
         for run in self.runs:
-            run.chunk.grad = run.reduce_scatter().div_(self.num_replicas * scale)
+            run.chunk.grad = run.reduce().div_(self.num_replicas * scale)
         if self.scaler is not None and self._overflowed():
             for run in self.runs:
                 run.chunk.grad = None  # the optimizer skips a parameter without a gradient: nothing moves
