@@ -123,7 +123,8 @@ def main() -> None:
 
             plugins.append(PerDevicePrecision())
             plan = dataclasses.replace(plan, dtype="per_device",
-                                       device_dtypes={f"cpu{i}": ("bf16", "fp16")[i % 2] for i in range(4)})
+                                       device_dtypes={d: base.PER_DEVICE_DTYPES[i % 2]
+                                                      for i, d in enumerate(plan.cluster_devices)})
         else:
             plan = dataclasses.replace(plan, dtype="bf16")
     strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan, zero_stage=zero_stage)
