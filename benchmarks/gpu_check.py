@@ -26,6 +26,10 @@ next still runs; every section prints one summary line):
    collectives on CUDA tensors: NCCL cannot hold two ranks on one device), in fp32 and bf16, with clipping,
    against one process on the same GPU: the largest parameter difference to the reference's shards (fp32:
    bound 1e-4) and the losses' relative gap (fp32 1e-4, bf16 3e-2).
+4. **Per-device precision on** ``hetero_deepspeed``: two one-device replicas sharing the GPU (gloo), one
+   computing in bf16 and one in fp16 with loss scaling, over the runtime's fp32 masters (``core.runtime_rules``
+   deepspeed rule 7), with clipping, against one fp32 process: the losses' relative gap (bound 3e-2) and no
+   skipped step.
 
 What it cannot check: the machine it was written for has ONE GPU, and NCCL refuses two ranks on one device in
 a communicator, so every NCCL run here is world size 1.  The collectives run (on one rank they copy), the
@@ -52,7 +56,7 @@ of pydantic, pydantic-core, hjson, annotated-types and typing-inspection), insta
 ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` and ``PYTHONPATH=/tmp/site:$PWD``.
 
 Exit status 0 when every section that is built passed.  Last line:
-``RESULT hook_ok=... hook_max_diff=... bf16_gap=... fp16_gap=... tp=... gpu=<name>``.
+``RESULT hook_ok=... hook_max_diff=... bf16_gap=... fp16_gap=... tp=... per_device_gap=... gpu=<name>``.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 """Per mode: the char GPT, its global and micro batch, AdamW steps and lr; the hook model's width."""
 
-SECTION_LIMIT_S = {"hook": 150.0, "ds": 90.0, "tp": 200.0}
+SECTION_LIMIT_S = {"hook": 150.0, "ds": 90.0, "tp": 200.0, "per_device": 100.0}
 """Each section process is killed after this long (or when the run's budget is spent, if sooner)."""
 
 
@@ -442,9 +446,20 @@ TP_SHAPE = dict(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_siz
 TP_BATCH = 6
 
 
+PER_DEVICE_DTYPES = {"g0": "bf16", "g1": "fp16"}
+"""Section 4's ranks: one computing in bf16, one in fp16 with loss scaling."""
+
+
 def _tp_plan(dtype: str) -> Any:
+    """Section 3: one tp-2 stage; section 4 (``per_device``): two one-device replicas in ``PER_DEVICE_DTYPES``."""
     from het_strategy.core.plan import Pipeline, Plan, Stage
 
+    if dtype == "per_device":
+        half = TP_BATCH // 2
+        return Plan(cluster="local", cluster_devices=("g0", "g1"), model={"name": "char_gpt", "num_layers": 4},
+                    global_batch_size=TP_BATCH, dtype=dtype, device_dtypes=PER_DEVICE_DTYPES, mode="manual",
+                    zero_stage=0, pipelines=tuple(Pipeline((Stage((d,), (0, 4)),), micro_batch_size=half,
+                                                           samples=half) for d in ("g0", "g1")))
     return Plan(cluster="local", cluster_devices=("g0", "g1"), model={"name": "char_gpt", "num_layers": 4},
                 global_batch_size=TP_BATCH, dtype=dtype, mode="manual", zero_stage=0,
                 pipelines=(Pipeline((Stage(("g0", "g1"), (0, 4)),), micro_batch_size=4, samples=TP_BATCH),))
@@ -494,13 +509,15 @@ def _tp_rank(cpu: bool, dtype: str, out: str) -> None:
              for n, q in layer.named_parameters()}
     rank = dist.get_rank()
     worst, where = 0.0, set()
+    tp = dtype != "per_device"  # per_device: each rank holds the whole model
     for name, value in runner.named_parameters().items():
         layer, _, local = name.partition(".")
         spec = specs[int(layer)].get(local)
-        want = named[name] if spec is None else shard_of(named[name], spec, 2, rank)
+        want = named[name] if spec is None or not tp else shard_of(named[name], spec, 2, rank)
         worst = max(worst, float((value.float() - want.float()).abs().max()))
         where.add(str(value.device))
     _write(f"{out}.rank{rank}", {"rank": rank, "losses": losses, "ref_losses": ref_losses, "max_diff": worst,
+                                 "skipped": int(runner.engine.skipped_steps),
                                  "devices": sorted(where), "param_dtype": str(next(iter(
                                      runner.named_parameters().values())).dtype)})
     dist.barrier()
@@ -531,12 +548,15 @@ def _tp_section(cpu: bool, dtype: str, out: str) -> None:
     diff = max(r["max_diff"] for r in ranks)
     gap = max(abs(a - b) / b for r in ranks for a, b in zip(r["losses"], r["ref_losses"]))
     bound = (1e-4, 1e-4) if dtype == "fp32" else (3e-2, 5e-2)  # (loss, parameters): fp32's reduction order
-    ok = gap <= bound[0] and (dtype != "fp32" or diff <= bound[1])
-    print(f"{TAG}tp {dtype}: 2 ranks on {ranks[0]['devices']} (gloo), one tp-2 stage, {TP_STEPS} steps with "
-          f"clipping; losses {[round(v, 4) for v in ranks[0]['losses']]} vs one process "
-          f"{[round(v, 4) for v in ranks[0]['ref_losses']]} (largest relative gap {gap:.2e}); parameters in "
-          f"{ranks[0]['param_dtype']}, largest |diff| to the reference's shard {diff:.2e}; {'ok' if ok else 'FAILED'}",
-          flush=True)
+    skipped = max(r["skipped"] for r in ranks)  # an fp16 overflow: that step's update left out, on every rank
+    ok = gap <= bound[0] and skipped == 0 and (dtype != "fp32" or diff <= bound[1])
+    shape = ("two one-device replicas, " + " and ".join(f"{r['param_dtype']}" for r in ranks) + " (per_device)"
+             if dtype == "per_device" else "one tp-2 stage")
+    print(f"{TAG}{'tp ' if dtype != 'per_device' else ''}{dtype}: 2 ranks on {ranks[0]['devices']} (gloo), {shape}, "
+          f"{TP_STEPS} steps with clipping, {skipped} skipped; losses {[round(v, 4) for v in ranks[0]['losses']]} vs "
+          f"one process {[round(v, 4) for v in ranks[0]['ref_losses']]} (largest relative gap {gap:.2e}); parameters "
+          f"in {ranks[0]['param_dtype']}, largest |diff| to the reference's "
+          f"{'shard' if dtype != 'per_device' else 'weights'} {diff:.2e}; {'ok' if ok else 'FAILED'}", flush=True)
     _write(out, {"ok": ok, "max_diff": diff, "gap": gap})
 
 
@@ -551,6 +571,18 @@ def check_tensor_parallel(cpu: bool, log_dir: Path, limit_s: float) -> float | N
     if not ok:
         raise RuntimeError("the tensor-parallel runs did not all pass (their lines above)")
     return float(results["fp32"]["max_diff"])
+
+
+def check_per_device(cpu: bool, log_dir: Path, limit_s: float) -> float:
+    """Two data-parallel ranks on this device, one computing in bf16 and one in fp16 (``hetero_deepspeed``'s
+    per-device precision: the runtime's fp32 masters, one loss scale); the largest relative loss gap to one
+    fp32 process."""
+    res = _run_section("per_device", ["tp", "per_device"], cpu, log_dir, limit_s)
+    ok = res is not None and res["ok"]
+    print(f"SECTION per-device precision: {'ok' if ok else 'FAILED'}", flush=True)
+    if not ok:
+        raise RuntimeError("the per-device run did not pass (its line above)")
+    return float(res["gap"])
 
 
 # -- the parent: run each section, then the summary ----------------------------------------------------------
@@ -710,11 +742,21 @@ def main() -> int:
         print(f"SECTION tensor parallel: FAILED\n{_tail(exc)}")
         status["tp"] = "FAILED"
 
+    print("\n== 4. per-device precision (hetero_deepspeed: a bf16 rank and an fp16 rank)", flush=True)
+    per_device = math.nan
+    try:
+        per_device = check_per_device(args.cpu, log_dir, left("per_device"))
+        status["per_device"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        print(f"SECTION per-device precision: FAILED\n{_tail(exc)}")
+        status["per_device"] = "FAILED"
+
     print(f"\nSUMMARY {'; '.join(f'{k}: {v}' for k, v in status.items())}; {time.monotonic() - started:.0f} s"
           + (f"; logs in {log_dir}" if keep else ""))
     tp_text = "not_built" if tp is None else ("error" if status["tp"] == "FAILED" else f"{tp:.3e}")
     print(f"RESULT hook_ok={hook_ok} hook_max_diff={hook_diff:.3e} bf16_gap={gaps['bf16']:.4f} "
-          f"fp16_gap={gaps['fp16']:.4f} tp={tp_text} gpu={gpu.replace(' ', '_')}", flush=True)
+          f"fp16_gap={gaps['fp16']:.4f} tp={tp_text} per_device_gap={per_device:.4f} gpu={gpu.replace(' ', '_')}",
+          flush=True)
     if not keep:
         import shutil
 

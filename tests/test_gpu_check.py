@@ -17,7 +17,8 @@ from het_strategy.core.codecs import CODECS, Codec
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = re.compile(r"^RESULT hook_ok=(?P<hook_ok>True|False) hook_max_diff=(?P<hook_max_diff>\S+) "
-                    r"bf16_gap=(?P<bf16_gap>\S+) fp16_gap=(?P<fp16_gap>\S+) tp=(?P<tp>\S+) gpu=(?P<gpu>\S+)$")
+                    r"bf16_gap=(?P<bf16_gap>\S+) fp16_gap=(?P<fp16_gap>\S+) tp=(?P<tp>\S+) "
+                    r"per_device_gap=(?P<per_device_gap>\S+) gpu=(?P<gpu>\S+)$")
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -50,6 +51,9 @@ def test_result_line_parses_and_every_section_passed(cpu_run: tuple[str, int]) -
     assert fields["gpu"] == "cpu"
     assert "SECTION hooks: ok" in out and "SECTION deepspeed dtypes: ok" in out
     assert "SECTION tensor parallel: ok" in out and "tp bf16: 2 ranks" in out
+    # a bf16 rank beside an fp16 rank (hetero_deepspeed's per-device precision) tracks one fp32 process
+    assert 0.0 <= float(fields["per_device_gap"]) <= 0.03 and "SECTION per-device precision: ok" in out, out[-4000:]
+    assert "torch.bfloat16 and torch.float16 (per_device)" in out
 
 
 def test_on_gloo_the_hooks_take_the_synchronous_path_and_the_forced_chain_matches(cpu_run: tuple[str, int]) -> None:
