@@ -174,14 +174,12 @@ class _Run:
 
 class HolderSetSharding:
     """Reduce into, and shard ``optimizer``'s state over, the holder sets of this rank's parameters (see the module
-    docstring); called as the plan's gradient reduction."""
+    docstring); called as the plan's gradient reduction.  ``shard=False``: every holder keeps the state whole."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: Sequence[tuple[tuple[int, ...], list[GradientPart]]],
                  groups: dict[tuple[int, ...], Any], num_replicas: int, gradient_clipping: float,
                  scaler: Any = None, shard: bool = True) -> None:
         self.optimizer = optimizer
-        self.shard = shard
-        """ZeRO 1: each holder keeps ``1 / k`` of the state; False: every holder keeps it whole (ZeRO 0)."""
         self.num_replicas = num_replicas
         self.scaler = scaler
         """fp16's dynamic loss scaler (DeepSpeed's ``DynamicLossScaler``), or None."""
