@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from het_strategy.core.cluster import load_cluster
@@ -18,14 +20,18 @@ def _cluster(device_type: str) -> object:
     return load_cluster({"name": "c", "nodes": [{"name": "n", "devices": [{"type": device_type, "count": 4}]}]})
 
 
-def test_each_term_of_a_block_stage_by_hand() -> None:
+@pytest.mark.parametrize("attention", ["materialized", "fused"])
+def test_each_term_of_a_block_stage_by_hand(attention: str) -> None:
     s, h, a = 32, 64, 4
-    workload = transformer_workload(ONE_BLOCK, dtype="bf16")
+    workload = transformer_workload(dataclasses.replace(ONE_BLOCK, attention=attention), dtype="bf16")
     block = workload.layers[1]
     settings = TrainSettings(global_batch_size=8, dtype="bf16", memory_reserve_gb=0.5)
     model = MemoryModel(workload, settings)
     for tp, micro, in_flight in ((1, 1, 1), (2, 3, 2), (4, 2, 5)):
-        acts = 34 * s * h + 5 * a * s * s  # Korthikanti et al.'s bytes per sample in a 16-bit dtype
+        if attention == "materialized":
+            acts = 34 * s * h + 5 * a * s * s  # Korthikanti et al.'s bytes per sample in a 16-bit dtype
+        else:  # the scores stay on chip: the kernel keeps an fp32 log-sum-exp per head and token instead
+            acts = 34 * s * h + 4 * a * s
         whole = 10 * s * h  # kept whole on every tp rank
         expected = (block.params / tp * 24  # 2 + 2 + 12 (Adam, fp32 master) + 4 (reduce buffer) + 4 (engine copy)
                     + ((acts - whole) / tp + whole) * micro * in_flight + 0.5 * GiB)

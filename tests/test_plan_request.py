@@ -9,7 +9,8 @@ case at ``max_tp=2`` was captured again when the deepspeed runtime gained tensor
 (tp 2 stages) is now runnable, where the runtime used to fall back to tp 1.  Every case was captured again
 (``tests/data/refresh_plan_baseline.py``) when the memory model gained the runtime's buffers, the framework's
 overhead and the activations tp does not split (``core/memory.py``): the plans kept their structure, their memory
-figures and the "does not fit" reasons changed.
+figures and the "does not fit" reasons changed.  They were captured again when fused attention stopped being
+charged the s x s scores (``transformer_workload``): the same plans, lower memory figures.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ the later stages' count plus its own) among ``dp`` replicas, holds:
    ``LayerCost.tp_replicated_activation_bytes`` (without sequence parallelism the
    layer norms' inputs and the dropout masks of a block, 10·s·h bytes, stay whole
    on every tp rank: Korthikanti et al. 2022, eq. 2), times ``m x in_flight``.
+   A block's figure counts the attention scores only where they reach memory
+   (``transformer_workload``: ``attention: materialized``, not ``fused``).
    With activation checkpointing: the layer outputs of the micro-batches in flight
    plus one layer's whole activations (its recomputation).
 3. **Framework overhead** outside the allocator (``overhead_bytes``): 2e9 bytes at

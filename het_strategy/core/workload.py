@@ -174,8 +174,12 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
     FLOPs count multiply-adds as 2 (QKV, scores, scores x V, output projection,
     MLP; LM head 2·s·h·V).  Activation bytes per block follow Korthikanti et al.
     (2022): s·h·(34 + 5·a·s/h) bytes in a 16-bit dtype without recomputation, of
-    which 10·s·h stay whole on every tensor-parallel rank (their eq. 2).  The head
-    keeps its logits in fp32 twice: the upcast logits and the loss's softmax.
+    which 10·s·h stay whole on every tensor-parallel rank (their eq. 2).  The
+    5·a·s² bytes are the attention scores' softmax output, dropout mask and
+    dropout output, which only ``attention: materialized`` writes; ``fused``
+    attention (torch's ``scaled_dot_product_attention``) keeps the s·h-sized
+    tensors and its fp32 log-sum-exp, 4·a·s bytes, instead.  The head keeps its
+    logits in fp32 twice: the upcast logits and the loss's softmax.
     """
     dtype = as_dtype(dtype, "model.dtype")
     s, h, a, v = cfg.seq_len, cfg.hidden_size, cfg.num_heads, cfg.vocab_size
@@ -187,7 +191,10 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
     mlp_flops = 4 * s * h * f
     attn_params = 4 * h * h + 4 * h + 4 * h  # qkv + out (with bias) + two layernorms
     mlp_params = 2 * h * f + f + h
-    block_act = (s * h * 34 + 5 * a * s * s) * scale
+    if cfg.attention == AttentionKernel.materialized:
+        block_act = (s * h * 34 + 5 * a * s * s) * scale
+    else:  # the scores stay on chip; the kernel saves its fp32 log-sum-exp per head and token
+        block_act = s * h * 34 * scale + 4 * a * s
     whole = s * h * 10 * scale  # layer-norm inputs and dropout masks: whole on every tp rank
     block_shape = LayerShape("block", h, a, f, v, cfg.attention)
     layers = [LayerCost("embedding", 2 * s * h, v * h + s * h, s * h * DTYPE_BYTES[dtype], boundary,
