@@ -56,6 +56,9 @@ class DeviceType:
     tf32_tflops: float | None = None
     """Peak dense TF32 tensor-core TFLOPS, the rate of fp32 matmuls under ``float32_matmul_precision`` high or
     medium; None: no TF32 units (fp32 matmuls run at the fp32 rate)."""
+    codec_gbs: float | None = None
+    """GB/s of fp32 input one device quantizes and dequantizes, measured by ``benchmarks/gpu_calibration.py``;
+    None: not measured (``compressed_sync.codec_bandwidth`` takes a fraction of the memory bandwidth)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,6 +78,7 @@ def device_catalog() -> dict[str, DeviceType]:
             aliases=tuple(e.get("aliases", ())),
             compute_units=e.get("compute_units"),
             tf32_tflops=e.get("tf32_tflops"),
+            codec_gbs=None if e.get("codec_gbs") is None else float(e["codec_gbs"]),
         )
         for name, e in raw.items()
     }

@@ -263,7 +263,8 @@ class ClusterSpec:
                         {k: v for k, v in {
                             "name": d.name, "type": d.type, "tflops": dict(d.tflops), "memory_gb": d.memory_gb,
                             "memory_bandwidth_gbs": d.memory_bandwidth_gbs, "efficiency": d.efficiency,
-                            "emulated_speed": d.emulated_speed, "price_per_hour": d.price_per_hour}.items()
+                            "emulated_speed": d.emulated_speed, "price_per_hour": d.price_per_hour,
+                            "codec_gbs": d.codec_gbs}.items()
                             if v is not None}
                         for d in n.devices
                     ],

@@ -11,31 +11,39 @@ replicas over ``N`` nodes (``L = ceil(M / N)`` per node):
 * **across nodes**: the ring allreduce of the *wire* bytes ``B x f`` among the
   ``N`` leaders over the route's inter-node links (``f``: ``wire_fraction``);
 * **codec**: quantizing and dequantizing the whole tensor twice (the exchange's
-  two phases) at a fraction of the slowest device's memory bandwidth
-  (``codec_bandwidth``), for codecs that encode (not for a cast).
+  two phases) at the slowest device's codec throughput (``codec_bandwidth``),
+  for codecs that encode (not for a cast).
 
 The wire bytes per gradient element and whether a codec encodes are its
 ``CodecSpec``'s (``core/codecs.py``), the same figures the comm hook sends.
 
-The CPU fraction is measured on this machine: 4-bit quantize + dequantize of
-16 MiB fp32 ran at 0.65 GB/s of input (8-bit: 0.97 GB/s) on one core of a
-loaded 2-core machine, against the catalog CPU's 50 GB/s memory bandwidth:
-1/60.  For accelerators it is an assumption, not a measurement (no GPU here):
-a memory-bound kernel that reads the fp32 tensor and writes its codes in a few
-passes, 1/8 of the memory bandwidth (40 GB/s on a T4).  The error a method adds
-is not priced: the planner only offers methods within the adaptive
-controller's quality budget (``JOINT_CHOICES``: no coarser than uniform 4-bit).
+A device's codec throughput is its ``codec_gbs`` (GB/s of fp32 input quantized
+and dequantized) where the catalog entry or the cluster file gives one:
+``benchmarks/gpu_calibration.py`` measures it on a GPU.  Without it, it is a
+fraction of the device's memory bandwidth (``CODEC_FRACTION``).  The CPU
+fraction is measured on this machine: 4-bit quantize + dequantize of 16 MiB
+fp32 ran at 0.65 GB/s of input (8-bit: 0.97 GB/s) on one core of a loaded
+2-core machine, against the catalog CPU's 50 GB/s memory bandwidth: 1/60 (the
+catalog CPU keeps the fraction).  For accelerators it is an assumption, not a
+measurement: a memory-bound kernel that reads the fp32 tensor and writes its
+codes in a few passes, 1/8 of the memory bandwidth (40 GB/s on a T4).  The
+error a method adds is not priced: the planner only offers methods within the
+adaptive controller's quality budget (``JOINT_CHOICES``: no coarser than
+uniform 4-bit).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from het_strategy.core.codecs import CODECS, ELEMENTWISE_CODECS, Codec, Exchange, codec
 from het_strategy.core.workload import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from het_strategy.core.device_spec import DeviceSpec
 
 __all__ = ["INTER_NODE_TOKENS", "JOINT_CHOICES", "CODEC_FRACTION", "check_token", "wire_fraction",
            "codec_bandwidth", "hierarchical_sync_s"]
@@ -45,8 +53,8 @@ INTER_NODE_TOKENS: tuple[Codec, ...] = ELEMENTWISE_CODECS
 JOINT_CHOICES: tuple[Codec, ...] = (Codec.NONE, Codec.Q8, Codec.Q4)
 """What the joint planner tries: none, and the quantizers within the default quality budget (uniform 4-bit)."""
 CODEC_FRACTION = {"cpu": 1 / 60, "accelerator": 1 / 8}
-"""Input bytes/s of quantize + dequantize, as a fraction of the device's memory bandwidth (module docstring):
-measured for CPUs, assumed for accelerators."""
+"""Input bytes/s of quantize + dequantize, as a fraction of the device's memory bandwidth, for a device without
+a ``codec_gbs`` (module docstring): measured for CPUs, assumed for accelerators."""
 
 
 def check_token(token: Any, field: str) -> str:
@@ -63,9 +71,13 @@ def wire_fraction(token: str, grad_dtype: str = "fp32") -> float:
     return per_element / DTYPE_BYTES[grad_dtype]
 
 
-def codec_bandwidth(memory_bandwidth_gbs: float, is_cpu: bool) -> float:
-    """Bytes/s of fp32 input one device quantizes and dequantizes (``CODEC_FRACTION``)."""
-    return memory_bandwidth_gbs * 1e9 * CODEC_FRACTION["cpu" if is_cpu else "accelerator"]
+def codec_bandwidth(device: DeviceSpec) -> float:
+    """Bytes/s of fp32 input ``device`` quantizes and dequantizes: its measured ``codec_gbs`` where given, else
+    its memory bandwidth x ``CODEC_FRACTION`` (a device whose type starts with ``CPU`` takes the CPU's)."""
+    if device.codec_gbs is not None:
+        return device.codec_gbs * 1e9
+    is_cpu = device.type.upper().startswith("CPU")
+    return device.memory_bandwidth_gbs * 1e9 * CODEC_FRACTION["cpu" if is_cpu else "accelerator"]
 
 
 def hierarchical_sync_s(num_bytes: Any, members: int, nodes: int, intra_bw: float, inter_ring_s: Any,

@@ -291,8 +291,7 @@ class CostModel:
         # per message size where the network model is measured (Sailor's fits give one figure per size)
         intra_bw = np.minimum.reduce([np.asarray(self.network.intra_bandwidth(n, local, num_bytes), dtype=float)
                                       for n in route.nodes])
-        codec_bw = min(codec_bandwidth(d.memory_bandwidth_gbs, d.type.upper().startswith("CPU"))
-                       for d in self.cluster.devices if d.node in route.nodes)
+        codec_bw = min(codec_bandwidth(d) for d in self.cluster.devices if d.node in route.nodes)
         return hierarchical_sync_s(num_bytes, route.members, len(route.nodes), intra_bw,
                                    self.network.ring_allreduce_s(wire, leaders), self.network.latency_s, codec_bw,
                                    token)

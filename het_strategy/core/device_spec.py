@@ -2,7 +2,7 @@
 
 A device entry names a catalog type (``{type: A100-40GB, count: 2}``) and may
 override any of its figures (``tflops:``, ``memory_gb:``, ``efficiency:``,
-``price_per_hour:``, ...), or describe a custom device by its own figures.
+``price_per_hour:``, ``codec_gbs:``, ...), or describe a custom device by its own figures.
 ``device_from_dict`` resolves the catalog entry and the overrides; every
 figure is checked, and a bad one raises ``ConfigError`` naming the dotted field
 (``nodes[1].devices[0].price_per_hour``), the value and the rule.
@@ -21,10 +21,10 @@ from het_strategy.core.cluster_limits import bounded_figure as _figure, check_fi
 from het_strategy.core.errors import ConfigError, field_error, is_positive, require_number
 
 __all__ = ["DEVICE_KEYS", "MAX_PRICE_PER_HOUR", "DeviceSpec", "resolve_device_type", "device_from_dict",
-           "check_price"]
+           "check_price", "check_codec_gbs"]
 
 DEVICE_KEYS = {"name", "type", "count", "tflops", "memory_gb", "memory_bandwidth_gbs", "efficiency",
-               "emulated_speed", "price_per_hour"}
+               "emulated_speed", "price_per_hour", "codec_gbs"}
 """Keys a device entry of a cluster YAML may have."""
 MAX_PRICE_PER_HOUR = 1e4
 """Highest price per device-hour accepted (USD): far beyond any rented accelerator, far from float overflow."""
@@ -58,6 +58,9 @@ class DeviceSpec:
     ``efficiency`` given in the cluster file, or an emulated device."""
     tf32_tflops: float | None = None
     """The catalog's dense TF32 rate, with ``compute_units`` (None without TF32 units)."""
+    codec_gbs: float | None = None
+    """GB/s of fp32 input this device quantizes and dequantizes (the catalog's measured figure unless overridden);
+    None: not measured (``compressed_sync.codec_bandwidth`` takes a fraction of the memory bandwidth)."""
 
     def __post_init__(self) -> None:
         where = f"device `{self.name}`"
@@ -78,6 +81,8 @@ class DeviceSpec:
             raise field_error(f"{where}.emulated_speed", self.emulated_speed, "be > 0 (relative speed)")
         if self.price_per_hour is not None:
             check_price(self.price_per_hour, f"{where}.price_per_hour")
+        if self.codec_gbs is not None:
+            check_codec_gbs(self.codec_gbs, f"{where}.codec_gbs")
 
     @property
     def memory_bytes(self) -> float:
@@ -104,6 +109,15 @@ def check_price(value: Any, field: str) -> float:
     if not 0 < value <= MAX_PRICE_PER_HOUR:
         raise field_error(field, value, rule, "e.g. price_per_hour: 3.67")
     return float(value)
+
+
+def check_codec_gbs(value: Any, field: str) -> float:
+    """A codec throughput: a finite number > 0 GB/s within the memory bandwidth's plausible range (bools are not
+    numbers)."""
+    if not is_positive(value):
+        raise field_error(field, value, "be a finite number > 0 (GB/s of fp32 input quantized and dequantized)",
+                          "e.g. codec_gbs: 40, as benchmarks/gpu_calibration.py measures it")
+    return check_figure(float(value), field, "memory_bandwidth_gbs")
 
 
 def resolve_device_type(dev_raw: Mapping[str, Any], where: str) -> DeviceType | None:
@@ -143,6 +157,10 @@ def device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: Devic
         price: float | None = check_price(dev_raw["price_per_hour"], f"{where}.price_per_hour")
     else:
         price = dt.price_per_hour if dt else None
+    if "codec_gbs" in dev_raw:
+        codec_gbs: float | None = check_codec_gbs(dev_raw["codec_gbs"], f"{where}.codec_gbs")
+    else:
+        codec_gbs = dt.codec_gbs if dt else None
     return DeviceSpec(
         name=name,
         type=dt.name if dt else str(dev_raw["type"]),
@@ -156,4 +174,5 @@ def device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: Devic
         price_per_hour=price,
         compute_units=dt.compute_units if datasheet else None,  # type: ignore[union-attr]
         tf32_tflops=dt.tf32_tflops if datasheet else None,  # type: ignore[union-attr]
+        codec_gbs=codec_gbs,
     )

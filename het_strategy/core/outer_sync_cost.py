@@ -208,8 +208,7 @@ class OuterSyncCost:
         fp32 = FP32_BYTES * numel
 
         def half_round_trip(leader: str) -> float:
-            dev = cm.cluster.device(leader)
-            return fp32 / codec_bandwidth(dev.memory_bandwidth_gbs, dev.type.upper().startswith("CPU")) / 2
+            return fp32 / codec_bandwidth(cm.cluster.device(leader)) / 2
 
         encode = max(half_round_trip(g[0]) for g in self.groups) if encodes else 0.0
         tail = max((G * half_round_trip(g[0]) if encodes else 0.0) + net.ring_allreduce_s(fp32, r) / 2

@@ -302,7 +302,7 @@ def _device_kind(cluster: ClusterSpec, d: DeviceSpec) -> tuple:
     """Devices of one kind cost the same and price the same (a scheduled slowdown makes a device its own kind)."""
     own = (d.name,) if any(s.device == d.name for s in cluster.slowdowns) else ()
     return (d.type, tuple(sorted(d.tflops.items())), d.memory_gb, d.memory_bandwidth_gbs, d.efficiency,
-            d.emulated_speed, d.price_per_hour, own)
+            d.emulated_speed, d.price_per_hour, d.codec_gbs, own)
 
 
 def _node_class(cluster: ClusterSpec, n: NodeSpec, linked: set[str]) -> tuple:
