@@ -119,8 +119,8 @@ def test_gpt_layers_flops_params_and_bytes() -> None:
 def test_the_memory_models_block_activations_hold_what_autograd_saves(dtype: str) -> None:
     """The analytic block activations (``transformer_workload``: 34 bytes per token and width in 16 bits, plus the
     fused attention's fp32 log-sum-exp) against the bytes autograd saves in the demo CharGPT's blocks (torch's
-    fused attention, no dropout: its two dropout masks, 2 of the 34, are not saved).  Without the fused case the
-    analytic figure counted the s x s scores (5·a·s² bytes): 2.1x the saved bytes here."""
+    fused attention, no dropout: its two dropout masks, 2 of the 34, are not saved; the s x s scores, which
+    ``attention: materialized`` adds, would be 2.3x the saved bytes here)."""
     from het_strategy.core.workload import transformer_workload
     from het_strategy.demo.char_gpt import CharGPT
 
