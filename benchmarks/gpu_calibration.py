@@ -34,7 +34,8 @@ paths; their prices come from the links' figures); the shapes are two GPT sizes,
 
 It writes ``<out>/<device type>.calibration.json`` (every row, the catalog fields measured: ``codec_gbs``, and
 each profile's path) and ``<out>/profiles/<model>.<dtype>.mbs<m>.model.json`` (``ProfileResult.to_dict``, the
-form ``het-plan`` writes beside a plan), each whole or not at all.  Last line::
+form ``het-plan`` writes beside a plan, which ``het-plan model=<that file>`` plans with), each whole or not at
+all.  Last line::
 
     RESULT device=<type> block_ratio_median=... block_ratio_worst=... codec_gbs=... codec_ratio=...
     act_ratio_max=... peak_ratio_max=... outside_gb=... seconds=...

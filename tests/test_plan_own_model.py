@@ -106,3 +106,39 @@ def test_bad_model_factories_exit_2_with_one_line(model, extra, expected, models
     assert err.startswith("het-plan: error: ") and err.count("\n") == 1, err
     assert expected in err, err
     assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_a_saved_profile_plans_as_its_model_did(models: Path, tmp_path: Path, capsys):
+    """``model=<file.model.json>`` (what het-plan writes beside a plan, and benchmarks/gpu_calibration.py per GPU):
+    the saved layers and measured times give the plan the profiled model gave, without profiling again."""
+    first = compose_plan_config(_args(tmp_path, f"model={models}:make", "model_input.shape=[4,8]",
+                                      "model_input.measured_type=CPU"))
+    plan, score = run_plan(first, echo=False)
+    saved = tmp_path / "out" / "plan.model.json"
+    again = tmp_path / "again"
+    assert main([*_args(again, f"model={saved}")]) == 0
+    out = capsys.readouterr().out
+    assert "model `make` (5 layers" in out and "measured per-layer times of make for CPU tp 1" in out, out
+    replanned = Plan.load(again / "out" / "plan.json")
+    assert replanned.rank_shares() == plan.rank_shares() and replanned.model == plan.model
+    assert replanned.predicted["step_time_s"] == pytest.approx(score.step_time_s, rel=1e-12)
+    assert not (again / "out" / "plan.model.json").exists()  # nothing profiled here: nothing to write beside it
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["model={tmp}/missing.model.json"], "`model` is"),
+    (["model={saved}", "settings.dtype=bf16"], "`settings.dtype` is 'bf16'; it must be fp32, the dtype"),
+    (["model={saved}", "planner.profile=sailor"], "`planner.profile` is 'sailor'"),
+    (["model={bad}"], "be a model.json written by het-plan"),
+])
+def test_bad_saved_profiles_exit_2_with_one_line(extra, expected, models: Path, tmp_path: Path, capsys):
+    assert main(_args(tmp_path / "first", f"model={models}:make", "model_input.shape=[4,8]")) == 0
+    saved, bad = tmp_path / "first" / "out" / "plan.model.json", tmp_path / "bad.model.json"
+    bad.write_text('{"workload": {}}')
+    capsys.readouterr()
+    args = [a.format(tmp=tmp_path, saved=saved, bad=bad) for a in extra]
+    assert main(_args(tmp_path / "second", *args)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("het-plan: error: ") and err.count("\n") == 1, err
+    assert expected in err, err
+    assert not (tmp_path / "second" / "out" / "plan.json").exists()

@@ -61,12 +61,15 @@ if TYPE_CHECKING:
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.plan import Plan
     from het_strategy.core.workload import WorkloadSpec
+    from het_strategy.profiling.model_factory import SavedProfile
     from het_strategy.profiling.module_profile import ProfileResult
 
 __all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
 
 PROG = "het-plan"
 CONFIG_NAME = "plan"
+PROFILE_SUFFIX = ".model.json"
+"""``model=<file>`` with this suffix names a saved profile (``ProfileResult.to_dict``)."""
 _PYTHON_PATH = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*|.+\.py):[A-Za-z_]\w*$")
 
 _USAGE = f"""usage: {PROG} [--cfg] [key=value ...]
@@ -79,6 +82,9 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
   model=<module:function>       your own nn.Module (package.module:function or file.py:function), profiled;
                                 model_input.shape=[4,1,28,28] model_input.dtype=float32 unless the
                                 function returns (module, sample_input)
+  model=<file.model.json>       a model profiled before (written beside a plan, or by
+                                benchmarks/gpu_calibration.py): its layers, and its measured times for the
+                                device type it was measured on
   settings.global_batch_size=N  settings.dtype=bf16|fp16|fp32   settings.zero_stage=0..3
   settings.max_tp=1|2|4|8       settings.micro_batch_sizes=[1,2,4,8]   settings.activation_checkpointing=true
   planner.mode=auto|dp|pipeline|hybrid|low_communication   planner.profile=null|sailor
@@ -107,19 +113,30 @@ Bad input exits with code 2 and one line naming the field, the value and the rul
 def compose_plan_config(overrides: Sequence[str] = ()) -> DictConfig:
     """The composed ``plan`` config with ``overrides`` (``cluster=<file.yaml>``, ``model=<python path>`` accepted).
 
-    ``model=<python path>`` becomes ``cfg.model = {name, factory}`` (Hydra would look for a group option).
+    ``model=<python path>`` becomes ``cfg.model = {name, factory}`` and ``model=<file.model.json>``
+    ``cfg.model = {name, profile_file}`` (Hydra would look for a group option).
     """
     overrides = [str(o) for o in overrides]
     factories = [o.partition("=")[2] for o in overrides if _is_model_factory(o)]
-    rest = [o for o in overrides if not _is_model_factory(o)]
+    saved = [o.partition("=")[2] for o in overrides if _is_profile_file(o)]
+    rest = [o for o in overrides if not _is_model_factory(o) and not _is_profile_file(o)]
     from het_strategy.cli.plan_config import register_plan_schema
 
     register_plan_schema()  # the structured schema plan.yaml's defaults list starts with
     cfg = compose_config(CONFIG_NAME, rest)
-    if factories:
+    last = max((o for o in overrides if _is_model_factory(o) or _is_profile_file(o)), key=overrides.index,
+               default=None)
+    if last is not None:
+        value = last.partition("=")[2]
         with open_dict(cfg):
-            cfg["model"] = {"name": factories[-1].rpartition(":")[2], "factory": factories[-1]}
+            cfg["model"] = {"name": value.rpartition(":")[2], "factory": value} if value in factories else \
+                {"name": Path(value).name[:-len(PROFILE_SUFFIX)], "profile_file": value}
     return cfg
+
+
+def _is_profile_file(override: str) -> bool:
+    key, sep, value = override.partition("=")
+    return bool(sep) and key == "model" and value.endswith(PROFILE_SUFFIX)
 
 
 def _is_model_factory(override: str) -> bool:
@@ -144,13 +161,18 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     cluster = cluster_from_cfg(cfg)
     made = _factory_model(cfg, typed.model_input)
     factory = made[0] if made is not None else None
-    if made is None:
+    saved = _saved_profile(cfg, settings)
+    if made is None and saved is None:
         workload, measured = workload_from_cfg(cfg, dtype=settings.dtype), None
     else:
         if request.profile is not None:
-            raise field_error("planner.profile", str(request.profile), "be null with model=<python path> (the "
-                              "model is profiled here; planner.profile names Sailor's profiles of shipped models)")
-        workload, measured = made[0].workload, made[0].profile if made[1] else None
+            raise field_error("planner.profile", str(request.profile), "be null with model=<python path> or "
+                              "model=<file.model.json> (the model's own profile prices it; planner.profile names "
+                              "Sailor's profiles of shipped models)")
+        if saved is not None:
+            workload, measured = saved.workload, saved.profile
+        else:
+            workload, measured = made[0].workload, made[0].profile if made[1] else None
 
     score_path = cfg.get("score")
     if request.mode == "low_communication" and output["ds_config"]:
@@ -219,6 +241,22 @@ def _load_plan_to_score(path: str, cluster: "ClusterSpec", workload: "WorkloadSp
         print(f"{PROG}: note: scoring uses the plan's {key}={value} (settings.{key}={getattr(settings, key)} "
               f"does not apply to a given plan)", file=sys.stderr)
     return plan, dataclasses.replace(settings, **taken) if differing else settings
+
+
+def _saved_profile(cfg: DictConfig, settings: "TrainSettings") -> "SavedProfile | None":
+    """The profile ``model=<file.model.json>`` names (None otherwise); its times were measured in its model's
+    dtype, so ``settings.dtype`` must be that dtype."""
+    node = cfg.get("model")
+    path = node.get("profile_file") if isinstance(node, (DictConfig, dict)) else None
+    if path is None:
+        return None
+    from het_strategy.profiling.model_factory import load_profile_file
+
+    saved = load_profile_file(str(path), field="model")
+    if str(settings.dtype) != str(saved.workload.dtype):
+        raise field_error("settings.dtype", str(settings.dtype), f"be {saved.workload.dtype}, the dtype {path} "
+                          "was measured in", f"set settings.dtype={saved.workload.dtype}")
+    return saved
 
 
 def _factory_model(cfg: DictConfig, model_input: "ModelInputConfig") -> "tuple[ProfileResult, bool] | None":

@@ -150,11 +150,12 @@ class SavedProfile:
     device_type: str
 
 
-def load_profile_file(path: str | Path) -> SavedProfile:
-    """A ``<plan>.model.json`` written by ``het-plan model=<python path>`` (``ProfileResult.to_dict``)."""
+def load_profile_file(path: str | Path, field: str = "model profile") -> SavedProfile:
+    """A ``<plan>.model.json`` written by ``het-plan model=<python path>`` or ``benchmarks/gpu_calibration.py``
+    (``ProfileResult.to_dict``); a bad file is a ``ConfigError`` naming ``field``."""
     path = Path(path)
     try:
-        raw = read_json_file(path, "model profile", "model profile JSON file")[1]
+        raw = read_json_file(path, field, "model profile JSON file")[1]
         w = raw["workload"]
         layers = tuple(LayerCost(**{**layer, "moe": MoESpec(**layer["moe"]) if layer.get("moe") else None})
                        for layer in w["layers"])
@@ -165,5 +166,5 @@ def load_profile_file(path: str | Path) -> SavedProfile:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise
-        raise field_error("model profile", str(path), f"be a model.json written by het-plan ({exc!r})") from None
+        raise field_error(field, str(path), f"be a model.json written by het-plan ({exc!r})") from None
     return SavedProfile(workload, profile, device_type)
