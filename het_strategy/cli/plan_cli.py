@@ -117,20 +117,17 @@ def compose_plan_config(overrides: Sequence[str] = ()) -> DictConfig:
     ``cfg.model = {name, profile_file}`` (Hydra would look for a group option).
     """
     overrides = [str(o) for o in overrides]
-    factories = [o.partition("=")[2] for o in overrides if _is_model_factory(o)]
-    saved = [o.partition("=")[2] for o in overrides if _is_profile_file(o)]
+    models = [o.partition("=")[2] for o in overrides if _is_model_factory(o) or _is_profile_file(o)]
     rest = [o for o in overrides if not _is_model_factory(o) and not _is_profile_file(o)]
     from het_strategy.cli.plan_config import register_plan_schema
 
     register_plan_schema()  # the structured schema plan.yaml's defaults list starts with
     cfg = compose_config(CONFIG_NAME, rest)
-    last = max((o for o in overrides if _is_model_factory(o) or _is_profile_file(o)), key=overrides.index,
-               default=None)
-    if last is not None:
-        value = last.partition("=")[2]
+    if models:  # the last one given wins, as with any override
+        value = models[-1]
         with open_dict(cfg):
-            cfg["model"] = {"name": value.rpartition(":")[2], "factory": value} if value in factories else \
-                {"name": Path(value).name[:-len(PROFILE_SUFFIX)], "profile_file": value}
+            cfg["model"] = ({"name": Path(value).name[:-len(PROFILE_SUFFIX)], "profile_file": value}
+                            if value.endswith(PROFILE_SUFFIX) else {"name": value.rpartition(":")[2], "factory": value})
     return cfg
 
 
