@@ -144,22 +144,47 @@ def test_mixed_vendors_variant_is_exact_with_few_assemblies():
         assert again.best.step_time_s == out.best.step_time_s and again.assembled == out.assembled
 
 
-def test_exhaustive_pruning_equals_assembling_every_structure():
-    """On a small space, the best-bound-first search finds the best of assembling every structure."""
-    cluster = {"name": "three", "inter_node_bandwidth_gbs": 10,
-               "nodes": [{"name": "a", "devices": [{"type": "A100-40GB", "count": 2}]},
-                         {"name": "b", "devices": ["T4", "V100-16GB"]}]}
-    cm, classes, units = _exhaustive_inputs(cluster, "gpt_small", max_stages=3)
+_THREE = {"name": "three", "inter_node_bandwidth_gbs": 10,
+          "nodes": [{"name": "a", "devices": [{"type": "A100-40GB", "count": 2}]},
+                    {"name": "b", "devices": ["T4", "V100-16GB"]}]}
+
+
+@pytest.mark.parametrize("compute_model", ["flops", "roofline"])
+def test_exhaustive_pruning_equals_assembling_every_structure(compute_model):
+    """On a small space, the best-bound-first search finds the best of assembling every structure, and the
+    route-free bound of each structure is at most its assembled step (with the roofline too, where a layer's
+    time per sample falls with the micro-batch)."""
+    cm, classes, units = _exhaustive_inputs(_THREE, "gpt_small", max_stages=3, compute_model=compute_model)
     out = exhaustive.plan_exhaustive(cm, classes, units)
     space, structs, complete, _ = exhaustive._space(cm, classes, units, BoundCache(cm))
     assert complete and out.exact
+    bounds = space.lb0(structs)
     steps = []
-    for struct in structs:
+    for struct, bound in zip(structs, bounds):
         res = assemble_plan(cm, exhaustive._realise([space.templates[i] for i in struct], classes), "hybrid")
         if res is not None:
             steps.append(res.step_time_s)
+            assert bound <= res.step_time_s * (1 + 1e-9), (struct, bound, res.step_time_s)
     assert out.assembled < len(steps)
     assert out.best.step_time_s == pytest.approx(min(steps), rel=1e-12)
+
+
+def test_the_compute_curves_sharpen_the_route_free_bound_under_the_roofline(monkeypatch):
+    """The per-micro-batch compute curves never lower the route-free bound; under the roofline, whose time per
+    sample falls with the micro-batch, they raise it where the per-sample figures mix the best of every size
+    (one sample's fill with the largest micro-batch's rate); under flops they add little."""
+    gains = {}
+    for compute_model in ("flops", "roofline"):
+        cm, classes, units = _exhaustive_inputs(_THREE, "opt350", max_stages=3, compute_model=compute_model)
+        space, structs, _, _ = exhaustive._space(cm, classes, units, BoundCache(cm))
+        sharp = np.array(space.lb0(structs))
+        with monkeypatch.context() as m:
+            m.setattr(exhaustive._Space, "_curve_pipe", lambda self, idx, B: np.zeros(len(idx)))
+            plain = np.array(space.lb0(structs))
+        finite = np.isfinite(plain)
+        assert np.array_equal(np.isfinite(sharp), finite) and (sharp[finite] >= plain[finite]).all()
+        gains[compute_model] = float(np.median(sharp[finite] / plain[finite]))
+    assert gains["roofline"] > 1.05 and gains["flops"] < gains["roofline"], gains
 
 
 def test_budget_fallback_keeps_the_better_plan(monkeypatch):

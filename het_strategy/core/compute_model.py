@@ -3,8 +3,8 @@
 The cost model uses it with ``settings.compute_model=roofline`` (``ComputeModel``); the default, ``flops``, prices
 a layer by its FLOPs at the datasheet rate times the device's ``efficiency``.  The roofline is far closer to
 measured layers (``benchmarks/cost_model_fidelity.py``), but a layer's time per sample then falls with the
-micro-batch, and the planners' first bounds, which price every micro-batch at its best time per sample, are then
-looser: planning is slower with it (up to 15 s on an 8-device cluster), so it is not the default yet.
+micro-batch (the planners' bounds take that into account), and its tensor-core efficiency was fitted on fp32
+blocks only, so 16-bit matmuls are priced at full peak: it is not the default yet.
 
 A transformer layer (``LayerShape``) is priced kernel by kernel, from the datasheet figures of the catalog
 (``DeviceSpec``: the matmul rate of the dtype, the memory bandwidth and the number of compute units):

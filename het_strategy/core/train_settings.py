@@ -84,8 +84,8 @@ class TrainSettings:
     compute_model: ComputeModel = ComputeModel.flops
     """How a layer without a measured profile is priced: ``flops`` (FLOPs at the datasheet rate x the device's
     efficiency) or ``roofline`` (``core/compute_model.py``: matmuls and memory passes from the datasheet,
-    calibrated on measured GPUs; far closer to measured layers, but the planners' first bounds price every
-    micro-batch at its best time per sample, which falls with the micro-batch here, so planning is slower)."""
+    calibrated on measured GPUs; far closer to measured fp32 layers, its 16-bit tensor-core rate not yet
+    calibrated; planning by cost is slower with it)."""
     float32_matmul_precision: Float32MatmulPrecision = Float32MatmulPrecision.highest
     """torch's ``set_float32_matmul_precision`` in the training run: ``highest`` (torch's default) prices fp32
     matmuls at the fp32 rate, ``high`` or ``medium`` at the TF32 tensor-core rate where the device has one."""

@@ -78,6 +78,9 @@ class BoundCache:
         self._dp_masks: dict[tuple, np.ndarray] = {}
         self._post_bound: dict[tuple, float] = {}
         self._refined: dict[tuple, CurveBound] = {}
+        self._curves: dict[tuple, tuple] = {}
+        self._at_size: dict[tuple, np.ndarray] = {}
+        self._size_trie: dict[tuple, int] = {}
         self._node_size = {n.name: len(n.devices) for n in cm.cluster.nodes}
         self._node_class = {n: cm.network.node_class(n) for n in self._node_size}
         self._class_nodes: dict[tuple, list[str]] = {}
@@ -220,6 +223,56 @@ class BoundCache:
                 child = self._floor_trie[tkey] = len(self._floor_vecs) - 1
             node = child
         return float(self._floor_vecs[node][-1])
+
+    def _per_sample_at(self, key: tuple, tp: int, m: int, memory_dp: int) -> np.ndarray:
+        """Compute seconds per sample of every range at micro-batch ``m``, inf where the range does not fit at
+        ``m`` with one micro-batch in flight (the loosest memory)."""
+        akey = (key, tp, m, memory_dp)
+        hit = self._at_size.get(akey)
+        if hit is None:
+            dev = self._device[key]
+            p = self.cm.replicated_compute_prefix(dev, tp, m)
+            fits = self._valid & (self.cm.memory_matrix(tp, m, 1, memory_dp)
+                                  <= self.cm.memory_budget_bytes(dev, tp))
+            hit = self._at_size[akey] = np.where(fits, (p[None, :] - p[:, None]) / m, np.inf)
+        return hit
+
+    def _compute_at(self, slots: Sequence[tuple], m: int, memory_dp: int) -> tuple[float, float]:
+        """(tau_m, phi_m): min bottleneck and min sum of the stages' compute per sample at micro-batch ``m``
+        (``_per_sample_at``), over the splits; the DP runs along a trie of prefixes as ``_compute``'s."""
+        node = -1
+        vecs = self._trie_vecs
+        g, f = self._start, self._start
+        for key, tp, _ in slots:
+            tkey = (node, key, tp, m, memory_dp)
+            child = self._size_trie.get(tkey)
+            if child is None:
+                per = self._per_sample_at(key, tp, m, memory_dp)
+                vecs.append((np.maximum(g[:, None], per).min(axis=0), (f[:, None] + per).min(axis=0)))
+                child = self._size_trie[tkey] = len(vecs) - 1
+            node = child
+            g, f = vecs[node]
+        return float(g[-1]), float(f[-1])
+
+    def compute_curve(self, slots: Sequence[tuple], memory_dp: int) -> tuple[tuple[float, float, float, float], ...]:
+        """The pieces of ``refined``'s curve from compute alone, without routes: ``(1, M, 0, phi)`` for one
+        micro-batch and, per micro-batch size m on the menu, ``(m + 1, inf, m phi_m - 2 m tau_m + m tau,
+        tau_m)`` (module ``bounds``: sends and syncs cost >= 0, so leaving them out keeps a lower bound), with
+        memory for one micro-batch in flight as if there were ``memory_dp`` replicas (the loosest any
+        structure here has).  () when nothing fits."""
+        ckey = (tuple((key, tp) for key, tp, _ in slots), memory_dp)
+        hit = self._curves.get(ckey)
+        if hit is None:
+            tau, phi = self._compute(slots, self.masks(slots, memory_dp, fixed=False))
+            pieces: list[tuple[float, float, float, float]] = []
+            if math.isfinite(tau):
+                pieces.append((1.0, float(self._sizes[-1]), 0.0, phi))
+                for m in self.cm.settings.micro_batch_sizes:
+                    t_m, f_m = self._compute_at(slots, m, memory_dp)
+                    if math.isfinite(t_m):
+                        pieces.append((float(m + 1), math.inf, m * f_m - 2 * m * t_m + m * tau, t_m))
+            hit = self._curves[ckey] = tuple(pieces)
+        return hit
 
     # -- bounds ---------------------------------------------------------------------------------
     def floor_shape(self, slots: Sequence[tuple]) -> tuple:

@@ -16,8 +16,14 @@ assembled, of three strengths, each <= the next <= the assembled step:
    ring could have (``BoundCache.floor``), memory judged with the most ZeRO
    sharding any structure here can have; figures per template (per pipeline
    prefix, in fact) and d, combined per structure in closed form, vectorised:
-   tens of thousands of structures cost a fraction of a second.  Templates
-   that fit nowhere even so are dropped before structures are formed;
+   tens of thousands of structures cost a fraction of a second.  The larger of
+   that and the bound of the templates' per-micro-batch compute curves
+   (``BoundCache.compute_curve``: level 2's pieces without sends or routes,
+   combined by a bisection run on every structure at once) counts: where a
+   layer's time per sample falls with the micro-batch (the roofline), the
+   closed form pairs one sample's fill with the largest micro-batch's rate and
+   is 10-15% loose, the curves are not.  Templates that fit nowhere even so
+   are dropped before structures are formed;
 1. with the structure's gradient-ring and send routes (``structure_routes``);
 2. per micro-batch size, from the layer split's own matrices, sends included,
    with the memory of S - s micro-batches in flight past (S - 1) M samples
@@ -69,6 +75,8 @@ __all__ = ["ExhaustiveOutcome", "plan_exhaustive", "MAX_TEMPLATES", "MAX_STRUCTU
 MAX_TEMPLATES = 6000
 MAX_STRUCTURES = 40000
 MAX_ASSEMBLIES = 40
+_BISECTIONS = 45
+"""Halvings of the compute curves' bracket (``_Space._curve_pipe``): 2^-45 of it, far below any step's spread."""
 
 Unit = tuple[int, int]  # (class index, tp)
 
@@ -208,6 +216,7 @@ class _Space:
                 use[cls] += tp
             self.usage.append(tuple(use))
         self._figures: dict[int, np.ndarray] = {}
+        self._curves: np.ndarray | None = None
 
     def _figures_at(self, dp: int, needed: np.ndarray) -> np.ndarray:
         """Per template at d = dp: (1 / tau, phi / tau, phi, post floor); rows of unneeded ones stay nan."""
@@ -223,8 +232,53 @@ class _Space:
                 fig[i] = (1.0 / tau, b.phi / tau, b.phi, b.post)
         return fig
 
+    def _curve_pieces(self) -> np.ndarray:
+        """Per template, ``BoundCache.compute_curve``'s pieces (memory as with ``max_dp`` replicas) as rows
+        (lo, hi, base, slope), padded with pieces that never apply: shape (templates, pieces, 4)."""
+        if self._curves is None:
+            curves = [self.bc.compute_curve(slots, self.max_dp) for slots in self.slots]
+            width = max((len(c) for c in curves), default=1) or 1
+            arr = np.tile(np.array([np.inf, -np.inf, np.inf, 1.0]), (len(curves), width, 1))
+            for i, c in enumerate(curves):
+                if c:
+                    arr[i, :len(c)] = c
+            self._curves = arr
+        return self._curves
+
+    def _curve_pipe(self, idx: np.ndarray, B: int) -> np.ndarray:
+        """Per structure (rows of ``idx``: its templates), the least T at which its pipelines' compute curves let
+        them take B samples together (``bounds.curve_structure_bound`` without posts), by bisection on all
+        structures at once."""
+        lo_b, hi_b, base, slope = np.moveaxis(self._curve_pieces()[idx], -1, 0)  # each (structures, dp, pieces)
+        start = base + slope * lo_b  # the least T at which a piece applies
+
+        def samples(T: np.ndarray) -> np.ndarray:
+            t = T[:, None, None]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                take = np.where(slope > 0, np.minimum(hi_b, (t - base) / slope), hi_b)
+            return np.where(start <= t, take, 0.0).max(axis=2).sum(axis=1)
+
+        dp = idx.shape[1]
+        if self.cm.settings.equal_shares:
+            share = B // dp
+            inside = (lo_b <= share) & (share <= hi_b)
+            return np.where(inside, base + slope * share, np.inf).min(axis=2).max(axis=1)
+        low = start.min(axis=2).max(axis=1)  # every pipeline takes at least one sample
+        covering = (lo_b <= B) & (B <= hi_b)  # one pipeline alone taking all B samples: an upper bracket
+        alone = np.where(covering, base + slope * B, np.inf).min(axis=2).min(axis=1)
+        ok = np.isfinite(low) & np.isfinite(alone)
+        low, high = np.where(ok, low, 0.0), np.where(ok, np.maximum(low, alone), 0.0)
+        for _ in range(_BISECTIONS):  # low: fewer than B samples fit (or every pipeline's first), high: B fit
+            mid = (low + high) / 2
+            fits = samples(mid) >= B * (1 - 1e-12)
+            high, low = np.where(fits, mid, high), np.where(fits, low, mid)
+        return np.where(ok, low, np.inf)
+
     def lb0(self, structs: Sequence[tuple[int, ...]]) -> list[float]:
-        """The route-free structure bound (``bounds.counted_structure_bound`` with floors), vectorised."""
+        """The route-free structure bound, vectorised: the larger of ``bounds.counted_structure_bound`` with
+        floors and the compute curves' bound (``_curve_pipe``), plus the largest floor post.  The curves matter
+        where a layer's time per sample falls with the micro-batch (``settings.compute_model=roofline``):
+        there the per-sample figures of the first mix the best of every size."""
         out = np.full(len(structs), np.inf)
         by_dp: dict[int, list[int]] = {}
         for k, struct in enumerate(structs):
@@ -239,7 +293,7 @@ class _Space:
                     pipe = (phi + (B // dp - 1) / rate).max(axis=1)
                 else:
                     pipe = np.maximum(phi.max(axis=1), (B - dp + phi_rate.sum(axis=1)) / rate.sum(axis=1))
-            val = pipe + post.max(axis=1)
+            val = np.maximum(pipe, self._curve_pipe(idx, B)) + post.max(axis=1)
             val[~np.isfinite(val) | (rate <= 0).any(axis=1) | np.isinf(phi_rate).any(axis=1)] = np.inf
             out[ks] = val
         return out.tolist()
