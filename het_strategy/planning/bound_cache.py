@@ -10,8 +10,9 @@ pipelines of one shape on different nodes cost one DP.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -80,7 +81,6 @@ class BoundCache:
         self._refined: dict[tuple, CurveBound] = {}
         self._curves: dict[tuple, tuple] = {}
         self._at_size: dict[tuple, np.ndarray] = {}
-        self._size_trie: dict[tuple, int] = {}
         self._node_size = {n.name: len(n.devices) for n in cm.cluster.nodes}
         self._node_class = {n: cm.network.node_class(n) for n in self._node_size}
         self._class_nodes: dict[tuple, list[str]] = {}
@@ -197,13 +197,19 @@ class BoundCache:
         a prefix share its work."""
         if not slots or len(slots) > self.cm.workload.num_layers:
             return math.inf, math.inf
+        return self._descend(((key, tp, id(mask)), functools.partial(self._masked_per_sample, key, tp, mask))
+                             for (key, tp, _), mask in zip(slots, masks))
+
+    def _descend(self, stages: Iterable[tuple[tuple, Callable[[], np.ndarray]]]) -> tuple[float, float]:
+        """Min bottleneck and min sum over the layer splits of per-sample stage matrices, stage by stage along
+        the trie of prefixes: each stage is (what its matrix depends on, how to build it)."""
         node = 0
-        for (key, tp, _), mask in zip(slots, masks):
-            tkey = (node, key, tp, id(mask))
+        for part, matrix in stages:
+            tkey = (node, *part)
             child = self._trie.get(tkey)
             if child is None:
                 g, f = self._trie_vecs[node]
-                per = self._masked_per_sample(key, tp, mask)
+                per = matrix()
                 self._trie_vecs.append((np.maximum(g[:, None], per).min(axis=0), (f[:, None] + per).min(axis=0)))
                 child = self._trie[tkey] = len(self._trie_vecs) - 1
             node = child
@@ -239,20 +245,9 @@ class BoundCache:
 
     def _compute_at(self, slots: Sequence[tuple], m: int, memory_dp: int) -> tuple[float, float]:
         """(tau_m, phi_m): min bottleneck and min sum of the stages' compute per sample at micro-batch ``m``
-        (``_per_sample_at``), over the splits; the DP runs along a trie of prefixes as ``_compute``'s."""
-        node = -1
-        vecs = self._trie_vecs
-        g, f = self._start, self._start
-        for key, tp, _ in slots:
-            tkey = (node, key, tp, m, memory_dp)
-            child = self._size_trie.get(tkey)
-            if child is None:
-                per = self._per_sample_at(key, tp, m, memory_dp)
-                vecs.append((np.maximum(g[:, None], per).min(axis=0), (f[:, None] + per).min(axis=0)))
-                child = self._size_trie[tkey] = len(vecs) - 1
-            node = child
-            g, f = vecs[node]
-        return float(g[-1]), float(f[-1])
+        (``_per_sample_at``), over the splits."""
+        return self._descend(((key, tp, m, memory_dp), functools.partial(self._per_sample_at, key, tp, m, memory_dp))
+                             for key, tp, _ in slots)
 
     def compute_curve(self, slots: Sequence[tuple], memory_dp: int) -> tuple[tuple[float, float, float, float], ...]:
         """The pieces of ``refined``'s curve from compute alone, without routes: ``(1, M, 0, phi)`` for one
