@@ -120,15 +120,20 @@ def _model(args: dict[str, Any], dtype: str, device: torch.device) -> CharGPT:
     return CharGPT(**args).to(device=device, dtype=TORCH_DTYPE[dtype])
 
 
+def _element_dtype(dtype: str) -> str:
+    """The cost model's and the profiler's name of a row's dtype: TF32 is fp32 computed on tensor cores."""
+    return "fp32" if dtype == "tf32" else dtype
+
+
 def _settings(dtype: str, micro: int) -> TrainSettings:
     """The cost model's settings for a one-device run of ``dtype`` (``tf32``: fp32 under precision ``high``)."""
     fp32_matmul = Float32MatmulPrecision.high if dtype == "tf32" else Float32MatmulPrecision.highest
-    return TrainSettings(micro, dtype="fp32" if dtype == "tf32" else dtype, max_tp=1, micro_batch_sizes=(micro,),
+    return TrainSettings(micro, dtype=_element_dtype(dtype), max_tp=1, micro_batch_sizes=(micro,),
                          compute_model=ComputeModel.roofline, float32_matmul_precision=fp32_matmul)
 
 
 def _workload(model: CharGPT, dtype: str) -> WorkloadSpec:
-    return transformer_workload(model.workload_config(), dtype="fp32" if dtype == "tf32" else dtype)
+    return transformer_workload(model.workload_config(), dtype=_element_dtype(dtype))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -152,7 +157,7 @@ def layer_times(mode: str, device: torch.device, device_type: str, out: Path, bu
                 torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
                 try:
                     x = torch.randint(0, model.hparams.vocab_size, (micro, model.hparams.seq_len), device=device)
-                    profile = profile_module(model, x, name=name, dtype="fp32" if dtype == "tf32" else dtype,
+                    profile = profile_module(model, x, name=name, dtype=_element_dtype(dtype),
                                              repeats=size["repeats"], warmup=size["warmup"],
                                              device_type=device_type)
                 finally:
