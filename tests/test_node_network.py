@@ -69,6 +69,23 @@ def test_four_ranks_on_two_nodes_cross_only_the_shaped_link(tmp_path: Path) -> N
     assert 4 * 2**20 < sent < 4 * 2**20 * 1.25 + 2**20, sent  # + headers + the allreduce's share (0.5 MiB)
 
 
+BURST_WORKER = Path(__file__).parent / "_link_burst_worker.py"
+
+
+@needs_netns
+@pytest.mark.multiprocess
+def test_a_short_message_after_an_idle_spell_takes_its_line_time(tmp_path: Path) -> None:
+    """20 Mbit/s between two one-rank nodes: 256 KiB after an idle spell takes its line time (a shaper bucket of
+    four 64 KiB loopback packets let all of it through at once)."""
+    with emulated_nodes(2, LinkShape(20)) as net:
+        codes = run_script_ranks([sys.executable, str(BURST_WORKER), str(tmp_path)], 2, tmp_path, 120, nodes=net)
+    assert codes == [0, 0], (tmp_path / "log0.txt").read_text()[-1500:] + (tmp_path / "log1.txt").read_text()[-1500:]
+    sender, receiver = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert receiver["received_ok"]
+    line_s = (256 << 10) / (20e6 / 8)
+    assert 0.85 * line_s < sender["short_s"] < 2 * line_s, sender
+
+
 HIER_WORKER = Path(__file__).parent / "_hierarchical_worker.py"
 
 

@@ -14,7 +14,10 @@ that:
    class at the inter-node rate, plus one class per peer node whose pair has
    a rate of its own (a ``u32`` filter on the destination address).  Each
    direction of a pair is shaped where it leaves its sender, so a link is
-   full duplex: node 0 -> node 1 and node 1 -> node 0 each get the rate;
+   full duplex: node 0 -> node 1 and node 1 -> node 0 each get the rate.
+   ``uplink`` hands the shaper single frames (no segmentation offload) and
+   each class's bucket holds one timer tick of its rate, so every message
+   takes its line time, also the first after an idle spell;
 4. yields ``EmulatedNodes``: ``command(node, argv)`` runs argv inside a node,
    ``rank_env(node)`` is what a gloo rank there needs (``GLOO_SOCKET_IFNAME``
    = ``uplink``, so every rank advertises its node's address);
@@ -134,10 +137,16 @@ def _run(argv: list[str], what: str) -> None:
         raise NetnsUnavailable(f"could not {what}: {failure_reason(proc)}")
 
 
+_FRAME_BYTES = 1514
+"""One Ethernet frame on ``uplink`` (MTU 1500 + header): the shaper sees packets no larger, as on a wire, and
+its bucket holds one timer tick of the rate (at least two frames), so a message after an idle spell is not let
+through at once."""
+
+
 def _htb_class(ns_tc: list[str], classid: str, shape: LinkShape) -> None:
     rate = f"{shape.rate_bit_per_s}bit"
-    burst = str(shape.burst_bytes)
-    quantum = str(max(1514, min(200_000, shape.rate_bit_per_s // 8 // 10)))
+    burst = str(max(2 * _FRAME_BYTES, shape.rate_bit_per_s // 8 // 250))
+    quantum = str(max(_FRAME_BYTES, min(200_000, shape.rate_bit_per_s // 8 // 10)))
     _run([*ns_tc, "class", "add", "dev", UPLINK, "parent", "1:", "classid", classid, "htb", "rate", rate, "ceil",
           rate, "burst", burst, "cburst", burst, "quantum", quantum], f"add htb class {classid} ({shape.rate_mbit:g} Mbit/s)")
 
@@ -176,6 +185,8 @@ def _wire(net: EmulatedNodes) -> None:
         _run([ip, "-n", switch, "link", "set", port, "up"], f"bring port {port} up")
         _run([ip, "-n", node.namespace, "addr", "add", f"{node.address}/{prefix}", "dev", UPLINK],
              f"address node {node.index}")
+        _run([ip, "-n", node.namespace, "link", "set", "dev", UPLINK, "gso_max_size", str(_FRAME_BYTES),
+              "gso_max_segs", "1"], f"send node {node.index}'s uplink traffic as single frames")
         for dev in ("lo", UPLINK):
             _run([ip, "-n", node.namespace, "link", "set", dev, "up"], f"bring {dev} up in node {node.index}")
     for node in net.nodes:
