@@ -10,7 +10,10 @@ case at ``max_tp=2`` was captured again when the deepspeed runtime gained tensor
 (``tests/data/refresh_plan_baseline.py``) when the memory model gained the runtime's buffers, the framework's
 overhead and the activations tp does not split (``core/memory.py``): the plans kept their structure, their memory
 figures and the "does not fit" reasons changed.  They were captured again when fused attention stopped being
-charged the s x s scores (``transformer_workload``): the same plans, lower memory figures.
+charged the s x s scores (``transformer_workload``): the same plans, lower memory figures.  And again when a
+pipeline stage began paying the blocking sends at both its boundaries (``core/cost_model.py``): higher step times,
+the same plans except ``runtime=deepspeed`` on mixed_a100_v100_t4 (a 3-stage pipeline per replica in place of a
+tp-2 last stage).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def test_the_result_carries_what_the_table_prints_beside_the_plan() -> None:
     # ZeRO 2: pipelines and tensor-parallel plans run at ZeRO 0 and 1 only (core.runtime_rules), so the runtime
     # keeps pure data parallelism
     settings = TrainSettings(global_batch_size=64, max_tp=2, zero_stage=2, dtype="fp16")
-    cluster, workload = load_cluster("amp_v100_t4"), load_workload("gpt_small", dtype=settings.dtype)
+    cluster, workload = load_cluster("amp_v100_t4"), load_workload("gpt2_amp", dtype=settings.dtype)
     result = plan(cluster, workload, settings, PlanRequest(runtime="deepspeed"))
     assert result.unconstrained is not None and result.unconstrained is not result.plan
     assert result.runtime_slowdown == pytest.approx(result.plan.predicted["step_time_s"]

@@ -118,9 +118,9 @@ def test_cached_figures_reproduce_pipeline_time():
         tail = [StageCost(c.compute_s * 0.5, c.send_s * 0.5, 0.0) for c in full]
         n = rng.randint(1, 9)
         fill = sum(c.compute_s + c.send_s for c in full)
-        bott = max(max(c.compute_s, c.send_s) for c in full)
+        bott = max(c.compute_s + c.send_s + (full[s - 1].send_s if s else 0.0) for s, c in enumerate(full))
         fill_l = sum(c.compute_s + c.send_s for c in tail)
-        bott_l = max(max(c.compute_s, c.send_s) for c in tail)
+        bott_l = max(c.compute_s + c.send_s + (tail[s - 1].send_s if s else 0.0) for s, c in enumerate(tail))
         ours = fill_l if n == 1 else fill + (n - 2) * bott + bott_l
         assert ours == pipeline_time_s(full, tail, n)
 
@@ -134,12 +134,13 @@ def _exhaustive_inputs(cluster_dict: dict, model: str, **settings):
 
 
 def test_mixed_vendors_variant_is_exact_with_few_assemblies():
-    """The 7-device cluster that took ~60-140 s: the whole space, a handful of structures assembled."""
+    """The 7-device cluster that took ~60-140 s: the whole space, a handful of structures assembled (the bounds
+    leave out the pipeline sends, which a stage pays at both its boundaries)."""
     for max_tp in (1, 8):
         cm, classes, units = _exhaustive_inputs(_mixed_vendors_7(), "gpt_small", max_tp=max_tp)
         out = exhaustive.plan_exhaustive(cm, classes, units)
         assert out.exact and not out.block_templates
-        assert out.assembled <= 12
+        assert out.assembled <= 16
         again = exhaustive.plan_exhaustive(*_exhaustive_inputs(_mixed_vendors_7(), "gpt_small", max_tp=max_tp))
         assert again.best.step_time_s == out.best.step_time_s and again.assembled == out.assembled
 

@@ -13,9 +13,16 @@ terms.  Per micro-batch, a stage costs
 and a pipeline with n micro-batches takes, in 1F1B order,
 
     T_p = (fill: sum_s t_s + sum_s c_s for the first micro-batch)
-          + (n - 1) x bottleneck  (bottleneck = max(max_s t_s, max_s c_s))
+          + (n - 1) x bottleneck  (bottleneck = max_s (c_{s-1} + t_s + c_s), c_{-1} = 0)
 
-(the last micro-batch may be smaller and is costed at its own size).  After the
+(the last micro-batch may be smaller and is costed at its own size).  A send
+overlaps nothing on either side: the runtime's sends and receives are blocking
+(DeepSpeed's ``PipelineEngine._exec_send_activations`` -> ``p2p.send`` ->
+``dist.send``, ``_exec_recv_activations`` -> ``p2p.recv``; ``ds_runtime.
+stage_exchange.send_tensors``/``recv_tensors``: blocking ``send``/``recv`` per
+chunk), so per micro-batch a stage is busy for its compute plus every transfer
+at its two boundaries, one after another.  ``benchmarks/pipeline_slow_link.py``
+measures it on shaped links.  After the
 slowest pipeline, every device allreduces its gradients with the replicas that
 hold the same layers, then runs its optimizer update (memory-bound).
 Step time = max_p T_p + max over devices of (sync + update).  Gradient sync is
@@ -65,7 +72,7 @@ from het_strategy.core.memory import MemoryModel, overhead_bytes
 from het_strategy.core.plan_score import PlanScore, StageCost
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
-__all__ = ["StageCost", "PlanScore", "CostModel"]
+__all__ = ["StageCost", "PlanScore", "CostModel", "pipeline_time_s", "fill_s", "bottleneck_s"]
 
 
 class CostModel:
@@ -434,12 +441,21 @@ class CostModel:
 def pipeline_time_s(costs: list[StageCost], costs_last: list[StageCost], num_micro_batches: int) -> float:
     """1F1B time of one pipeline: fill with the first micro-batch, then one bottleneck per micro-batch."""
     first = costs if num_micro_batches > 1 else costs_last
-    fill = sum(c.compute_s + c.send_s for c in first)
+    fill = fill_s(first)
     if num_micro_batches == 1:
         return fill
-    bottleneck = max(max(c.compute_s, c.send_s) for c in costs)
-    bottleneck_last = max(max(c.compute_s, c.send_s) for c in costs_last)
-    return fill + (num_micro_batches - 2) * bottleneck + bottleneck_last
+    return fill + (num_micro_batches - 2) * bottleneck_s(costs) + bottleneck_s(costs_last)
+
+
+def fill_s(costs: list[StageCost]) -> float:
+    """One micro-batch through every stage and back: all its compute and all its sends."""
+    return sum(c.compute_s + c.send_s for c in costs)
+
+
+def bottleneck_s(costs: list[StageCost]) -> float:
+    """The 1F1B steady state's time per micro-batch: the busiest stage's compute plus the sends at both its
+    boundaries (blocking sends overlap nothing; module docstring)."""
+    return max(c.compute_s + c.send_s + (costs[s - 1].send_s if s else 0.0) for s, c in enumerate(costs))
 
 
 def _prefix(values: Iterable[float]) -> list[float]:

@@ -5,7 +5,11 @@ a micro-batch size ``m`` and ``n`` micro-batches, choose boundaries
 ``0 = b0 < b1 < ... < bS = L`` minimising the 1F1B time
 
     T = fill + (n - 1) * bottleneck,
-    fill = sum_s (t_s + c_s),  bottleneck = max_s max(t_s, c_s)
+    fill = sum_s (t_s + c_s),  bottleneck = max_s (c_{s-1} + t_s + c_s)
+
+(the cost model's ``pipeline_time_s``: blocking sends overlap nothing, so a stage
+is busy for the sends at both its boundaries; c_{s-1} depends on the stage's
+start, c_s on its stop, so a stage's cost is still a matrix over (start, stop))
 
 subject to every stage fitting in its devices' memory (1F1B keeps
 min(S - s, n) micro-batches of activations on stage s) and, optionally, every
@@ -86,9 +90,10 @@ class _SlotCache:
     * the memory mask by (tp, micro-batch, in flight, ZeRO state bytes, capacity),
       deduplicated by content: in-flight counts or d that do not change which
       ranges fit give the very same mask object;
-    * (bottleneck, fill) by (device key, tp, micro-batch, mask, send key), where the
-      send key is what a pipeline send is priced from (the two nodes' link figures,
-      an explicit link between them, the concurrent sends at each end);
+    * (bottleneck, fill) by (device key, tp, micro-batch, mask, send key, incoming send key),
+      where a send key is what a pipeline send is priced from (the two nodes' link
+      figures, an explicit link between them, the concurrent sends at each end, the
+      two groups' sizes);
     * post (sync + update) by (device key, tp, d, route, mask).
 
     Equal objects let ``partition_front`` share one front between pipelines
@@ -130,6 +135,7 @@ def _stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch
         cache.valid = idx[:, None] < idx[None, :]
     state_bytes = cm.settings.state_bytes_per_param(dp)
     bott, fill, post = [], [], []
+    in_key, incoming = None, None  # the previous slot's send into this one, by its stop (this slot's start)
     for s, devices in enumerate(slots):
         dev = cm.cluster.device(devices[0])
         dkey, tp = cm.device_key(dev), len(devices)
@@ -142,11 +148,13 @@ def _stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch
         nxt = slots[s + 1] if s + 1 < len(slots) else None
         # the send's price depends on both groups' sizes (partitioned sends: CostModel.stage_send_s)
         skey = None if nxt is None else (send_key(cm, devices[0], nxt[0], ring_bw[s]), tp, len(nxt))
-        ckey = (dkey, tp, micro_batch, id(mask), skey)
+        ckey = (dkey, tp, micro_batch, id(mask), skey, in_key)
         mats = cache.compute.get(ckey)
         if mats is None:
             mats = cache.compute[ckey] = _compute_matrices(cm, dev, tp, micro_batch, mask, devices, nxt,
-                                                           ring_bw[s], skey, cache)
+                                                           ring_bw[s], skey, incoming, cache)
+        in_key = skey
+        incoming = None if nxt is None else _sends_by_stop(cm, micro_batch, devices, nxt, ring_bw[s], skey, cache)
         pkey = (dkey, tp, dp, ring_bw[s], id(mask))
         pm = cache.post.get(pkey)
         if pm is None:
@@ -165,22 +173,26 @@ def stage_matrices(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch:
     return _stage_matrices(cm, slots, micro_batch, in_flight, dp, routes)
 
 
+def _sends_by_stop(cm: CostModel, micro_batch: int, src: tuple[str, ...], nxt: tuple[str, ...], route,
+                   skey: tuple, cache: _SlotCache) -> np.ndarray:
+    """A stage's send to the next (activation + gradient), by the stage's stop layer (0 at stop 0)."""
+    hit = cache.sends.get((micro_batch, skey))
+    if hit is None:
+        hit = cache.sends[(micro_batch, skey)] = np.array(
+            [0.0] + [cm.stage_send_s(micro_batch, j - 1, src, nxt, route) for j in range(1, cm.workload.num_layers + 1)])
+    return hit
+
+
 def _compute_matrices(cm: CostModel, dev, tp: int, micro_batch: int, mask: np.ndarray, src: tuple[str, ...],
-                      nxt: tuple[str, ...] | None, route, skey: tuple | None,
+                      nxt: tuple[str, ...] | None, route, skey: tuple | None, incoming: np.ndarray | None,
                       cache: _SlotCache) -> tuple[np.ndarray, np.ndarray]:
-    L = cm.workload.num_layers
+    """(bottleneck, fill) of layers [i, j) on one slot: compute + the send out at j (+ the send in at i)."""
     # MoE experts without a placement: each replica runs its own routed tokens
     comp = cm.replicated_compute_prefix(dev, tp, micro_batch)
     c = comp[None, :] - comp[:, None]
-    if nxt is not None:
-        send_by_stop = cache.sends.get((micro_batch, skey))
-        if send_by_stop is None:
-            send_by_stop = cache.sends[(micro_batch, skey)] = np.array(
-                [0.0] + [cm.stage_send_s(micro_batch, j - 1, src, nxt, route) for j in range(1, L + 1)])
-        send = np.broadcast_to(send_by_stop[None, :], c.shape)
-    else:
-        send = np.zeros_like(c)
-    return np.where(mask, np.maximum(c, send), np.inf), np.where(mask, c + send, np.inf)
+    fill = c if nxt is None else c + _sends_by_stop(cm, micro_batch, src, nxt, route, skey, cache)[None, :]
+    bott = fill if incoming is None else fill + incoming[:, None]
+    return np.where(mask, bott, np.inf), np.where(mask, fill, np.inf)
 
 
 def _min_fill(bott: list[np.ndarray], fill: list[np.ndarray], cap: float) -> tuple[float, tuple[int, ...]] | None:

@@ -41,7 +41,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
-from het_strategy.core.cost_model import CostModel
+from het_strategy.core.cost_model import CostModel, bottleneck_s, fill_s
 from het_strategy.core.dtypes import Dtype
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
@@ -115,8 +115,7 @@ class _PipelineOracle:
             if hit is None:
                 pipe = _pipeline(self.slots, bounds, micro_batch, micro_batch)
                 costs = self.cm.pipeline_cost(pipe, self.dp, routes=list(self.ring_bw))[1]
-                hit = self._fronts[gkey] = (sum(c.compute_s + c.send_s for c in costs),
-                                            max(max(c.compute_s, c.send_s) for c in costs))
+                hit = self._fronts[gkey] = (fill_s(costs), bottleneck_s(costs))
             self._costs[key] = hit
         return hit
 
