@@ -34,8 +34,11 @@ def emulated_cluster(name: str, devices: list[tuple[str, float, float]], tflops:
 
 
 def run_plan(plan: Any, cluster: dict[str, Any], model: dict[str, Any], steps: int, warmup: int = 2,
-             timeout_s: float = 900) -> dict[str, Any]:
-    """Train ``steps + warmup`` steps of ``plan``; rank 0's ``{"step_s", "times", "loss"}``."""
+             timeout_s: float = 900, rate_mbit: float | None = None) -> dict[str, Any]:
+    """Train ``steps + warmup`` steps of ``plan``; rank 0's ``{"step_s", "times", "loss"}``.
+
+    With ``rate_mbit`` every node the plan uses (as many devices each, in rank order) is an emulated node, a network
+    namespace, joined to the others by a link shaped to that rate each way (``node_network.emulated_nodes``)."""
     from het_strategy.emulation.local_ranks import run_script_ranks
 
     world = len(plan.used_devices)
@@ -46,7 +49,19 @@ def run_plan(plan: Any, cluster: dict[str, Any], model: dict[str, Any], steps: i
         (out / "spec.json").write_text(json.dumps(spec))
         env = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        codes = run_script_ranks([sys.executable, __file__, str(out / "spec.json")], world, out, timeout_s, env)
+        cmd = [sys.executable, __file__, str(out / "spec.json")]
+        node_of = {d["name"]: n["name"] for n in cluster["nodes"] for d in n["devices"]}
+        num_nodes = len({node_of[d] for d in plan.used_devices})
+        if rate_mbit is None or num_nodes == 1:  # one node: its ranks talk over loopback
+            codes = run_script_ranks(cmd, world, out, timeout_s, env)
+        else:
+            from het_strategy.emulation.netshape import LinkShape
+            from het_strategy.emulation.node_network import emulated_nodes
+
+            with emulated_nodes(num_nodes, LinkShape(rate_mbit)) as net:
+                tx0 = [net.uplink_tx_bytes(n) for n in range(len(net.nodes))]
+                codes = run_script_ranks(cmd, world, out, timeout_s, env, nodes=net)
+                crossed = [net.uplink_tx_bytes(n) - tx0[n] for n in range(len(net.nodes))]
         logs = [out / f"log{rank}.txt" for rank in range(world)]
         if codes != [0] * world:
             tails = "\n----\n".join(path.read_text()[-2500:] for path in logs)
@@ -54,7 +69,10 @@ def run_plan(plan: Any, cluster: dict[str, Any], model: dict[str, Any], steps: i
         if os.environ.get("HET_BENCH_VERBOSE"):  # each rank's per-step times, padding and reduction
             for path in logs:
                 print("\n".join(line for line in path.read_text().splitlines() if line.startswith("rank ")))
-        return json.loads((out / "result.json").read_text())
+        result = json.loads((out / "result.json").read_text())
+        if rate_mbit is not None and num_nodes > 1:
+            result["crossed_bytes"] = crossed
+        return result
 
 
 def _worker(spec_path: str) -> None:
