@@ -1,8 +1,8 @@
 """Pipelines whose stages sit on emulated nodes joined by a slow link: the cost model's pipeline time against the
 measured one, and the plan the planner picks there.
 
-Each stage is a one-device node (a network namespace, ``node_network.emulated_nodes``), the nodes joined by a
-link shaped to ``rate`` Mbit/s each way; the char GPT (6 blocks, hidden 128, seq 64, fp32) runs on
+Each stage is a node of its own (a network namespace, ``node_network.emulated_nodes``; one device, or two as a
+tp-2 stage), the nodes joined by a link shaped to ``rate`` Mbit/s each way; the char GPT (6 blocks, hidden 128, seq 64, fp32) runs on
 ``hetero_deepspeed``'s engine (``PlanRunner``: DeepSpeed's pipeline schedule, its blocking ``p2p.send``/``recv``),
 every stage padded to its emulated device's compute time (``emulation.stage_padding``).
 
@@ -37,23 +37,31 @@ from het_strategy.planning import search_plan
 
 MODEL = {"num_layers": 6, "hidden_size": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256}
 BATCH = 32
-CASES = [(100.0, 2, 4), (20.0, 2, 4), (5.0, 2, 8), (10.0, 3, 4), (40.0, 3, 4), (10.0, 3, 16)]
-"""(Mbit/s, stages, micro-batch): a boundary's sends from a third of a stage's compute to 7x it."""
+CASES = [(100.0, 2, 1, 4), (20.0, 2, 1, 4), (5.0, 2, 1, 8), (10.0, 3, 1, 4), (40.0, 3, 1, 4), (10.0, 3, 1, 16),
+         (20.0, 2, 2, 4)]
+"""(Mbit/s, stages, tp, micro-batch): a boundary's sends from a third of a stage's compute to 7x it; the last
+case has two-device nodes and tp-2 stages (partitioned sends: each rank half the activation, then an
+all-gather on the receiving node)."""
 
 
-def nodes_cluster(num_nodes: int, rate_mbit: float) -> dict:
-    """``num_nodes`` nodes of one emulated CPU device each, joined at ``rate_mbit``."""
-    return {"name": f"slow_{num_nodes}x{rate_mbit:g}mbit", "inter_node_bandwidth_gbs": rate_mbit / 8000,
+def node_devices(node: int, per_node: int) -> tuple[str, ...]:
+    return tuple(f"d{node}" if per_node == 1 else f"d{node}{chr(ord('a') + k)}" for k in range(per_node))
+
+
+def nodes_cluster(num_nodes: int, rate_mbit: float, per_node: int = 1) -> dict:
+    """``num_nodes`` nodes of ``per_node`` emulated CPU devices each, joined at ``rate_mbit``."""
+    return {"name": f"slow_{num_nodes}x{per_node}_{rate_mbit:g}mbit", "inter_node_bandwidth_gbs": rate_mbit / 8000,
             "nodes": [{"name": f"n{i}", "intra_bandwidth_gbs": 1, "devices": [
-                {"name": f"d{i}", "type": "CPU", "tflops": {"fp32": 0.016}, "efficiency": 1.0, "emulated_speed": 1.0,
-                 "memory_gb": 16}]} for i in range(num_nodes)]}
+                {"name": name, "type": "CPU", "tflops": {"fp32": 0.016 / per_node}, "efficiency": 1.0,
+                 "emulated_speed": 1.0, "memory_gb": 16} for name in node_devices(i, per_node)]}
+                for i in range(num_nodes)]}
 
 
-def even_split(base: Plan, num_stages: int, micro_batch: int) -> Plan:
-    """``base``'s cluster and model, its layers split evenly over devices d0, d1, ... as one pipeline."""
+def even_split(base: Plan, num_stages: int, micro_batch: int, tp: int = 1) -> Plan:
+    """``base``'s cluster and model, its layers split evenly over the nodes' devices (tp per node), one pipeline."""
     layers = base.model["num_layers"]
     bounds = [round(i * layers / num_stages) for i in range(num_stages + 1)]
-    stages = tuple(Stage((f"d{i}",), (bounds[i], bounds[i + 1])) for i in range(num_stages))
+    stages = tuple(Stage(node_devices(i, tp), (bounds[i], bounds[i + 1])) for i in range(num_stages))
     return Plan(cluster=base.cluster, cluster_devices=base.cluster_devices, model=base.model,
                 global_batch_size=BATCH, dtype="fp32", mode="manual", zero_stage=0,
                 pipelines=(Pipeline(stages, micro_batch_size=micro_batch, samples=BATCH),))
@@ -70,7 +78,7 @@ def describe(plan: Plan) -> str:
         return f"data parallel x{len(plan.pipelines)}"
     stages = plan.pipelines[0].stages
     return "one device" if len(stages) == 1 else f"{len(stages)}-stage pipeline " + " ".join(
-        f"{s.devices[0]}{list(s.layers)}" for s in stages)
+        f"{'+'.join(s.devices)}{list(s.layers)}" for s in stages)
 
 
 def main() -> None:
@@ -82,17 +90,17 @@ def main() -> None:
     require_netns("pipeline_slow_link.py")
     workload = transformer_workload(TransformerConfig(name="char_gpt", **MODEL), dtype="fp32")
 
-    print(f"(1) char GPT {MODEL['num_layers']} blocks on one-device nodes, global batch {BATCH}, even layer split; "
-          f"{args.steps} steps after {args.warmup} warm-up")
-    print(f"  {'Mbit/s':>6} {'stages':>6} {'mbs':>4} {'send/compute':>12} {'measured':>9} {'predicted':>9} "
+    print(f"(1) char GPT {MODEL['num_layers']} blocks, a stage per node (one device; two at tp 2), global batch "
+          f"{BATCH}, even layer split; {args.steps} steps after {args.warmup} warm-up")
+    print(f"  {'Mbit/s':>6} {'stages':>6} {'tp':>2} {'mbs':>4} {'send/compute':>12} {'measured':>9} {'predicted':>9} "
           f"{'error':>7} {'overlapped':>10} {'error':>7}")
     errors, overlapped_errors = [], []
-    for rate, num_stages, mbs in CASES:
-        raw = nodes_cluster(num_stages, rate)
+    for rate, num_stages, tp, mbs in CASES:
+        raw = nodes_cluster(num_stages, rate, tp)
         cluster = load_cluster(raw)
-        settings = TrainSettings(global_batch_size=BATCH, dtype="fp32", micro_batch_sizes=(mbs,), max_tp=1)
+        settings = TrainSettings(global_batch_size=BATCH, dtype="fp32", micro_batch_sizes=(mbs,), max_tp=tp)
         base = search_plan(cluster, workload, settings, mode="pipeline")
-        plan = even_split(base, num_stages, mbs)
+        plan = even_split(base, num_stages, mbs, tp)
         score = CostModel(cluster, workload, settings).score(plan)
         costs = score.stage_costs[0]
         old = overlapped_time_s(costs, BATCH // mbs) + score.update_time_s
@@ -101,7 +109,7 @@ def main() -> None:
         errors.append(abs(err))
         overlapped_errors.append(abs(old_err))
         ratio = max(c.send_s for c in costs) / max(c.compute_s for c in costs)
-        print(f"  {rate:6g} {num_stages:6d} {mbs:4d} {ratio:12.2f} {measured:9.3f} {score.step_time_s:9.3f} "
+        print(f"  {rate:6g} {num_stages:6d} {tp:2d} {mbs:4d} {ratio:12.2f} {measured:9.3f} {score.step_time_s:9.3f} "
               f"{err:+7.1%} {old:10.3f} {old_err:+7.1%}")
 
     print(f"(2) two one-device nodes at {args.pick_rate:g} Mbit/s, micro-batch 4: the planner's pick against the "
