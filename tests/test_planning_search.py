@@ -134,8 +134,8 @@ def _exhaustive_inputs(cluster_dict: dict, model: str, **settings):
 
 
 def test_mixed_vendors_variant_is_exact_with_few_assemblies():
-    """The 7-device cluster that took ~60-140 s: the whole space, a handful of structures assembled (the bounds
-    leave out the pipeline sends, which a stage pays at both its boundaries)."""
+    """The 7-device cluster that took ~60-140 s: the whole space, a handful of structures assembled (15 and 13
+    since a stage pays the sends at both its boundaries, which the cheaper bounds price alone on each link)."""
     for max_tp in (1, 8):
         cm, classes, units = _exhaustive_inputs(_mixed_vendors_7(), "gpt_small", max_tp=max_tp)
         out = exhaustive.plan_exhaustive(cm, classes, units)
@@ -238,3 +238,25 @@ def test_families_regime_prunes_options_by_bound():
     options = 4 * sum(len(families._stage_counts(cm, 16 // tp)) for tp in _tp_options(cm, 8))
     assert res is not None and cm.score(res.plan).fits
     assert len(calls) < options
+
+
+def test_the_route_free_bound_counts_the_sends_at_a_stages_boundaries():
+    """Two one-device nodes at 1 Mbit/s: a 2-stage pipeline's per-sample bottleneck bound is at least the least
+    per-sample send between them (each stage pays it), and at most what the assembled plan's bottleneck costs
+    per sample."""
+    dev = {"type": "CPU", "tflops": {"fp32": 0.5}, "efficiency": 1.0, "memory_gb": 16}
+    raw = {"name": "two_slow", "inter_node_bandwidth_gbs": 0.000125,
+           "nodes": [{"name": f"n{i}", "intra_bandwidth_gbs": 1, "devices": [{"name": f"d{i}", **dev}]}
+                     for i in range(2)]}
+    cm = CostModel(cluster_from_dict(raw), load_workload("tiny_gpt"),
+                   TrainSettings(global_batch_size=8, micro_batch_sizes=(1, 2, 4), max_tp=1))
+    bc = BoundCache(cm)
+    slots = [bc.slot(("d0",)), bc.slot(("d1",))]
+    bound = bc.floor(slots, dp=1)
+    L = cm.workload.num_layers
+    least_send = min(cm.stage_send_s(m, j, ("d0",), ("d1",)) / m for m in (1, 2, 3, 4) for j in range(L - 1))
+    whole_model = cm.stage_compute_s(cm.cluster.device("d0"), 1, 1, 0, L)
+    assert least_send > 10 * whole_model  # the link, not the compute, sets the figure here
+    assert bound.tau >= least_send
+    part = pipeline_mod.plan_pipeline_stages(cm, [("d0",), ("d1",)], 4, 2)
+    assert bound.tau <= part.bottleneck_s / 4 + 1e-12

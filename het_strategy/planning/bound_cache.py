@@ -3,9 +3,10 @@
 A slot is described by ``(device key, tp, node)``.  Memory enters only as the
 mask of layer ranges that fit, one per stage, deduplicated by content, so d
 (ZeRO) or in-flight counts that change nothing share one.  The per-sample DPs
-run stage by stage along tries of pipeline prefixes (by slot and mask, without
-nodes): templates that share a prefix share its work, and thousands of
-pipelines of one shape on different nodes cost one DP.
+run stage by stage along tries of pipeline prefixes (by slot, mask and the
+link figures at each stage's boundaries, without nodes): templates that share
+a prefix share its work, and thousands of pipelines of one shape on nodes of
+equal link figures cost one DP.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.network import NO_SYNC, SyncRoute
 from het_strategy.planning.bounds import INFEASIBLE, CurveBound, PipelineBound, min_bottleneck, min_sum
-from het_strategy.planning.pipeline import stage_matrices
+from het_strategy.planning.pipeline import send_key, stage_matrices
 
 __all__ = ["BoundCache"]
 
@@ -87,6 +88,11 @@ class BoundCache:
         for n, c in self._node_class.items():
             self._class_nodes.setdefault(c, []).append(n)
         self._floor_key: dict[str, tuple] = {}
+        self._names: dict[tuple, tuple[str, ...]] = {}
+        self._link_keys: dict[tuple, tuple | None] = {}
+        self._sends: dict[tuple, np.ndarray] = {}
+        self._plus_sends_cache: dict[tuple, np.ndarray] = {}
+        self._link_names: dict[tuple, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
     def slot(self, devices: Sequence[str]) -> tuple:
         """The bound's description of a stage slot: (device key, tp, node)."""
@@ -97,6 +103,7 @@ class BoundCache:
             key = self.cm.device_key(dev)
             self._device.setdefault(key, dev)
             hit = self._slot_of[devices] = (key, len(devices), dev.node)
+            self._names.setdefault(hit, devices)
         return hit
 
     # -- matrices ---------------------------------------------------------------------------------
@@ -193,28 +200,77 @@ class BoundCache:
     def _compute(self, slots: Sequence[tuple], masks: tuple) -> tuple[float, float]:
         """(tau, phi): min bottleneck and min sum of the per-sample figures over the stages' splits.
 
-        The DP runs stage by stage along a trie of prefixes (by slot and mask), so pipelines that share
-        a prefix share its work."""
+        The DP runs stage by stage along a trie of prefixes (by slot, mask and the links at the stage's two
+        boundaries), so pipelines that share a prefix share its work."""
         if not slots or len(slots) > self.cm.workload.num_layers:
             return math.inf, math.inf
-        return self._descend(((key, tp, id(mask)), functools.partial(self._masked_per_sample, key, tp, mask))
-                             for (key, tp, _), mask in zip(slots, masks))
+        return self._descend([((key, tp, id(mask)), functools.partial(self._masked_per_sample, key, tp, mask))
+                              for (key, tp, _), mask in zip(slots, masks)], slots)
 
-    def _descend(self, stages: Iterable[tuple[tuple, Callable[[], np.ndarray]]]) -> tuple[float, float]:
-        """Min bottleneck and min sum over the layer splits of per-sample stage matrices, stage by stage along
-        the trie of prefixes: each stage is (what its matrix depends on, how to build it)."""
+    def _descend(self, stages: Iterable[tuple[tuple, Callable[[], np.ndarray]]],
+                 slots: Sequence[tuple], size: int | None = None) -> tuple[float, float]:
+        """Min bottleneck and min sum over the layer splits of per-sample stage matrices plus the sends at the
+        stages' boundaries (``_send_per_sample``), stage by stage along the trie of prefixes: each stage is
+        (what its compute matrix depends on, how to build it)."""
         node = 0
-        for part, matrix in stages:
-            tkey = (node, *part)
+        links = [self._link(a, b) for a, b in zip(slots, slots[1:])] + [None]
+        prev = None
+        for (part, matrix), link in zip(stages, links):
+            tkey = (node, *part, prev, link)
             child = self._trie.get(tkey)
             if child is None:
                 g, f = self._trie_vecs[node]
-                per = matrix()
-                self._trie_vecs.append((np.maximum(g[:, None], per).min(axis=0), (f[:, None] + per).min(axis=0)))
+                fill = self._plus_sends(part, matrix, None, link, size)
+                bott = self._plus_sends(part, matrix, prev, link, size)
+                self._trie_vecs.append((np.maximum(g[:, None], bott).min(axis=0), (f[:, None] + fill).min(axis=0)))
                 child = self._trie[tkey] = len(self._trie_vecs) - 1
-            node = child
+            node, prev = child, link
         g, f = self._trie_vecs[node]
         return float(g[-1]), float(f[-1])
+
+    def _plus_sends(self, part: tuple, matrix: Callable[[], np.ndarray], incoming: tuple | None,
+                    outgoing: tuple | None, size: int | None) -> np.ndarray:
+        """A stage's per-sample compute matrix plus its send out at the stop and (for the bottleneck) its send
+        in at the start, per sample."""
+        if incoming is None and outgoing is None:
+            return matrix()
+        pkey = (part, incoming, outgoing, size)
+        hit = self._plus_sends_cache.get(pkey)
+        if hit is None:
+            hit = matrix()
+            if outgoing is not None:
+                hit = hit + self._send_per_sample(outgoing, size)[None, :]
+            if incoming is not None:
+                hit = hit + self._send_per_sample(incoming, size)[:, None]
+            self._plus_sends_cache[pkey] = hit
+        return hit
+
+    def _link(self, a: tuple, b: tuple) -> tuple:
+        """What the send from slot ``a`` to slot ``b`` is priced from (``pipeline.send_key``, alone on the link:
+        sharing only slows a send) and the two groups' sizes."""
+        hit = self._link_keys.get((a, b))
+        if hit is None:
+            names_a, names_b = self._names[a], self._names[b]
+            hit = self._link_keys[(a, b)] = (send_key(self.cm, names_a[0], names_b[0], None), a[1], b[1])
+            self._link_names.setdefault(hit, (names_a, names_b))
+        return hit
+
+    def _send_per_sample(self, link: tuple, size: int | None) -> np.ndarray:
+        """Per stop layer j, a send's seconds per sample across ``link`` at micro-batch ``size`` (None: the least
+        over sizes 1..M, which every micro-batch's send is at least, per sample)."""
+        hit = self._sends.get((link, size))
+        if hit is None:
+            src, dst = self._link_names[link]
+            sizes = self._sizes if size is None else (size,)
+            by_bytes: dict[float, float] = {}  # layers of equal output size send alike
+            per = [0.0]
+            for j, layer in enumerate(self.cm.workload.layers):
+                out = layer.output_bytes_per_sample
+                if out not in by_bytes:
+                    by_bytes[out] = min(self.cm.stage_send_s(m, j, src, dst) / m for m in sizes)
+                per.append(by_bytes[out])
+            hit = self._sends[(link, size)] = np.array(per)
+        return hit
 
     def _floor_post(self, slots: Sequence[tuple], masks: tuple, dp: int) -> float:
         """Min over splits of the largest stage floor post (same trie scheme, nodes of equal figures alike)."""
@@ -246,16 +302,17 @@ class BoundCache:
     def _compute_at(self, slots: Sequence[tuple], m: int, memory_dp: int) -> tuple[float, float]:
         """(tau_m, phi_m): min bottleneck and min sum of the stages' compute per sample at micro-batch ``m``
         (``_per_sample_at``), over the splits."""
-        return self._descend(((key, tp, m, memory_dp), functools.partial(self._per_sample_at, key, tp, m, memory_dp))
-                             for key, tp, _ in slots)
+        return self._descend([((key, tp, m, memory_dp), functools.partial(self._per_sample_at, key, tp, m, memory_dp))
+                              for key, tp, _ in slots], slots, m)
 
     def compute_curve(self, slots: Sequence[tuple], memory_dp: int) -> tuple[tuple[float, float, float, float], ...]:
         """The pieces of ``refined``'s curve from compute alone, without routes: ``(1, M, 0, phi)`` for one
         micro-batch and, per micro-batch size m on the menu, ``(m + 1, inf, m phi_m - 2 m tau_m + m tau,
-        tau_m)`` (module ``bounds``: sends and syncs cost >= 0, so leaving them out keeps a lower bound), with
+        tau_m)`` (module ``bounds``; each send priced alone on its link, syncs left out: both keep a lower bound), with
         memory for one micro-batch in flight as if there were ``memory_dp`` replicas (the loosest any
         structure here has).  () when nothing fits."""
-        ckey = (tuple((key, tp) for key, tp, _ in slots), memory_dp)
+        links = tuple(self._link(a, b) for a, b in zip(slots, slots[1:]))
+        ckey = (tuple((key, tp) for key, tp, _ in slots), links, memory_dp)
         hit = self._curves.get(ckey)
         if hit is None:
             tau, phi = self._compute(slots, self.masks(slots, memory_dp, fixed=False))

@@ -13,9 +13,11 @@ first whose bound reaches the best step found, so pruning by it loses nothing.
 
 * ``tau`` (per-sample bottleneck): for a layer split, per stage the smallest
   compute seconds per sample over micro-batch sizes 1..M (M the largest on the
-  menu); tau = min over splits of the largest such stage figure;
+  menu) plus the sends at its two boundaries, each the smallest per sample over
+  1..M with the link to itself; tau = min over splits of the largest such stage
+  figure;
 * ``phi`` (one sample through the pipeline): min over splits of the sum of
-  those stage figures;
+  the stage figures with the outgoing send only (a fill pays each send once);
 * ``post``: min over splits of the largest stage gradient sync + update, on
   the stages' routes, or on the cheapest route a ring could have (a *floor*,
   when the routes are not computed yet: ``BoundCache.floor``).
@@ -28,10 +30,11 @@ Why ``g_p(b) >= (b - 1) tau + phi`` for b >= 1 samples: the cost model's 1F1B
 time of n micro-batches of size m (the last of size l) is
 ``fill(m) + (n - 2) bottleneck(m) + bottleneck(l)`` (n >= 2) or ``fill(b)``
 (n = 1).  Every micro-batch of k samples costs a stage at least k times its
-per-sample figure, sends cost >= 0, so ``fill(m) >= m sum_s tau_s`` and the
-rest is ``>= (b - m) max_s tau_s``; with m >= 1 and ``sum >= max`` this is
-``>= (b - 1) max_s tau_s + sum_s tau_s``, and minimising each term over splits
-separately gives the bound.  For n = 1, ``fill(b) >= b phi >= (b - 1) tau + phi``.
+per-sample figures (a send shared with other flows only takes longer), so
+``fill(m) >= m sum_s f_s`` (f_s: compute + send out) and the rest is
+``>= (b - m) max_s g_s`` (g_s = f_s + the send in, which is part of f_{s-1});
+with m >= 1 and ``sum_s f_s >= max_s g_s`` this is ``>= (b - 1) max_s g_s +
+sum_s f_s``, and minimising each term over splits separately gives the bound.  For n = 1, ``fill(b) >= b phi >= (b - 1) tau + phi``.
 Past ``(S - 1) M`` samples every plan has >= S micro-batches, so stage s holds
 S - s of them: ``tau_full``/``phi_full`` apply with that memory.
 

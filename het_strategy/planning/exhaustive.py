@@ -18,7 +18,7 @@ assembled, of three strengths, each <= the next <= the assembled step:
    prefix, in fact) and d, combined per structure in closed form, vectorised:
    tens of thousands of structures cost a fraction of a second.  The larger of
    that and the bound of the templates' per-micro-batch compute curves
-   (``BoundCache.compute_curve``: level 2's pieces without sends or routes,
+   (``BoundCache.compute_curve``: level 2's pieces with each send alone on its link, without routes,
    combined by a bisection run on every structure at once) counts: where a
    layer's time per sample falls with the micro-batch (the roofline), the
    closed form pairs one sample's fill with the largest micro-batch's rate and
