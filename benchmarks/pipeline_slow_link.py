@@ -2,11 +2,11 @@
 measured one, and the plan the planner picks there.
 
 Each stage is a node of its own (a network namespace, ``node_network.emulated_nodes``; one device, or two as a
-tp-2 stage), the nodes joined by a link shaped to ``rate`` Mbit/s each way; the char GPT (6 blocks, hidden 128, seq 64, fp32) runs on
-``hetero_deepspeed``'s engine (``PlanRunner``: DeepSpeed's pipeline schedule, its blocking ``p2p.send``/``recv``),
-every stage padded to its emulated device's compute time (``emulation.stage_padding``).
+tp-2 stage), the nodes joined by a link shaped to ``rate`` Mbit/s each way; the char GPT (6 blocks, hidden 128,
+seq 64, fp32) runs on ``hetero_deepspeed``'s engine (``PlanRunner``: DeepSpeed's pipeline schedule, its blocking
+``p2p.send``/``recv``), every stage padded to its emulated device's compute time (``emulation.stage_padding``).
 
-Part 1, the sends' pricing.  Per case (rate, stages, micro-batch) the layers are split evenly and the plan is run;
+Part 1, the sends' pricing.  Per case (rate, stages, tp, micro-batch) the layers are split evenly and the plan is run;
 ``predicted`` is ``CostModel.score`` (a stage pays its compute and the sends at both its boundaries, one after
 another), ``overlapped`` is the rule the model had before, computed from the very same stage costs (per
 micro-batch the larger of a stage's compute and its send).  ``error = measured / predicted - 1``.

@@ -89,7 +89,7 @@ class BoundCache:
             self._class_nodes.setdefault(c, []).append(n)
         self._floor_key: dict[str, tuple] = {}
         self._names: dict[tuple, tuple[str, ...]] = {}
-        self._link_keys: dict[tuple, tuple | None] = {}
+        self._link_keys: dict[tuple, tuple] = {}
         self._sends: dict[tuple, np.ndarray] = {}
         self._plus_sends_cache: dict[tuple, np.ndarray] = {}
         self._link_names: dict[tuple, tuple[tuple[str, ...], tuple[str, ...]]] = {}

@@ -34,7 +34,8 @@ per-sample figures (a send shared with other flows only takes longer), so
 ``fill(m) >= m sum_s f_s`` (f_s: compute + send out) and the rest is
 ``>= (b - m) max_s g_s`` (g_s = f_s + the send in, which is part of f_{s-1});
 with m >= 1 and ``sum_s f_s >= max_s g_s`` this is ``>= (b - 1) max_s g_s +
-sum_s f_s``, and minimising each term over splits separately gives the bound.  For n = 1, ``fill(b) >= b phi >= (b - 1) tau + phi``.
+sum_s f_s``, and minimising each term over splits separately gives the bound.
+For n = 1, ``fill(b) >= b phi >= (b - 1) tau + phi``.
 Past ``(S - 1) M`` samples every plan has >= S micro-batches, so stage s holds
 S - s of them: ``tau_full``/``phi_full`` apply with that memory.
 

@@ -178,8 +178,9 @@ def _sends_by_stop(cm: CostModel, micro_batch: int, src: tuple[str, ...], nxt: t
     """A stage's send to the next (activation + gradient), by the stage's stop layer (0 at stop 0)."""
     hit = cache.sends.get((micro_batch, skey))
     if hit is None:
+        stops = range(1, cm.workload.num_layers + 1)
         hit = cache.sends[(micro_batch, skey)] = np.array(
-            [0.0] + [cm.stage_send_s(micro_batch, j - 1, src, nxt, route) for j in range(1, cm.workload.num_layers + 1)])
+            [0.0] + [cm.stage_send_s(micro_batch, j - 1, src, nxt, route) for j in stops])
     return hit
 
 
