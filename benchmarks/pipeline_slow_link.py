@@ -16,8 +16,8 @@ device alone, data parallelism across the link and a 2-stage pipeline across it.
 best 2-stage pipeline (the plan the overlapped rule ranks first) are run; ``pick_ratio`` = the pipeline's measured
 step / the picked plan's (> 1: the pick is the faster one).
 
-What this checks: the schedule and the link (gloo over TCP through ``tc htb``, one frame at a time, a 20 ms
-queue), not a GPU's speed or NCCL's; per-step compute is emulated.  Last line: ``RESULT model_error_max=...
+What this checks: the schedule and the link (gloo over TCP through ``tc htb``, one frame at a time, a bucket of
+one timer tick), not a GPU's speed or NCCL's; per-step compute is emulated.  Last line: ``RESULT model_error_max=...
 overlapped_error_max=... pick=... pick_ratio=...``.  Needs root (network namespaces, ``tc``) and DeepSpeed.
 """
 
@@ -29,7 +29,7 @@ from _emulated_nodes import require_netns
 from _pipeline_common import run_plan
 
 from het_strategy.core.cluster import load_cluster
-from het_strategy.core.cost_model import CostModel, StageCost
+from het_strategy.core.cost_model import CostModel, StageCost, fill_s
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import TransformerConfig, transformer_workload
@@ -69,8 +69,7 @@ def even_split(base: Plan, num_stages: int, micro_batch: int, tp: int = 1) -> Pl
 
 def overlapped_time_s(costs: list[StageCost], num_micro_batches: int) -> float:
     """The rule the model had before: fill, then per further micro-batch the largest compute or send."""
-    fill = sum(c.compute_s + c.send_s for c in costs)
-    return fill + (num_micro_batches - 1) * max(max(c.compute_s, c.send_s) for c in costs)
+    return fill_s(costs) + (num_micro_batches - 1) * max(max(c.compute_s, c.send_s) for c in costs)
 
 
 def describe(plan: Plan) -> str:
