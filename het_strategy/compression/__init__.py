@@ -4,6 +4,8 @@
 - ``quantize.py``    bucketed 2-8 bit quantization and bit packing
 - ``codecs.py``      each codec's encoder and decoder (``TORCH_CODECS``), its bound and wire bytes; the codecs
   themselves (tokens, exchange, wire bytes, bound) are ``core/codecs.py``'s
+- ``duplex.py``      all-to-all and all-gather that run both directions of a link at once (on gloo: every
+  receive posted before any send)
 - ``exchange.py``    the collective behind each codec's exchange (flat fp32 in, world mean out)
 - ``controller.py``  the per-layer choice: L-GreCo's dynamic program, link model (pure)
 - ``adaptive.py``    ``AdaptiveController``, the controller at run time: measure layers, time the link, solve,
@@ -14,7 +16,7 @@
 - ``hierarchical.py`` ``hierarchical_hook``: uncompressed inside a node, compressed among node leaders
 - ``wire_count.py``  ``counted_comm_hook``: any hook's bytes on the wire per rank, into a ``WireBytes``
 
-Imports point one way: quantize <- config <- codecs <- exchange; controller; adaptive <- state <- hook
+Imports point one way: quantize <- config <- codecs <- exchange; duplex <- exchange; controller; adaptive <- state <- hook
 <- hierarchical; wire_count alone.
 """
 

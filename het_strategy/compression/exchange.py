@@ -26,17 +26,18 @@ their scales differ per rank).  ``quantized_mean`` is CGX's two-phase exchange:
 
 1. pad to ``world x bucket_size`` and encode the whole tensor (packed codes,
    per-bucket metadata);
-2. ``all_to_all_single`` of one row per rank, each row a chunk's packed codes
-   followed by its metadata bytes: rank j receives every rank's chunk j
-   (gloo supports the single-tensor all-to-all, not the list form);
+2. an all-to-all of one row per rank, each row a chunk's packed codes
+   followed by its metadata bytes: rank j receives every rank's chunk j;
 3. rank j decodes them, sums in fp32, divides by the world size and
    re-encodes its chunk of the mean (adding, with error feedback, what this
    re-encoding left out last time: otherwise a rounding bias of the
    second phase would add up step after step);
-4. ``all_gather`` of the re-encoded chunks; every rank decodes the same
+4. an all-gather of the re-encoded chunks; every rank decodes the same
    bytes, so every replica gets the same gradient.
 
-Each phase sends ``(W-1)/W`` of the packed tensor per rank, the same
+Both run through ``duplex.py`` (on gloo, every receive posted before any
+send, so that both directions of a link run at once).  Each phase sends
+``(W-1)/W`` of the packed tensor per rank, the same
 ``2 (W-1)/W`` factor as a ring allreduce: the wire saving is the full
 ``32 / bits`` minus metadata.
 
@@ -62,6 +63,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from het_strategy.compression import duplex
 from het_strategy.compression.codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.quantize import zero_padded
@@ -175,11 +177,6 @@ def _launched(work: Any) -> torch.futures.Future:
     return work.get_future()
 
 
-def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _launched(gather(output, tensor, group=group, async_op=True))
-
-
 def allreduce_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig,
                     group: dist.ProcessGroup) -> Steps[Exchanged]:
     """An ``ALLREDUCE`` codec's mean: ``flat / W`` through its encoder (``none``: ``flat``'s own dtype, which
@@ -223,7 +220,7 @@ def quantized_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConf
     delivered = coder.decode(spec, first, config)[:n]
     send = _rows(first, world)
     recv = torch.empty_like(send)
-    yield _launched(dist.all_to_all_single(recv, send, group=group, async_op=True))
+    yield duplex.all_to_all(recv, send, group)
     received = coder.decode(spec, _payload(recv, code_bytes, q_spec.meta_floats, chunk), config)
     chunk_mean = received.reshape(world, chunk).sum(dim=0) / world
     if chunk_residual is not None and chunk_residual.numel() == chunk:
@@ -232,7 +229,7 @@ def quantized_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConf
     left_out = chunk_mean - coder.decode(spec, second, config)
     row = _rows(second, 1)
     gathered = torch.empty(world * row.shape[1], dtype=torch.uint8, device=flat.device)
-    yield _all_gather(gathered, row.reshape(-1), group)
+    yield duplex.all_gather(gathered, row.reshape(-1), group)
     mean = coder.decode(spec, _payload(gathered.reshape(world, -1), code_bytes, q_spec.meta_floats, chunk),
                         config)[:n]
     # the all-to-all sends W-1 of this rank's W rows, the allgather its one row to W-1 ranks
@@ -262,7 +259,7 @@ def topk_steps(flats: list[torch.Tensor], spec: CodecSpec, config: CompressionCo
     # one message: the fp32 values, then the int32 indices reinterpreted as 4-byte words
     payload = torch.cat([vals, torch.cat(indices).view(torch.float32)])
     gathered = torch.empty(world * payload.numel(), dtype=torch.float32, device=payload.device)
-    yield _all_gather(gathered, payload, group)
+    yield duplex.all_gather(gathered, payload, group)
     gathered = gathered.reshape(world, 2, -1)
     total = torch.zeros(offset, dtype=torch.float32, device=payload.device)
     total.index_add_(0, gathered[:, 1].contiguous().view(torch.int32).reshape(-1).long(),

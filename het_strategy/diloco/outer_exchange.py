@@ -7,7 +7,8 @@ them equal), so only the group's leader crosses the slow link:
    group's samples in the round times its pseudo-gradient), encodes the sum with
    the codec (``compression/codecs.py``: a cast, or a bucketed quantizer) and
    keeps what the encoding lost as the next round's residual;
-2. the leaders all-gather the payloads and the sample counts; each decodes
+2. the leaders all-gather the payloads (``compression/duplex.py``: on gloo,
+   every receive posted before any send) and the sample counts; each decodes
    every payload in group order and sums, so every leader gets the same bits;
 3. the sum over all groups' samples divides it: ``sum_g n_g delta_g / sum_g n_g``;
 4. each leader broadcasts the average inside its group (the fast link).
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from het_strategy.compression import duplex
 from het_strategy.compression.codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig
 from het_strategy.core.codecs import CODECS, Bound, Codec
@@ -111,9 +113,9 @@ class OuterExchange:
             mine = _tensors(payload)
             gathered = []
             for t in mine:
-                parts = [torch.empty_like(t) for _ in range(groups.count)]
-                dist.all_gather(parts, t.contiguous(), group=groups.leaders)
-                gathered.append(parts)
+                flat = torch.empty(groups.count * t.numel(), dtype=t.dtype, device=t.device)
+                duplex.all_gather(flat, t.contiguous(), groups.leaders).wait()
+                gathered.append(list(flat.reshape(groups.count, *t.shape).unbind(0)))
                 sent += (groups.count - 1) * t.numel() * t.element_size()
             summed = torch.zeros_like(weighted)
             for g in range(groups.count):

@@ -33,7 +33,9 @@ def measure_links(sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int 
     warm-up, ``repeats`` rounds are timed, each started by a tiny allreduce so
     the ranks start together; the median is kept.  Point-to-point is a ring:
     rank r sends to r+1 and receives from r-1 in one ``batch_isend_irecv`` (so
-    no rank can block on a peer that is itself blocked sending); each rank's
+    no rank can block on a peer that is itself blocked sending), the receive
+    posted first (on gloo a receive posted after a send would follow it over
+    the link, and two ranks would take turns: ``compression/duplex.py``); each rank's
     round time is filed under its outgoing pair (r, r+1).  Tensors are float32
     on the group's device (``device`` for nccl, CPU for gloo).
     """
@@ -76,7 +78,8 @@ def measure_links(sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int 
             recv = torch.empty_like(buf)
 
             def ring() -> None:
-                ops = [dist.P2POp(dist.isend, buf, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+                ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % world),
+                       dist.P2POp(dist.isend, buf, (rank + 1) % world)]
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
 
