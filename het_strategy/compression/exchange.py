@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression import duplex
+from het_strategy.compression.duplex import all_gather, all_to_all
 from het_strategy.compression.codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.quantize import zero_padded
@@ -220,7 +220,7 @@ def quantized_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConf
     delivered = coder.decode(spec, first, config)[:n]
     send = _rows(first, world)
     recv = torch.empty_like(send)
-    yield duplex.all_to_all(recv, send, group)
+    yield all_to_all(recv, send, group)
     received = coder.decode(spec, _payload(recv, code_bytes, q_spec.meta_floats, chunk), config)
     chunk_mean = received.reshape(world, chunk).sum(dim=0) / world
     if chunk_residual is not None and chunk_residual.numel() == chunk:
@@ -229,7 +229,7 @@ def quantized_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConf
     left_out = chunk_mean - coder.decode(spec, second, config)
     row = _rows(second, 1)
     gathered = torch.empty(world * row.shape[1], dtype=torch.uint8, device=flat.device)
-    yield duplex.all_gather(gathered, row.reshape(-1), group)
+    yield all_gather(gathered, row.reshape(-1), group)
     mean = coder.decode(spec, _payload(gathered.reshape(world, -1), code_bytes, q_spec.meta_floats, chunk),
                         config)[:n]
     # the all-to-all sends W-1 of this rank's W rows, the allgather its one row to W-1 ranks
@@ -259,7 +259,7 @@ def topk_steps(flats: list[torch.Tensor], spec: CodecSpec, config: CompressionCo
     # one message: the fp32 values, then the int32 indices reinterpreted as 4-byte words
     payload = torch.cat([vals, torch.cat(indices).view(torch.float32)])
     gathered = torch.empty(world * payload.numel(), dtype=torch.float32, device=payload.device)
-    yield duplex.all_gather(gathered, payload, group)
+    yield all_gather(gathered, payload, group)
     gathered = gathered.reshape(world, 2, -1)
     total = torch.zeros(offset, dtype=torch.float32, device=payload.device)
     total.index_add_(0, gathered[:, 1].contiguous().view(torch.int32).reshape(-1).long(),

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression import duplex
+from het_strategy.compression.duplex import all_gather
 from het_strategy.compression.codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig
 from het_strategy.core.codecs import CODECS, Bound, Codec
@@ -114,7 +114,7 @@ class OuterExchange:
             gathered = []
             for t in mine:
                 flat = torch.empty(groups.count * t.numel(), dtype=t.dtype, device=t.device)
-                duplex.all_gather(flat, t.contiguous(), groups.leaders).wait()
+                all_gather(flat, t.contiguous(), groups.leaders).wait()
                 gathered.append(list(flat.reshape(groups.count, *t.shape).unbind(0)))
                 sent += (groups.count - 1) * t.numel() * t.element_size()
             summed = torch.zeros_like(weighted)
