@@ -16,9 +16,10 @@ send**, because of how gloo's TCP transport pairs a send with its receive:
 So when one rank of a pair starts its send before it has posted its receive, and the peer's receive notice
 has already arrived, its receive notice follows its whole message over the link, and the peer's data waits for
 it: the exchange takes the time of both directions, one after the other.  Whether that happens depends on
-which rank arrives first.  Measured on two emulated nodes at 10 Mbit/s, 1 MiB each way, five rounds: gloo's
-``all_to_all_single`` 0.88-1.75 s and ``all_gather`` 0.88-1.68 s, receives first 0.87-0.95 s, one way
-0.87 s.  Posting every receive first sends each notice before any data, so both directions run at once.
+which rank arrives first.  Posting every receive first sends each notice before any data, so both directions
+run at once.  Measured (``benchmarks/duplex_exchange.py``: two emulated nodes at 10 Mbit/s, 1 MiB each way,
+8 rounds on 2 ranks): gloo's ``all_to_all_single`` took up to 2.00x the one-way time and its ``all_gather``
+up to 1.91x (median 1.41x); these, a median of 1.01x and at worst 1.34x.
 
 Both functions return a future of their output (on gloo completed already: gloo's compressed exchanges run
 each collective to completion, ``exchange.overlaps``).
