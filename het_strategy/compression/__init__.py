@@ -16,8 +16,8 @@
 - ``hierarchical.py`` ``hierarchical_hook``: uncompressed inside a node, compressed among node leaders
 - ``wire_count.py``  ``counted_comm_hook``: any hook's bytes on the wire per rank, into a ``WireBytes``
 
-Imports point one way: quantize <- config <- codecs <- exchange; duplex <- exchange; controller; adaptive <- state <- hook
-<- hierarchical; wire_count alone.
+Imports point one way: quantize <- config <- codecs <- exchange; duplex <- exchange; controller;
+adaptive <- state <- hook <- hierarchical; wire_count alone.
 """
 
 from het_strategy.core.codecs import CODECS, Codec

@@ -63,9 +63,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.duplex import all_gather, all_to_all
 from het_strategy.compression.codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig, quantizer_for
+from het_strategy.compression.duplex import all_gather, all_to_all
 from het_strategy.compression.quantize import zero_padded
 from het_strategy.core.codecs import CodecSpec, ring_allreduce_bytes
 

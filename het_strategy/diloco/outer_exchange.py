@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.duplex import all_gather
 from het_strategy.compression.codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig
+from het_strategy.compression.duplex import all_gather
 from het_strategy.core.codecs import CODECS, Bound, Codec
 from het_strategy.diloco.groups import DiLoCoGroups
 
