@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from het_strategy.core.errors import require_int
-from het_strategy.callbacks.runtime import HeteroRuntime
+from het_strategy.callbacks.runtime import runtime_of
 
 __all__ = ["CompressionMonitor"]
 
@@ -50,7 +50,7 @@ class CompressionMonitor(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        state = trainer.strategy.compression_state if isinstance(trainer.strategy, HeteroRuntime) else None
+        state = runtime.compression_state if (runtime := runtime_of(trainer.strategy)) is not None else None
         if state is None or not trainer.is_global_zero:
             return
         metrics = self.metrics(state, trainer.global_step)

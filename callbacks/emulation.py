@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from het_strategy.callbacks.runtime import HeteroRuntime
+from het_strategy.callbacks.runtime import runtime_of
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import logger
@@ -44,7 +44,7 @@ class EmulatedDeviceCallback(pl.Callback):
 
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if isinstance(trainer.strategy, HeteroRuntime):
+        if runtime_of(trainer.strategy) is not None:
             raise field_error("callbacks", type(self).__name__, "not be used with the hetero strategy",
                               "it emulates the cluster's devices by itself")
         if self._cluster.num_devices != trainer.world_size:

@@ -31,7 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from het_strategy.callbacks.runtime import HeteroRuntime
+from het_strategy.callbacks.runtime import runtime_of
 from het_strategy.callbacks.straggler import StragglerMitigation
 from het_strategy.core.log import logger
 from het_strategy.emulation.speeds import cluster_is_emulated
@@ -53,7 +53,7 @@ class RunReport(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runtime = trainer.strategy if isinstance(trainer.strategy, HeteroRuntime) else None
+        runtime = runtime_of(trainer.strategy)
         if runtime is None or runtime.plan is None or runtime.cluster is None or trainer.global_rank != 0:
             return
         plan, cluster = runtime.plan, runtime.cluster
@@ -95,7 +95,7 @@ class RunReport(pl.Callback):
             log_table(trainer.loggers, "straggler/decisions", *decision_rows(straggler.decisions, STRAGGLER_COLUMNS),
                       step=step)
             self._straggler_logged = len(straggler.decisions)
-        state = trainer.strategy.compression_state if isinstance(trainer.strategy, HeteroRuntime) else None
+        state = runtime.compression_state if (runtime := runtime_of(trainer.strategy)) is not None else None
         if state is None or not state.decisions or int(state.decisions[-1]["step"]) <= self._compression_through:
             return
         solves = len({int(row["step"]) for row in state.decisions})

@@ -1,9 +1,9 @@
 """What callbacks may read and call on the ``hetero`` strategy: ``HeteroRuntime``.
 
 The straggler, telemetry and emulation callbacks talk to the strategy through
-this Protocol only (``isinstance(trainer.strategy, HeteroRuntime)``), never
-through its internals; a test can stand in for the strategy with any object
-that has these members.  It lives with the callbacks, which read it: the
+this Protocol only (``runtime_of(trainer.strategy)``), never through its
+internals; a test can stand in for the strategy with any object that has these
+members.  It lives with the callbacks, which read it: the
 strategy satisfies it without importing it, so the callbacks import nothing
 from ``strategy/``.
 """
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
     from het_strategy.core.plan import Plan
 
-__all__ = ["HeteroRuntime", "StepTiming"]
+__all__ = ["HeteroRuntime", "StepTiming", "runtime_of"]
 
 
 class StepTiming(Protocol):
@@ -63,3 +63,8 @@ class HeteroRuntime(Protocol):
 
     def apply_plan(self, plan: Plan, first_step: int) -> None:
         """Run ``plan`` from step ``first_step`` of this epoch on (every rank, same arguments)."""
+
+
+def runtime_of(strategy: object) -> HeteroRuntime | None:
+    """The ``HeteroRuntime`` a Trainer's strategy runs, or None for a strategy that runs none."""
+    return strategy if isinstance(strategy, HeteroRuntime) else None

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from het_strategy.callbacks.runtime import HeteroRuntime
+from het_strategy.callbacks.runtime import HeteroRuntime, runtime_of
 from het_strategy.core.errors import field_error, require_int
 
 __all__ = ["StepTelemetry", "FIELDS"]
@@ -66,9 +66,8 @@ class StepTelemetry(pl.Callback):
     # -- recording ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy, HeteroRuntime):
-            self.runtime = trainer.strategy
-        elif stage == "fit":
+        self.runtime = runtime_of(trainer.strategy)
+        if self.runtime is None and stage == "fit":
             raise field_error("strategy", type(trainer.strategy).__name__,
                               "be `hetero` (it timestamps each rank's compute in its comm hook)")
 

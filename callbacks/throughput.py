@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from typing_extensions import override
 
-from het_strategy.callbacks.runtime import HeteroRuntime
+from het_strategy.callbacks.runtime import runtime_of
 from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.errors import field_error
 from het_strategy.profiling.batch_contents import batch_length
@@ -72,7 +72,8 @@ class ThroughputMonitor(pl.Callback):
                            batch_idx: int) -> None:
         self._ends.append(time.perf_counter())
         # hetero (HeteroRuntime) and hetero_deepspeed both say how many samples this rank really uses
-        local = (trainer.strategy.current_local_samples if isinstance(trainer.strategy, HeteroRuntime)
+        runtime = runtime_of(trainer.strategy)
+        local = (runtime.current_local_samples if runtime is not None
                  else getattr(trainer.strategy, "current_local_samples", None))
         self._samples.append(int(local) if local is not None else batch_length(batch))
 
@@ -102,7 +103,7 @@ class ThroughputMonitor(pl.Callback):
         stats: dict[str, Any] = {"rank": trainer.global_rank, "steps": len(steps),
                                  "step_s": statistics.fmean(steps) if steps else None,
                                  "samples_per_step": statistics.fmean(self._samples[w + 1:]) if steps else None}
-        runtime = trainer.strategy if isinstance(trainer.strategy, HeteroRuntime) else None
+        runtime = runtime_of(trainer.strategy)
         records = list(runtime.records)[w + 1:] if runtime is not None else []
         if records:
             stats["compute_s"] = statistics.fmean(r.compute_s for r in records)
