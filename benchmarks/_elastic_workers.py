@@ -109,7 +109,7 @@ def hetero_worker(out: Path, max_steps: int) -> None:
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             x, y, ids = batch
             loss = super().training_step((x, y), batch_idx)
-            _log_step(out, self.group, self.trainer, ids.tolist()[:self.trainer.strategy.current_local_samples])
+            _log_step(out, self.group, self.trainer, ids.tolist()[:self.trainer.strategy.run.current_local_samples])
             return loss
 
         def configure_optimizers(self) -> Any:
@@ -168,7 +168,7 @@ def deepspeed_worker(out: Path, max_steps: int) -> None:
             return optimizer(self.parameters())
 
         def on_train_end(self) -> None:
-            params = {n: p.flatten().tolist() for n, p in self.trainer.strategy.runner.named_parameters().items()}
+            params = {n: p.flatten().tolist() for n, p in self.trainer.strategy.run.runner.named_parameters().items()}
             (out / f"final{self.global_rank}.json").write_text(json.dumps(params))
 
     torch.set_num_threads(1)

@@ -117,9 +117,9 @@ def _worker(args: argparse.Namespace) -> None:
     if trainer.global_rank == 0:
         settings = TrainSettings(global_batch_size=args.batch, dtype="fp32", max_tp=1)  # placement and compression
         score = CostModel(cluster, workload, settings).score(strategy.plan)
-        state = strategy.compression_state
+        state = strategy.run.compression_state
         inter = getattr(state, "inter", state)  # the hierarchical state's inter-node part
-        summary = {**throughput.summary, "predicted_step_s": score.step_time_s, "shares": strategy.current_shares(), "compression": dict(strategy.plan.compression),
+        summary = {**throughput.summary, "predicted_step_s": score.step_time_s, "shares": strategy.run.current_shares(), "compression": dict(strategy.plan.compression),
                    "choices": sorted(set(getattr(inter, "choices", {}).values())) if inter is not None else [],
                    "wire_ratio": getattr(inter, "wire_ratio", None) if inter is not None else None}
         Path(args.out).write_text(json.dumps(summary))

@@ -127,7 +127,8 @@ def _worker(args: argparse.Namespace) -> None:
             if i == args.val_batches:
                 break
             losses.append(float(model._loss(batch)))
-    outer = getattr(strategy, "outer", None)
+    outer = getattr(getattr(strategy, "run", None), "extension", None)
+    outer = getattr(outer, "outer", None)
     Path(args.out).write_text(json.dumps({
         "wall_s": wall.wall_s, "steps": args.steps, "val_loss": sum(losses) / len(losses),
         "rounds": None if outer is None else outer.rounds}))

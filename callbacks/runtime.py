@@ -66,5 +66,6 @@ class HeteroRuntime(Protocol):
 
 
 def runtime_of(strategy: object) -> HeteroRuntime | None:
-    """The ``HeteroRuntime`` a Trainer's strategy runs, or None for a strategy that runs none."""
-    return strategy if isinstance(strategy, HeteroRuntime) else None
+    """The ``HeteroRuntime`` a Trainer's strategy runs (its ``run``), or None for a strategy that runs none."""
+    run = getattr(strategy, "run", None)
+    return run if isinstance(run, HeteroRuntime) else None

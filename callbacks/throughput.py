@@ -74,7 +74,7 @@ class ThroughputMonitor(pl.Callback):
         # hetero (HeteroRuntime) and hetero_deepspeed both say how many samples this rank really uses
         runtime = runtime_of(trainer.strategy)
         local = (runtime.current_local_samples if runtime is not None
-                 else getattr(trainer.strategy, "current_local_samples", None))
+                 else getattr(getattr(trainer.strategy, "run", None), "current_local_samples", None))
         self._samples.append(int(local) if local is not None else batch_length(batch))
 
     @override

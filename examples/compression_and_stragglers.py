@@ -54,7 +54,7 @@ def main() -> None:
     class FirstShares(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             nonlocal first_shares
-            first_shares = strategy.current_shares()
+            first_shares = strategy.run.current_shares()
 
     trainer.callbacks.append(FirstShares())
     trainer.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=16))
@@ -62,8 +62,8 @@ def main() -> None:
     if trainer.global_rank == 0:
         for d in straggler.decisions:
             print(f"after step {d.step}: {d.action} {d.shares_before} -> {d.shares_after}: {d.reason}")
-        print(f"shares {first_shares} -> {strategy.current_shares()}; {len(straggler.decisions)} decision(s); "
-              f"gradients {strategy.compression_state.wire_ratio:.1f}x fewer bytes on the wire; "
+        print(f"shares {first_shares} -> {strategy.run.current_shares()}; {len(straggler.decisions)} decision(s); "
+              f"gradients {strategy.run.compression_state.wire_ratio:.1f}x fewer bytes on the wire; "
               f"final validation accuracy {result[0]['val_acc']:.3f}")
 
 

@@ -47,9 +47,9 @@ def main() -> None:
     result = trainer.validate(model, DataLoader(val, batch_size=16), verbose=False)
     if trainer.global_rank == 0:
         sync = strategy.plan.outer_sync
-        last = strategy.outer.records[-1]
-        print(f"groups {[list(g) for g in sync.groups]}, shares per rank {strategy.current_shares()}, an outer step "
-              f"every {sync.inner_steps} inner steps in {sync.codec}: {strategy.outer.rounds} outer steps, "
+        last = strategy.run.extension.outer.records[-1]
+        print(f"groups {[list(g) for g in sync.groups]}, shares per rank {strategy.run.current_shares()}, an outer step "
+              f"every {sync.inner_steps} inner steps in {sync.codec}: {strategy.run.extension.outer.rounds} outer steps, "
               f"{last.bytes_sent} bytes sent per group in the last; final validation accuracy "
               f"{result[0]['val_acc']:.3f}")
 

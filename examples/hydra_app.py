@@ -69,7 +69,7 @@ def main(cfg: DictConfig) -> None:
     if trainer.global_rank == 0:
         where = f"; metrics in {logger.log_dir}" if logger else ""
         print(f"hydra app: {type(strategy).__name__} from _target_ on `{strategy.cluster.name}`; shares per rank "
-              f"{strategy.current_shares()}; final validation accuracy {result[0]['val_acc']:.3f}{where}")
+              f"{strategy.run.current_shares()}; final validation accuracy {result[0]['val_acc']:.3f}{where}")
 
 
 if __name__ == "__main__":

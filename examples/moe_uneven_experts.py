@@ -69,8 +69,8 @@ def main() -> None:
     trainer.fit(model, DataLoader(train, batch_size=12, shuffle=True), DataLoader(val, batch_size=12))
     result = trainer.validate(model, DataLoader(val, batch_size=12), verbose=False)
     if trainer.global_rank == 0:
-        counts = strategy.experts.placements[0].counts
-        print(f"experts per rank {counts}; shares per rank {strategy.current_shares()}; "
+        counts = strategy.run.experts.placements[0].counts
+        print(f"experts per rank {counts}; shares per rank {strategy.run.current_shares()}; "
               f"final validation accuracy {result[0]['val_acc']:.3f}")
 
 

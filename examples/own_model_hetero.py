@@ -77,7 +77,7 @@ def main() -> None:
     trainer.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=16))
     result = trainer.validate(model, DataLoader(val, batch_size=16), verbose=False)
     if trainer.global_rank == 0:
-        print(f"shares per rank: {strategy.current_shares()}; final validation accuracy {result[0]['val_acc']:.3f}")
+        print(f"shares per rank: {strategy.run.current_shares()}; final validation accuracy {result[0]['val_acc']:.3f}")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def main() -> None:
                   for pipe in plan.pipelines for stage in pipe.stages]
         print(f"planned stages: {'; '.join(stages)}; micro-batch {plan.pipelines[0].micro_batch_size}; "
               f"predicted {plan.predicted['step_time_s'] * 1e3:.0f} ms/step; last train loss "
-              f"{strategy.last_loss:.4f}", flush=True)
+              f"{strategy.run.last_loss:.4f}", flush=True)
 
 
 if __name__ == "__main__":

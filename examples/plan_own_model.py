@@ -105,7 +105,7 @@ def train(plan_dir: Path, epochs: int) -> None:
     trainer.fit(model, DataLoader(train_set, batch_size=per_rank, shuffle=True), DataLoader(val_set, batch_size=per_rank))
     result = trainer.validate(model, DataLoader(val_set, batch_size=per_rank), verbose=False)
     if trainer.global_rank == 0:
-        print(f"trained with shares {strategy.current_shares()}; final validation accuracy {result[0]['val_acc']:.3f}")
+        print(f"trained with shares {strategy.run.current_shares()}; final validation accuracy {result[0]['val_acc']:.3f}")
 
 
 def main() -> None:

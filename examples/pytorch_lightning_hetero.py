@@ -61,7 +61,7 @@ def main() -> None:
     trainer.fit(model, DataLoader(train, batch_size=24, shuffle=True), DataLoader(val, batch_size=24))
     result = trainer.validate(model, DataLoader(val, batch_size=24), verbose=False)
     if trainer.global_rank == 0:
-        print(f"pytorch_lightning {pl.__version__}: shares per rank {strategy.current_shares()}; "
+        print(f"pytorch_lightning {pl.__version__}: shares per rank {strategy.run.current_shares()}; "
               f"final validation accuracy {result[0]['val_acc']:.3f}")
 
 

@@ -109,9 +109,9 @@ def main() -> None:
                          num_sanity_val_steps=0, callbacks=[EpochLoss()], **QUIET_RUN)
     trainer.fit(SplitMLP(), DataLoader(train, batch_size=GLOBAL_BATCH, drop_last=True),
                 DataLoader(val, batch_size=GLOBAL_BATCH, drop_last=True))
-    shard = strategy.runner.named_parameters()["1.fc1.weight"]  # layer 1: the first block
+    shard = strategy.run.runner.named_parameters()["1.fc1.weight"]  # layer 1: the first block
     print(f"rank {trainer.global_rank}: block fc1 weight {tuple(shard.shape)} of {(4 * WIDTH, WIDTH)}; last train "
-          f"loss {strategy.last_loss:.4f}", flush=True)
+          f"loss {strategy.run.last_loss:.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def make_module(case: str, out_dir: str, pl: Any) -> Any:
                 return DataLoader(Subset(data, list(range(16 if self.global_rank == 0 else 8))), batch_size=4)
             if case == "planned_shards":  # the user shards by the plan: rank r gets its share of every step
                 share = self.trainer.strategy.planned_batch_size(8)
-                shares = self.trainer.strategy.current_shares()
+                shares = self.trainer.strategy.run.current_shares()
                 start = 4 * sum(shares[:self.global_rank])
                 self.info["planned_batch_size"] = share
                 return DataLoader(Subset(data, list(range(start, start + 4 * share))), batch_size=share)

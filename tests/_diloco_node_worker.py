@@ -50,7 +50,7 @@ def main() -> None:
     model = Wide()
     trainer.fit(model, DataLoader(data, batch_size=4))
     if trainer.global_rank == 0:
-        records = strategy.outer.records
+        records = strategy.run.extension.outer.records
         (out / "result.json").write_text(json.dumps({
             "params": sum(p.numel() for p in model.parameters()), "rounds": len(records),
             "bytes_sent": [r.bytes_sent for r in records]}))

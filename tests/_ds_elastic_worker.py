@@ -39,7 +39,7 @@ def main() -> None:
     from torch.utils.data import DataLoader
 
     from het_strategy.strategy.elastic import latest_checkpoint
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy import HeteroDeepSpeedStrategy
 
     out, max_steps = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
@@ -54,7 +54,7 @@ def main() -> None:
         def on_train_end(self) -> None:
             if self.global_rank == 0:
                 params = {n: p.double().flatten().tolist()
-                          for n, p in self.trainer.strategy.runner.named_parameters().items()}
+                          for n, p in self.trainer.strategy.run.runner.named_parameters().items()}
                 (out / "final.json").write_text(json.dumps({"params": params, "step": self.trainer.global_step}))
 
     strategy = HeteroDeepSpeedStrategy(cluster=CLUSTER, workload=workload(), global_batch_size=base.BATCH,

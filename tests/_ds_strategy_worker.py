@@ -94,7 +94,7 @@ def main() -> None:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy import HeteroDeepSpeedStrategy
 
     PipeModel = pipe_model_class()
 
@@ -103,7 +103,7 @@ def main() -> None:
             self.losses: list[float] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(trainer.strategy.last_loss)
+            self.losses.append(trainer.strategy.run.last_loss)
 
     from het_strategy.core.errors import ConfigError
 
@@ -119,7 +119,7 @@ def main() -> None:
         import dataclasses
 
         if per_device:  # bf16 on cpu0, cpu2; fp16 on cpu1, cpu3 (replica 1 is an fp16 -> bf16 pipeline)
-            from het_strategy.strategy.per_device_precision import PerDevicePrecision
+            from het_strategy import PerDevicePrecision
 
             plugins.append(PerDevicePrecision())
             plan = dataclasses.replace(plan, dtype="per_device",
@@ -143,7 +143,7 @@ def main() -> None:
                 json.dump({"field": exc.field, "message": str(exc)}, fh)
         return
     trainer.fit(PipeModel(), data, val)
-    runner = strategy.runner
+    runner = strategy.run.runner
     result = {"rank": trainer.global_rank, "global_step": trainer.global_step, "losses": losses.losses,
               "logged": float(trainer.callback_metrics["train_loss"]),
               "val_loss": float(trainer.callback_metrics["val_loss"]),
@@ -152,7 +152,7 @@ def main() -> None:
         result["param_dtype"] = str(next(runner.engine.module.parameters()).dtype)
         result["optimizer"] = type(runner.engine.optimizer).__name__
         if runner.sharding is not None:  # ZeRO 1: the fp32 master chunks survive a checkpoint round trip exactly
-            from het_strategy.strategy.hetero_deepspeed import CHECKPOINT_TAG
+            from het_strategy.strategy.deepspeed_checkpoint import CHECKPOINT_TAG
 
             result["masters"] = [c.tolist() for c in runner.sharding.chunks]
             path = os.path.join(out_dir, "last.ckpt")
@@ -165,7 +165,7 @@ def main() -> None:
         _write(out_dir, trainer.global_rank, result)
         return
     # a checkpoint round trip: save (every rank), spoil this rank's weights, load them back through DeepSpeed
-    from het_strategy.strategy.hetero_deepspeed import CHECKPOINT_TAG, PLAN_KEY
+    from het_strategy.strategy.deepspeed_checkpoint import CHECKPOINT_TAG, PLAN_KEY
 
     path = os.path.join(out_dir, "last.ckpt")
     trainer.save_checkpoint(path)
@@ -191,7 +191,7 @@ def main() -> None:
     trainer2, strategy2, resumed_losses = resume(path)
     result["resumed"] = {"global_step": trainer2.global_step, "epoch": trainer2.current_epoch,
                          "losses": resumed_losses.losses,
-                         "params": {n: q.flatten().tolist() for n, q in strategy2.runner.named_parameters().items()}}
+                         "params": {n: q.flatten().tolist() for n, q in strategy2.run.runner.named_parameters().items()}}
     # resume mid-epoch: a run stopped after 2 of the epoch's 3 steps, resumed by a new Trainer, continues with
     # the epoch's third batch (the training loader's saved position) and then epoch 2
     # (ModelCheckpoint saves during the epoch; a checkpoint saved after fit stopped at max_steps counts as the
@@ -207,7 +207,7 @@ def main() -> None:
     mid_path = os.path.join(out_dir, "mid", "step=2.ckpt")
     trainer_b, strategy_b, mid_losses = resume(mid_path)
     result["mid_resumed"] = {"global_step": trainer_b.global_step, "losses": mid_losses.losses,
-                             "params": {n: q.flatten().tolist() for n, q in strategy_b.runner.named_parameters().items()}}
+                             "params": {n: q.flatten().tolist() for n, q in strategy_b.run.runner.named_parameters().items()}}
     # a checkpoint of another plan (another ZeRO stage; for the asymmetric plan, the aligned one) loads layer by
     # layer and epoch 2 continues; a ZeRO-2 checkpoint has no per-layer state and is refused
     strategy3 = (HeteroDeepSpeedStrategy(cluster=cluster, plan=base.pipe_plan(), zero_stage=0) if mode == "asym" else
@@ -218,7 +218,7 @@ def main() -> None:
         trainer3.fit(PipeModel(), data, ckpt_path=path)
         result["refused"] = None
         result["replanned"] = {"global_step": trainer3.global_step, "params": {
-            n: q.flatten().tolist() for n, q in strategy3.runner.named_parameters().items()}}
+            n: q.flatten().tolist() for n, q in strategy3.run.runner.named_parameters().items()}}
     except ConfigError as exc:
         result["refused"] = {"field": exc.field, "message": str(exc)}
     _write(out_dir, trainer.global_rank, result)

@@ -64,7 +64,7 @@ class Recorder(pl.LightningModule):
         x, y = x.to(self.net[0].weight.dtype), y.to(self.net[0].weight.dtype)
         loss = (self.net(x).squeeze(-1) - y).pow(2).mean()
         strategy = self.trainer.strategy
-        counted = getattr(strategy, "current_local_samples", None)
+        counted = getattr(strategy.run, "current_local_samples", None)
         synced = strategy.reduce(loss.detach().clone(), reduce_op="mean")
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True, batch_size=len(y))
         logged = self.trainer.callback_metrics.get("train_loss_step")  # what self.log just synced
@@ -85,10 +85,10 @@ class Recorder(pl.LightningModule):
         strategy = self.trainer.strategy
         plan = getattr(strategy, "plan", None)
         if plan is not None:
-            profile = getattr(strategy, "profile", None)
+            profile = getattr(strategy.run, "profile", None)
             (Path(self.out_dir) / f"strategy{self.global_rank}.json").write_text(json.dumps({
                 "plan": plan.to_dict(), "profiled_types": sorted(t for t, _ in profile.times) if profile else [],
-                "workload_layers": [layer.name for layer in strategy.workload.layers]}))
+                "workload_layers": [layer.name for layer in strategy.run.workload.layers]}))
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -31,7 +31,7 @@ class _Probe(pl.LightningModule):
         self.out_dir = out_dir
 
     def on_train_start(self) -> None:
-        state = self.trainer.strategy.compression_state
+        state = self.trainer.strategy.run.compression_state
         self.restored = {k: float(v.norm()) for k, v in state.residuals.items()}
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -40,7 +40,7 @@ class _Probe(pl.LightningModule):
 
     def on_train_end(self) -> None:
         strategy = self.trainer.strategy
-        state = strategy.compression_state
+        state = strategy.run.compression_state
         info = {"comm_hook": strategy.model._get_ddp_logging_data().get("comm_hook"),
                 "step": state.step, "bytes_sent": state.bytes_sent, "wire_ratio": state.wire_ratio,
                 "residuals": sorted(state.residuals), "restored": self.restored}
@@ -105,7 +105,7 @@ class _ParamProbe(_Probe):
         path = Path(self.out_dir) / f"rank{self.global_rank}.json"
         info = json.loads(path.read_text())
         info["params"] = [float(p.double().sum()) for p in self.parameters()]
-        info["hook"] = type(self.trainer.strategy.comm.run.hook_state).__name__
+        info["hook"] = type(self.trainer.strategy.run.comm.run.hook_state).__name__
         path.write_text(json.dumps(info))
 
 

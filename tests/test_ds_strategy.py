@@ -196,7 +196,7 @@ def test_a_loader_batch_other_than_the_global_batch_is_refused(tmp_path):
           plan="PLAN"), "plan.pipelines[0].stages[0].devices[0]"),  # a plan of another cluster
 ])
 def test_bad_construction_is_refused_naming_the_field(kwargs, field):
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy import HeteroDeepSpeedStrategy
 
     kwargs = {k: (base.pipe_plan() if v == "PLAN" else v) for k, v in kwargs.items()}
     with pytest.raises(ConfigError) as err:
@@ -208,13 +208,13 @@ def test_bad_construction_is_refused_naming_the_field(kwargs, field):
 def test_construction():
     import lightning.pytorch as pl
 
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy import HeteroDeepSpeedStrategy
 
     s = HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=base.pipe_plan(), zero_stage=1, gradient_clipping=0.5)
     assert isinstance(s, pl.strategies.DDPStrategy)
     assert s.plan.zero_stage == 1 and s.strategy_name == "hetero_deepspeed"
     assert s.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
-    assert s.runner is None and s.last_loss is None and s.plan_summary is None and s.cluster.name == "local"
+    assert s.run.runner is None and s.run.last_loss is None and s.run.plan_summary is None and s.cluster.name == "local"
     # one-stage replicas run at every ZeRO stage (DeepSpeed's pipeline engine is not involved)
     assert HeteroDeepSpeedStrategy(cluster=CLUSTER, plan=worker.dp_plan(), zero_stage=3).plan.zero_stage == 3
 
@@ -245,7 +245,7 @@ def test_a_checkpoint_io_plugin_is_refused_in_the_trainer(namespace):
     ``Trainer(plugins=[...])`` refuses it, on both Lightning packages; without one the default stays."""
     import importlib
 
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy import HeteroDeepSpeedStrategy
     from het_strategy.strategy.pytorch_lightning_classes import HeteroDeepSpeedStrategyPL
 
     pl = importlib.import_module(namespace)

@@ -87,7 +87,7 @@ def test_without_a_plan_rank_zero_plans_in_the_trainers_dtype():
 
 def test_a_trainer_in_another_precision_than_the_plan_is_refused_at_its_construction():
     pl = pytest.importorskip("lightning.pytorch")
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy import HeteroDeepSpeedStrategy
 
     strategy = HeteroDeepSpeedStrategy(cluster=_cluster(), plan=PIPE)  # fp32
     with pytest.raises(ConfigError, match="`plan.dtype` is 'fp32'; it must be bf16"):

@@ -201,8 +201,8 @@ def _strategy(deepspeed: bool, **kwargs):
 def test_the_collectives_timeout_defaults_to_the_stated_bound(deepspeed) -> None:
     from het_strategy.strategy.liveness import COLLECTIVE_TIMEOUT_S
 
-    assert _strategy(deepspeed)._timeout == timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    assert _strategy(deepspeed, timeout=timedelta(seconds=9))._timeout == timedelta(seconds=9)
+    assert _strategy(deepspeed).run.lifecycle.timeout == timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    assert _strategy(deepspeed, timeout=timedelta(seconds=9)).run.lifecycle.timeout == timedelta(seconds=9)
 
 
 _KILLED_RUN = textwrap.dedent('''

@@ -62,7 +62,7 @@ class _Module(pl.LightningModule):
         dense = {n: p.detach().tolist() for n, p in self.net.named_parameters() if ".experts." not in n}
         (Path(self.out_dir) / f"rank{self.global_rank}.json").write_text(json.dumps({
             "rows": self.rows, "experts": experts, "dense": dense, "plan_experts": strategy.plan.to_dict()["experts"],
-            "counts": [p.counts for p in strategy.experts.placements]}))
+            "counts": [p.counts for p in strategy.run.experts.placements]}))
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

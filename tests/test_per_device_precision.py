@@ -107,11 +107,11 @@ def test_hetero_deepspeed_runs_a_per_device_pipeline_but_not_a_tp_group_of_two_d
 
 # -- the plugin's parts --------------------------------------------------------------------------------------------
 def test_the_plugin_unscales_an_fp16_bucket_and_keeps_a_restored_scale() -> None:
-    from het_strategy.strategy.per_device_precision import PerDevicePrecision
+    from het_strategy.strategy.per_device_scaling import PerDeviceScaling
 
     with pytest.raises(ConfigError, match="PerDevicePrecision.init_scale"):
-        PerDevicePrecision(init_scale=1000.0)
-    plugin = PerDevicePrecision(init_scale=2.0**10)
+        PerDeviceScaling(init_scale=1000.0)
+    plugin = PerDeviceScaling(init_scale=2.0**10)
     plugin.use("fp16", torch.device("cpu"))
     assert plugin.scale == 1024.0
     bucket = torch.tensor([1024.0, -2048.0])
@@ -119,16 +119,16 @@ def test_the_plugin_unscales_an_fp16_bucket_and_keeps_a_restored_scale() -> None
     assert bucket.tolist() == [1.0, -2.0] and not plugin._overflow_anywhere()
     plugin.prepare_bucket(torch.tensor([float("inf")]))
     assert plugin._overflow_anywhere() and not plugin._overflow_anywhere()  # noted once, then reset
-    bf16 = PerDevicePrecision()
+    bf16 = PerDeviceScaling()
     bf16.use("bf16", torch.device("cpu"))
     assert bf16.scale == 1.0
     # a checkpoint's scale survives the strategy telling the rank its dtype after the restore ...
-    restored = PerDevicePrecision()
+    restored = PerDeviceScaling()
     restored.load_state_dict({"dtype": "fp16", "scale": 256.0, "clean_steps": 7})
     restored.use("fp16", torch.device("cpu"))
     assert (restored.scale, restored.clean_steps) == (256.0, 7)
     # ... but not a new plan that makes the rank bf16
-    moved = PerDevicePrecision()
+    moved = PerDeviceScaling()
     moved.load_state_dict({"dtype": "fp16", "scale": 256.0, "clean_steps": 7})
     moved.use("bf16", torch.device("cpu"))
     assert moved.scale == 1.0
@@ -157,7 +157,7 @@ def _run(tmp: Path, inject_at: int | None) -> list[dict]:
 
         def on_train_end(self) -> None:
             super().on_train_end()
-            plugin = self.trainer.strategy.precision_plugin
+            plugin = self.trainer.strategy.precision_plugin.scaling
             (Path(self.out_dir) / f"state{self.global_rank}.json").write_text(json.dumps({
                 "dtype": str(plugin.dtype), "scale": plugin.scale, "skipped": plugin.skipped_steps,
                 "params": [p.detach().flatten().tolist() for p in self.net.parameters()]}))

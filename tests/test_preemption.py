@@ -63,7 +63,7 @@ _RUN_PIPELINE = textwrap.dedent('''
     import _ds_engine_worker as base
     import _ds_strategy_worker as worker
     from het_strategy.callbacks.preemption import PreemptionCheckpoint
-    from het_strategy.strategy.hetero_deepspeed import HeteroDeepSpeedStrategy
+    from het_strategy import HeteroDeepSpeedStrategy
 
     class Net(worker.pipe_model_class()):
         batches = 0
@@ -72,7 +72,7 @@ _RUN_PIPELINE = textwrap.dedent('''
             if sys.argv[2] == "notice" and self.global_rank == 0 and self.trainer.global_step == 1:
                 os.kill(os.getpid(), signal.SIGTERM)  # the platform's preemption notice, to rank 0 alone
         def on_train_end(self):
-            params = {n: p.detach().clone() for n, p in self.trainer.strategy.runner.named_parameters().items()}
+            params = {n: p.detach().clone() for n, p in self.trainer.strategy.run.runner.named_parameters().items()}
             torch.save({"global_step": self.trainer.global_step, "batches": self.batches, "params": params},
                        os.path.join(sys.argv[1], f"final{self.global_rank}.pt"))
 

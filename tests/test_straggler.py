@@ -135,7 +135,11 @@ def test_scheduled_slowdown_and_noise_in_a_cluster_config() -> None:
 
 
 class _FakeStrategy:
-    """Stands in for the hetero strategy through what callbacks may use of it (``HeteroRuntime``)."""
+    """Stands in for the hetero strategy and its run, through what callbacks may use of them (``HeteroRuntime``)."""
+
+    @property
+    def run(self) -> "_FakeStrategy":
+        return self
 
     def __init__(self, shares: list[int], cluster: object = "local_cpu4_equal") -> None:
         self.cluster = load_cluster(cluster)
@@ -251,7 +255,7 @@ def _stream(cb: StragglerMitigation, trainer: _FakeTrainer, per_sample: list[lis
     decided = []
     for start in range(0, steps, every):
         cb.steps_seen = start + every
-        shares = trainer.strategy.current_shares()
+        shares = trainer.strategy.run.current_shares()
         window = _window([row[start: start + every] for row in per_sample], shares, first_step=start)
         before = len(cb.decisions)
         trainer.strategy.safe_step = start + every + 1  # one step already prefetched with the current shares

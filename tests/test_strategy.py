@@ -39,7 +39,7 @@ def test_importing_twice_is_harmless() -> None:
     from het_strategy.strategy import registry
 
     importlib.reload(het_strategy)  # registers again: must not raise
-    registry.register_namespace("lightning.pytorch")
+    registry.register_entries(lp.strategies.StrategyRegistry, het_strategy.HeteroStrategy)
     assert lp.strategies.StrategyRegistry["hetero"]["strategy"] is het_strategy.HeteroStrategy
 
 
@@ -47,7 +47,7 @@ def test_hydra_target_instantiates_the_strategy() -> None:
     from hydra.utils import instantiate
 
     s = instantiate({"_target_": "het_strategy.HeteroStrategy", "cluster": "local_cpu2", "global_batch_size": 8})
-    assert isinstance(s, lp.strategies.DDPStrategy) and s.plans.cluster_source.name == "local_cpu2"
+    assert isinstance(s, lp.strategies.DDPStrategy) and s.run.plans.cluster_source.name == "local_cpu2"
 
 
 @pytest.mark.parametrize("kwargs, field", [({"global_batch_size": 0}, "global_batch_size"),

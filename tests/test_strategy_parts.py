@@ -1,4 +1,4 @@
-"""The hetero strategy's collaborators, each on its own (no process group), the pytorch_lightning twin factory, the
+"""The hetero strategy's collaborators, each on its own (no process group), the pytorch_lightning classes, the
 checkpoint format, and the ImportError a missing Lightning or torch gives."""
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from het_strategy.planning.rebalance import with_shares
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import PROBE_MODES
 from het_strategy.strategy.compression_run import CommHookBuilder
+from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.planning.experts import MoEPlacement
 from het_strategy.strategy.experts import ExpertPlacer, check_resumable
-from het_strategy.strategy.hetero import ProbeMode
+from het_strategy.strategy.hetero_run import ProbeMode
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, is_split, loader_mode, split_loader
 from het_strategy.strategy.plan_holder import PlanHolder
-from het_strategy.strategy.pytorch_lightning_classes import twin
 from het_strategy.strategy.rank_context import RankContext
 from het_strategy.strategy.step_timing import StepPacing
 
@@ -63,20 +63,23 @@ def test_the_plan_holder_drops_emulated_speeds_when_emulation_is_off() -> None:
     assert plain == mixed.without_emulation()
 
 
-def test_apply_plan_switches_the_training_sampler_at_the_step() -> None:
+def test_apply_plan_checks_the_plan_and_the_loader_takes_its_shares_at_the_step() -> None:
     cluster, workload = load_cluster("local_cpu2"), load_workload("tiny_gpt", "fp32")
     holder = PlanHolder(cluster, None, None)
     with pytest.raises(ConfigError, match="apply_plan: no training DataLoader"):
-        holder.apply_plan(data_parallel_plan(cluster, workload, 12, "fp32"), 1, None, "fp32")
+        holder.apply_plan(data_parallel_plan(cluster, workload, 12, "fp32"), 12, "fp32")
     holder.resolve_cluster(_ctx())
     holder.workload = workload
     holder.plan = data_parallel_plan(cluster, workload, 12, "fp32")
     splitter = BatchSplitter(12)
+    with pytest.raises(ConfigError, match="no training DataLoader has been split yet"):
+        splitter.set_train_shares([9, 3], 2)
     splitter.split(DataLoader(list(range(48)), batch_size=6), LoaderMode.SPLIT, 12, [6, 6], 0, 2, lambda: 0)
-    assert holder.current_shares(splitter.train_sampler) == [6, 6]
-    holder.apply_plan(with_shares(holder.plan, cluster, [9, 3]), 2, splitter.train_sampler, "fp32")
-    assert holder.current_shares(splitter.train_sampler) == [9, 3]
-    assert shares_in_rank_order(holder.plan, cluster) == [9, 3]  # the plan being run (and checkpointed)
+    assert holder.current_shares(splitter.train_shares()) == [6, 6]
+    shares = holder.apply_plan(with_shares(holder.plan, cluster, [9, 3]), splitter.train_global_batch(), "fp32")
+    assert shares == [9, 3] and shares_in_rank_order(holder.plan, cluster) == [9, 3]  # the plan run (checkpointed)
+    splitter.set_train_shares(shares, 2)
+    assert holder.current_shares(splitter.train_shares()) == [9, 3]
     sizes = [len(batch) for batch in splitter.train_sampler]
     assert sizes == [6, 6, 9, 9]  # rank 0's batches: the new share from step 2 on
 
@@ -111,8 +114,8 @@ def test_the_splitter_follows_the_current_batch_and_weights_the_loss() -> None:
     assert is_split(loader) and splitter.train_sampler is None  # evaluation: not kept
     assert [len(b) for b in loader] == [2, 2, 1]  # rank 1's 2 of 8, then its part of the short last batch
     assert splitter.begin_batch(loader, 0) == (2, 8) and splitter.local_samples == 2
-    assert splitter.loss_weight(2) == pytest.approx(2 * 2 / 8)
-    assert splitter.begin_batch(DataLoader([1, 2]), 0) is None and splitter.loss_weight(2) is None
+    assert DataParallelExtension().loss_weight(splitter.counts, 2, None) == pytest.approx(2 * 2 / 8)
+    assert splitter.begin_batch(DataLoader([1, 2]), 0) is None and splitter.counts is None
     with pytest.raises(ConfigError, match="no training DataLoader has been split yet"):
         splitter.next_safe_step(torch.device("cpu"))
 
@@ -188,61 +191,13 @@ def test_the_options_are_typed_with_the_values_the_checks_accept() -> None:
     assert [str(m) for m in MoEPlacement] == ["planned", "uniform"]
 
 
-# -- the pytorch_lightning twin -------------------------------------------------------------------------
-def _bases() -> tuple[type, type]:
-    def make(word: str) -> type:
-        class DDPStrategy:
-            def greet(self) -> str:
-                return word
-
-        return DDPStrategy
-
-    return make("lightning"), make("pytorch_lightning")
-
-
-def test_twin_copies_the_body_onto_the_other_base_with_super_following_it() -> None:
-    ours, theirs = _bases()
-
-    class Strategy(ours):  # type: ignore[misc, valid-type]
-        answer = 42
-
-        def greet(self) -> str:
-            return "hetero on " + super().greet()
-
-        @property
-        def shout(self) -> str:
-            return super().greet().upper()
-
-        @staticmethod
-        def plain() -> str:
-            return "plain"
-
-    copy = twin(Strategy, theirs, module=__name__)
-    assert copy.__name__ == "StrategyPL" and copy.__module__ == __name__
-    assert issubclass(copy, theirs) and not issubclass(copy, ours)
-    assert copy().greet() == "hetero on pytorch_lightning" and Strategy().greet() == "hetero on lightning"
-    assert copy().shout == "PYTORCH_LIGHTNING" and copy.plain() == "plain" and copy.answer == 42
-
-
-def test_twin_refuses_a_class_not_directly_on_the_replaced_base() -> None:
-    ours, theirs = _bases()
-
-    class Middle(ours):  # type: ignore[misc, valid-type]
-        pass
-
-    class Strategy(Middle):
-        pass
-
-    with pytest.raises(TypeError, match="derive directly from DDPStrategy"):
-        twin(Strategy, theirs)
-
-
+# -- the pytorch_lightning classes -------------------------------------------------------------------------
 def test_the_pytorch_lightning_strategy_builds_and_pickles_by_name() -> None:
     pl_pkg = pytest.importorskip("pytorch_lightning")
     import het_strategy
 
     strategy = het_strategy.HeteroStrategyPL(cluster="local_cpu2", global_batch_size=8)
-    assert isinstance(strategy, pl_pkg.strategies.DDPStrategy) and strategy.plans.cluster_source.name == "local_cpu2"
+    assert isinstance(strategy, pl_pkg.strategies.DDPStrategy) and strategy.run.plans.cluster_source.name == "local_cpu2"
     blob = pickle.dumps(het_strategy.HeteroStrategyPL).hex()
     out = _run(f"import pickle; cls = pickle.loads(bytes.fromhex({blob!r})); print(cls.__module__, cls.__name__)")
     assert out.returncode == 0 and out.stdout.split() == ["het_strategy.strategy.pytorch_lightning_classes",
@@ -315,7 +270,7 @@ def test_a_strategy_without_its_packages_raises_import_error_naming_them(hidden:
     assert out.stdout.startswith(f"ImportError: {name} ") and re.search(needs, out.stdout), out.stdout
 
 
-@pytest.mark.parametrize("first", ["het_strategy.callbacks.telemetry", "het_strategy.strategy.hetero",
+@pytest.mark.parametrize("first", ["het_strategy.callbacks.telemetry", "het_strategy.strategy.hetero_run",
                                    "het_strategy.strategy.pytorch_lightning_classes"])
 def test_a_module_of_ours_that_imports_lightning_first_still_registers_every_strategy(first: str) -> None:
     """Lightning's import finishing inside one of our modules' imports waits for that module, then registers."""

@@ -53,7 +53,7 @@ def test_compression_planned_builds_the_strategy_with_the_joint_plans_choice(
     assert job.compression == planned
     strategy, callbacks = build_strategy(job)
     # the strategy runs the given joint plan, its inter-node hop in q4 through the hierarchical hook
-    assert strategy.plans.plan_source is job.plan and strategy.comm.config == planned and callbacks == []
+    assert strategy.run.plans.plan_source is job.plan and strategy.run.comm.config == planned and callbacks == []
     with caplog.at_level(logging.INFO, logger="het_strategy"):
         log_planned_compression(job, rank=1)  # other ranks say nothing
         assert not caplog.records
@@ -70,7 +70,7 @@ def test_compression_planned_on_one_node_runs_uncompressed_and_says_so(tmp_path:
     assert job.plan is not None and job.plan.compression == {}
     assert job.compression is not None and job.compression.method == "none"
     strategy, _ = build_strategy(job)
-    assert strategy.comm.config.method == "none"
+    assert strategy.run.comm.config.method == "none"
     with caplog.at_level(logging.INFO, logger="het_strategy"):
         log_planned_compression(job, rank=0)
     (record,) = caplog.records

@@ -185,7 +185,7 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
 
         summary["straggler_decisions"] = [asdict(d) for d in straggler.decisions]
     summary.update(_predicted_speedup(trainer.strategy, job))
-    experts = getattr(trainer.strategy, "experts", None)
+    experts = getattr(trainer.strategy.run, "experts", None)
     if experts is not None:
         summary.update(experts.summary())
     summary.update(_compression_summary(trainer.strategy, job))
@@ -218,7 +218,7 @@ def _plugins(job: TrainJob) -> list[Any]:
     ``AsyncCheckpointIO`` (the tensors copied on the training thread, written by a background one)."""
     plugins: list[Any] = []
     if job.dtype == "per_device":
-        from het_strategy.strategy.per_device_precision import PerDevicePrecision
+        from het_strategy.strategy.lightning_classes import PerDevicePrecision
 
         plugins.append(PerDevicePrecision())
     if job.checkpoint.async_save:
@@ -278,7 +278,7 @@ def log_planned_compression(job: TrainJob, rank: int) -> None:
 
 def _compression_summary(strategy: Any, job: TrainJob) -> dict[str, Any]:
     """The compression config, the wire saving on rank 0 and the last per-layer decisions."""
-    state = getattr(strategy, "compression_state", None)
+    state = getattr(strategy.run, "compression_state", None)
     out: dict[str, Any] = {"compression": job.compression.to_dict() if job.compression else None}
     if job.plan is not None:  # compression=planned: what the joint plan chose for the inter-node hop
         out["compression_planned"] = dict(job.plan.compression)
@@ -322,9 +322,9 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
     if plan is None or cluster is None:
         return {}
     if job.strategy == "hetero_diloco":  # priced by outer rounds (planning/low_communication.py)
-        outer = strategy.outer
+        outer = strategy.run.extension.outer
         last = outer.records[-1] if outer is not None and outer.records else None
-        return {"diloco_shares": strategy.current_shares(), "predicted_step_s": plan.predicted.get("step_time_s"),
+        return {"diloco_shares": strategy.run.current_shares(), "predicted_step_s": plan.predicted.get("step_time_s"),
                 "outer_sync": plan.outer_sync.to_dict(), "outer_rounds": 0 if outer is None else outer.rounds,
                 "outer_bytes_per_round": None if last is None else last.bytes_sent * len(plan.outer_sync.groups)}
     if job.strategy == "hetero_deepspeed":
@@ -334,17 +334,17 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
         cm = CostModel(cluster, job.workload, TrainSettings(global_batch_size=job.global_batch_size, dtype=job.dtype))
         stages = [[f"{s.devices[0]}[{s.layers[0]},{s.layers[1]})" for s in p.stages] for p in plan.pipelines]
         return {"plan_stages": stages, "plan_samples": [p.samples for p in plan.pipelines],
-                "predicted_step_s": cm.score(plan).step_time_s, "plan_summary": strategy.plan_summary}
+                "predicted_step_s": cm.score(plan).step_time_s, "plan_summary": strategy.run.plan_summary}
     from het_strategy.core.cost_model import CostModel
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.planning.dp_split import equal_split_plan
 
-    cm = CostModel(cluster, strategy.workload, TrainSettings(global_batch_size=job.global_batch_size,
+    cm = CostModel(cluster, strategy.run.workload, TrainSettings(global_batch_size=job.global_batch_size,
                                                              dtype=job.dtype, micro_batch_sizes=(1,)),
-                   strategy.profile)
+                   strategy.run.profile)
     planned = cm.score(plan).step_time_s
     equal = cm.score(equal_split_plan(cm)).step_time_s
-    return {"shares": strategy.current_shares(), "predicted_step_s": planned, "predicted_equal_step_s": equal,
+    return {"shares": strategy.run.current_shares(), "predicted_step_s": planned, "predicted_equal_step_s": equal,
             "predicted_speedup_vs_equal": equal / planned}
 
 

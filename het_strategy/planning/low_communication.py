@@ -47,9 +47,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.codecs import Codec
@@ -63,7 +63,7 @@ from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.structure import plan_from_pipelines
 
-__all__ = ["InnerSplit", "OuterSyncBudget", "CodecCandidate", "LowCommunicationResult", "sync_overhead",
+__all__ = ["InnerSplit", "OuterSyncBudget", "DEFAULT_BUDGET", "CodecCandidate", "LowCommunicationResult", "sync_overhead",
            "smallest_inner_steps", "resolve_groups", "candidate_splits", "inner_shares", "choose_outer_sync",
            "plan_low_communication",
            "recommendation"]
@@ -99,28 +99,34 @@ class OuterSyncBudget:
     """The predicted speed-up per sample over the synchronous plan below which the synchronous plan is
     recommended: the local steps' cost in quality is not priced, so a small predicted gain does not pay it."""
 
-    def __post_init__(self) -> None:
-        where = "planner.outer_sync"
-        require_int(self.max_inner_steps, f"{where}.max_inner_steps", minimum=1)
+    names: InitVar[Mapping[str, str] | None] = None
+    """Each field's full dotted name in an error, where it is not ``planner.outer_sync.<field>`` (the
+    ``hetero_diloco`` strategy's arguments: ``{"codecs": "outer_codecs", ...}``)."""
+
+    def __post_init__(self, names: Mapping[str, str] | None) -> None:
+        def name(field_name: str) -> str:
+            return (names or {}).get(field_name, f"planner.outer_sync.{field_name}")
+
+        require_int(self.max_inner_steps, name("max_inner_steps"), minimum=1)
         m = self.min_speedup
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 1 <= m < float("inf"):
-            raise field_error(f"{where}.min_speedup", m, "be a number >= 1 (the predicted speed-up per sample "
+            raise field_error(name("min_speedup"), m, "be a number >= 1 (the predicted speed-up per sample "
                               "low_communication must reach to be recommended)")
         object.__setattr__(self, "min_speedup", float(m))
         o = self.max_sync_overhead
         if isinstance(o, bool) or not isinstance(o, (int, float)) or not 0 < o < 1:
-            raise field_error(f"{where}.max_sync_overhead", o, "be a number in (0, 1) (the fraction of an outer "
+            raise field_error(name("max_sync_overhead"), o, "be a number in (0, 1) (the fraction of an outer "
                               "round the exchange may take)")
         object.__setattr__(self, "max_sync_overhead", float(o))
         if isinstance(self.codecs, str) or not isinstance(self.codecs, Sequence) or not self.codecs:
-            raise field_error(f"{where}.codecs", self.codecs, "be a non-empty list of codecs, e.g. [none, q8, q4]")
-        tokens = tuple(str(outer_codec(c, f"{where}.codecs[{i}]")) for i, c in enumerate(self.codecs))
+            raise field_error(name("codecs"), self.codecs, "be a non-empty list of codecs, e.g. [none, q8, q4]")
+        tokens = tuple(str(outer_codec(c, f"{name('codecs')}[{i}]")) for i, c in enumerate(self.codecs))
         if len(set(tokens)) != len(tokens):
-            raise field_error(f"{where}.codecs", list(tokens), "list each codec once")
+            raise field_error(name("codecs"), list(tokens), "list each codec once")
         object.__setattr__(self, "codecs", tokens)
-        object.__setattr__(self, "split", require_option(InnerSplit, self.split, f"{where}.split",
+        object.__setattr__(self, "split", require_option(InnerSplit, self.split, name("split"),
                                                          "planned: min-max shares; even: equal shares"))
-        object.__setattr__(self, "groups", _checked_groups(self.groups, f"{where}.groups"))
+        object.__setattr__(self, "groups", _checked_groups(self.groups, name("groups")))
 
 
 def _checked_groups(groups: Any, field_name: str) -> Any:
@@ -189,6 +195,10 @@ def smallest_inner_steps(exchange_s: float, inner_step_s: float, max_overhead: f
     while sync_overhead(exchange_s, inner_step_s, h) > max_overhead:
         h += 1
     return h
+
+
+DEFAULT_BUDGET = OuterSyncBudget()
+"""The budget's defaults (the ``hetero_diloco`` strategy's options default to them)."""
 
 
 def resolve_groups(cluster: ClusterSpec, groups: Any, field_name: str = "planner.outer_sync.groups"

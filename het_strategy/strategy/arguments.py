@@ -12,7 +12,6 @@ refused before the model is compared.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, get_args
 
@@ -23,7 +22,7 @@ from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_proble
 from het_strategy.core.workload import WorkloadSpec, load_workload
 
 __all__ = ["ProbeMode", "PROBE_MODES", "check_cluster_source", "check_plan_source", "check_workload_source",
-           "check_timeouts", "check_options", "planned_compression"]
+           "check_options", "planned_compression"]
 
 ProbeMode = Literal["cached", "refresh"]
 """``cluster="auto"``: reuse this host's cached measurements, or measure again (and re-cache)."""
@@ -100,16 +99,6 @@ def check_options(cluster: ClusterSpec | str, global_batch_size: Any, emulation:
                               "go with cluster=\"auto\": the model's blocks are timed on the probed devices; a "
                               "cluster file's figures and the workload are used as given",
                               "drop profile_input, or pass cluster=\"auto\"")
-
-
-def check_timeouts(heartbeat_timeout_s: Any, timeout: Any) -> None:
-    """``heartbeat_timeout_s`` (seconds, or None: no heartbeat) and Lightning's ``timeout`` (a ``timedelta``)."""
-    if heartbeat_timeout_s is not None and (isinstance(heartbeat_timeout_s, bool)
-                                            or not isinstance(heartbeat_timeout_s, (int, float))
-                                            or not 0 < heartbeat_timeout_s < float("inf")):
-        raise field_error("heartbeat_timeout_s", heartbeat_timeout_s, "be a number of seconds > 0, or None (off)")
-    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-        raise field_error("timeout", timeout, "be a datetime.timedelta > 0 (each collective's timeout)")
 
 
 def planned_compression(compression: Any, plan: Plan | None) -> Any:

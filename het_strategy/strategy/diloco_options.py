@@ -1,27 +1,30 @@
-"""The ``hetero_diloco`` strategy's own options, checked when the strategy is built.
+"""The ``hetero_diloco`` strategy's own options, checked when the strategy is built: ``DiLoCoOptions``.
 
-Each bad value raises one ``ConfigError`` naming the argument (het-train:
-``strategy.<argument>``), in the user's script, before any rank starts.
+Each bad value raises one ``ConfigError`` naming the argument (het-train: ``strategy.<argument>``), in the
+user's script, before any rank starts.  The planner's budget fields (``max_inner_steps``, ``max_sync_overhead``,
+``outer_codecs``, ``split``) default to, and are checked by, ``planning.low_communication.OuterSyncBudget``.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Literal, get_args
 
-from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.errors import field_error
 from het_strategy.core.outer_sync import outer_codec
+from het_strategy.planning.low_communication import DEFAULT_BUDGET, InnerSplit, OuterSyncBudget
 
-__all__ = ["PLANNED", "GroupSplit", "InnerSplit", "DiLoCoOptions"]
+__all__ = ["PLANNED", "GroupSplit", "DiLoCoOptions"]
 
 PLANNED = "planned"
 GroupSplit = Literal["node", "device"]
 """Groups by the cluster YAML: one per node, or one per device."""
-InnerSplit = Literal["planned", "even"]
-"""Samples per inner step: planned by speed (a faster group takes more), or even over the devices."""
-DEFAULT_OUTER_CODECS = ("none", "fp16", "q8", "q4")
+
+_BUDGET_NAMES = {"max_inner_steps": "max_inner_steps", "max_sync_overhead": "max_sync_overhead",
+                 "codecs": "outer_codecs", "groups": "groups", "split": "split"}
+"""The budget's fields -> the strategy arguments they are given as."""
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,13 @@ class DiLoCoOptions:
     """The outer exchange's codec, or ``"planned"``: chosen among ``outer_codecs``."""
     groups: Any = "node"
     """``"node"``, ``"device"`` or a list of device-name lists."""
-    split: str = "planned"
-    """``InnerSplit``."""
-    max_inner_steps: int = 500
+    split: InnerSplit | str = DEFAULT_BUDGET.split
+    """Samples per inner step: ``planned`` by speed (a faster group takes more), or ``even`` over the devices."""
+    max_inner_steps: int = DEFAULT_BUDGET.max_inner_steps
     """The quality budget: the largest H the planner may choose."""
-    max_sync_overhead: float = 0.05
+    max_sync_overhead: float = DEFAULT_BUDGET.max_sync_overhead
     """The fraction of an outer round the planner lets the exchange take."""
-    outer_codecs: tuple[str, ...] = DEFAULT_OUTER_CODECS
+    outer_codecs: tuple[str, ...] = DEFAULT_BUDGET.codecs
     """Codecs the planner may choose, the most faithful first."""
     outer_lr: float = 0.7
     """The default outer optimizer's learning rate (Nesterov SGD, as DiLoCo)."""
@@ -49,6 +52,9 @@ class DiLoCoOptions:
     outer_optimizer: Callable[[list[Any]], Any] | None = None
     """``params -> torch.optim.Optimizer`` instead of the default (e.g. ``functools.partial(torch.optim.SGD,
     lr=0.5, momentum=0.9, nesterov=True)``; Hydra: ``_partial_: true``)."""
+
+    budget: OuterSyncBudget = field(init=False, repr=False, compare=False)
+    """The planner's budget of these options (the split, the quality budget, the groups as given)."""
 
     def __post_init__(self) -> None:
         if self.inner_steps != PLANNED and (isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int)
@@ -61,8 +67,12 @@ class DiLoCoOptions:
             raise field_error("groups", self.groups, "be \"node\", \"device\" or a list of device-name lists (the "
                               "process groups are made before the plan; for a planned split run `het-plan "
                               "planner.mode=low_communication planner.outer_sync.groups=planned` and pass its plan)")
-        object.__setattr__(self, "budget", _budget(self))
-        object.__setattr__(self, "outer_codecs", self.budget.codecs)
+        budget = OuterSyncBudget(max_inner_steps=self.max_inner_steps, max_sync_overhead=self.max_sync_overhead,
+                                 codecs=tuple(self.outer_codecs), groups=self.groups, split=self.split,
+                                 names=_BUDGET_NAMES)
+        object.__setattr__(self, "budget", budget)
+        object.__setattr__(self, "outer_codecs", budget.codecs)
+        object.__setattr__(self, "split", budget.split)
         if not _number(self.outer_lr) or self.outer_lr <= 0:
             raise field_error("outer_lr", self.outer_lr, "be a number > 0")
         if not _number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
@@ -75,8 +85,10 @@ class DiLoCoOptions:
 
             self.make_outer_optimizer([torch.zeros(1, requires_grad=True)])
 
-    budget: Any = field(init=False, repr=False, compare=False)
-    """The planner's ``OuterSyncBudget`` of these options (the split, the quality budget, the groups as given)."""
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The strategy arguments these options take."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
     def pinned(self) -> dict[str, Any]:
         """The choices the user fixed (not ``"planned"``), by argument name."""
@@ -95,25 +107,6 @@ class DiLoCoOptions:
         if not _number(lr) or lr <= 0:
             raise field_error("outer_optimizer.lr", lr, "be a number > 0 (the outer learning rate)")
         return optimizer
-
-
-_BUDGET_FIELDS = {"codecs": "outer_codecs"}
-"""``planner.outer_sync.<field>`` -> the strategy argument of another name (the rest keep theirs)."""
-
-
-def _budget(options: DiLoCoOptions) -> Any:
-    """The options' ``OuterSyncBudget``, checked by its own rules; an error names the strategy's argument."""
-    from het_strategy.planning.low_communication import OuterSyncBudget
-
-    try:
-        return OuterSyncBudget(max_inner_steps=options.max_inner_steps, max_sync_overhead=options.max_sync_overhead,
-                               codecs=options.outer_codecs, groups=options.groups, split=options.split)
-    except ConfigError as exc:
-        field = (exc.field or "").removeprefix("planner.outer_sync.")
-        head = re.match(r"[a-z_]+", field)
-        argument = field if head is None else _BUDGET_FIELDS.get(head.group(), head.group()) + field[head.end():]
-        raise ConfigError(str(exc).replace(f"`{exc.field}`", f"`{argument}`", 1), field=argument,
-                          value=exc.value) from None
 
 
 def _number(value: Any) -> bool:

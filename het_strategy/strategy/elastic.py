@@ -64,9 +64,10 @@ def check_agent_store() -> None:
                           f"{SHARE_STORE_ENV}=1 {DEVICE_ENV}=<device> torchrun --nnodes=MIN:MAX ...")
 
 
-def init_attempt_process_group(backend: str, rank: int, world_size: int, timeout: Any) -> bool:
+def init_attempt_process_group(backend: str | None, rank: int, world_size: int, timeout: Any) -> bool:
     """Under torchrun's agent store, initialise the default process group on that store with its keys prefixed by
-    the restart count (``TORCHELASTIC_RESTART_COUNT``); False (nothing done) anywhere else."""
+    the restart count (``TORCHELASTIC_RESTART_COUNT``); False (nothing done) anywhere else.  ``backend`` None:
+    torch's default for each device type."""
     import torch.distributed as dist
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():

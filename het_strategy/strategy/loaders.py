@@ -291,12 +291,23 @@ class BatchSplitter:
         """Samples this rank really uses in the current batch (0 for a filler), if known."""
         return None if self.counts is None else self.counts[0]
 
-    def loss_weight(self, world: int) -> float | None:
-        """What this rank's mean loss is multiplied by so DDP's average is the mean over the global batch."""
-        if self.counts is None:
-            return None
-        local, total = self.counts
-        return local * world / total if total else 0.0
+    # -- the training loader's shares ---------------------------------------------------------------
+    def train_shares(self) -> list[int] | None:
+        """Samples per rank of the training loader's global batch (None unless it runs in ``split`` mode)."""
+        return None if self.train_sampler is None else list(self.train_sampler.shares)
+
+    def train_global_batch(self) -> int:
+        """The training loader's global batch (``split`` mode)."""
+        if self.train_sampler is None:
+            raise ConfigError(self.not_rebalanceable())
+        return self.train_sampler.global_batch_size
+
+    def set_train_shares(self, shares: list[int], first_step: int) -> None:
+        """The training loader draws ``shares`` from step ``first_step`` of this epoch on (every rank, same
+        arguments): updates stay exact and each sample of the epoch is still used once."""
+        if self.train_sampler is None:
+            raise ConfigError(self.not_rebalanceable())
+        self.train_sampler.set_shares(shares, first_step)
 
     def next_safe_step(self, device: Any) -> int:
         """The first step of the epoch no rank has produced yet (a collective: call it on every rank)."""

@@ -5,9 +5,9 @@
 2. ``ensure_plan`` — once per fit: the checkpoint's plan (same devices and
    batch), the given plan checked, or rank 0's search broadcast to all ranks.
    Every rank must run the same plan, so no rank plans on its own.
-3. ``apply_plan(plan, first_step, sampler, dtype)`` — a new Plan (the straggler
-   callback's rebalance) takes effect at a step boundary on every rank; ``plan``
-   is then the plan being run and the one checkpoints carry.
+3. ``apply_plan(plan, global_batch, dtype)`` — a new Plan (the straggler
+   callback's rebalance), checked; ``plan`` is then the plan being run and the
+   one checkpoints carry, and its shares are returned for the training loader.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from het_strategy.strategy.elastic import DEVICE_ENV, present_cluster
 from het_strategy.strategy.checkpoint import restored_plan
 from het_strategy.strategy.rank_context import RankContext
 from het_strategy.strategy.rank_zero import decided_on_rank_zero
-from het_strategy.strategy.sampler import HeteroBatchSampler, split_by_shares
+from het_strategy.strategy.sampler import split_by_shares
 
 __all__ = ["PlanHolder"]
 
@@ -63,16 +63,14 @@ class PlanHolder:
         self.emulation, self.probe_cache_dir, self.probe_refresh = emulation, probe_cache_dir, probe_refresh
         self.profile_input, self.verbose = profile_input, verbose
         self.cluster: ClusterSpec | None = None
+        """The cluster (once ``resolve_cluster`` ran); rank r plays ``cluster.devices[r]``."""
         self.present: list[str] | None = None
         """The devices the ranks named (``HET_STRATEGY_DEVICE``) when the cluster is the ones present."""
-        """The cluster (once ``resolve_cluster`` ran); rank r plays ``cluster.devices[r]``."""
         self.plan: Plan | None = None
         """The training plan being run (after ``apply_plan``, the applied one)."""
         self.workload: WorkloadSpec | None = None
         self.profile: MeasuredProfile | None = None
         """The measured per-block times when the model was profiled (``profile_input``)."""
-        self.restored: dict[str, Any] | None = None
-        """The strategy's part of the checkpoint being resumed from (``checkpoint.restored_state``)."""
         self._eval_plan: Plan | None = None
 
     # -- cluster ----------------------------------------------------------------------------------
@@ -108,8 +106,10 @@ class PlanHolder:
 
     # -- the training plan ------------------------------------------------------------------------
     def ensure_plan(self, module: nn.Module, dataloader: DataLoader | None, global_batch: int, ctx: RankContext,
-                    to_device: Callable[[Any, Any], Any] | None = None) -> bool:
-        """The training plan (once per fit and global batch): restored from the checkpoint, given, or searched.
+                    to_device: Callable[[Any, Any], Any] | None = None, restored: dict[str, Any] | None = None
+                    ) -> bool:
+        """The training plan (once per fit and global batch): ``restored``'s (the strategy's part of the checkpoint
+        resumed from), given, or searched.
 
         ``to_device(batch, device)`` moves a profiling batch; without a ``dataloader`` (a plan asked for before
         the training loader exists) the model is not profiled and a sample is taken as one token.  Returns
@@ -124,7 +124,7 @@ class PlanHolder:
                 self.workload, self.profile = self._profile_model(module, dataloader, ctx, to_device)
             else:
                 self.workload = self.resolve_workload(module, dataloader, ctx.dtype)
-        self.plan = (restored_plan(self.restored, cluster, global_batch, ctx.rank)
+        self.plan = (restored_plan(restored, cluster, global_batch, ctx.rank)
                      or self.broadcast_plan(global_batch, self.workload, ctx))
         return True
 
@@ -145,15 +145,16 @@ class PlanHolder:
         return Plan.from_dict(decided_on_rank_zero(ctx.rank, ctx.world, decide))
 
     def shares_for(self, module: nn.Module, dataloader: DataLoader, global_batch: int, ctx: RankContext,
-                   train_sampler: HeteroBatchSampler | None) -> list[int]:
-        """The training shares, scaled to an evaluation loader's global batch when it differs.
+                   train_shares: list[int] | None) -> list[int]:
+        """The training shares (``train_shares``: the training loader's, when it is split), scaled to an evaluation
+        loader's global batch when it differs.
 
         Before any training plan exists (the sanity check, ``trainer.validate``)
         an evaluation loader gets its own plan for its global batch.
         """
         cluster = self.require_cluster()
         if self.plan is not None:
-            shares = self.current_shares(train_sampler)
+            shares = self.current_shares(train_shares)
         elif self.plan_source is not None:  # a given plan, checked, then scaled
             workload = self.workload or self.resolve_workload(module, dataloader, ctx.dtype)
             checked = self.planner(cluster, workload, self.plan_source.global_batch_size, ctx.dtype,
@@ -174,26 +175,26 @@ class PlanHolder:
         return split_by_shares(global_batch, shares)
 
     # -- live changes -----------------------------------------------------------------------------
-    def current_shares(self, train_sampler: HeteroBatchSampler | None) -> list[int]:
-        """Samples per rank of a full training global batch, in rank order."""
-        if train_sampler is not None:
-            return list(train_sampler.shares)
+    def current_shares(self, train_shares: list[int] | None) -> list[int]:
+        """Samples per rank of a full training global batch, in rank order: ``train_shares`` (the split training
+        loader's), else the plan's."""
+        if train_shares is not None:
+            return list(train_shares)
         if self.plan is None:
             raise ConfigError("current_shares: no training plan yet (the training DataLoader is not split)")
         return shares_in_rank_order(self.plan, self.require_cluster())
 
-    def apply_plan(self, plan: Plan, first_step: int, train_sampler: HeteroBatchSampler | None, dtype: str) -> None:
-        """Run ``plan`` from step ``first_step`` of this epoch on (every rank, same arguments).
+    def apply_plan(self, plan: Plan, global_batch: int, dtype: str) -> list[int]:
+        """``plan`` checked for the training ``global_batch`` becomes the plan being run; its shares in rank order.
 
-        Every rank must call it with the same plan at the same step (the straggler
-        callback decides from the same gathered telemetry); updates stay exact
-        and each sample of the epoch is still used once.
+        Every rank must call it with the same plan (the straggler callback decides from the same gathered
+        telemetry), so every rank's loader takes the same shares at the same step.
         """
-        if train_sampler is None or self.cluster is None or self.workload is None:
+        if self.cluster is None or self.workload is None:
             raise ConfigError("apply_plan: no training DataLoader has been split yet")
-        checked = self.planner(self.cluster, self.workload, train_sampler.global_batch_size, dtype, plan, None)
-        train_sampler.set_shares(shares_in_rank_order(checked, self.cluster), first_step)
+        checked = self.planner(self.cluster, self.workload, global_batch, dtype, plan, None)
         self.plan = checked
+        return shares_in_rank_order(checked, self.cluster)
 
     # -- workload ---------------------------------------------------------------------------------
     def resolve_workload(self, module: nn.Module, dataloader: DataLoader | None, dtype: str) -> WorkloadSpec:

@@ -1,29 +1,22 @@
-"""Per-device mixed precision for the ``hetero`` strategy: each rank computes in its device's fast 16-bit dtype.
+"""``PerDeviceScaling``: per-device mixed precision, each rank computing in its device's fast 16-bit dtype.
 
-``Trainer(strategy="hetero", plugins=[PerDevicePrecision()])`` (het-train:
-``train.precision=per_device``) plans with ``dtype=per_device``: a device with
-fast bf16 (A100, H100, L4, MI250X, ...) computes in bf16, one without it (V100,
-T4) in fp16; the plan records each device's dtype (``plan.device_dtypes``) and
-the strategy hands this rank's to the plugin (``use``).  Then, on each rank:
+``Trainer(strategy="hetero", plugins=[PerDevicePrecision()])`` (het-train: ``train.precision=per_device``)
+plans with ``dtype=per_device``: a device with fast bf16 computes in bf16, one without it (V100, T4) in fp16,
+and the strategy hands each rank its dtype (``use``).  ``PerDevicePrecision`` is the precision plugin, one
+written-out class per Lightning package (``lightning_classes.py``), and this is what it does, on each rank:
 
-* **forward** runs under ``torch.autocast`` in the rank's dtype; parameters,
-  their gradients and the optimizer state stay fp32 (master weights);
-* **backward** of an fp16 rank runs on the loss times the rank's loss scale
-  (dynamic: halved on an overflow, doubled after ``growth_interval`` clean
-  steps), a bf16 rank's on the loss itself;
-* **before the gradient reduction** the comm hook hands every bucket to
-  ``prepare_bucket``: an fp16 rank divides it by its scale (a power of two:
-  exact), so every rank contributes unscaled fp32 gradients to one fp32
-  all-reduce, and notes whether its bucket held an inf or NaN;
-* **the step**: one all-reduce (max) of those notes is the ranks' one overflow
-  decision; on an overflow every rank skips the step (and each fp16 rank halves
-  its scale), otherwise every rank clips and steps on the same gradients.
+* **forward** runs under ``torch.autocast`` in the rank's dtype; parameters, gradients and the optimizer state
+  stay fp32 (master weights);
+* **backward** of an fp16 rank runs on the loss times the rank's loss scale (dynamic: halved on an overflow,
+  doubled after ``growth_interval`` clean steps), a bf16 rank's on the loss itself;
+* **before the gradient reduction** the comm hook hands every bucket to ``prepare_bucket``: an fp16 rank divides
+  it by its scale (a power of two: exact), so every rank adds unscaled fp32 gradients to one fp32 all-reduce,
+  and notes whether its bucket held an inf or NaN;
+* **the step**: one all-reduce (max) of those notes is the ranks' one overflow decision: on an overflow every rank
+  skips the step (each fp16 rank halves its scale), otherwise every rank clips and steps on the same gradients.
 
-The scale and its clean-step count are the plugin's ``state_dict``, saved in
-Lightning's checkpoint.  On ``hetero_deepspeed`` the plugin only names the
-precision: the strategy's runtime runs the step, each rank in its device's dtype
-over the runtime's own fp32 masters and one loss scale (``core.runtime_rules``
-deepspeed rule 7, ``ds_runtime.holder_sharding``).
+The scale and its clean-step count are the plugin's ``state_dict``.  On ``hetero_deepspeed`` the plugin only
+names the precision: that runtime runs each rank in its device's dtype itself (``core.runtime_rules``).
 """
 
 from __future__ import annotations
@@ -34,29 +27,25 @@ from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import Precision
-from typing_extensions import override
 
 from het_strategy.core.dtypes import Dtype
 from het_strategy.core.errors import ConfigError, field_error, require_int
 from het_strategy.core.log import rank_debug
 from het_strategy.profiling.torch_device import TORCH_DTYPES
 
-__all__ = ["PerDevicePrecision", "PER_DEVICE"]
+__all__ = ["PerDeviceScaling", "PER_DEVICE"]
 
 PER_DEVICE = "per_device"
-"""The plugin's ``precision`` string (``Trainer.precision`` reads it; ``run_plan.PRECISION_DTYPES`` maps it)."""
+"""The plugin's ``precision`` string (``Trainer.precision`` reads it; the precision table maps it)."""
 
 
-class PerDevicePrecision(Precision):
-    """Lightning precision plugin: autocast in this rank's device dtype, fp16 loss scaling, one overflow decision.
+class PerDeviceScaling:
+    """Autocast in this rank's device dtype, fp16 loss scaling, one overflow decision (module docstring).
 
     Args:
         init_scale: the fp16 ranks' first loss scale (a power of two, as torch's ``GradScaler``: 2**16).
         growth_interval: clean steps after which the fp16 ranks double their scale (``GradScaler``'s 2000).
     """
-
-    precision = PER_DEVICE  # type: ignore[assignment]  # Lightning types it as its own strings
 
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
         if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0 \
@@ -91,24 +80,20 @@ class PerDevicePrecision(Precision):
         self._nonfinite = torch.zeros((), device=device)
 
     # -- forward and backward ---------------------------------------------------------------------
-    @override
     def forward_context(self) -> ContextManager:
         if self.dtype is None or self.dtype == Dtype.fp32 or self.device is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=TORCH_DTYPES[self.dtype])
 
-    @override
     def train_step_context(self) -> ContextManager:
         if self.dtype is None:
             raise ConfigError("PerDevicePrecision trains under strategy='hetero' only: it takes each rank's dtype "
                               "from the hetero plan (plan.device_dtypes), and this run made none")
         return self.forward_context()
 
-    @override
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
-        if self.scale != 1.0:
-            tensor = tensor * self.scale
-        return super().pre_backward(tensor, module)
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss backward runs on: times this rank's scale (fp16), else the loss itself."""
+        return loss * self.scale if self.scale != 1.0 else loss
 
     def prepare_bucket(self, buffer: torch.Tensor) -> None:
         """Before a gradient bucket is reduced: unscale it (fp16 ranks) and note a non-finite value."""
@@ -118,8 +103,10 @@ class PerDevicePrecision(Precision):
             self._nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(buffer).all()).to(self._nonfinite))
 
     # -- the step ------------------------------------------------------------------------------------
-    @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(self, parent: Callable[..., Any], optimizer: Any, model: Any, closure: Callable[[], Any],
+                       **kwargs: Any) -> Any:
+        """Run the closure (forward and backward), then, unless a rank overflowed, Lightning's own step
+        (``parent``: the ``on_before_optimizer_step`` hooks, gradient clipping, ``optimizer.step``) on its result."""
         closure_result = closure()
         if self._overflow_anywhere():
             self.skipped_steps += 1
@@ -129,10 +116,7 @@ class PerDevicePrecision(Precision):
             rank_debug(dist.get_rank() if dist.is_initialized() else 0, "per-device precision: an inf/NaN gradient "
                        "on some rank, step skipped on every rank; loss scale now %g", self.scale)
             return closure_result
-        self._after_closure(model, optimizer)
-        if closure_result is None and getattr(model, "automatic_optimization", True):
-            return closure_result  # the training step returned None: no backward, no step (as Lightning does)
-        step_output = optimizer.step(**kwargs)
+        step_output = parent(optimizer, model, lambda: closure_result, **kwargs)
         if self.scale != 1.0:
             self.clean_steps += 1
             if self.clean_steps >= self.growth_interval:
@@ -150,12 +134,10 @@ class PerDevicePrecision(Precision):
         return bool(flag.item() > 0)
 
     # -- checkpoint ----------------------------------------------------------------------------------
-    @override
     def state_dict(self) -> dict[str, Any]:
         return {"dtype": None if self.dtype is None else str(self.dtype), "scale": self.scale,
                 "clean_steps": self.clean_steps}
 
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The saved scale applies to a rank computing in the saved dtype (now, or once ``use`` says so); a rank
         that now computes in another dtype (a new plan) starts its scale afresh."""
