@@ -1,27 +1,26 @@
 """Per-rank step telemetry: compute, data loading and communication time, gathered every N steps.
 
-On every rank and training step ``StepTelemetry`` records
-
-* ``compute_s`` — from the batch's start to the moment its last gradient bucket
-  was ready (the ``hetero`` strategy timestamps that in its comm hook): the
-  rank's own forward, backward (and emulated padding), without waiting;
-* ``comm_s`` — from then to the end of backward: the gradient collectives'
-  tail plus waiting for slower ranks;
-* ``data_s`` — from the end of the previous step to this batch's start:
-  fetching the batch (and the loop's own bookkeeping);
-* ``step_s`` — end of the previous step to the end of this one;
-* ``samples`` — the samples the rank really used (0 for a filler);
-* ``share`` — the rank's share of a full global batch in the plan being run;
-* ``raw_bytes`` / ``wire_bytes`` — the gradient bytes this rank's comm hook
-  handled in the step: what a plain ring allreduce of its buckets sends, and
-  what really went on the wire (compression; ``compression/wire_count.py``
-  counts both in the hook).  0 in a step DDP did not sync (accumulation);
-  ``wire_bytes`` is left out for a user's hook that does not count its bytes.
+On every rank and training step ``StepTelemetry`` records ``compute_s`` (the
+batch's start to its last gradient bucket ready, as the ``hetero`` strategy's
+comm hook timestamps it: own forward, backward and emulated padding, no
+waiting); ``comm_s`` (then to backward's end: the collectives' tail plus
+waiting for slower ranks); ``data_s`` (the previous step's end to this batch's
+start: fetching it and the loop's bookkeeping); ``step_s`` (step end to step
+end); ``samples`` (really used; 0 for a filler); ``share`` (of a full global
+batch in the plan run); ``raw_bytes`` / ``wire_bytes`` (the gradient bytes a
+plain ring allreduce of the step's buckets sends, and what went on the wire,
+both counted in the hook by ``compression/wire_count.py``; 0 in a step DDP did
+not sync; ``wire_bytes`` left out for a hook that does not count its bytes).
 
 Every ``every_n_steps`` steps the rows of all ranks are exchanged in one
-tensor all-gather (no collective in the other steps), handed to ``on_window`` —
-which subclasses (the straggler callback) use to decide — and logged on rank 0
-to the Trainer's loggers (wandb, CSV) as ``telemetry/rank{r}/<field>``.
+tensor all-gather (no collective in the other steps), handed to ``on_window``
+(the straggler callback decides there), logged on rank 0 to the Trainer's
+loggers as ``telemetry/rank{r}/<field>``, and added on every rank to running
+sums: ``measured_step_times`` gives each rank's mean step split as the cost
+model predicts it — compute, sync (the step's smallest ``comm_s``: the last
+rank ready waits for nobody), idle (the rest of its ``comm_s``), update
+(backward's end to the step's end: optimizer and loop), data.  The sums
+restart at each fit after ``warmup_steps`` and when the shares change.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from typing_extensions import override
 
 from het_strategy.callbacks.runtime import HeteroRuntime, runtime_of
 from het_strategy.core.errors import field_error, require_int
+from het_strategy.core.plan_score import DeviceStepTimes
 
 __all__ = ["StepTelemetry", "FIELDS"]
 
@@ -49,11 +49,17 @@ class StepTelemetry(pl.Callback):
     Args:
         every_n_steps: steps per exchange (one small ``all_gather``).
         log: log the gathered figures to the Trainer's loggers on rank 0.
+        warmup_steps: first steps of a fit left out of ``measured_step_times``.
     """
 
-    def __init__(self, every_n_steps: int = 2, log: bool = True) -> None:
+    def __init__(self, every_n_steps: int = 2, log: bool = True, warmup_steps: int = 1) -> None:
         self.every_n_steps = require_int(every_n_steps, "every_n_steps", minimum=1)
         self.log = log
+        self.warmup_steps = require_int(warmup_steps, "warmup_steps", minimum=0)
+        self._sums: torch.Tensor | None = None  # [world, 6] sums of the step split since the shares changed
+        self._summed_steps = 0
+        self._summed_shares: torch.Tensor | None = None
+        self._first_step = 0
         self.steps_seen = 0
         self._rows: list[list[float]] = []
         self._last_end: float | None = None
@@ -76,6 +82,8 @@ class StepTelemetry(pl.Callback):
         wire = getattr(self.runtime, "wire", None)
         if wire is not None:  # bytes of an earlier fit with the same strategy are not this run's
             self._wire_seen = wire.reading()
+        self._sums, self._summed_steps, self._summed_shares = None, 0, None
+        self._first_step = self.steps_seen
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -103,6 +111,7 @@ class StepTelemetry(pl.Callback):
         self.steps_seen += 1
         if self.steps_seen % self.every_n_steps == 0:
             window = self._exchange(trainer, pl_module)
+            self._add_to_sums(window)
             if self.log and trainer.global_rank == 0:
                 self._log(trainer, window)
             self.on_window(trainer, pl_module, window, batch_idx)
@@ -138,6 +147,36 @@ class StepTelemetry(pl.Callback):
                        if name != "step" and not math.isnan(float(window[r, s, i]))}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+
+    # -- the measured step split ---------------------------------------------------------------
+    def _add_to_sums(self, window: torch.Tensor) -> None:
+        """Add each step of ``window`` after the warm-up to the sums, restarting them where the shares change."""
+        col = {name: i for i, name in enumerate(FIELDS)}
+        for s in range(window.shape[1]):
+            rows = window[:, s]
+            if rows[0, col["step"]] < self._first_step + self.warmup_steps:
+                continue
+            shares = rows[:, col["share"]]
+            if self._summed_shares is None or not torch.equal(shares, self._summed_shares):
+                self._sums, self._summed_steps, self._summed_shares = None, 0, shares.clone()
+            comm, data, compute = rows[:, col["comm_s"]], rows[:, col["data_s"]], rows[:, col["compute_s"]]
+            sync = comm.min().expand_as(comm)  # the last rank to be ready waits for nobody: its comm is the sync
+            after_backward = rows[:, col["step_s"]] - data - compute - comm
+            split = torch.stack([rows[:, col["samples"]], compute, sync, after_backward, data,
+                                 rows[:, col["step_s"]]], dim=1)
+            self._sums = split if self._sums is None else self._sums + split
+            self._summed_steps += 1
+
+    def measured_step_times(self) -> list[DeviceStepTimes] | None:
+        """Each rank's mean step split over the gathered steps since the shares last changed (after the warm-up),
+        in rank order; None before any such step.  The same on every rank (every rank sums the same windows)."""
+        if self._sums is None or not self._summed_steps:
+            return None
+        means = (self._sums / self._summed_steps).tolist()
+        cluster = self.runtime.cluster if self.runtime is not None else None
+        names = [d.name for d in cluster.devices] if cluster is not None else [f"rank{r}" for r in range(len(means))]
+        return [DeviceStepTimes(name, samples, compute, sync, after, step, data_s=data)
+                for name, (samples, compute, sync, after, data, step) in zip(names, means)]
 
     def on_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, window: torch.Tensor,
                   batch_idx: int) -> None:

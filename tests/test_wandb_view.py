@@ -345,6 +345,10 @@ def test_an_offline_wandb_run_shows_the_plan_bytes_and_every_decision(tmp_path: 
     assert fast[share] + slow[share] == 16 and fast[share] > slow[share]
     (picture,) = files.glob("media/images/hetero/plan_picture_*.png")
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # at the end: the measured split beside the predicted one, in wandb and beside the CSV logger's files
+    (steps,) = files.glob("media/images/hetero/step_times_*.png")
+    assert steps.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "csv" / "version_0" / "step_times.png").is_file()
 
     decisions = _latest_table(files, "straggler/decisions")
     row = dict(zip(decisions["columns"], decisions["data"][0]))

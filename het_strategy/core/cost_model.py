@@ -367,7 +367,9 @@ class CostModel:
                          pipeline_times_s=pipeline_times, sync_time_s=sync, update_time_s=update,
                          memory_bytes=memory, memory_capacity_bytes=capacity, stage_costs=stage_costs,
                          grad_dtype=self.settings.grad_reduce_dtype, network=self.network.describe(),
-                         compute="" if self.profile is None else self.profile.coverage(kinds))
+                         compute="" if self.profile is None else self.profile.coverage(kinds),
+                         device_sync_s={d: t[0] for d, t in post.items()},
+                         device_update_s={d: t[1] for d, t in post.items()})
 
     def pipeline_cost(self, pipe: Pipeline, dp: int, experts_by_dev: dict[str, dict[int, int]] | None = None,
                       group_tokens: float = 0.0, routes: list[SyncRoute] | None = None

@@ -5,9 +5,10 @@ that); this module handles what a CSV or TensorBoard logger cannot take, and
 does nothing when no ``WandbLogger`` is among the loggers:
 
 - ``log_table`` — a ``wandb.Table`` (``WandbLogger.log_table``) at a step;
-- ``log_picture`` — draws the plan picture (``picture.py``, matplotlib) into
-  the wandb run's folder and logs it as a ``wandb.Image``; without matplotlib
-  it logs one debug message and nothing else;
+- ``log_picture`` — draws the plan picture (``picture.py``, matplotlib; for a
+  data-parallel plan the step picture, with a run's measured split when given)
+  into the wandb run's folder and logs it as a ``wandb.Image``; without
+  matplotlib it logs one debug message and nothing else;
 - ``save_file`` — ``run.save`` of a file written elsewhere (``summary.json``):
   linked into the run's ``files/`` folder, uploaded with the run, offline
   runs included (``wandb sync``).
@@ -19,13 +20,14 @@ there).  wandb itself is imported only where an image is made.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from het_strategy.core.log import logger
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
     from het_strategy.core.plan import Plan
+    from het_strategy.core.plan_score import DeviceStepTimes, PlanScore
 
 __all__ = ["wandb_loggers", "log_table", "log_picture", "save_file"]
 
@@ -44,9 +46,11 @@ def log_table(loggers: Sequence[Any], key: str, columns: Sequence[str], rows: Se
     return bool(targets)
 
 
-def log_picture(loggers: Sequence[Any], key: str, plan: "Plan", cluster: "ClusterSpec",
-                step: int | None = None) -> Path | None:
-    """Draw ``plan`` into each wandb run's folder as ``plan.png`` and log it as an image; the last file drawn."""
+def log_picture(loggers: Sequence[Any], key: str, plan: "Plan", cluster: "ClusterSpec", step: int | None = None,
+                figures: "PlanScore | Mapping[str, Any] | None" = None,
+                measured: "Sequence[DeviceStepTimes] | None" = None, file_name: str = "plan.png") -> Path | None:
+    """Draw ``plan`` (``picture.plot_plan``: ``figures`` default the plan's ``predicted``; ``measured`` per rank
+    for a dp plan) into each wandb run's folder as ``file_name`` and log it as an image; the last file drawn."""
     targets = wandb_loggers(loggers)
     if not targets:
         return None
@@ -59,10 +63,12 @@ def log_picture(loggers: Sequence[Any], key: str, plan: "Plan", cluster: "Cluste
 
     from het_strategy.report.picture import plot_plan
 
+    caption = (f"predicted and measured step of each rank on {cluster.name}" if measured is not None
+               else f"plan for {cluster.name}")
     path = None
     for lg in targets:
-        path = plot_plan(plan, cluster, Path(lg.experiment.dir) / "plan.png")
-        lg.log_metrics({key: wandb.Image(str(path), caption=f"plan for {cluster.name}")}, step=step)
+        path = plot_plan(plan, cluster, Path(lg.experiment.dir) / file_name, measured=measured, figures=figures)
+        lg.log_metrics({key: wandb.Image(str(path), caption=caption)}, step=step)
     return path
 
 
