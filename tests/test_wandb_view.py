@@ -188,7 +188,7 @@ class _Trainer:
         from types import SimpleNamespace
 
         self.callbacks, self.loggers = list(callbacks), loggers
-        self.strategy = _Runtime(compressing)
+        self.strategy = SimpleNamespace(run=_Runtime(compressing))
         self.state = SimpleNamespace(fn="fit")
         self.lightning_module, self.world_size = None, 2
 
@@ -201,11 +201,11 @@ def test_the_strategy_adds_each_telemetry_callback_once_and_sets_it_up() -> None
     from het_strategy.callbacks.attach import attach_callbacks
 
     def added(trainer: _Trainer, telemetry: bool = True, rebalance: Any = None) -> list[type]:
-        return [type(c) for c in attach_callbacks(trainer.strategy, trainer, 0, rebalance, telemetry, None)]
+        return [type(c) for c in attach_callbacks(trainer.strategy.run, trainer, 0, rebalance, telemetry, None)]
 
     trainer = _Trainer([], ["a logger"])
     assert added(trainer) == [RunReport, StepTelemetry, CompressionMonitor]
-    assert trainer.callbacks[1].runtime is trainer.strategy  # its setup ran (Lightning's had already)
+    assert trainer.callbacks[1].runtime is trainer.strategy.run  # its setup ran (Lightning's had already)
     assert added(trainer) == []  # a second setup (validate after fit) adds nothing
     present = [StragglerMitigation(verbose=False), CompressionMonitor()]  # what het-train brings
     assert added(_Trainer(present, ["a logger"])) == [RunReport]
@@ -215,7 +215,7 @@ def test_the_strategy_adds_each_telemetry_callback_once_and_sets_it_up() -> None
     rebalance = StragglerMitigation(verbose=False)
     assert added(_Trainer([], []), telemetry=False, rebalance=rebalance) == [StragglerMitigation]
     resumed = _Trainer([], ["a logger"], compressing=False)
-    attach_callbacks(resumed.strategy, resumed, 0, None, True,
+    attach_callbacks(resumed.strategy.run, resumed, 0, None, True,
                      {StepTelemetry().state_key: {"steps_seen": 7, "rows": [[0.0] * 6]}})
     telemetry = resumed.callbacks[1]
     assert telemetry.steps_seen == 7 and len(telemetry._rows[0]) == 9  # old rows padded for the new fields

@@ -33,7 +33,6 @@ from het_strategy.planning.request import PlanMode
 from het_strategy.strategy.deepspeed_checkpoint import load_plan_checkpoint, save_plan_checkpoint
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
-from het_strategy.strategy.lifecycle import RunLifecycle
 from het_strategy.strategy.liveness import HEARTBEAT_TIMEOUT_S
 from het_strategy.strategy.strategy_run import Parent, StrategyRun
 
@@ -85,19 +84,12 @@ class DeepSpeedRun(StrategyRun):
         """The loaders' check and the training loader's position."""
         self.gradient_clipping = float(gradient_clipping)
         """The largest global gradient norm (0 = off)."""
-        self.lifecycle = RunLifecycle(heartbeat_timeout_s, ddp_kwargs.get("timeout"),
-                                      ddp_kwargs.get("process_group_backend"))
-        """This rank's heartbeat, elastic restart and end of process."""
-        self._lightning_kwargs = {**ddp_kwargs, "timeout": self.lifecycle.timeout}
+        super().__init__(heartbeat_timeout_s, ddp_kwargs)
         self.runner: Any = None
         """This rank's ``PlanRunner`` (built in ``setup_optimizers``); ``runner.named_parameters()``: this rank's
         parameters by their name in the full layer list."""
         self.last_loss: float | None = None
         """The global-batch mean loss of the last training step, unrounded (the same on every rank)."""
-
-    @override
-    def lightning_kwargs(self) -> dict[str, Any]:
-        return dict(self._lightning_kwargs)
 
     # -- what users and callbacks read ------------------------------------------------------------
     @property
@@ -143,13 +135,6 @@ class DeepSpeedRun(StrategyRun):
 
     # -- setup ------------------------------------------------------------------------------------
     @override
-    def setup_distributed(self, strategy: Any, parent: Parent) -> None:
-        """Lightning's, after joining this restart's own process group under torchrun's agent store."""
-        strategy.set_world_ranks()
-        self.lifecycle.join_process_group(strategy.global_rank, strategy.world_size)
-        parent()
-
-    @override
     def setup_environment(self, strategy: Any, parent: Parent) -> None:
         from het_strategy.ds_runtime.engine import init_deepspeed_distributed
 
@@ -168,17 +153,6 @@ class DeepSpeedRun(StrategyRun):
         if planning:
             rank_zero_info(rank, "hetero_deepspeed planned %d device(s), %d replica(s): %s",
                            len(plan.used_devices), plan.num_pipelines, self.plan_summary)
-
-    @override
-    def on_exception(self, strategy: Any, parent: Parent, exception: BaseException) -> None:
-        """A collective that failed because a rank is gone ends with the watchdog's one line (``RunLifecycle``)."""
-        parent(exception)
-        self.lifecycle.failed(exception)
-
-    @override
-    def teardown(self, strategy: Any, parent: Parent) -> None:
-        self.lifecycle.stop()
-        parent()
 
     @override
     def setup(self, strategy: Any, parent: Parent, trainer: Any) -> None:

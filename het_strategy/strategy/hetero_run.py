@@ -46,7 +46,6 @@ from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, che
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
-from het_strategy.strategy.lifecycle import RunLifecycle
 from het_strategy.strategy.liveness import HEARTBEAT_TIMEOUT_S
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
 from het_strategy.strategy.per_device_scaling import PER_DEVICE
@@ -117,12 +116,9 @@ class HeteroRun(StrategyRun):
         config = None if hook is not None else compression_config(planned_compression(compression, plan))
         self.comm = CommHookBuilder(config, hook, compression_state, ddp_kwargs.pop("ddp_comm_wrapper", None))
         """The comm hook and the compression state."""
-        self.lifecycle = RunLifecycle(heartbeat_timeout_s, ddp_kwargs.get("timeout"),
-                                      ddp_kwargs.get("process_group_backend"))
-        """This rank's heartbeat, elastic restart and end of process."""
         # Lightning registers no hook without ``ddp_comm_hook``; it still reads the state (post-localSGD averaging)
-        self._lightning_kwargs = {**ddp_kwargs, "timeout": self.lifecycle.timeout,
-                                  "ddp_comm_state": compression_state if hook is not None else None}
+        super().__init__(heartbeat_timeout_s, {**ddp_kwargs,
+                                               "ddp_comm_state": compression_state if hook is not None else None})
         self.ddp_kwargs = ddp_module_kwargs(ddp_kwargs)
         """What ``DistributedDataParallel`` is built with: the arguments given to Lightning that are DDP's."""
         self.plans = PlanHolder(cluster, plan, workload, emulation=emulation, probe_cache_dir=probe_cache_dir,
@@ -144,10 +140,6 @@ class HeteroRun(StrategyRun):
         """This rank, the world size and the device (from ``setup_environment``)."""
         self._saved_callback_states: dict[str, Any] | None = None
         self._in_step = False
-
-    @override
-    def lightning_kwargs(self) -> dict[str, Any]:
-        return dict(self._lightning_kwargs)
 
     # -- what callbacks read (callbacks/runtime.py HeteroRuntime) -----------------------------------
     @property
@@ -230,13 +222,6 @@ class HeteroRun(StrategyRun):
 
     # -- environment and setup ----------------------------------------------------------------------
     @override
-    def setup_distributed(self, strategy: Any, parent: Parent) -> None:
-        """Lightning's, after joining this restart's own process group under torchrun's agent store."""
-        strategy.set_world_ranks()
-        self.lifecycle.join_process_group(strategy.global_rank, strategy.world_size)
-        parent()
-
-    @override
     def setup_environment(self, strategy: Any, parent: Parent) -> None:
         # Lightning warns its DistributedSampler may repeat validation samples; ours evaluates each once
         warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
@@ -250,15 +235,8 @@ class HeteroRun(StrategyRun):
         self.extension.environment_ready(strategy, cluster, self.plans.plan_source, self.lifecycle.timeout)
 
     @override
-    def on_exception(self, strategy: Any, parent: Parent, exception: BaseException) -> None:
-        """A collective that failed because a rank is gone ends with the watchdog's one line (``RunLifecycle``)."""
-        parent(exception)
-        self.lifecycle.failed(exception)
-
-    @override
     def teardown(self, strategy: Any, parent: Parent) -> None:
-        self.lifecycle.stop()
-        parent()
+        super().teardown(strategy, parent)
         self.extension.teardown()
 
     @override

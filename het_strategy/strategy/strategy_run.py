@@ -10,8 +10,9 @@ and, per package, a thin written-out subclass of that package's ``DDPStrategy`` 
 
 A run's hook gets the Lightning strategy (for Lightning's public API: the module, the ranks, the device,
 ``model``) and ``parent``, the package's own implementation, which it calls, or replaces when it does not.
-The defaults below call ``parent`` unchanged, so a run writes only the hooks it changes.  A run imports no
-Lightning package: it works with whichever one its strategy class belongs to.
+The defaults below call ``parent`` unchanged, so a run writes only the hooks it changes, except the process's
+lifecycle (``RunLifecycle``: heartbeat, elastic restart, end of process), which every run has and the defaults
+drive.  A run imports no Lightning package: it works with whichever one its strategy class belongs to.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable, Protocol
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.plan import Plan
+from het_strategy.strategy.lifecycle import RunLifecycle
 
 __all__ = ["StrategyRun", "LightningStrategy"]
 
@@ -45,7 +47,19 @@ Parent = Callable[..., Any]
 
 
 class StrategyRun:
-    """A strategy's behaviour behind Lightning's hooks; each default calls ``parent`` as Lightning would."""
+    """A strategy's behaviour behind Lightning's hooks; each default calls ``parent`` as Lightning would.
+
+    Args:
+        heartbeat_timeout_s: the lifecycle's heartbeat bound (None: no heartbeat).
+        lightning_kwargs: what the strategy class passes to its package's ``DDPStrategy.__init__``; its
+            ``timeout`` (each collective's) and ``process_group_backend`` are the lifecycle's too.
+    """
+
+    def __init__(self, heartbeat_timeout_s: float | None, lightning_kwargs: dict[str, Any]) -> None:
+        self.lifecycle = RunLifecycle(heartbeat_timeout_s, lightning_kwargs.get("timeout"),
+                                      lightning_kwargs.get("process_group_backend"))
+        """This rank's heartbeat, elastic restart and end of process."""
+        self._lightning_kwargs = {**lightning_kwargs, "timeout": self.lifecycle.timeout}
 
     @property
     def plan(self) -> Plan | None:
@@ -59,19 +73,25 @@ class StrategyRun:
 
     def lightning_kwargs(self) -> dict[str, Any]:
         """The keyword arguments the strategy class passes to its package's ``DDPStrategy.__init__``."""
-        return {}
+        return dict(self._lightning_kwargs)
 
     # -- environment and setup ------------------------------------------------------------------------
     def setup_distributed(self, strategy: Any, parent: Parent) -> None:
+        """Lightning's, after joining this restart's own process group under torchrun's agent store."""
+        strategy.set_world_ranks()
+        self.lifecycle.join_process_group(strategy.global_rank, strategy.world_size)
         parent()
 
     def setup_environment(self, strategy: Any, parent: Parent) -> None:
         parent()
 
     def on_exception(self, strategy: Any, parent: Parent, exception: BaseException) -> None:
+        """A collective that failed because a rank is gone ends with the watchdog's one line (``RunLifecycle``)."""
         parent(exception)
+        self.lifecycle.failed(exception)
 
     def teardown(self, strategy: Any, parent: Parent) -> None:
+        self.lifecycle.stop()
         parent()
 
     def setup(self, strategy: Any, parent: Parent, trainer: Any) -> None:
