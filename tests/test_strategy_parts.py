@@ -27,7 +27,7 @@ from het_strategy.strategy.arguments import PROBE_MODES
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.planning.experts import MoEPlacement
-from het_strategy.strategy.experts import ExpertPlacer, check_resumable
+from het_strategy.strategy.expert_placer import ExpertPlacer, check_resumable
 from het_strategy.strategy.hetero_run import ProbeMode
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, is_split, loader_mode, split_loader
 from het_strategy.strategy.plan_holder import PlanHolder

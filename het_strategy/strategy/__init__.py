@@ -6,7 +6,7 @@
 - ``registry.py``       the public classes by name, and when each package's class module is imported
 - ``hetero_run.py``     ``HeteroRun`` (``hetero``): uneven DDP, each concern a collaborator:
   ``plan_holder.py`` (cluster, workload, Plan), ``loaders.py`` / ``sampler.py`` (the split loaders),
-  ``step_timing.py`` (pacing), ``compression_run.py`` (the comm hook), ``experts.py`` (HeteroMoE placement),
+  ``step_timing.py`` (pacing), ``compression_run.py`` (the comm hook), ``expert_placer.py`` (HeteroMoE placement),
   ``checkpoint.py`` (what a checkpoint carries), ``arguments.py`` (the constructor's checks)
 - ``dp_extension.py``   what an algorithm on top of uneven DP changes; ``diloco_run.py`` is ``hetero_diloco``'s
 - ``deepspeed_run.py``  ``DeepSpeedRun`` (``hetero_deepspeed``), with ``deepspeed_plan.py``, ``global_batches.py``

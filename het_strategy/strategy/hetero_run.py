@@ -45,7 +45,7 @@ from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, che
     check_workload_source, planned_compression
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.dp_extension import DataParallelExtension
-from het_strategy.strategy.experts import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
+from het_strategy.strategy.expert_placer import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
 from het_strategy.strategy.liveness import HEARTBEAT_TIMEOUT_S
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
 from het_strategy.strategy.per_device_scaling import PER_DEVICE
