@@ -55,14 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict  # noqa: E402
 from het_strategy.core.cost_model import CostModel, StageCost, pipeline_time_s  # noqa: E402
 from het_strategy.core.memory import MemoryModel  # noqa: E402
-from het_strategy.core.train_settings import TrainSettings  # noqa: E402
+from het_strategy.core.train_settings import TP_DEGREES, TrainSettings  # noqa: E402
 from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
 from het_strategy.core.workload import TransformerConfig, WorkloadSpec, transformer_workload  # noqa: E402
 
 __all__ = ["BruteResult", "Case", "brute_force_plan", "naive_brute_force", "random_case", "space_size",
            "plan_in_space", "main"]
 
-_TP_DEGREES = (1, 2, 4, 8)
 _REL_TOL = 1e-9
 
 Unit = tuple[int, int]          # (device class index, tp)
@@ -98,7 +97,7 @@ def _device_classes(cluster: ClusterSpec) -> list[tuple[str, ...]]:
 
 
 def _units(classes: list[tuple[str, ...]], max_tp: int) -> list[Unit]:
-    return [(c, tp) for c, devs in enumerate(classes) for tp in _TP_DEGREES if tp <= max_tp and tp <= len(devs)]
+    return [(c, tp) for c, devs in enumerate(classes) for tp in TP_DEGREES if tp <= max_tp and tp <= len(devs)]
 
 
 def _templates(units: list[Unit], counts: list[int], max_len: int) -> list[Template]:
@@ -364,7 +363,7 @@ def plan_in_space(plan: Plan, cluster: ClusterSpec, workload: WorkloadSpec, sett
         if pipe.micro_batch_size not in settings.micro_batch_sizes:
             why.append(f"pipeline {p} micro-batch {pipe.micro_batch_size} not in {settings.micro_batch_sizes}")
         for s, st in enumerate(pipe.stages):
-            if st.tp not in _TP_DEGREES or st.tp > settings.max_tp:
+            if st.tp not in TP_DEGREES or st.tp > settings.max_tp:
                 why.append(f"pipeline {p} stage {s} tp={st.tp} (max_tp {settings.max_tp})")
             if len({cls_of[d] for d in st.devices}) > 1:
                 why.append(f"pipeline {p} stage {s} mixes device classes {st.devices}")

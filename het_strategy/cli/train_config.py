@@ -25,7 +25,8 @@ from omegaconf import MISSING, DictConfig
 
 from het_strategy.cli.structured import store_schema, to_typed
 from het_strategy.core.compute_model import AttentionKernel
-from het_strategy.core.errors import field_error, require_int, require_number, require_option
+from het_strategy.core.errors import alternatives, field_error, require_int, require_number, require_option
+from het_strategy.core.train_settings import TP_DEGREES
 from het_strategy.planning.experts import MoEPlacement
 from het_strategy.planning.request import PlanRequest
 from het_strategy.planning.run_plan import PRECISION_DTYPES
@@ -140,13 +141,14 @@ class TrainConfig:
     seed: int = 0
     """Seed of weights, shuffling and dropout."""
     max_tp: Optional[int] = None
-    """Largest tensor-parallel degree the planner may use (1, 2, 4, 8; > 1 with strategy=hetero_deepspeed only);
+    """Largest tensor-parallel degree the planner may use (one of ``core.train_settings.TP_DEGREES``; > 1 with
+    strategy=hetero_deepspeed only);
     None: the strategy's default (hetero_deepspeed: 8, within a node; hetero: 1)."""
 
     def __post_init__(self) -> None:
         require_int(self.global_batch_size, "train.global_batch_size", minimum=1)
-        if self.max_tp is not None and (isinstance(self.max_tp, bool) or self.max_tp not in (1, 2, 4, 8)):
-            raise field_error("train.max_tp", self.max_tp, "be 1, 2, 4, 8 or null")
+        if self.max_tp is not None and (isinstance(self.max_tp, bool) or self.max_tp not in TP_DEGREES):
+            raise field_error("train.max_tp", self.max_tp, f"be {alternatives([*TP_DEGREES, 'null'])}")
         for name in ("max_steps", "accumulate_grad_batches", "val_every_n_steps", "val_batches"):
             require_int(getattr(self, name), f"train.{name}", minimum=1)
         require_number(self.lr, "train.lr")

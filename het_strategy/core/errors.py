@@ -10,12 +10,12 @@ import math
 import re
 from contextlib import contextmanager
 from enum import Enum
-from typing import Any, Iterator, Mapping, TypeVar
+from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
 E = TypeVar("E", bound=Enum)
 
 __all__ = ["ConfigError", "field_error", "fields_under", "check_keys", "is_positive", "require_number",
-           "require_int", "require_option"]
+           "require_int", "require_option", "alternatives"]
 
 
 class ConfigError(ValueError):
@@ -28,6 +28,12 @@ class ConfigError(ValueError):
         self.value = value
         self.reported_by_rank_zero = reported_by_rank_zero
         """Rank 0 raised the same error and reports it: the CLIs exit 2 here without printing it again."""
+
+
+def alternatives(values: Sequence[Any]) -> str:
+    """``values`` as a rule reads them: ``(0, 1, 2)`` -> ``"0, 1 or 2"``."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def field_error(field: str, value: Any, rule: str, fix: str | None = None) -> ConfigError:

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.dtypes import Dtype, as_dtype, as_element_dtype
-from het_strategy.core.errors import ConfigError, check_keys, field_error, require_int
+from het_strategy.core.errors import ConfigError, alternatives, check_keys, field_error, require_int
 from het_strategy.core.files import naming_file, read_json_file
 from het_strategy.core.outer_sync import OuterSync
 from het_strategy.core.plain_data import plain
+from het_strategy.core.train_settings import ZERO_STAGES
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
@@ -165,8 +166,8 @@ class Plan:
                               f"sum to global_batch_size ({self.global_batch_size}); they sum to {total}")
         self.dtype = as_dtype(self.dtype, "plan.dtype")
         self._check_device_dtypes()
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise field_error("plan.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
+        if self.zero_stage not in ZERO_STAGES:
+            raise field_error("plan.zero_stage", self.zero_stage, f"be {alternatives(ZERO_STAGES)}")
         if self.outer_sync is not None:
             self.outer_sync.check_covers(self.used_devices)
 

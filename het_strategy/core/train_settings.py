@@ -4,7 +4,9 @@
 rule of ZeRO sharding (``zero_shards``): which training state is split over
 the data-parallel replicas at each stage, and so what one replica holds
 (``state_bytes_per_param``).  The cost model, the expert placement and the
-DeepSpeed config all ask it.
+DeepSpeed config all ask it.  ``TP_DEGREES`` and ``ZERO_STAGES`` are the values
+``max_tp`` and ``zero_stage`` may take (a plan's ``zero_stage`` too); every check
+and message elsewhere reads them.
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ from het_strategy.core.catalog import device_catalog, lookup_device_type
 from het_strategy.core.compressed_sync import check_token
 from het_strategy.core.compute_model import ComputeModel, Float32MatmulPrecision
 from het_strategy.core.dtypes import DTYPE_BYTES, ELEMENT_DTYPES, Dtype, as_dtype, as_element_dtype
-from het_strategy.core.errors import ConfigError, field_error, require_int, require_number, require_option
+from het_strategy.core.errors import (ConfigError, alternatives, field_error, require_int, require_number,
+                                     require_option)
 
 if TYPE_CHECKING:
     from het_strategy.core.device_spec import DeviceSpec
 
-__all__ = ["ZeroShards", "TrainSettings", "REDUCE_BUFFER_BYTES", "ENGINE_COPY_BYTES"]
+__all__ = ["TP_DEGREES", "ZERO_STAGES", "ZeroShards", "TrainSettings", "REDUCE_BUFFER_BYTES", "ENGINE_COPY_BYTES"]
+
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+"""The tensor-parallel degrees the planners try, and ``max_tp``'s choices (powers of two, so every degree divides
+the largest: the deepspeed runtime reduces a gradient in units of the finest shard, ``core.runtime_rules``)."""
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+"""ZeRO stages: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over the replicas
+(``zero_shards``)."""
 
 REDUCE_BUFFER_BYTES = 4
 """Bytes per parameter of the fp32 buffer the gradient reduction runs in (DDP's buckets, DeepSpeed's)."""
@@ -58,7 +68,7 @@ class TrainSettings:
     runtime filter (``planner.runtime``) keeps what a runtime runs (``hetero``: tp 1; ``deepspeed``: tp stages at
     ZeRO 0)."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    """Micro-batch sizes the planner tries."""
+    """Micro-batch sizes the planner tries (a search list of its own, not ``TP_DEGREES``)."""
     memory_reserve_gb: float = 0.0
     """Headroom: GiB per device kept free beyond the memory model (``core/memory.py``), which counts the framework's
     overhead outside the allocator and is never below Sailor's validated fit check on the configurations Sailor
@@ -102,10 +112,10 @@ class TrainSettings:
                                                                  "settings.compute_model"))
         object.__setattr__(self, "float32_matmul_precision", require_option(
             Float32MatmulPrecision, self.float32_matmul_precision, "settings.float32_matmul_precision"))
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise field_error("settings.zero_stage", self.zero_stage, "be 0, 1, 2 or 3")
-        if self.max_tp not in (1, 2, 4, 8):
-            raise field_error("settings.max_tp", self.max_tp, "be 1, 2, 4 or 8")
+        if self.zero_stage not in ZERO_STAGES:
+            raise field_error("settings.zero_stage", self.zero_stage, f"be {alternatives(ZERO_STAGES)}")
+        if self.max_tp not in TP_DEGREES:
+            raise field_error("settings.max_tp", self.max_tp, f"be {alternatives(TP_DEGREES)}")
         sizes = tuple(self.micro_batch_sizes)
         if not sizes:
             raise field_error("settings.micro_batch_sizes", list(sizes), "list at least one size")

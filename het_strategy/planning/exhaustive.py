@@ -66,6 +66,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TP_DEGREES
 from het_strategy.planning.bound_cache import BoundCache
 from het_strategy.planning.bounds import curve_structure_bound, structure_bound
 from het_strategy.planning.structure import Slots, StructureResult, assemble_plan, structure_routes
@@ -201,7 +202,7 @@ class _Space:
         self.bc = bc
         slot_of = {}
         for c, cls in enumerate(classes):
-            for tp in (1, 2, 4, 8):
+            for tp in TP_DEGREES:
                 slot_of[(c, tp)] = bc.slot(cls.devices[:1] * tp)
         self.counts = tuple(len(c.devices) for c in classes)
         self.max_dp = max_dp = min(cm.settings.global_batch_size, sum(self.counts))

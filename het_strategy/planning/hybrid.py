@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from het_strategy.core.cost_model import CostModel
+from het_strategy.core.train_settings import TP_DEGREES
 from het_strategy.planning.exhaustive import plan_exhaustive
 from het_strategy.planning.families import plan_families
 from het_strategy.planning.structure import Slots, StructureResult
@@ -75,7 +76,7 @@ def device_classes(cm: CostModel) -> list[DeviceClass]:
 
 
 def _tp_options(cm: CostModel, count: int) -> list[int]:
-    return [t for t in (1, 2, 4, 8) if t <= cm.settings.max_tp and t <= count]
+    return [t for t in TP_DEGREES if t <= cm.settings.max_tp and t <= count]
 
 
 def plan_hybrid(cm: CostModel) -> StructureResult | None:

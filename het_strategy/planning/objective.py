@@ -58,7 +58,7 @@ from typing import Callable
 
 from het_strategy.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from het_strategy.core.cost_model import CostModel
-from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.train_settings import TP_DEGREES, TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.pricing import SECONDS_PER_HOUR, devices_price_per_hour, plan_price, require_prices
@@ -69,7 +69,6 @@ __all__ = ["MAX_SUBSETS", "Candidate", "ObjectiveResult", "search_objective", "s
 
 MAX_SUBSETS = 4096
 """Most sub-clusters one search may hold (each one may be planned: about 0.05-0.5 s each)."""
-_TP_DEGREES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -366,7 +365,7 @@ class _Bounds:
             kind_of[d.name] = key
             if key in per_kind:
                 continue
-            tps = [t for t in _TP_DEGREES if t <= settings.max_tp and t <= key[1]]
+            tps = [t for t in TP_DEGREES if t <= settings.max_tp and t <= key[1]]
             per_kind[key] = [min(t * cm.stage_compute_s(d, t, m, layer, layer + 1) / m for t in tps for m in sizes)
                              for layer in range(cm.workload.num_layers)]
         layers = range(cm.workload.num_layers)
