@@ -41,8 +41,9 @@ from het_strategy.compression.codecs import round_trip, wire_bytes
 from het_strategy.compression.config import CompressionConfig
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods
-from het_strategy.core.codecs import Codec, ring_allreduce_bytes
+from het_strategy.core.codecs import Codec
 from het_strategy.core.log import logger
+from het_strategy.core.network import ring_allreduce_bytes
 from het_strategy.profiling.torch_device import DTYPE_NAMES
 
 __all__ = ["AdaptiveController", "Solution", "time_link", "format_decisions"]

@@ -67,7 +67,8 @@ from het_strategy.compression.codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.duplex import all_gather, all_to_all
 from het_strategy.compression.quantize import zero_padded
-from het_strategy.core.codecs import CodecSpec, ring_allreduce_bytes
+from het_strategy.core.codecs import CodecSpec
+from het_strategy.core.network import ring_allreduce_bytes
 
 __all__ = ["Exchanged", "Steps", "overlaps", "settle", "chain", "run_steps", "allreduce_steps", "quantized_steps",
            "topk_steps", "allreduce_mean", "quantized_mean", "topk_mean"]

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from het_strategy.compression.codecs import wire_bytes
 from het_strategy.compression.exchange import Steps, allreduce_steps, quantized_steps, run_steps, topk_steps
 from het_strategy.compression.state import CompressionState
-from het_strategy.core.codecs import CODECS, Codec, Exchange, ring_allreduce_bytes
+from het_strategy.core.codecs import CODECS, Codec, Exchange
+from het_strategy.core.network import ring_allreduce_bytes
 
 __all__ = ["compression_hook"]
 

@@ -4,7 +4,7 @@
 hands to ``inner``:
 
 - ``raw`` — what a plain ring allreduce of the bucket in its own dtype sends
-  per rank, ``2 (W-1)/W x bucket bytes`` (``core.codecs.ring_allreduce_bytes``,
+  per rank, ``2 (W-1)/W x bucket bytes`` (``core.network.ring_allreduce_bytes``,
   the same figure as ``CompressionState.bytes_fp32`` and the ``none`` codec's
   wire bytes);
 - ``sent`` — what ``inner`` really put on the wire: the growth of its state's
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from het_strategy.core.codecs import ring_allreduce_bytes
+from het_strategy.core.network import ring_allreduce_bytes
 
 __all__ = ["WireBytes", "counted_comm_hook"]
 

@@ -36,10 +36,11 @@ from enum import StrEnum
 from typing import Any, Literal, Sequence
 
 from het_strategy.core.errors import field_error
+from het_strategy.core.network import ring_allreduce_bytes, ring_steps
 from het_strategy.core.workload import DTYPE_BYTES
 
 __all__ = ["Codec", "Exchange", "Bound", "Scaling", "SCALINGS", "META_FLOATS", "CodecParams", "CodecSpec",
-           "CODECS", "ELEMENTWISE_CODECS", "codec", "ring_allreduce_bytes", "packed_bytes", "topk_count",
+           "CODECS", "ELEMENTWISE_CODECS", "codec", "packed_bytes", "topk_count",
            "low_rank"]
 
 
@@ -115,12 +116,6 @@ class CodecParams:
     """Fraction of each layer's entries that top-k sends."""
 
 
-def ring_allreduce_bytes(num_bytes: int, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``num_bytes`` over ``world`` ranks (reduce-scatter +
-    allgather: ``2 (W-1)/W`` of the tensor)."""
-    return 2 * (world - 1) * int(num_bytes) // world
-
-
 def packed_bytes(num_elements: int, bits: int, params: CodecParams) -> int:
     """Bytes of ``num_elements`` (a multiple of the bucket size) quantized to ``bits``: the densely packed codes
     and each bucket's fp32 metadata."""
@@ -175,7 +170,7 @@ class CodecSpec:
         if self.exchange is Exchange.QUANTIZED:
             assert self.bits is not None
             chunk = math.ceil(numel / (world * params.bucket_size)) * params.bucket_size  # each rank's share
-            return 2 * (world - 1) * packed_bytes(chunk, self.bits, params)
+            return ring_steps(world) * packed_bytes(chunk, self.bits, params)  # a ring of packed chunks
         if self.exchange is Exchange.ALLGATHER:
             return (world - 1) * 8 * topk_count(numel, params.topk_ratio)
         rows = shape[0]

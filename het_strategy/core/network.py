@@ -1,45 +1,26 @@
 """What moving bytes costs: pipeline sends, gradient allreduces and tensor-parallel allreduces.
 
-The cost model asks this module, and only this module, how long a transfer
-takes, so the link model is in one place.
+The cost model asks this module, and only this module, how long a transfer takes, so the link model is in
+one place; the ring allreduce's rule (``ring_steps``, ``ring_allreduce_bytes``, ``ring_allreduce_time_s``) is
+written here once and read by the codecs, the comm hooks' byte counts, the link probe and Sailor's simulator.
 
-**Links.**  Inside a node, devices talk over the node's ``intra_bandwidth_gbs``
-(NVLink, or PCIe on nodes without it: AMP's T4 node).  Across nodes, each node
-has a network interface of ``inter_bandwidth_gbs`` (default: the cluster's
-``inter_node_bandwidth_gbs``) that every flow leaving the node *at the same
-time* shares, and one flow alone reaches at most ``inter_flow_bandwidth_gbs``
-(default: the whole interface).  The two figures differ on real clouds: in
-Sailor's measurements (us-central1-a) one V100 reaches 1.72 GB/s to another
-node, four V100s of a node together 5.787 GB/s, not 4 x 5.787.  A flow between
-nodes a and b carrying one of ``f_a`` (``f_b``) concurrent flows of its node gets
+Links: inside a node, devices talk over the node's ``intra_bandwidth_gbs``.  Across nodes, each node has an
+interface of ``inter_bandwidth_gbs`` that every flow leaving it *at the same time* shares, and one flow alone
+reaches at most ``inter_flow_bandwidth_gbs``.  A flow between nodes a and b, one of ``f_a`` (``f_b``)
+concurrent flows of its node, gets
 
     min(flow_cap_a, flow_cap_b, nic_a / f_a, nic_b / f_b, link_ab / max(f_a, f_b))
 
-where ``link_ab`` is an explicit ``links`` entry for the pair, if any.
+(``link_ab``: an explicit ``links`` entry for the pair).  Every message pays the cluster's ``latency_us``
+once; a subclass may make the bandwidth a function of the message size (Sailor's measured fits:
+``reference.sailor_profiles.SailorNetwork``).
 
-**Message size.**  Every message pays the cluster's ``latency_us`` once
-(alpha-beta: ``t = alpha + bytes / bandwidth``).  A subclass may make the
-bandwidth itself a function of the message size (Sailor's measured fits:
-``reference_profiles.SailorNetwork``).
-
-**Tensor parallelism.**  A Megatron activation allreduce among the ``tp``
-devices of a group is a ring over the node's link at ``TP_LINK_EFFICIENCY`` of
-its peak (blocking, small messages between kernels: what Sailor's measured tp
-profiles imply).
-
-**Ring allreduce.**  Gradients are reduced the way NCCL does across nodes for
-large messages: one ring per group, its members ordered node by node, so each
-node's interface carries one ring edge in and one out whatever the number of
-members it holds.  ``2(n-1)`` steps each move ``S/n`` bytes over every edge at
-once, so a ring runs at its slowest edge:
-
-    t = 2(n-1) x (alpha + S / n / b_slowest)
-
-``b_slowest`` is the intra-node link for a ring inside one node, else the
-smallest inter-node flow share among the ring's nodes, where ``f_N`` counts the
-rings that cross node N's interface at the same time (``SyncRoute.flows``).
-Tensor-parallel groups of a stage run ``tp`` such rings side by side (one per
-shard), and every stage syncs after the slowest pipeline, so they all count.
+Gradients are reduced in one ring per group, its members ordered node by node as NCCL builds it, so a
+ring runs at its slowest edge: ``t = 2(n-1) x (alpha + S / n / b_slowest)``, where ``b_slowest`` is the
+node's link inside one node, else the smallest inter-node flow share among the ring's nodes
+(``SyncRoute.flows`` counts the rings crossing each interface).  A Megatron activation allreduce among
+the ``tp`` devices of a group is the same ring over the node's link at ``TP_LINK_EFFICIENCY`` of its peak.
+The docs' cost-model page ("Communication") gives the measurements behind these figures.
 
 Planning core: no torch.
 """
@@ -54,7 +35,8 @@ import numpy as np
 
 from het_strategy.core.cluster import ClusterSpec
 
-__all__ = ["NodeTuple", "SyncRoute", "Network", "NO_SYNC", "TP_LINK_EFFICIENCY", "BLOCK_TP_ALLREDUCES", "routes"]
+__all__ = ["NodeTuple", "SyncRoute", "Network", "NO_SYNC", "TP_LINK_EFFICIENCY", "BLOCK_TP_ALLREDUCES", "routes",
+           "ring_steps", "ring_allreduce_bytes", "ring_allreduce_time_s"]
 
 TP_LINK_EFFICIENCY = 0.36
 """Fraction of the node link's peak that a blocking Megatron activation allreduce reaches.
@@ -63,7 +45,7 @@ Measured, not assumed: over the 74 (gpu, tp, micro-batch) points of Sailor's OPT
 profiles with a tp-1 reference (A100, V100, GH200, RTX-2080/3090, Titan-RTX), the
 allreduce bandwidth a block's tp > 1 time implies — ``(t_tp - t_1 / tp) / 4`` per
 allreduce — over the intra-node fit's peak has median 0.36 (spread 0.1-1.3; PCIe
-and NVLink nodes alike).  ``reference_profiles.measured_tp_link_efficiency``
+and NVLink nodes alike).  ``reference.sailor_profiles.measured_tp_link_efficiency``
 recomputes it from the data, and a test keeps the two together.
 """
 
@@ -71,6 +53,24 @@ recomputes it from the data, and a test keeps the two together.
 BLOCK_TP_ALLREDUCES = 2
 """A transformer block's output all-reduces per pass (forward or backward) in a Megatron tp group: one after the
 attention's row-parallel projection, one after the MLP's (``Network.tp_allreduce_s`` each)."""
+
+
+def ring_steps(members: int) -> int:
+    """Steps of a ring allreduce among ``members`` ranks: ``members - 1`` of reduce-scatter and as many of
+    all-gather, each moving ``1 / members`` of the buffer over every ring edge at once."""
+    return 2 * (members - 1)
+
+
+def ring_allreduce_bytes(num_bytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``num_bytes`` over ``world`` ranks (``ring_steps`` chunks of
+    ``1 / world`` of the tensor: ``2 (W-1)/W`` of it)."""
+    return ring_steps(world) * int(num_bytes) // world
+
+
+def ring_allreduce_time_s(num_bytes: Any, members: int, bandwidth: Any, latency_s: float) -> Any:
+    """Seconds of a ring allreduce of ``num_bytes`` (a number or an array) among ``members`` at the slowest edge's
+    ``bandwidth`` (bytes/s): ``ring_steps`` messages of ``num_bytes / members``, each paying ``latency_s``."""
+    return ring_steps(members) * (latency_s + num_bytes / members / bandwidth)
 
 
 class NodeTuple(tuple):
@@ -156,11 +156,16 @@ class Network:
         n = route.members
         if n <= 1 or not route.nodes:
             return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
-        bw = self.ring_bandwidth(route, num_bytes)
-        out = 2 * (n - 1) * (self.latency_s + np.asarray(num_bytes, dtype=float) / n / bw)
+        bw = self.ring_bandwidth(route, self.ring_message_bytes(num_bytes, n))
+        out = ring_allreduce_time_s(np.asarray(num_bytes, dtype=float), n, bw, self.latency_s)
         if isinstance(num_bytes, np.ndarray):
             return np.where(num_bytes > 0, out, 0.0)
         return float(out) if num_bytes > 0 else 0.0
+
+    def ring_message_bytes(self, num_bytes: Any, members: int) -> Any:
+        """The message size a ring's bandwidth is evaluated at (this alpha-beta model's does not depend on it;
+        a measured fit's does)."""
+        return num_bytes
 
     def ring_bandwidth(self, route: SyncRoute, num_bytes: Any) -> Any:
         """Bytes/s of the slowest edge of the ring (the buffer size may set it, for measured fits).
@@ -212,7 +217,7 @@ class Network:
         if tp <= 1 or num_bytes <= 0:
             return 0.0
         bw = self.intra_bandwidth(node, tp, num_bytes) * TP_LINK_EFFICIENCY
-        return 2 * (tp - 1) * (self.latency_s + num_bytes / tp / bw)
+        return ring_allreduce_time_s(num_bytes, tp, bw, self.latency_s)
 
 
 def routes(cluster: ClusterSpec, structure: Sequence[Sequence[tuple[str, ...]]]) -> list[list[SyncRoute]]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.core.network import Network, SyncRoute
+from het_strategy.core.network import Network, ring_steps
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 if TYPE_CHECKING:
@@ -316,17 +316,9 @@ class SailorNetwork(Network):
             return super().inter_flow_bandwidth(node, peer, flows, peer_flows, message_bytes)
         return self._gbs(*fit, message_bytes) / k
 
-    def ring_allreduce_s(self, num_bytes: Any, route: SyncRoute) -> Any:
-        n = route.members
-        if n <= 1 or not route.nodes:
-            return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
-        total = np.asarray(num_bytes, dtype=float)
-        chunk = np.minimum(total, self.BUCKET_BYTES) / n
-        bw = self.ring_bandwidth(route, chunk)
-        out = 2 * (n - 1) * total / n / bw
-        if isinstance(num_bytes, np.ndarray):
-            return np.where(num_bytes > 0, out, 0.0)
-        return float(out) if num_bytes > 0 else 0.0
+    def ring_message_bytes(self, num_bytes: Any, members: int) -> Any:
+        """A ring step's message: its chunk of one bucket, ``min(buffer, 5e8 B) / n``."""
+        return np.minimum(np.asarray(num_bytes, dtype=float), self.BUCKET_BYTES) / members
 
     def send_s(self, num_bytes: float, src_device: str, dst_device: str, flows: tuple[int, int] = (1, 1)) -> float:
         a, b = self.cluster.device(src_device).node, self.cluster.device(dst_device).node
@@ -366,7 +358,7 @@ def measured_tp_link_efficiency(model: str = "OPT-350", layer: int | None = None
                 each = (rows[block][0] + rows[block][1] - (f1 + b1) / tp) / 4
                 if each <= 0:
                     continue
-                moved = 2 * (tp - 1) / tp * int(mbs) * seq * hidden * 4
+                moved = ring_steps(tp) / tp * int(mbs) * seq * hidden * 4
                 ratios.append(moved / each / intra[gpu][group][1])
     ratios.sort()
     n = len(ratios)

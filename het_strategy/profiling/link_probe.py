@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.core.errors import field_error, require_int
+from het_strategy.core.network import ring_steps
 from het_strategy.profiling.measurements import AllreduceTiming, LinkMeasurement, P2PTiming
 from het_strategy.profiling.torch_device import indexed_device, synchronizer
 
@@ -73,7 +74,7 @@ def measure_links(sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int 
         nbytes = buf.numel() * 4
         seconds = timed(lambda: dist.all_reduce(buf))
         allreduce.append(AllreduceTiming(size_bytes=nbytes, seconds=seconds, algbw_gbs=nbytes / seconds / 1e9,
-                                         busbw_gbs=nbytes * 2 * (world - 1) / world / seconds / 1e9))
+                                         busbw_gbs=nbytes * ring_steps(world) / world / seconds / 1e9))
         if world > 1:
             recv = torch.empty_like(buf)
 

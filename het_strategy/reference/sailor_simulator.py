@@ -63,6 +63,7 @@ from enum import StrEnum
 from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.network import ring_steps
 from het_strategy.core.plan import Plan
 from het_strategy.core.reference_profiles import DEFAULT_ZONE, read_sailor_json
 
@@ -191,7 +192,7 @@ def sailor_allreduce_time_s(total_bytes: float, num_workers: int, coeffs: list[f
     total, remaining = 0.0, float(total_bytes)
     while remaining > 0:
         bucket = min(remaining, SAILOR_BUCKET_BYTES)
-        total += 2 * (num_workers - 1) * sailor_send_time_s(bucket / num_workers, coeffs)
+        total += ring_steps(num_workers) * sailor_send_time_s(bucket / num_workers, coeffs)
         remaining -= bucket
     return total
 
