@@ -4,6 +4,7 @@ it, is the strategy's own rule: ``test_ds_strategy_parts``)."""
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.core.runtime_rules import Runtime, runs_per_replica, runtime_problems
+from het_strategy.core.runtime_rules import (ClippingOwner, Runtime, clipping_owner, has_tensor_parallel,
+                                             holds_own_masters, runs_per_replica, runtime_problems)
 from het_strategy.planning.runtimes import runnable
 
 pytest.importorskip("torch")
@@ -102,3 +104,62 @@ def test_planner_runtime_and_strategy_refuse_the_same_generated_plans():
     assert seen["runnable"] >= 60 and seen["refused"] >= 60, seen
     for rule in ("tp", "zero_stage", "samples", "devices"):  # devices: a per_device tp group of two dtypes
         assert seen[rule] >= 10, (rule, seen)
+
+
+def _clipped_before(plan: Plan) -> tuple[bool, bool]:
+    """(the runtime clips, the ds_config keeps the clipping) as ``ds_runtime`` decided them before the decision
+    became ``clipping_owner``: ``engine.py``'s ``own_clipping``, ``replica_engine.py``'s ``own_clip`` and
+    ``config.py``'s ``gradient_clipping``, written out."""
+    on_grid = not runs_per_replica(plan)
+    holder = holds_own_masters(plan)
+    if on_grid:
+        own = len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32"
+        return own, True
+    mixed = plan.dtype in ("bf16", "fp16") and not holder
+    tp = has_tensor_parallel(plan)
+    return not mixed or tp, plan.dtype != "fp32" and not holder and not tp
+
+
+def test_one_rule_says_who_clips_and_the_config_follows_it():
+    seen: Counter[str] = Counter()
+
+    @settings(max_examples=EXAMPLES // 2, deadline=None, database=None)
+    @given(plans())
+    def check(plan: Plan) -> None:
+        if not runnable(plan, Runtime.deepspeed):
+            return
+        owner = clipping_owner(plan)
+        runtime_clips, config_clips = _clipped_before(plan)
+        assert (owner is ClippingOwner.runtime) == runtime_clips
+        settings_ = TrainSettings(global_batch_size=plan.global_batch_size, dtype=plan.dtype,
+                                  zero_stage=plan.zero_stage)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the grid's fp32 ZeRO-0 pipeline warns that plain DeepSpeed clips badly
+            cfg = deepspeed_config(plan, settings_, gradient_clipping=1.0)
+        assert (cfg["gradient_clipping"] == 1.0) == config_clips
+        seen[f"{owner}, {'grid' if not runs_per_replica(plan) else 'per replica'}"] += 1
+
+    check()
+    assert len(seen) == 4, seen  # both owners, on the grid and per replica (test_who_clips names each case)
+
+
+@pytest.mark.parametrize("bounds, tp, dtype, zero, owner", [
+    ([(0, 3, 6)] * 2, 1, "fp32", 0, "runtime"),     # DeepSpeed 0.19 clips this pipeline by stage 0's norm
+    ([(0, 3, 6)] * 2, 1, "fp32", 1, "deepspeed"),
+    ([(0, 3, 6)] * 2, 1, "bf16", 0, "deepspeed"),
+    ([(0, 6)] * 2, 1, "fp32", 0, "deepspeed"),       # one stage: nothing to clip wrongly
+    ([(0, 3, 6), (0, 2, 6)], 1, "bf16", 0, "deepspeed"),  # per replica: the mixed-precision optimizer
+    ([(0, 3, 6), (0, 2, 6)], 1, "fp32", 0, "runtime"),
+    ([(0, 3, 6), (0, 2, 6)], 1, "bf16", 1, "runtime"),    # the runtime holds the masters
+    ([(0, 6)] * 2, 2, "bf16", 0, "runtime"),         # tp: DeepSpeed's norm would count replicated parameters twice
+    ([(0, 3, 6)] * 2, 1, "fp16", 0, "deepspeed"),    # fp16 at ZeRO 0 runs per replica
+])
+def test_who_clips(bounds: list, tp: int, dtype: str, zero: int, owner: str) -> None:
+    names = iter(f"d{i}" for i in range(64))
+    pipes = tuple(Pipeline(tuple(Stage(tuple(next(names) for _ in range(tp)), (a, b)) for a, b in zip(bs, bs[1:])),
+                           micro_batch_size=1, samples=2) for bs in bounds)
+    plan = Plan(cluster="gen", cluster_devices=tuple(f"d{i}" for i in range(64)),
+                model={"name": "m", "num_layers": NUM_LAYERS}, global_batch_size=2 * len(pipes), pipelines=pipes,
+                zero_stage=zero, dtype=dtype, mode="manual")
+    assert runnable(plan, Runtime.deepspeed)
+    assert clipping_owner(plan) == owner

@@ -6,71 +6,19 @@ field by its full dotted path with indices (``plan.pipelines[1].stages[0].tp``),
 its value and the rule it breaks, so one list serves the planner's filter
 (``planning.runtimes.search_runtime`` keeps plans with no problem), the
 DeepSpeed runtime (``ds_runtime.engine.check_runnable`` raises the first) and
-the construction checks of both Lightning strategies.
+the construction checks of the Lightning strategies.
 
-The rules, by runtime:
+Beside the table, the decisions the deepspeed runtime's parts must agree on are
+made here once: whether it runs a plan per replica (``runs_per_replica``), keeps
+the fp32 masters itself (``holds_own_masters``), who clips the gradients
+(``clipping_owner``), and which Lightning precisions it runs
+(``DEEPSPEED_PRECISIONS``).
 
-``any``
-    Nothing is refused: the unconstrained planner's space.
-
-``deepspeed`` (``hetero_deepspeed``: ``ds_runtime.PlanRunner`` on unpatched DeepSpeed)
-    1. Tensor parallelism (a stage of tp > 1 devices) runs per replica
-       (``ds_runtime.replica_engine`` with ``tensor_parallel``'s Megatron split),
-       so rule 3 applies to it as to an asymmetric plan; the tp degrees of the
-       replicas holding a layer each divide the largest of them (a gradient is
-       reduced in units of the largest degree's shard: ``ReplicaLayout.units``).
-       Whether a model's blocks split that way (a tensor-parallel plan, heads
-       and widths divisible by tp) is checked against the model when the
-       runtime builds the stage (``tensor_parallel.check_layer``).
-    2. A plan with a multi-stage pipeline runs at ZeRO 0 or 1: DeepSpeed's
-       pipeline engine asserts against ZeRO 2 and 3 (0.19's
-       ``PipelineEngine.__init__``: ``assert self.zero_optimization_stage() <
-       ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with
-       pipeline parallelism"``).  One-stage replicas (pure
-       data parallelism) run at every ZeRO stage.
-    3. Replicas with different stage boundaries (an asymmetric plan), plans
-       with tp > 1, fp16 plans at ZeRO 0 and ``per_device`` plans (rule 7) run each replica as its own
-       pipeline (``ds_runtime.replica_engine``; ``runs_per_replica``).  Every
-       dtype runs at ZeRO 0 (the runtime reduces the gradients DeepSpeed's
-       mixed-precision optimizer steps on).  ZeRO 1 runs in every dtype: the
-       runtime shards the optimizer state (and in bf16 and fp16 the fp32
-       master weights; fp16 with a dynamic loss scale) within each set of
-       ranks holding the same parameters (``ds_runtime.holder_sharding``).
-       ZeRO 2 and 3 are refused: that sharding splits neither the gradients
-       nor the weights.
-    4. fp16 at ZeRO 0 runs per replica (rule 3): DeepSpeed 0.19's ZeRO-0 fp16
-       optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) unscale the
-       gradients by the loss scale at the step, but its ``engine.backward``
-       scales the loss only for ZeRO optimizers, so on DeepSpeed's own engine
-       every update would be 1/loss-scale too small (measured: a 3-step run
-       moves the loss 1/13 as far as fp32's); the per-replica engine scales the
-       loss itself.
-    5. At ZeRO 2 and 3 DeepSpeed reduces on every micro-step, so every replica
-       runs the largest micro-batch count of any replica: a replica with fewer
-       samples than that count cannot be cut into it.
-    6. With ``world_size`` given: one process per device the plan uses.
-    7. A ``per_device`` plan (bf16 on some devices, fp16 on others) runs per
-       replica (rule 3) with the runtime's own fp32 master weights
-       (``holds_own_masters``: ``ds_runtime.holder_sharding``, sharded at ZeRO 1,
-       whole on every holder at ZeRO 0), since DeepSpeed's engine takes one
-       precision config: each rank computes in its device's dtype, a stage casts
-       what it receives to its own, gradients are reduced in fp32 and one loss
-       scale (DeepSpeed's dynamic scaler, kept in step on every rank by the one
-       overflow decision) covers every backward.  A tensor-parallel group
-       computes in one dtype (its all-reduces sum one dtype).
-
-``hetero`` (the ``hetero`` strategy: uneven data parallelism on Lightning's DDP)
-    1. Every pipeline is one stage of one device (a pure data-parallel plan);
-       pipeline plans run on ``hetero_deepspeed``.  Every dtype runs,
-       ``per_device`` too (``strategy.per_device_precision``).
-    2. No ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``
-       (the ``deepspeed`` runtime refuses it too).
-
-``hetero_diloco`` (the ``hetero_diloco`` strategy: DiLoCo over groups of uneven data parallelism)
-    1. As ``hetero`` rule 1: pure data parallelism, each group's replicas one device each.
-    2. A ``plan.outer_sync`` (its groups cover the used devices: ``Plan`` checks that when it is built).
-
-Pure Python: the planning core reads this table without torch or DeepSpeed.
+Invariants: a rule is a function of the plan alone (and the launched world size),
+so the planner and the runtime refuse exactly the same plans; each rule function's
+docstring gives its rule and the reason, and the docs' "What a runtime runs"
+(``docs/how-it-works/runtimes.md``) lists them all by runtime.  Pure Python: the
+planning core reads this table without torch or DeepSpeed.
 """
 
 from __future__ import annotations
@@ -79,11 +27,19 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from het_strategy.core.dtypes import Dtype
 from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.plan import Plan
 
 __all__ = ["Runtime", "as_runtime", "Problem", "runtime_problems", "raise_first", "shares_boundaries",
-           "has_tensor_parallel", "runs_per_replica", "holds_own_masters"]
+           "has_tensor_parallel", "runs_per_replica", "holds_own_masters", "ClippingOwner", "clipping_owner",
+           "DEEPSPEED_PRECISIONS"]
+
+DEEPSPEED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "per_device")
+"""Lightning's precisions the deepspeed runtime (``hetero_deepspeed``) runs, each in the dtype
+``core.dtypes.precision_dtype`` gives it: DeepSpeed's bf16 and fp16 keep fp32 master weights, which is
+Lightning's ``-mixed`` (its ``-true`` keeps none); ``per_device`` (the ``PerDevicePrecision`` plugin) runs each
+rank in its device's dtype over the runtime's fp32 masters (``holds_own_masters``)."""
 
 
 class Runtime(StrEnum):
@@ -142,22 +98,68 @@ def has_tensor_parallel(plan: Plan) -> bool:
 
 
 def runs_per_replica(plan: Plan) -> bool:
-    """The deepspeed runtime runs each replica as its own pipeline (``ds_runtime.replica_engine``): the replicas'
-    boundaries differ, a stage has tp > 1, or the plan is fp16 at ZeRO 0 (rule 4); otherwise the plan runs on
-    DeepSpeed's own stage x replica grid."""
+    """The deepspeed runtime runs each replica as its own pipeline (``ds_runtime.replica_engine``); otherwise the
+    plan runs on DeepSpeed's own stage x replica grid.  Per replica:
+
+    * replicas with different stage boundaries (an asymmetric plan): DeepSpeed's grid has one set of boundaries;
+    * a stage of tp > 1: the replica engine runs ``tensor_parallel``'s Megatron split;
+    * fp16 at ZeRO 0: DeepSpeed 0.19's ZeRO-0 fp16 optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``)
+      unscale the gradients by the loss scale at the step, but its ``engine.backward`` scales the loss only for
+      ZeRO optimizers, so on DeepSpeed's own engine every update would be 1/loss-scale too small (measured: a
+      3-step run moves the loss 1/13 as far as fp32's); the per-replica engine scales the loss itself;
+    * ``per_device``: DeepSpeed's engine takes one precision config (``holds_own_masters``)."""
     return (not shares_boundaries(plan) or has_tensor_parallel(plan)
             or (plan.dtype == "fp16" and plan.zero_stage == 0) or plan.dtype == "per_device")
 
 
 def holds_own_masters(plan: Plan) -> bool:
     """The deepspeed runtime keeps the optimizer state (and in 16-bit dtypes the fp32 master weights) itself, in
-    ``ds_runtime.holder_sharding``: a per-replica plan at ZeRO 1 (sharded within the holder sets), or a
-    ``per_device`` plan (rule 7; at ZeRO 0 whole on every holder).  DeepSpeed's engine then runs plain."""
+    ``ds_runtime.holder_sharding``; DeepSpeed's engine then runs plain.
+
+    * A per-replica plan at ZeRO 1: sharded within each set of ranks holding the same parameters (in bf16 and
+      fp16 the fp32 masters too; fp16 with DeepSpeed's dynamic loss scaler), since a replica's grid has no
+      data-parallel group for DeepSpeed's ZeRO to shard over.
+    * A ``per_device`` plan (bf16 on some devices, fp16 on others), whole on every holder at ZeRO 0: each rank
+      computes in its device's dtype, a stage casts what it receives to its own, gradients are reduced in fp32
+      and one loss scale (DeepSpeed's dynamic scaler, kept in step on every rank by the one overflow decision)
+      covers every backward."""
     return runs_per_replica(plan) and (plan.zero_stage == 1 or plan.dtype == "per_device")
 
 
+class ClippingOwner(StrEnum):
+    """Who clips the gradients by their global norm in the deepspeed runtime (``clipping_owner``)."""
+
+    deepspeed = "deepspeed"
+    """DeepSpeed: its engine, or its mixed-precision optimizer (the ds_config's ``gradient_clipping``)."""
+    runtime = "runtime"
+    """The runtime, after its own reduction (``ds_runtime.clipping``; per replica the holder-set reducer or
+    sharding, each shard counted once); DeepSpeed is given no clipping."""
+
+
+def clipping_owner(plan: Plan) -> ClippingOwner:
+    """Who clips ``plan``'s gradients by the global norm in the deepspeed runtime.
+
+    * On DeepSpeed's own grid (``runs_per_replica`` false): DeepSpeed, except for an fp32 ZeRO-0 pipeline of
+      several stages: DeepSpeed 0.19's engine clips that by stage 0's gradient norm only (``clip_grad_norm_``
+      counts non-tensor-parallel parameters on model-parallel rank 0 alone, and a ``PipelineParallelGrid``'s
+      model-parallel group is the whole pipeline), so the runtime's ``ClippingPipelineEngine`` clips by the
+      global norm after DeepSpeed's reduction.  ZeRO 1 to 3 clip by the global norm in DeepSpeed.
+    * Per replica: DeepSpeed's mixed-precision optimizer in bf16 and fp16 (its norm and overflow check run over
+      the replica's pipeline group, after the runtime's reduction), except where the runtime clips: in fp32
+      (DeepSpeed's plain ZeRO-0 pipeline engine would clip by stage 0's norm, as above), with tp > 1 (DeepSpeed's
+      norm would count a replicated parameter once per tp rank) and where the runtime holds the masters
+      (``holds_own_masters``: DeepSpeed runs plain)."""
+    if not runs_per_replica(plan):
+        pipeline = len(plan.pipelines[0].stages) > 1
+        return ClippingOwner.runtime if pipeline and plan.zero_stage == 0 and plan.dtype == Dtype.fp32 \
+            else ClippingOwner.deepspeed
+    if plan.dtype in (Dtype.bf16, Dtype.fp16) and not holds_own_masters(plan) and not has_tensor_parallel(plan):
+        return ClippingOwner.deepspeed
+    return ClippingOwner.runtime
+
+
 def runtime_problems(plan: Plan, runtime: Runtime | str, world_size: int | None = None) -> list[Problem]:
-    """Every reason ``runtime`` cannot run ``plan`` (see the module docstring); ``[]``: it runs it.
+    """Every reason ``runtime`` cannot run ``plan`` (the rule functions below, one per runtime); ``[]``: it runs it.
 
     ``world_size`` (the launched process count) adds the check that the job
     has one process per device the plan uses; the planner leaves it out.
@@ -166,10 +168,35 @@ def runtime_problems(plan: Plan, runtime: Runtime | str, world_size: int | None 
 
 
 def _no_rules(plan: Plan, world_size: int | None) -> list[Problem]:
+    """``any``: nothing is refused (the unconstrained planner's space)."""
     return []
 
 
 def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
+    """``deepspeed`` (``hetero_deepspeed``: ``ds_runtime.PlanRunner`` on unpatched DeepSpeed).
+
+    1. Tensor parallelism (a stage of tp > 1 devices) runs per replica (rule 3); the tp degrees of the replicas
+       holding a layer each divide the largest of them (``_tp_degrees``).  Whether a model's blocks split that
+       way (heads and widths divisible by tp) is checked when the runtime builds the stage
+       (``tensor_parallel.check_layer``).
+    2. A plan with a multi-stage pipeline runs at ZeRO 0 or 1: DeepSpeed's pipeline engine asserts against
+       ZeRO 2 and 3 (0.19's ``PipelineEngine.__init__``: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+       parallelism").  One-stage replicas (pure data parallelism) run at every ZeRO stage.
+    3. Asymmetric plans, plans with tp > 1, fp16 plans at ZeRO 0 and ``per_device`` plans run each replica as
+       its own pipeline (``runs_per_replica``), in every dtype at ZeRO 0 (the runtime reduces the gradients
+       DeepSpeed's optimizer steps on) and at ZeRO 1 (the runtime shards the optimizer state within the holder
+       sets: ``holds_own_masters``).  ZeRO 2 and 3 are refused: that sharding splits neither the gradients nor
+       the weights.
+    4. fp16 at ZeRO 0 runs per replica (rule 3; the reason: ``runs_per_replica``).
+    5. At ZeRO 2 and 3 DeepSpeed reduces on every micro-step, so every replica runs the largest micro-batch
+       count of any replica: a replica with fewer samples than that count cannot be cut into it.
+    6. With ``world_size`` given: one process per device the plan uses.
+    7. A ``per_device`` plan runs per replica (rule 3) over the runtime's own fp32 masters
+       (``holds_own_masters``), since DeepSpeed's engine takes one precision config; a tensor-parallel group
+       computes in one dtype (``_tp_group_dtypes``).
+
+    And no ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``.
+    """
     out: list[Problem] = _tp_degrees(plan) + _no_outer_sync(plan, "hetero_deepspeed")
     out += _tp_group_dtypes(plan)
     zero = plan.zero_stage
@@ -207,7 +234,7 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
 
 
 def _tp_group_dtypes(plan: Plan) -> list[Problem]:
-    """Rule 7: the devices of a tensor-parallel stage compute in one dtype."""
+    """deepspeed rule 7: the devices of a tensor-parallel stage compute in one dtype (its all-reduces sum one)."""
     out: list[Problem] = []
     if plan.dtype != "per_device":
         return out
@@ -223,7 +250,8 @@ def _tp_group_dtypes(plan: Plan) -> list[Problem]:
 
 
 def _tp_degrees(plan: Plan) -> list[Problem]:
-    """Rule 1: the tp degrees holding each layer each divide the largest (the reduction's unit of a shard)."""
+    """deepspeed rule 1: the tp degrees holding each layer each divide the largest (a gradient is reduced in units
+    of the largest degree's shard: ``ReplicaLayout.units``)."""
     out: list[Problem] = []
     if not has_tensor_parallel(plan):  # every degree is 1 (the planner's filter calls this for every candidate)
         return out
@@ -250,6 +278,9 @@ def _no_outer_sync(plan: Plan, runtime: str) -> list[Problem]:
 
 
 def _hetero_diloco(plan: Plan, world_size: int | None) -> list[Problem]:
+    """``hetero_diloco`` (DiLoCo over groups of uneven data parallelism): as ``hetero`` rule 1, pure data
+    parallelism, each group's replicas one device each; and a ``plan.outer_sync`` (its groups cover the used
+    devices: ``Plan`` checks that when it is built)."""
     out = _data_parallel(plan)
     if plan.outer_sync is None:
         out.append(Problem("plan.outer_sync", None, "be given (hetero_diloco runs low-communication plans: groups, "
@@ -258,6 +289,12 @@ def _hetero_diloco(plan: Plan, world_size: int | None) -> list[Problem]:
 
 
 def _hetero(plan: Plan, world_size: int | None) -> list[Problem]:
+    """``hetero`` (uneven data parallelism on Lightning's DDP).
+
+    1. Every pipeline is one stage of one device (a pure data-parallel plan); pipeline plans run on
+       ``hetero_deepspeed``.  Every dtype runs, ``per_device`` too (the ``PerDevicePrecision`` plugin).
+    2. No ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``.
+    """
     return _data_parallel(plan) + _no_outer_sync(plan, "hetero")
 
 

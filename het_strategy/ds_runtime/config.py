@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from het_strategy.core.atomic_file import write_atomic
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.runtime_rules import (Runtime, has_tensor_parallel, holds_own_masters, raise_first,
+from het_strategy.core.runtime_rules import (ClippingOwner, Runtime, clipping_owner, holds_own_masters, raise_first,
                                              runtime_problems, runs_per_replica)
 
 if TYPE_CHECKING:
@@ -266,10 +266,8 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     Asymmetric plans (replicas with different boundaries) and plans with tp > 1
     run each replica as its own one-replica grid (``ds_runtime.replica_engine``):
     their ``train_batch_size`` is ``micro * gas``; ``gradient_clipping`` is 0
-    in fp32, with tp > 1 and at ZeRO 1 (the runtime clips by the global norm
-    after its own reduction, counting each shard once), otherwise (asymmetric
-    bf16 and fp16 at ZeRO 0) DeepSpeed's mixed-precision optimizer clips, after
-    that reduction.  At ZeRO 1 in bf16 and fp16 DeepSpeed's bf16 / fp16 is off:
+    where the runtime clips after its own reduction, counting each shard once
+    (``core.runtime_rules.clipping_owner``).  At ZeRO 1 in bf16 and fp16 DeepSpeed's bf16 / fp16 is off:
     the runtime runs the layers in that dtype and keeps the fp32 master weights
     sharded itself (``ds_runtime.holder_sharding``; fp16 with DeepSpeed's
     dynamic loss scaler from ``2 ** FP16_INITIAL_SCALE_POWER``), so DeepSpeed's
@@ -283,11 +281,10 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     _check_settings(plan, settings)
     raise_first(runtime_problems(plan, Runtime.deepspeed))
     on_grid = not runs_per_replica(plan)  # DeepSpeed's own stage x replica grid runs it
-    if (on_grid and len(plan.pipelines[0].stages) > 1 and plan.zero_stage == 0 and plan.dtype == "fp32" and gradient_clipping > 0
-            and rank in (None, 0)):
-        # Measured with DeepSpeed 0.19: this path clips by the norm of stage 0's gradients only
-        # (clip_grad_norm_ counts non-tensor-parallel parameters on model-parallel rank 0 alone, and a
-        # PipelineParallelGrid's model-parallel group is the whole pipeline); ZeRO-1 clips by the global norm.
+    deepspeed_clips = clipping_owner(plan) is ClippingOwner.deepspeed
+    if on_grid and not deepspeed_clips and gradient_clipping > 0 and rank in (None, 0):
+        # plain DeepSpeed running this config clips by the norm of stage 0's gradients only (clipping_owner);
+        # PlanRunner passes gradient_clipping 0 here and clips by the global norm itself
         warnings.warn("DeepSpeed's fp32 ZeRO-0 pipeline engine clips gradients by the first stage's norm only; "
                       "use zero_stage 1 (or gradient_clipping 0) for clipping by the global norm", stacklevel=2)
     batches = rank_batches(plan)
@@ -320,10 +317,9 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         "train_batch_size": micro * gas * dp,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        # per replica in fp32, with tp or at ZeRO 1: the runtime clips by the global norm itself, after its own
-        # reduction; in bf16/fp16 at ZeRO 0 DeepSpeed's optimizer clips (the norm over the replica's stages)
-        "gradient_clipping": (float(gradient_clipping) if on_grid or (plan.dtype != "fp32" and not holder_sharded
-                                                                       and not has_tensor_parallel(plan)) else 0.0),
+        # on DeepSpeed's grid the config keeps the clipping (plain DeepSpeed may run it); per replica only where
+        # DeepSpeed clips (core.runtime_rules.clipping_owner), else the runtime clips after its own reduction
+        "gradient_clipping": float(gradient_clipping) if on_grid or deepspeed_clips else 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": plan.dtype == "bf16" and not holder_sharded},
         "fp16": {"enabled": plan.dtype == "fp16" and not holder_sharded},

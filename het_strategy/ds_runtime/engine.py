@@ -68,7 +68,8 @@ import torch
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.runtime_rules import Runtime, holds_own_masters, raise_first, runtime_problems
+from het_strategy.core.runtime_rules import (ClippingOwner, Runtime, clipping_owner, holds_own_masters, raise_first,
+                                             runtime_problems)
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.config import deepspeed_config, rank_batches, rank_layout
@@ -193,10 +194,10 @@ class PlanRunner:
         self.sharding = None
         """ZeRO-1 within the holder sets of a per-replica plan at ZeRO 1 (``holder_sharding``), else ``None``."""
 
-        # an aligned fp32 ZeRO-0 pipeline clips by the global norm itself (clipping.py): DeepSpeed 0.19 clips it
-        # by stage 0's norm only
-        self.own_clipping = (not self.layout.per_replica and self.num_stages > 1 and plan.zero_stage == 0
-                             and plan.dtype == "fp32" and gradient_clipping > 0)
+        runtime_clips = clipping_owner(plan) is ClippingOwner.runtime
+        # on DeepSpeed's grid the runtime clips with its ClippingPipelineEngine (clipping.py), per replica with its
+        # reducer or sharding (build_replica_engine)
+        self.own_clipping = not self.layout.per_replica and runtime_clips and gradient_clipping > 0
         cfg = deepspeed_config(plan, settings, rank=self.rank,
                                gradient_clipping=0.0 if self.own_clipping else gradient_clipping)
         if plan.zero_stage > 0:
@@ -210,7 +211,8 @@ class PlanRunner:
 
             self.engine, self.module, self.reducer, self.sharding = build_replica_engine(
                 self.layout, self.rank, layers, weighted, optimizer_factory, cfg,
-                gradient_clipping=gradient_clipping, activation_checkpoint_interval=activation_checkpoint_interval,
+                gradient_clipping=gradient_clipping if runtime_clips else 0.0,
+                activation_checkpoint_interval=activation_checkpoint_interval,
                 holder_state=("sharded" if plan.zero_stage == 1 else "whole") if holds_own_masters(plan) else None,
                 compute_dtype=self._rank_torch_dtype(), loss_scaling="fp16" in self._plan_dtypes())
             self.optimizer = self.engine.optimizer

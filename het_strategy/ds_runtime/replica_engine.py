@@ -364,6 +364,8 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
                          compute_dtype: torch.dtype | None = None, loss_scaling: bool = False
                          ) -> tuple[Any, Any, Any, HolderSetSharding | None]:
     """``(engine, module, reducer, sharding)`` for this rank; every rank of the world calls it once, in step.
+    ``gradient_clipping``: the largest global norm the runtime's reducer or sharding clips to, 0 where it does not
+    clip (off, or DeepSpeed clips: ``core.runtime_rules.clipping_owner``).
     ``holder_state``: the runtime keeps the optimizer state and master weights itself (``holder_sharding``; the
     sharding, else None), ``"sharded"`` within the holder sets (ZeRO 1) or ``"whole"`` on each holder; the
     layers then run in ``compute_dtype`` (bf16 or fp16; None: as built), cast here since DeepSpeed runs them
@@ -384,17 +386,13 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
         weights = {id(q): q.detach().clone() for q in module.parameters()}
         module.to(compute_dtype)
         module.het_input_dtype = compute_dtype
-    # DeepSpeed's mixed-precision optimizer clips (ds_config's gradient_clipping) after the reduction, except
-    # with tp > 1, where its norm would count a replicated parameter once per tp rank: the reducer clips then
-    mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
-    own_clip = gradient_clipping if (not mixed or layout.has_tensor_parallel) else 0.0
     optimizer = optimizer_factory([q for q in module.parameters() if q.requires_grad])
     sharding = (HolderSetSharding(optimizer, holder_parts(layout, rank, module, specs), groups.holders,
-                                  layout.num_replicas, own_clip, _fp16_scaler() if loss_scaling else None,
+                                  layout.num_replicas, gradient_clipping, _fp16_scaler() if loss_scaling else None,
                                   shard=holder_state == "sharded") if holder_state is not None else None)
     if sharding is not None and weights is not None:
         sharding.set_full_values(weights)
-    reducer = sharding if sharding is not None else HolderSetReducer(layout, rank, groups, own_clip, specs)
+    reducer = sharding if sharding is not None else HolderSetReducer(layout, rank, groups, gradient_clipping, specs)
     mpu = module.mpu()
     engine = _engine_class()(args=None, model=module, optimizer=optimizer, model_parameters=None,
                              training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
