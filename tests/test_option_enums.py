@@ -16,13 +16,12 @@ from het_strategy.cli.plan_config import ModelInputConfig
 from het_strategy.cli.train_config import Accelerator, HetTrainConfig, MoEConfig, WandbConfig, WandbMode
 from het_strategy.planning.experts import MoEPlacement
 from het_strategy.core.cluster import load_cluster
-from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, InputDtype
+from het_strategy.core.dtypes import DTYPE_BYTES, PRECISION_DTYPES, Dtype, InputDtype
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec, load_workload
 from het_strategy.planning import PlanRequest, plan
-from het_strategy.planning.run_plan import PRECISION_DTYPES
 
 _PLAN_ARGS = ["cluster=amp_v100_t4", "model=gpt2_amp", "settings.global_batch_size=32"]
 

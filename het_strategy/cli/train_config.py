@@ -25,11 +25,11 @@ from omegaconf import MISSING, DictConfig
 
 from het_strategy.cli.structured import store_schema, to_typed
 from het_strategy.core.compute_model import AttentionKernel
+from het_strategy.core.dtypes import PRECISION_DTYPES
 from het_strategy.core.errors import alternatives, field_error, require_int, require_number, require_option
 from het_strategy.core.train_settings import TP_DEGREES
 from het_strategy.planning.experts import MoEPlacement
 from het_strategy.planning.request import PlanRequest
-from het_strategy.planning.run_plan import PRECISION_DTYPES
 
 __all__ = [
     "SCHEMA_NAME",
@@ -129,7 +129,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     precision: str = "32-true"
-    """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA) | ... (``run_plan.PRECISION_DTYPES``), or
+    """Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA) | ... (``core.dtypes.PRECISION_DTYPES``), or
     per_device (strategy=hetero or hetero_deepspeed): each rank in its device type's fast 16-bit dtype
     (``PerDevicePrecision``)."""
     accumulate_grad_batches: int = 1

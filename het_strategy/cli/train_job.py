@@ -51,7 +51,7 @@ class TrainJob:
     """A checked ``het-train`` config: everything needed to build the run, no process group yet."""
 
     def __init__(self, cfg: DictConfig, auto_cluster: bool = False) -> None:
-        from het_strategy.planning.run_plan import precision_dtype
+        from het_strategy.core.dtypes import precision_dtype
         from het_strategy.core.workload import transformer_config, transformer_workload
 
         self.cfg = cfg
@@ -324,7 +324,7 @@ class TrainJob:
         if self.cluster is None:
             raise field_error("cluster", "auto", "be a cluster file with strategy=hetero_deepspeed (it plans "
                               "from the cluster's figures)")
-        from het_strategy.strategy.deepspeed_plan import DEEPSPEED_PRECISIONS
+        from het_strategy.core.runtime_rules import DEEPSPEED_PRECISIONS
 
         if self.train.precision not in DEEPSPEED_PRECISIONS:
             raise field_error("train.precision", self.train.precision,

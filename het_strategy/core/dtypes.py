@@ -8,6 +8,8 @@
   others, the ones a tensor, a datasheet rate or a gradient has.
 * ``InputDtype`` — the tensor dtype of a sample input het-plan builds for a
   model given as a Python path (``model_input.dtype``), named as torch names it.
+* ``PRECISION_DTYPES`` — Lightning's ``precision`` strings and the ``Dtype``
+  each trains in (``precision_dtype``; het-train's ``train.precision`` too).
 
 Both are ``StrEnum``s whose member names are the config spellings (Hydra
 matches an enum value by name), so a member compares equal to, hashes as and
@@ -23,7 +25,8 @@ from typing import Any, Mapping
 
 from het_strategy.core.errors import field_error, require_option
 
-__all__ = ["Dtype", "ELEMENT_DTYPES", "DTYPE_BYTES", "as_dtype", "as_element_dtype", "fast_dtype", "InputDtype"]
+__all__ = ["Dtype", "ELEMENT_DTYPES", "DTYPE_BYTES", "as_dtype", "as_element_dtype", "fast_dtype", "InputDtype",
+           "PRECISION_DTYPES", "precision_dtype"]
 
 
 class Dtype(StrEnum):
@@ -65,6 +68,22 @@ def as_element_dtype(value: Any, field: str) -> Dtype:
     if dtype not in ELEMENT_DTYPES:
         raise field_error(field, str(value), f"be one of {', '.join(ELEMENT_DTYPES)} (a tensor's dtype)")
     return dtype
+
+
+PRECISION_DTYPES: dict[str, Dtype] = {
+    "32": Dtype.fp32, "32-true": Dtype.fp32, "64": Dtype.fp32, "64-true": Dtype.fp32,
+    "transformer-engine": Dtype.bf16, "bf16": Dtype.bf16, "bf16-mixed": Dtype.bf16, "bf16-true": Dtype.bf16,
+    "16": Dtype.fp16, "16-mixed": Dtype.fp16, "16-true": Dtype.fp16, "per_device": Dtype.per_device}
+"""Lightning's ``precision`` strings and the dtype the cost model prices each in; ``per_device`` is the
+``hetero`` strategy's ``PerDevicePrecision`` plugin."""
+
+
+def precision_dtype(precision: Any) -> Dtype:
+    """The cost model's dtype for a Lightning precision setting (``"32-true"`` -> ``fp32``)."""
+    key = str(precision)
+    if key not in PRECISION_DTYPES:
+        raise field_error("Trainer.precision", precision, f"be one of {sorted(PRECISION_DTYPES)}")
+    return PRECISION_DTYPES[key]
 
 
 def fast_dtype(tflops: Mapping[str, float]) -> Dtype:

@@ -1,8 +1,5 @@
 """What the strategy needs from the planning core at run time, with no process group in sight.
 
-* ``PRECISION_DTYPES`` / ``precision_dtype`` — the one table of Lightning's
-  precision strings and the cost model's dtype each trains in (het-train's
-  ``train.precision`` is checked against it too);
 * ``estimate_workload`` — a one-layer workload of any model (parameters
   counted, FLOPs by the standard 2 x parameters x tokens forward estimate),
   used when the user names no workload;
@@ -16,10 +13,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.dtypes import Dtype
+from het_strategy.core.dtypes import PRECISION_DTYPES, precision_dtype  # noqa: F401  (strategy/ switches in its refactor)
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
@@ -27,23 +25,8 @@ from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_proble
 from het_strategy.planning import PlanRequest, plan
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
-__all__ = ["PRECISION_DTYPES", "precision_dtype", "estimate_workload", "data_parallel_settings", "data_parallel_plan",
+__all__ = ["estimate_workload", "data_parallel_settings", "data_parallel_plan",
            "checked_run_plan", "shares_in_rank_order"]
-
-PRECISION_DTYPES: dict[str, Dtype] = {
-    "32": Dtype.fp32, "32-true": Dtype.fp32, "64": Dtype.fp32, "64-true": Dtype.fp32,
-    "transformer-engine": Dtype.bf16, "bf16": Dtype.bf16, "bf16-mixed": Dtype.bf16, "bf16-true": Dtype.bf16,
-    "16": Dtype.fp16, "16-mixed": Dtype.fp16, "16-true": Dtype.fp16, "per_device": Dtype.per_device}
-"""Lightning's ``precision`` strings and the dtype the cost model prices each in; ``per_device`` is the
-``hetero`` strategy's ``PerDevicePrecision`` plugin."""
-
-
-def precision_dtype(precision: Any) -> Dtype:
-    """The cost model's dtype for a Lightning precision setting (``"32-true"`` -> ``fp32``)."""
-    key = str(precision)
-    if key not in PRECISION_DTYPES:
-        raise field_error("Trainer.precision", precision, f"be one of {sorted(PRECISION_DTYPES)}")
-    return PRECISION_DTYPES[key]
 
 
 def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: Dtype | str,
