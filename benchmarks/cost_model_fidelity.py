@@ -65,8 +65,6 @@ from het_strategy.core.cost_model import CostModel  # noqa: E402
 from het_strategy.core.memory import GiB, overhead_bytes  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
-from het_strategy.core.reference_profiles import (SAILOR_DATA_DIR, load_sailor_profile, read_sailor_json,  # noqa: E402
-                                                  sailor_device_type)
 from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
 from het_strategy.planning import search_plan  # noqa: E402
 from het_strategy.reference.amp_plans import amp_measured_plans  # noqa: E402
@@ -75,6 +73,8 @@ from het_strategy.reference.compute_calibration import (FP32_MATMUL, BlockMeasur
                                                         cost_model_s, fit_calibration, one_type_node)
 from het_strategy.reference.sailor_memory import (SAILOR_GPU_MEMORY_GIB, sailor_overhead_bytes,  # noqa: E402
                                                   sailor_stage_memory)
+from het_strategy.reference.sailor_profiles import (SAILOR_DATA_DIR, load_sailor_profile,  # noqa: E402
+                                                    read_sailor_json, sailor_device_type)
 from het_strategy.reference.sailor_simulator import BackwardSend, sailor_iteration_time  # noqa: E402
 
 SAILOR_PUBLISHED_S = {"sailor_a100_v100_80_240": 2.77, "sailor_a100_v100_128_384": 1.91}

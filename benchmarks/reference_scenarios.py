@@ -3,7 +3,7 @@
 For AMP and Metis, the plans those papers report are rebuilt on our cluster
 configs and scored by *our* cost model next to our plan, so the comparison is
 like for like.  For Sailor, the cost model takes Sailor's measured per-layer
-profiles (vendored in het_strategy/core/data/sailor) in place of datasheet figures;
+profiles (vendored in het_strategy/reference/data/sailor) in place of datasheet figures;
 Sailor's own figures (0.170 / 0.523 it/s) come from Sailor's simulator, a
 different model, and are printed only as the anchor.
 
@@ -30,9 +30,9 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning import search_plan
 from het_strategy.planning.joint import JointResult, search_joint
-from het_strategy.core.reference_profiles import load_sailor_profile
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
 from het_strategy.reference.amp_plans import amp_measured_plans
+from het_strategy.reference.sailor_profiles import load_sailor_profile
 
 
 def _manual(cluster: ClusterSpec, workload: WorkloadSpec, batch: int, pipelines: list[Pipeline]) -> Plan:

@@ -12,9 +12,9 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.network import TP_LINK_EFFICIENCY, Network, SyncRoute
 from het_strategy.core.plan import Plan
-from het_strategy.core.reference_profiles import (SAILOR_DATA_DIR, SailorNetwork, load_sailor_profile,
-                                                  measured_tp_link_efficiency)
 from het_strategy.core.workload import load_workload
+from het_strategy.reference.sailor_profiles import (SAILOR_DATA_DIR, SailorNetwork, load_sailor_profile,
+                                                    measured_tp_link_efficiency)
 from het_strategy.reference.sailor_simulator import sailor_iteration_time
 
 ALPHA = 10e-6

@@ -31,6 +31,7 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import CompressionPlanning, Objective, PlanMode, PlanRequest, plan
 from het_strategy.planning.run_plan import data_parallel_plan
+from het_strategy.reference.sailor_profiles import request_profile
 
 _BASELINE = json.loads((Path(__file__).parent / "data" / "plan_request_baseline.json").read_text())
 
@@ -59,7 +60,8 @@ def _case_id(case: dict) -> str:
 def test_plan_request_gives_the_entry_points_plan(case: dict) -> None:
     settings = TrainSettings(**{"max_tp": 1, **case["settings"]})  # captured when max_tp defaulted to 1
     cluster, workload = load_cluster(case["cluster"]), load_workload(case["model"], dtype=settings.dtype)
-    result = plan(cluster, workload, settings, PlanRequest(**case["planner"]))
+    request = PlanRequest(**case["planner"])
+    result = plan(cluster, workload, settings, request, request_profile(request, workload))
     _same(result.plan.to_dict(), case["plan"])
     line, want = result.summary(), case["line"]
     if want is not None and "cannot run: " in want:  # the reason is the runtime rule table's wording, not the plan's
@@ -123,15 +125,21 @@ def test_a_bad_request_names_the_planner_field(kw: dict, field: str, shown: str)
 
 
 def test_a_sailor_profile_and_a_given_profile_are_refused_together() -> None:
-    from het_strategy.core.reference_profiles import load_sailor_profile
+    from het_strategy.reference.sailor_profiles import load_sailor_profile, request_profile
 
     settings = TrainSettings(global_batch_size=256)
     workload = load_workload("opt350", dtype="bf16")
     with pytest.raises(ConfigError, match="planner.profile"):
-        plan(load_cluster("sailor_a100_v100_32_96"), workload, settings, PlanRequest(mode="dp", profile="sailor"),
-             load_sailor_profile(workload=workload))
+        request_profile(PlanRequest(mode="dp", profile="sailor"), workload, load_sailor_profile(workload=workload))
     with pytest.raises(ConfigError, match="no Sailor profile"):
-        plan(load_cluster("mixed_a100_v100_t4"), load_workload("gpt_small"), settings, PlanRequest(profile="sailor"))
+        request_profile(PlanRequest(profile="sailor"), load_workload("gpt_small"))
+
+
+def test_a_request_naming_a_profile_comes_with_it() -> None:
+    """The planning core reads no reference data: the caller loads the profile ``planner.profile`` names."""
+    with pytest.raises(ConfigError, match="`planner.profile` is 'sailor'; it must come with its profile"):
+        plan(load_cluster("sailor_a100_v100_32_96"), load_workload("opt350", dtype="bf16"),
+             TrainSettings(global_batch_size=256), PlanRequest(mode="dp", profile="sailor"))
 
 
 def test_het_train_reads_the_same_request_and_refuses_what_it_does_not_run(tmp_path: Path) -> None:

@@ -9,14 +9,14 @@ import pytest
 
 from het_strategy.core.catalog import device_catalog
 from het_strategy.core.errors import ConfigError
-from het_strategy.core.reference_profiles import (
+from het_strategy.core.workload import load_workload
+from het_strategy.reference.sailor_profiles import (
     SAILOR_DATA_DIR,
     load_sailor_profile,
     load_sailor_training_config,
     sailor_bandwidth_gbs,
     sailor_peak_bandwidth_gbs,
 )
-from het_strategy.core.workload import load_workload
 
 _SHARED = Path("/work/shared/reference/sailor")
 
@@ -137,9 +137,9 @@ def test_devices_sailor_did_not_measure_are_priced_by_the_analytic_model_and_the
     from het_strategy.core.cluster import load_cluster
     from het_strategy.core.cost_model import CostModel
     from het_strategy.core.network import Network
-    from het_strategy.core.reference_profiles import SailorNetwork
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.planning import PlanRequest, plan
+    from het_strategy.reference.sailor_profiles import SailorNetwork, request_profile
 
     cluster = load_cluster({"name": "three", "inter_node_bandwidth_gbs": 12.5, "nodes": [
         {"name": "a100", "intra_bandwidth_gbs": 100, "devices": [{"type": "A100-40GB", "count": 2}]},
@@ -154,7 +154,8 @@ def test_devices_sailor_did_not_measure_are_priced_by_the_analytic_model_and_the
     assert "the cluster file's figures on nodes mixed, a10g" in sailor.describe()
 
     workload = load_workload("opt350")
-    result = plan(cluster, workload, TrainSettings(global_batch_size=32), PlanRequest(profile="sailor"))
+    request = PlanRequest(profile="sailor")
+    result = plan(cluster, workload, TrainSettings(global_batch_size=32), request, request_profile(request, workload))
     assert set(result.plan.used_devices) == {d.name for d in cluster.devices}  # it plans, with every device
     score = CostModel(cluster, workload, TrainSettings(global_batch_size=32), opt350_profile).score(result.plan)
     assert score.step_time_s == pytest.approx(result.score.step_time_s) and score.network == sailor.describe()

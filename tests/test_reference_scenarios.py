@@ -13,8 +13,8 @@ import reference_scenarios as scen  # noqa: E402
 from het_strategy.core.cluster import load_cluster  # noqa: E402
 from het_strategy.core.cost_model import CostModel  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
-from het_strategy.core.reference_profiles import load_sailor_profile  # noqa: E402
 from het_strategy.core.workload import load_workload  # noqa: E402
+from het_strategy.reference.sailor_profiles import load_sailor_profile  # noqa: E402
 
 
 def test_amp_plan_beats_amps_own_choices_under_the_same_model():

@@ -12,7 +12,7 @@ import pytest
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.core.reference_profiles import SAILOR_DATA_DIR
+from het_strategy.reference.sailor_profiles import SAILOR_DATA_DIR
 from het_strategy.reference.sailor_simulator import BackwardSend, sailor_iteration_time
 
 _CLUSTER = "sailor_a100_v100_32_96"

@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from het_strategy.core.cluster import load_cluster
-from het_strategy.core.reference_profiles import sailor_peak_bandwidth_gbs
 from het_strategy.core.shipped import shipped_config_dir, shipped_names, shipped_path
 from het_strategy.core.workload import load_workload
+from het_strategy.reference.sailor_profiles import sailor_peak_bandwidth_gbs
 
 _CLUSTERS = shipped_names("cluster")
 _MODELS = shipped_names("model")

@@ -62,3 +62,40 @@ def test_the_ring_bytes_and_time_follow_the_one_rule(world: int, num_bytes: int)
     assert ring_steps(world) == 2 * (world - 1)
     assert ring_allreduce_bytes(num_bytes, world) == 2 * (world - 1) * num_bytes // world
     assert ring_allreduce_time_s(num_bytes, world, 1e9, 1e-5) == 2 * (world - 1) * (1e-5 + num_bytes / world / 1e9)
+
+
+def test_the_precision_tables_are_written_once() -> None:
+    """Lightning's precision strings -> dtypes: ``core.dtypes.PRECISION_DTYPES``; what the deepspeed runtime runs
+    of them: ``core.runtime_rules.DEEPSPEED_PRECISIONS``."""
+    from het_strategy.core.dtypes import PRECISION_DTYPES
+    from het_strategy.core.runtime_rules import DEEPSPEED_PRECISIONS
+
+    assert _lines_with(r"^\s*PRECISION_DTYPES\b.*=") == [
+        ("het_strategy/core/dtypes.py", "PRECISION_DTYPES: dict[str, Dtype] = {")]
+    assert _lines_with(r"^\s*DEEPSPEED_PRECISIONS\b.*=") == [
+        ("het_strategy/core/runtime_rules.py", 'DEEPSPEED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", '
+                                               '"16-mixed", "per_device")')]
+    assert set(DEEPSPEED_PRECISIONS) <= set(PRECISION_DTYPES)
+
+
+def test_who_clips_is_decided_by_the_rule_table() -> None:
+    """``core.runtime_rules.clipping_owner`` decides; the DeepSpeed runtime's config and engine read it and hand
+    the reducer or sharding the norm to clip to (``test_runtime_rules.test_one_rule_says_who_clips...``)."""
+    sources = _sources()
+    for name in ("het_strategy/ds_runtime/config.py", "het_strategy/ds_runtime/engine.py"):
+        assert "clipping_owner(plan)" in sources[name], name
+    assert _lines_with(r"own_clip\b|\"bf16\", \{\}\)\.get\(\"enabled\"\)") == []
+
+
+def test_sailors_data_sits_under_reference_and_the_planning_core_reads_none() -> None:
+    """Other projects' measurements live in ``reference/`` (its ``data/``); the planning core takes them as plain
+    data from its caller (``reference.sailor_profiles.request_profile``), never reading that folder itself."""
+    from het_strategy.reference.sailor_profiles import SAILOR_DATA_DIR
+
+    assert SAILOR_DATA_DIR == PACKAGE / "reference" / "data" / "sailor"
+    assert {"LICENSE", "README.md", "layer_profiles.json"} <= {p.name for p in SAILOR_DATA_DIR.iterdir()}
+    assert not (PACKAGE / "core" / "data" / "sailor").exists()
+    # and no module of core/ or planning/ imports reference/ (tests/test_layout.py's layers)
+    for name, text in _sources().items():
+        if name.startswith(("het_strategy/core/", "het_strategy/planning/")):
+            assert "read_sailor_json" not in text and "SAILOR_DATA_DIR" not in text, name

@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from het_strategy.core.cost_model import PlanScore
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.plan import Plan
-    from het_strategy.core.workload import WorkloadSpec
+    from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
+    from het_strategy.planning.request import PlanRequest
     from het_strategy.profiling.model_factory import SavedProfile
     from het_strategy.profiling.module_profile import ProfileResult
 
@@ -142,6 +143,17 @@ def _is_model_factory(override: str) -> bool:
         and bool(_PYTHON_PATH.match(value))
 
 
+def _requested_profile(request: "PlanRequest", workload: "WorkloadSpec",
+                       measured: "MeasuredProfile | None") -> "MeasuredProfile | None":
+    """The profile the planner prices with: ``planner.profile=sailor`` loads Sailor's (the planning core reads no
+    reference data), else the model's own, if any."""
+    if request.profile is None:
+        return measured
+    from het_strategy.reference.sailor_profiles import request_profile
+
+    return request_profile(request, workload, measured)
+
+
 def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     """Plan (or score ``cfg.score``), print the table when ``echo``, write the requested files.
 
@@ -181,14 +193,12 @@ def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
                 if request.objective == "time" else "objective"
             raise field_error(f"planner.{key}", getattr(request, key), "stay at its default (objective time, no budget_per_hour or min_throughput) when score= "
                               "is given (a given plan is scored, not searched)")
-        from het_strategy.planning.planner import request_profile
-
         given, settings = _load_plan_to_score(str(score_path), cluster, workload, settings)
-        result = rescore(given, cluster, workload, settings, request_profile(request, workload, measured))
+        result = rescore(given, cluster, workload, settings, _requested_profile(request, workload, measured))
         if output["plan"] is not None and (output["dir"] / output["plan"]).resolve() == Path(score_path).resolve():
             output["plan"] = f"{Path(output['plan']).stem}.scored.json"  # the scored plan never overwrites its input
     else:
-        result = plan(cluster, workload, settings, request, measured)
+        result = plan(cluster, workload, settings, request, _requested_profile(request, workload, measured))
     chosen, score, line = result.plan, result.score, result.summary()
 
     # files first: a closed stdout (``het-plan | head``) must not cost the user the plan

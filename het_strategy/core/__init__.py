@@ -9,9 +9,11 @@
 - ``cluster.py``             ``ClusterSpec``: nodes, devices, links (YAML schema)
 - ``pricing.py``             a plan's money: its used devices' $/hour and $/iteration
 - ``workload.py``            ``WorkloadSpec``: per-layer FLOPs, parameters, activations; measured profiles
-- ``reference_profiles.py``  Sailor's published profiles as workloads
 - ``plan.py``                ``Plan``: pipelines, stages, shares, experts (JSON schema)
 - ``train_settings.py``      ``TrainSettings``: batch, dtype, ZeRO stage (and what ZeRO shards), search bounds
+- ``dtypes.py``              the dtype tables: ``Dtype``, element sizes, Lightning's precision strings
+- ``network.py``             what moving bytes costs: links, the ring allreduce, tensor-parallel allreduces
+- ``runtime_rules.py``       what each runtime runs (the rule table), and the decisions its parts share
 - ``codecs.py``              the gradient codecs (``Codec``, ``CODECS``): exchange, wire bytes per dtype, bound
 - ``compressed_sync.py``     the price of a gradient sync whose inter-node hop is compressed
 - ``cost_model.py``          ``CostModel``: a plan's step time and memory

@@ -1,31 +1,25 @@
 """``plan(cluster, workload, settings, request) -> PlanResult``: the one planning entry point.
 
-The request (``request.PlanRequest``) chooses which searches run; ``plan``
-composes them in one order:
+The request (``request.PlanRequest``) chooses which searches run; ``plan`` composes them in one order:
 
-1. **Profile.** ``request.profile=sailor`` loads Sailor's measured per-layer
-   times of the workload (``core.reference_profiles``); a ``profile`` argument
-   (e.g. a model profiled on this machine) is used as given; both is an error.
-   ``mode=low_communication`` replaces steps 2-4: ``low_communication.plan_low_communication``
-   plans the groups, shares, H and codec (figures: ``core.outer_sync_cost``), and the joint
-   search (below) the synchronous plan it is compared with (``PlanResult.joint``; ``summary``
-   is the recommendation line).
-2. **One cluster** is planned by ``_plan_cluster``, in this order of precedence:
-   ``compression=joint``: placement x inter-node compression (``joint.search_joint``)
-   over data-parallel plans, the plans whose hierarchical exchange the ``hetero``
-   strategy runs (``mode=auto`` reads as ``dp`` here); ``runtime`` other than
-   ``any``: the best plan that runtime runs, beside the unconstrained best
-   (``runtimes.search_runtime``); otherwise the mode search (``search.search_plan``).
-   The three steps are the modules' own; ``plan`` is the one public entry.
-3. **Sub-clusters**, when the request has a money objective, a budget or a
-   throughput floor: ``objective.search_objective`` plans sub-clusters, each by
-   step 2, and returns the winner on the whole cluster's device list.
-4. **Figures.** The chosen plan is scored by the cost model on the request's
-   settings; a new ``Plan`` carries the search's figures with the used devices'
-   money figures (``core.pricing``) in ``predicted``.  Nothing is changed
-   afterwards: ``PlanResult`` holds what a report prints beside the plan (the
-   unconstrained best and the runtime's slowdown, the compression-blind plan and
-   the devices compression brought back, the objective search, the idle devices).
+1. **Profile.** A ``profile`` argument (a model profiled on this machine, or the Sailor profile
+   ``request.profile=sailor`` names, loaded by the caller: ``reference.sailor_profiles.request_profile``)
+   prices the layers it measured; the planning core reads no reference data itself.
+   ``mode=low_communication`` replaces steps 2-4: ``low_communication.plan_low_communication`` plans the
+   groups, shares, H and codec (figures: ``core.outer_sync_cost``), and the joint search the synchronous
+   plan it is compared with (``PlanResult.joint``; ``summary`` is the recommendation line).
+2. **One cluster** is planned by ``_plan_cluster``, in this order of precedence: ``compression=joint``:
+   placement x inter-node compression (``joint.search_joint``) over data-parallel plans (``mode=auto``
+   reads as ``dp`` here); ``runtime`` other than ``any``: the best plan that runtime runs, beside the
+   unconstrained best (``runtimes.search_runtime``); otherwise the mode search (``search.search_plan``).
+3. **Sub-clusters**, when the request has a money objective, a budget or a throughput floor:
+   ``objective.search_objective`` plans sub-clusters, each by step 2, and returns the winner on the whole
+   cluster's device list.
+4. **Figures.** The chosen plan is scored by the cost model on the request's settings; a new ``Plan``
+   carries the search's figures with the used devices' money figures (``core.pricing``) in ``predicted``.
+   Nothing is changed afterwards: ``PlanResult`` holds what a report prints beside the plan (the
+   unconstrained best and the runtime's slowdown, the compression-blind plan and the devices compression
+   brought back, the objective search, the idle devices).
 
 ``rescore`` gives a plan made elsewhere the same figures (``het-plan score=``).
 """
@@ -54,7 +48,7 @@ if TYPE_CHECKING:
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
-__all__ = ["PlanResult", "plan", "rescore", "request_profile"]
+__all__ = ["PlanResult", "plan", "rescore"]
 
 
 @dataclass(frozen=True)
@@ -127,28 +121,12 @@ def _joint_line(result: JointResult) -> str:
     return line
 
 
-def request_profile(request: PlanRequest, workload: "WorkloadSpec",
-                    profile: "MeasuredProfile | None" = None) -> "MeasuredProfile | None":
-    """Step 1: the measured per-layer times the request prices devices with (None: datasheet figures)."""
-    if request.profile is None:
-        return profile
-    if profile is not None:
-        raise field_error("planner.profile", str(request.profile), "be null when the model's own profile is given "
-                          "(planner.profile names Sailor's profiles of the models it measured)")
-    import re
-
-    from het_strategy.core.reference_profiles import load_sailor_profile, sailor_models
-
-    def normalized(name: str) -> str:  # ``OPT-350`` and ``opt350`` name the same model
-        return re.sub(r"[^a-z0-9]", "", name.lower())
-
-    profiled = {normalized(m): m for m in sailor_models()}
-    sailor_name = profiled.get(normalized(workload.name))
-    if sailor_name is None:
-        raise field_error("planner.profile", str(request.profile), "be used with a model Sailor profiled "
-                          f"({', '.join(profiled.values())})",
-                          f"model `{workload.name}` has no Sailor profile; use planner.profile=null")
-    return load_sailor_profile(model=sailor_name, workload=workload)
+def _check_profile(request: PlanRequest, profile: "MeasuredProfile | None") -> None:
+    """Step 1: a request naming a profile source comes with that profile, loaded by the caller."""
+    if request.profile is not None and profile is None:
+        raise field_error("planner.profile", str(request.profile), "come with its profile (the planning core reads "
+                          "no reference data)", "pass profile=het_strategy.reference.sailor_profiles."
+                          "request_profile(request, workload), as het-plan does")
 
 
 def _plan_cluster(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSettings", request: PlanRequest,
@@ -167,7 +145,8 @@ def _plan_cluster(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "T
 def plan(cluster: "ClusterSpec", workload: "WorkloadSpec", settings: "TrainSettings",
          request: PlanRequest = PlanRequest(), profile: "MeasuredProfile | None" = None) -> PlanResult:
     """The best plan for ``request`` (see the module docstring for the order of the searches)."""
-    measured = request_profile(request, workload, profile)
+    _check_profile(request, profile)
+    measured = profile
     if request.mode == PlanMode.low_communication:
         return _plan_low_communication(cluster, workload, settings, request, measured)
     runtime = joint = objective = None

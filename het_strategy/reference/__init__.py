@@ -1,7 +1,8 @@
 """Other projects' results, rebuilt on our types, to check the cost model against (benchmarks and tests).
 
-- ``sailor_simulator.py``  Sailor's runtime simulator (SOSP'25), re-implemented to score our ``Plan`` objects
-                           with Sailor's vendored measurements (``core/data/sailor``)
+- ``sailor_profiles.py``   Sailor's vendored measurements (SOSP'25; ``data/sailor``) as our types: per-layer
+                           times as a ``MeasuredProfile``, the bandwidth fits as ``SailorNetwork``
+- ``sailor_simulator.py``  Sailor's runtime simulator, re-implemented to score our ``Plan`` objects with them
 - ``sailor_memory.py``     Sailor's per-device memory of a pipeline stage (its planner's fit check: model state,
                            activations in flight, Megatron's overhead) from the vendored ``layer_memory.json``
 - ``amp_plans.py``         AMP's measured plans on its V100 + T4 cluster (NeurIPS'22), as our ``Plan`` objects,

@@ -8,7 +8,7 @@ for, on a GPU the catalog describes:
   every micro-batch and tp Sailor profiled.  Sailor trains in fp32; its A100 blocks run faster than the fp32
   rate allows (OPT-350 at tp 1, micro-batch 1: 206 GFLOP in 8.2 ms, 25 TFLOP/s against 19.5), so its runs used
   TF32: they are priced with ``float32_matmul_precision=high``.  Sailor's ``RTX-2080`` is an RTX 2080 Ti
-  (``reference_profiles.SAILOR_GPU_TYPES``).
+  (``sailor_profiles.SAILOR_GPU_TYPES``).
 - AMP's ``known_cost.json``: the forward of GPT-2 (hidden 1024, 16 heads, sequence 1024) on T4 and V100 at
   micro-batch 1 and tp 1, 2, 4, in fp32 (neither GPU has TF32 units).
 
@@ -35,10 +35,10 @@ from het_strategy.core.compute_model import (CALIBRATION_FILE, AttentionKernel, 
 from het_strategy.core.device_spec import DeviceSpec, device_from_dict
 from het_strategy.core.dtypes import Dtype
 from het_strategy.core.network import BLOCK_TP_ALLREDUCES
-from het_strategy.core.reference_profiles import read_sailor_json, sailor_device_type
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import LayerCost, WorkloadSpec
 from het_strategy.reference.amp_profile import AMP_DEVICE_TYPES, AMP_KNOWN_COST
+from het_strategy.reference.sailor_profiles import read_sailor_json, sailor_device_type
 
 __all__ = ["BlockMeasurement", "BOUNDS", "block_measurements", "measurement_device",
            "predicted_s", "cost_model_s", "one_type_node", "fit_calibration", "write_calibration"]

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from het_strategy.core.errors import field_error
-from het_strategy.core.reference_profiles import read_sailor_json
+from het_strategy.reference.sailor_profiles import read_sailor_json
 
 __all__ = ["SAILOR_ADAM_BYTES_PER_PARAM", "SAILOR_SGD_BYTES_PER_PARAM", "SAILOR_GPU_MEMORY_GIB",
            "SailorStageMemory", "sailor_stage_memory", "sailor_overhead_bytes", "sailor_stage_fits"]

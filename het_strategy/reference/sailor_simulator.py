@@ -65,7 +65,7 @@ from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.network import ring_steps
 from het_strategy.core.plan import Plan
-from het_strategy.core.reference_profiles import DEFAULT_ZONE, read_sailor_json
+from het_strategy.reference.sailor_profiles import DEFAULT_ZONE, read_sailor_json
 
 __all__ = ["SAILOR_BUCKET_BYTES", "BackwardSend", "SailorStageEstimate", "SailorPipelineEstimate", "SailorEstimate",
            "sailor_iteration_time", "sailor_send_time_s", "sailor_allreduce_time_s"]

@@ -16,6 +16,7 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
 from het_strategy.planning.run_plan import data_parallel_plan
+from het_strategy.reference.sailor_profiles import request_profile
 
 PATH = Path(__file__).with_name("plan_request_baseline.json")
 
@@ -25,7 +26,8 @@ def main() -> None:
     for case in data["cases"]:
         settings = TrainSettings(**{"max_tp": 1, **case["settings"]})
         cluster, workload = load_cluster(case["cluster"]), load_workload(case["model"], dtype=settings.dtype)
-        result = plan(cluster, workload, settings, PlanRequest(**case["planner"]))
+        request = PlanRequest(**case["planner"])
+        result = plan(cluster, workload, settings, request, request_profile(request, workload))
         case["plan"], case["line"] = result.plan.to_dict(), result.summary()
     for case in data["data_parallel"]:
         cluster, workload = load_cluster(case["cluster"]), load_workload(case["model"], dtype=case["dtype"])

@@ -1,14 +1,15 @@
 """Measured reference data from the Sailor project (SOSP'25, ETH Zurich; MIT licence).
 
-The JSON files under ``het_strategy/core/data/sailor/`` were measured on real GPUs by
+The JSON files under ``het_strategy/reference/data/sailor/`` were measured on real GPUs by
 Sailor's authors and are the figures Sailor's own planner and simulator use, so a
 plan scored with them competes on equal terms.  This module turns them into our
-types:
+types, which the planning core takes as plain data (it never reads this folder):
 
 * ``load_sailor_profile`` — per-layer (forward, backward, optimizer update) seconds
-  as a ``MeasuredProfile`` keyed by our catalog's device names;
-* ``sailor_bandwidth_gbs`` — the measured intra- and inter-node bandwidth fits,
-  evaluated at a message size.
+  as a ``MeasuredProfile`` keyed by our catalog's device names (``request_profile``:
+  the one ``planner.profile=sailor`` names, for het-plan and other callers of ``plan``);
+* ``sailor_bandwidth_gbs`` / ``SailorNetwork`` — the measured intra- and inter-node
+  bandwidth fits, evaluated at a message size.
 
 Layout of ``layer_profiles.json``: ``[model][gpu][micro_batch][tp][layer]``.  The
 shared README gives the two middle keys the other way round; the data and Sailor's
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,12 +40,14 @@ from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
+    from het_strategy.planning.request import PlanRequest
 
 __all__ = [
     "SAILOR_DATA_DIR",
     "DEFAULT_ZONE",
     "sailor_models",
     "load_sailor_profile",
+    "request_profile",
     "load_sailor_training_config",
     "sailor_bandwidth_gbs",
     "sailor_peak_bandwidth_gbs",
@@ -120,6 +124,28 @@ def load_sailor_profile(model: str = "OPT-350", workload: WorkloadSpec | None = 
     if workload is not None:
         profile.check_matches(workload)
     return profile
+
+
+def request_profile(request: PlanRequest, workload: WorkloadSpec,
+                    profile: MeasuredProfile | None = None) -> MeasuredProfile | None:
+    """The measured per-layer times ``request.profile`` names for ``workload`` (``profile`` when the request names
+    none; None: datasheet figures), to hand to ``planning.plan`` / ``rescore`` as their ``profile``."""
+    if request.profile is None:
+        return profile
+    if profile is not None:
+        raise field_error("planner.profile", str(request.profile), "be null when the model's own profile is given "
+                          "(planner.profile names Sailor's profiles of the models it measured)")
+
+    def normalized(name: str) -> str:  # ``OPT-350`` and ``opt350`` name the same model
+        return re.sub(r"[^a-z0-9]", "", name.lower())
+
+    profiled = {normalized(m): m for m in sailor_models()}
+    sailor_name = profiled.get(normalized(workload.name))
+    if sailor_name is None:
+        raise field_error("planner.profile", str(request.profile), "be used with a model Sailor profiled "
+                          f"({', '.join(profiled.values())})",
+                          f"model `{workload.name}` has no Sailor profile; use planner.profile=null")
+    return load_sailor_profile(model=sailor_name, workload=workload)
 
 
 def _layer_rows(by_layer: dict[str, list[float]], where: str) -> list[tuple[float, float, float]]:
