@@ -17,7 +17,6 @@ from typing import Sequence
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.dtypes import Dtype
-from het_strategy.core.dtypes import PRECISION_DTYPES, precision_dtype  # noqa: F401  (strategy/ switches in its refactor)
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan

@@ -34,29 +34,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.dtypes import Dtype
-from het_strategy.core.errors import field_error
+from het_strategy.core.dtypes import Dtype, precision_dtype
+from het_strategy.core.errors import alternatives, field_error
 from het_strategy.core.plan import Plan
-from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
-from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.runtime_rules import DEEPSPEED_PRECISIONS, Runtime, raise_first, runtime_problems
+from het_strategy.core.train_settings import TP_DEGREES, ZERO_STAGES, TrainSettings
 from het_strategy.core.workload import WorkloadSpec, load_workload, transformer_workload
 from het_strategy.emulation.speeds import cluster_is_emulated
 from het_strategy.strategy.elastic import DEVICE_ENV, present_cluster
 from het_strategy.planning.request import PlanMode
-from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy.rank_zero import decided_on_rank_zero
 
-__all__ = ["ZeroStage", "DEEPSPEED_PRECISIONS", "DeepSpeedPlanHolder", "load_plan_source"]
+__all__ = ["ZeroStage", "DeepSpeedPlanHolder", "load_plan_source"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 """A ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over the replicas."""
-
-DEEPSPEED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "per_device")
-"""Lightning's precisions the strategy runs, each in the dtype ``run_plan.precision_dtype`` gives it: DeepSpeed's
-bf16 and fp16 keep fp32 master weights, which is Lightning's ``-mixed`` (its ``-true`` keeps none); ``per_device``
-(the ``PerDevicePrecision`` plugin) runs each rank in its device's dtype over the runtime's fp32 masters
-(``core.runtime_rules`` deepspeed rule 7)."""
-
 
 def load_plan_source(plan: Any) -> Plan | None:
     """``plan=`` as a ``Plan`` (``None``: plan at setup); a ``ConfigError`` naming ``plan`` otherwise."""
@@ -78,17 +70,18 @@ class DeepSpeedPlanHolder:
             needed when ``plan`` is ``None``.
         global_batch_size: with ``plan=None``: samples per optimizer step.
         planner_mode: with ``plan=None``: the planners searched (``PlanMode``).
-        max_tp: with ``plan=None``: the largest tensor-parallel degree the planner may use (1, 2, 4 or 8).
+        max_tp: with ``plan=None``: the largest tensor-parallel degree the planner may use (``TP_DEGREES``).
         emulation: honour the cluster's emulated speeds (plan with them, pad each stage to them).
     """
 
     def __init__(self, cluster: ClusterSpec, plan: Any = None, *, zero_stage: ZeroStage | None = None,
                  workload: Any = None, global_batch_size: int | None = None,
                  planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True) -> None:
-        if isinstance(max_tp, bool) or max_tp not in (1, 2, 4, 8):
-            raise field_error("max_tp", max_tp, "be 1, 2, 4 or 8 (the largest tensor-parallel degree planned)")
-        if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3)):
-            raise field_error("zero_stage", zero_stage, "be 0, 1, 2, 3 or None (the plan's)")
+        if isinstance(max_tp, bool) or max_tp not in TP_DEGREES:
+            raise field_error("max_tp", max_tp, f"be {alternatives(TP_DEGREES)} (the largest tensor-parallel degree "
+                              "planned)")
+        if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
+            raise field_error("zero_stage", zero_stage, f"be {alternatives(ZERO_STAGES)} or None (the plan's)")
         modes = [m for m in PlanMode if m != PlanMode.low_communication]  # that one runs on hetero_diloco
         if planner_mode not in modes:
             raise field_error("planner_mode", planner_mode, f"be one of {', '.join(modes)}")

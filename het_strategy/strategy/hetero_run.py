@@ -35,11 +35,11 @@ from typing_extensions import override
 
 from het_strategy.compression import CompressionState, WireBytes, compression_config
 from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.dtypes import precision_dtype
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.log import logger, rank_debug
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
-from het_strategy.planning.run_plan import precision_dtype
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import ProbeMode, check_cluster_source, check_options, check_plan_source, \
     check_workload_source, planned_compression
