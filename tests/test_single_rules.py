@@ -14,19 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "het_strategy"
 
-SWITCHING = {"het_strategy/strategy/deepspeed_plan.py"}
-"""Files that still spell a rule and switch to its name in their own refactor (strategy/'s, issue 44); drop
-the entry when the file reads the name."""
-
-
 def _sources() -> dict[str, str]:
     return {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _lines_with(pattern: str) -> list[tuple[str, str]]:
-    """``(file, line)`` of every line of the package matching ``pattern``, files in ``SWITCHING`` left out."""
+    """``(file, line)`` of every line of the package matching ``pattern``."""
     rx = re.compile(pattern)
-    return [(name, line.strip()) for name, text in _sources().items() if name not in SWITCHING
+    return [(name, line.strip()) for name, text in _sources().items()
             for line in text.splitlines() if rx.search(line)]
 
 
