@@ -1,31 +1,16 @@
 """The callbacks the ``hetero`` strategy brings to a Trainer: its ``rebalance`` callback and, by default, telemetry.
 
-``Trainer(strategy=HeteroStrategy(...))`` with no callbacks of its own still
-shows the run in its loggers: with ``telemetry=True`` (the default) and at
-least one logger, the strategy calls ``attach_callbacks`` at fit setup, on
-every rank, which adds
+With ``telemetry=True`` (the default) and at least one logger, the strategy calls ``attach_callbacks`` at fit
+setup, on every rank, which adds ``RunReport`` (the plan, its table and picture, the bytes on the wire, every
+decision as a table row), ``StepTelemetry`` (per-rank compute, communication, data time and bytes per step)
+unless one is there already (a ``StragglerMitigation`` is one), and ``CompressionMonitor`` when the strategy
+compresses.
 
-1. ``RunReport`` — the plan in the run config, the plan table and picture,
-   the bytes on the wire, every straggler and compression decision as a
-   table row (``run_report.py``);
-2. ``StepTelemetry`` — per-rank compute, communication, data time and bytes
-   per step — unless a ``StepTelemetry`` (a ``StragglerMitigation`` is one)
-   is already among the Trainer's callbacks;
-3. ``CompressionMonitor`` when the strategy compresses gradients.
-
-A callback of a type already present (``het-train`` adds its own) is not
-added again.  Every rank adds the same ones: ``StepTelemetry`` runs a
-collective every few steps, so all ranks must have it or none.
-
-Lightning calls the callbacks' ``setup`` and restores their checkpointed state
-before the strategy's ``setup``; a callback added here gets both from this
-module: its ``setup`` call, and its ``load_state_dict`` with its entry of the
-checkpoint's ``callbacks`` (which the strategy keeps from its own
-``load_checkpoint``).
-
-This module is where the strategy attaches callbacks: ``strategy/`` imports
-``callbacks/`` (this module and nothing else), and the callbacks reach the
-strategy only through ``runtime.HeteroRuntime``, so the dependency points one way.
+Invariants: a callback of a type already present is not added again; every rank adds the same ones
+(``StepTelemetry`` runs a collective every few steps); a callback added here gets the ``setup`` call and the
+checkpointed state (``load_state_dict``) Lightning gave the others before the strategy's ``setup``.  This is the
+one module of ``callbacks/`` that ``strategy/`` imports, and callbacks reach the strategy only through
+``runtime.runtime_of``, so the dependency points one way.
 """
 
 from __future__ import annotations

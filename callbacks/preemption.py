@@ -8,24 +8,13 @@ a scheduler stopping a job sends the same.  ``PreemptionCheckpoint``:
    step's collectives in another order on another rank).
 2. After every training step the ranks agree, in one small all-reduce (max of "noticed"), whether any of
    them got the notice: the platform may signal one process or all of them.
-3. When one did, every rank takes part in ``trainer.save_checkpoint`` of the whole training state (as
-   strategies with sharded state need) into ``<dirpath>/<filename>.tmp``, which rank 0 then renames to
-   ``<dirpath>/<filename>`` once it is complete (an asynchronous writer, Lightning's ``AsyncCheckpointIO``,
-   is waited for): a kill during the write leaves the previous checkpoint, never a half-written one.
-   Rank 0 says in one line the step, the path, how long it took against ``grace_s`` (a warning when over: the
-   platform may have ended the job first), and how to resume (``fit(ckpt_path=...)``, het-train ``resume=``).
-4. ``SystemExit(exit_code)``: Lightning tears the run down and the process exits cleanly, with code 0 by default.
+3. When one did, every rank takes part in ``trainer.save_checkpoint`` into ``<dirpath>/<filename>.tmp``, which
+   rank 0 renames to ``<dirpath>/<filename>`` once complete (an ``AsyncCheckpointIO`` is waited for): a kill
+   during the write leaves the previous checkpoint, never a half-written one.  Rank 0 says in one line the
+   step, the path, how long it took against ``grace_s`` and how to resume.
+4. ``SystemExit(exit_code)``: Lightning tears the run down and the process exits cleanly.
 
-Cost: one 1-element all-reduce per training step.  Resuming is Lightning's ``fit(ckpt_path=...)``: the
-``hetero`` strategy continues mid-epoch, on the same samples.
-
-Under torchrun's elastic agent the same SIGTERM is how an agent stops its worker when the group's membership
-changes (a device joins): with ``filename="step_{step}.ckpt"`` in the periodic checkpoints' folder, the step is
-in the name, ``strategy/elastic.latest_checkpoint`` takes it, and the new group goes on from the step the old one
-reached; the agent would otherwise SIGKILL the worker after its grace and the steps since the last periodic
-checkpoint would be trained again.  There the exit code must not be 0 (``exit_code=143``, a process ended by
-SIGTERM): the ranks agree to save, so every worker exits, and an agent that had not yet seen the change would
-read a 0 as the job finished and leave the group, where any other code makes it restart and rejoin.
+Cost: one 1-element all-reduce per training step.  Resuming is Lightning's ``fit(ckpt_path=...)``.
 """
 
 from __future__ import annotations
@@ -54,7 +43,11 @@ class PreemptionCheckpoint(pl.Callback):
         filename: its name (``preempted.ckpt``); ``{step}`` in it becomes the global step saved.
         grace_s: seconds the platform leaves between the notice and the kill; a save that takes longer is
             reported.
-        exit_code: the code every rank exits with after the save (0; 143 under torchrun's elastic agent).
+        exit_code: the code every rank exits with after the save (0; 143 under torchrun's elastic agent, where the
+            same SIGTERM is how an agent stops its worker when the group's membership changes: with
+            ``filename="step_{step}.ckpt"`` in the periodic checkpoints' folder, ``elastic.latest_checkpoint``
+            takes it and the new group goes on from the step the old one reached; an exit code of 0 would read
+            to an agent that has not yet seen the change as the job finished, and it would leave the group).
     """
 
     def __init__(self, dirpath: str | Path, filename: str = "preempted.ckpt", grace_s: float = 30.0,

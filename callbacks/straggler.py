@@ -1,46 +1,22 @@
 """Detect slow ranks online and rebalance the global batch without restarting.
 
-**Detection** (``ShiftDetector``, one per rank, on its per-sample compute time
-— the compute time of a step divided by the samples it used, so a change of
-share is not a change of speed — *relative to the median rank of the same
-step*).  A straggler is a rank slower than the others, not a step slower than
-the last: a load that slows every rank alike (another job on a shared host,
-a machine-wide frequency drop) leaves every rank's ratio to the median where
-it was, so it moves no work and raises no alarm; one rank 3x slower than the
-rest moves its ratio from 1 to 3.  (With two ranks each is compared with the
-other, and a decision names the rank whose own seconds moved.)  Each rank's
-absolute per-sample time is tracked beside it (``levels``: the same detector
-on seconds) for the re-plan, which needs seconds, not ratios.
+**Detection** (``ShiftDetector``, one per rank): on its per-sample compute time (a change of share is not a
+change of speed) relative to the median rank of the same step.  A straggler is a rank slower than the others,
+not a step slower than the last: a load that slows every rank alike moves no work and raises no alarm.  (With
+two ranks each is compared with the other.)  Each rank's absolute per-sample seconds are tracked beside it
+(``levels``) for the re-plan, which needs seconds.
 
-In each detector the baseline is the median of the current regime's recent
-values (up to ``window``) before the last ``consecutive`` ones; its spread the
-scaled MAD.  A shift is declared when *every one* of the
-last ``consecutive`` values lies beyond both ``baseline x (1 + threshold)``
-and ``baseline + z x MAD`` (or below ``baseline / (1 + threshold)`` and
-``baseline - z x MAD`` for a recovery).  A spike shorter than ``consecutive``
-steps cannot trigger it; noise of +-n% per step cannot when ``threshold`` > 2n
-(defaults: 0.25, 4 steps, z = 4).  The new regime then starts from those
-values.  Sensitivity: lower ``threshold`` to catch smaller shifts, lower
-``consecutive`` to react faster (at more risk from bursts of noise).
+**Mitigation ladder** (``StragglerMitigation``), decided identically on every rank from the same gathered
+telemetry (no extra agreement step):
 
-**Mitigation ladder** (``StragglerMitigation``), decided identically on every
-rank from the same gathered telemetry (no extra agreement step):
+a. re-plan from the measured speeds (``planning.rebalance``) and hand the Plan to the strategy's run
+   (``apply_plan``) from the first step no rank has produced yet, so every rank switches at the same step and
+   each update stays exact and each sample is used once per epoch;
+b. a rank slower than ``evict_ratio`` x the median keeps only ``min_share`` of the batch;
+c. a rank slower than ``stop_ratio`` x the median: a checkpoint and a stop naming it, for an elastic restart.
 
-a. re-plan from the measured speeds (``planning.rebalance``: the exact integer
-   min-max of the measured per-sample times, a whole new Plan) and hand the Plan
-   to the strategy (``apply_plan``) from the first step no rank has produced
-   yet, so every rank switches at the same step and the strategy's sampler and
-   weighted gradients keep each update exact and each sample used once per epoch;
-b. a rank slower than ``evict_ratio`` x the median keeps only ``min_share``
-   of the batch (a fraction; 0 makes it run weight-0 fillers in step);
-c. a rank slower than ``stop_ratio`` x the median: save a checkpoint and stop
-   with a message naming it, so an elastic launcher can restart without it.
-
-Every decision is printed on rank 0, logged to the loggers and kept in
-``decisions`` (and in checkpoints, with the detectors' state), naming each
-rank by its device's name in the cluster (``mid (rank1)``).  The steps run
-before a new plan takes effect (prefetched with the old shares) feed no
-detector, so the new regime is founded on the new shares' values only.
+Every decision is printed on rank 0, logged and kept in ``decisions`` (and in checkpoints, with the detectors'
+state), naming each rank by its device.  Steps prefetched with the old shares feed no detector.
 """
 
 from __future__ import annotations
@@ -80,7 +56,16 @@ class Shift:
 
 
 class ShiftDetector:
-    """Online detector of persistent level shifts in a positive series (see the module docstring)."""
+    """Online detector of persistent level shifts in a positive series.
+
+    The baseline is the median of the current regime's recent values (up to ``window``) before the last
+    ``consecutive`` ones; its spread the scaled MAD.  A shift is declared when *every one* of the last
+    ``consecutive`` values lies beyond both ``baseline x (1 + threshold)`` and ``baseline + z x MAD`` (or below
+    ``baseline / (1 + threshold)`` and ``baseline - z x MAD``: a recovery); the new regime then starts from those
+    values.  A spike shorter than ``consecutive`` steps cannot trigger it; noise of +-n% per step cannot when
+    ``threshold`` > 2n.  Tuning: lower ``threshold`` to catch smaller shifts, lower ``consecutive`` to react
+    faster (at more risk from bursts of noise).
+    """
 
     def __init__(self, threshold: float = 0.25, consecutive: int = 4, window: int = 32, warmup: int = 8,
                  z: float = 4.0) -> None:

@@ -1,38 +1,16 @@
 """``hetero_deepspeed`` checkpoints: a DeepSpeed checkpoint directory with Lightning's entries as client state.
 
-``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) make ``path`` a
-DeepSpeed checkpoint directory (tag ``CHECKPOINT_TAG``), written by every rank
-through ``PlanRunner.save_checkpoint`` and ended by rank 0's
-``elastic.COMPLETE_MARKER`` once every rank's files are there: each stage's layers and its optimizer
-state (partitioned under ZeRO 1; one subdirectory per replica for an
-asymmetric plan), with Lightning's other entries (loops, callbacks, LR
-schedulers, the training loader's position) and the plan (``PLAN_KEY``) as
-client state, and het_strategy's checkpoint format (``checkpoint.CHECKPOINT_FORMAT``
-under ``checkpoint.CHECKPOINT_KEY``).
+``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) make ``path`` a DeepSpeed checkpoint directory (tag
+``CHECKPOINT_TAG``) written by every rank through ``PlanRunner.save_checkpoint``: each stage's layers and optimizer
+state (one subdirectory per replica of an asymmetric plan), with Lightning's other entries (loops, callbacks, LR
+schedulers, the loader's position), the plan (``PLAN_KEY``) and het_strategy's checkpoint format as client state.
+Rank 0 writes ``elastic.COMPLETE_MARKER`` once every rank's files are there.
 
-Resuming: ``trainer.fit(model, loader, ckpt_path=path)`` (a new Trainer and
-module are fine) continues exactly, mid-epoch too.  As in Lightning's
-``DeepSpeedStrategy`` the checkpoint is read after ``setup`` (the engine is
-built in ``setup_optimizers``): every rank's engine loads its stage's layers
-and optimizer state, and the client state gives Lightning its loops and the
-loader's position (the training loader saves its position through ``state_dict``: it resumes
-at the next step of the saved epoch, in that epoch's order).  A checkpoint
-without het_strategy's format, or of another one, is refused (``checkpoint.check_format``); one
-whose saved plan differs from the strategy's in the model, global batch or
-dtype is refused (``ConfigError`` on ``ckpt_path``, naming the plan fields
-that differ) before anything is loaded.
-
-A checkpoint of another plan of the same model, global batch and dtype
-(other stage boundaries, replicas, world size, ZeRO 0 / 1) loads through its
-per-layer files (``ds_runtime.layer_state``: each layer's fp32 parameters and
-optimizer state, written beside DeepSpeed's files): every rank reads its new
-layers', the client state comes from the old rank 0's file.  A checkpoint of
-a tensor-parallel or fp16 plan has no per-layer files and loads into its own
-plan only.
-
-Not supported: a Lightning single-file checkpoint, ``ckpt_path`` for ``validate`` / ``test`` /
-``predict``, and restoring the LightningModule's own full ``state_dict`` (on
-each rank the layers of other stages stay untrained in the module).
+``fit(ckpt_path=path)`` resumes exactly, mid-epoch too, after ``setup`` (the engine is built in
+``setup_optimizers``).  Invariants: a checkpoint of another format, or whose plan differs in the model, global
+batch or dtype, is refused (naming the fields) before anything is loaded; one of another plan of the same model,
+batch and dtype loads through its per-layer files (``ds_runtime.layer_state``); a plan that writes none
+(tensor-parallel, fp16 on DeepSpeed's own fp16 optimizers, ZeRO 2/3) loads into its own plan only.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """The cluster and the Plan a ``hetero_deepspeed`` run holds: ``DeepSpeedPlanHolder``.
 
-1. Construction (in the user's script, before any rank starts): a given plan
-   (a ``Plan`` or its JSON path, with an optional ZeRO-stage override) is
-   checked against the cluster (``Plan.check_cluster``: the devices it
-   names, in the cluster's rank order) and against the ``deepspeed`` rule table of
-   ``core.runtime_rules``, the table the planner's ``planner.runtime=deepspeed``
-   filter and ``ds_runtime.engine.check_runnable`` read; without a plan, the
-   planning inputs are checked (workload, global batch, planner mode).
-2. ``ensure(rank, world_size)`` at setup: without a plan, rank 0 searches one
-   (``planning.plan`` with ``PlanRequest(runtime="deepspeed")``) and broadcasts it, so every
-   rank runs the same plan (an error on rank 0 stops every rank with the same
-   message); then the plan is checked against the launched world (one process
-   per device the plan uses).
-3. ``stage_padding(module)``: on a cluster with ``emulated_speed``s, the
-   cluster and the workload ``PlanRunner`` pads each stage with (the given
-   workload, else the module's ``workload_config()``).  With
-   ``emulation=False`` the cluster's emulated speeds are dropped at
-   construction: the run plans and runs at the devices' real speeds.
-
-4. ``use_precision(precision)`` when the Trainer attaches its precision
-   (``Trainer(precision=...)``, before any rank starts): ``32-true`` runs
-   fp32, ``bf16-mixed`` DeepSpeed's bf16 and ``16-mixed`` its fp16, each with
-   fp32 master weights (``DEEPSPEED_PRECISIONS``).  A given plan must be in
-   that dtype; without one, rank 0 plans in it.  Before a Trainer attaches
-   one, the run is fp32.
+1. Construction (in the user's script, before any rank starts): a given plan (with an optional ZeRO-stage
+   override) is checked against the cluster (``Plan.check_cluster``) and the ``deepspeed`` rule table of
+   ``core.runtime_rules``; without a plan, the planning inputs are checked.
+2. ``use_precision(precision)`` when the Trainer attaches its precision: the run trains in its dtype
+   (``core.runtime_rules.DEEPSPEED_PRECISIONS``); a given plan must be in it, else rank 0 plans in it.
+3. ``ensure(rank, world_size)`` at setup: without a plan, rank 0 searches one (``PlanRequest(runtime="deepspeed")``)
+   and broadcasts it, so every rank runs the same plan (an error on rank 0 stops every rank with its message);
+   then the plan is checked against the launched world (one process per device the plan uses).
+4. ``stage_padding(module)``: on an emulated cluster, what ``PlanRunner`` pads each stage with; with
+   ``emulation=False`` the emulated speeds are dropped at construction.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """Which devices of the cluster file this (re)start runs on, and the checkpoint it goes on from.
 
-Under torchrun's elastic agent (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun
---nnodes=MIN:MAX --nproc-per-node=1 --max-restarts=N --rdzv-backend=c10d ...``;
-``check_agent_store`` says why the variable) the ranks of a restart are the
-agents that joined its rendezvous: after a device failed, or before a new one
-joined, they are a subset of the cluster file's devices, in any order.  Each
-agent names the device it runs on in ``HET_STRATEGY_DEVICE`` (a device name of
-the cluster file); every rank gathers the names (``gather_device_names``, one
-``all_gather_object``), and ``present_cluster`` makes the cluster of those
-devices, rank ``r`` playing the device rank ``r`` named.  The strategy then
-plans for it as for any cluster; a checkpoint of other devices re-plans
-(``checkpoint.restored_plan``) and its sampler goes on at the next global
-batch of the epoch (``sampler.HeteroBatchSampler.load_state_dict``).
+Under torchrun's elastic agent (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=MIN:MAX
+--nproc-per-node=1 --max-restarts=N --rdzv-backend=c10d ...``; ``check_agent_store`` says why the variable) the
+ranks of a restart are the agents that joined its rendezvous: a subset of the cluster file's devices, in any
+order.  Each agent names its device in ``HET_STRATEGY_DEVICE``; every rank gathers the names
+(``gather_device_names``) and ``present_cluster`` makes the cluster of those devices, rank ``r`` playing the device
+rank ``r`` named.  A checkpoint of other devices then re-plans (``checkpoint.restored_plan``) and its sampler
+goes on at the next global batch of the epoch.
 
-A plain torchrun restart (no device names, the agent's shared store) joins a
-process group of its own (``init_attempt_process_group``): torch's ``env://``
-initialisation reuses the agent's store across restarts with
-the same keys, so a restarted worker reads the previous attempt's peer
-addresses and cannot connect (``Gloo connectFullMesh failed ... Connection
-refused``; pytorch/pytorch#167288); the keys are prefixed by the restart count.
+A plain torchrun restart (no device names, the agent's shared store) joins a process group of its own attempt
+(``init_attempt_process_group``): torch's ``env://`` start reuses the agent's store with the same keys across
+restarts, so a restarted worker would read the previous attempt's peers (pytorch/pytorch#167288).
 
-``latest_checkpoint`` is the newest complete ``*.ckpt`` of a directory (by the
-step in its name): what a restart resumes from.  Without ``HET_STRATEGY_DEVICE``
-nothing changes: the cluster file describes the launched world, rank ``r``
-plays its device ``r``.
+``latest_checkpoint`` is the newest complete ``*.ckpt`` of a directory (by the step in its name): what a restart
+resumes from.  Without ``HET_STRATEGY_DEVICE`` nothing changes: rank ``r`` plays the cluster's device ``r``.
 """
 
 from __future__ import annotations

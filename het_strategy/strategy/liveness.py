@@ -1,33 +1,24 @@
 """Which ranks are still there: a heartbeat per rank through the rendezvous store, and a bounded end when one stops.
 
-Without it a rank that dies ends a run badly: on gloo the survivors fail in whatever collective they are in
-("Connection closed by peer"), each with its own traceback and no word of which device went; on NCCL a dead
-peer is often not seen at all, and the survivors wait out the collective timeout.
+Without it a rank that dies ends a run badly: on gloo the survivors fail in whatever collective they are in, each
+with its own traceback and no word of which device went; on NCCL a dead peer is often not seen at all.
 
-``Liveness`` (one per rank, started by the strategy once the process group is up):
+``Liveness`` (one per rank, once the process group is up) runs a daemon thread that:
 
-- **Heartbeat.**  A daemon thread adds 1 to ``het_liveness/<rank>`` in the job's TCP store (its own client
-  connection to ``MASTER_ADDR:MASTER_PORT``, the store rank 0 hosts) every ``interval_s``.  A counter, not a
-  time stamp: the hosts' clocks need not agree; each rank notes, on its own monotonic clock, when it last saw a
-  peer's counter move.  The thread runs beside training (Python switches threads every few milliseconds, and
-  torch's kernels and collectives release the GIL), so a *slow* rank keeps beating (slowness is the straggler
-  callbacks' business); a rank that is *gone* (killed, crashed, its host lost) or frozen stops.
-- **Watchdog.**  The same thread reads every rank's counter in one ``multi_get`` per beat.  A peer silent for
-  ``timeout_s`` is gone, unless it stopped normally (its teardown marks its last counter as finished: ranks do
-  not end their runs at the same instant).  The lowest-ranked survivor logs one line naming its rank, device and
-  node (as the cluster names them) and announces the verdict in the store; every survivor ends at once with exit
-  code ``EXIT_PEER_GONE`` (``os._exit``: the collective it may be blocked in would otherwise wait out the
-  collective timeout).  A survivor that has not yet seen the whole silence itself takes the announced verdict at
-  its next beat once it has seen half of it, and the lowest waits (up to ``VERDICT_WAIT_S``) until every survivor
-  has taken it before it exits: rank 0 hosts the store, and a survivor left without it would only end after a
-  store timeout.  A checkpoint being written (``writing()``) is finished first, so no file is left half-written.
-  A store that stops answering for ``timeout_s`` means rank 0, which hosts it, is gone.
-- **A failed collective** (``wait_for_verdict``, from the strategy's ``on_exception``) waits up to
-  ``timeout_s`` for the watchdog's verdict, so the run ends with that one line instead of every rank's
-  traceback; an error with no silent peer behind it returns, and propagates as usual.
+- **beats**: adds 1 to ``het_liveness/<rank>`` in the job's TCP store (the one rank 0 hosts) every ``interval_s``.
+  A counter, not a time stamp (the hosts' clocks need not agree).  A *slow* rank keeps beating (slowness is the
+  straggler callbacks' business); a rank that is *gone* or frozen stops;
+- **watches**: reads every rank's counter in one ``multi_get`` per beat.  A peer silent for ``timeout_s`` is gone,
+  unless its teardown marked it finished.  The lowest survivor logs one line naming its rank, device and node and
+  announces the verdict in the store; every survivor ends with ``EXIT_PEER_GONE`` (``os._exit``: a collective it
+  may be blocked in would otherwise wait out its timeout), the lowest last, once the others took the verdict.
+  A checkpoint being written (``writing()``) is finished first.  A store silent for ``timeout_s``: rank 0 is gone.
 
-Every rank ends within ``timeout_s`` plus one beat of a peer going silent.  Cost: three store requests per rank
-per beat (``interval_s`` is ``timeout_s / 10``: 3 s at the default bound).
+A failed collective (``wait_for_verdict``, from ``on_exception``) waits up to ``timeout_s`` for the verdict, so
+the run ends with that one line; an error with no silent peer behind it propagates as usual.
+
+Invariant: every rank ends within ``timeout_s`` plus one beat of a peer going silent.  Cost: three store requests
+per rank per beat (``interval_s`` = ``timeout_s / 10``).
 """
 
 from __future__ import annotations
