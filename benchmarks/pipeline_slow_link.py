@@ -29,8 +29,9 @@ from _emulated_nodes import require_netns
 from _pipeline_common import run_plan
 
 from het_strategy.core.cluster import load_cluster
-from het_strategy.core.cost_model import CostModel, StageCost, fill_s
+from het_strategy.core.cost_model import CostModel, fill_s
 from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.plan_score import StageCost
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import TransformerConfig, transformer_workload
 from het_strategy.planning import search_plan

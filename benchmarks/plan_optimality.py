@@ -53,8 +53,9 @@ from typing import Any, Iterator, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict  # noqa: E402
-from het_strategy.core.cost_model import CostModel, StageCost, pipeline_time_s  # noqa: E402
+from het_strategy.core.cost_model import CostModel, pipeline_time_s  # noqa: E402
 from het_strategy.core.memory import MemoryModel  # noqa: E402
+from het_strategy.core.plan_score import StageCost  # noqa: E402
 from het_strategy.core.train_settings import TP_DEGREES, TrainSettings  # noqa: E402
 from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
 from het_strategy.core.workload import TransformerConfig, WorkloadSpec, transformer_workload  # noqa: E402

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from het_strategy.core.errors import ConfigError
+from het_strategy.emulation.netns import NetnsUnavailable
 from het_strategy.emulation.netshape import (
     LinkShape,
-    NetnsUnavailable,
     main,
     netem_available,
     netns_available,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from het_strategy.core.cluster import cluster_from_dict
-from het_strategy.core.cost_model import CostModel, StageCost, bottleneck_s, fill_s, pipeline_time_s
+from het_strategy.core.cost_model import CostModel, bottleneck_s, fill_s, pipeline_time_s
 from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.plan_score import StageCost
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 

@@ -82,7 +82,7 @@ def test_the_device_bound_is_exact():
 
 
 def test_figures_of_a_device_built_in_code_are_bounded_too():
-    from het_strategy.core.cluster import DeviceSpec
+    from het_strategy.core.device_spec import DeviceSpec
 
     with pytest.raises(ConfigError, match=r"`device `d`.tflops.fp32` is 1e\+300"):
         DeviceSpec("d", "x", "n", {"fp32": 1e300}, 16.0, 900.0, 1.0)

@@ -144,7 +144,8 @@ def test_a_request_naming_a_profile_comes_with_it() -> None:
 
 def test_het_train_reads_the_same_request_and_refuses_what_it_does_not_run(tmp_path: Path) -> None:
     """het-train's ``planner`` section is a PlanRequest: its mode is used, every other field stays default."""
-    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.cli.train_cli import compose_train_config
+    from het_strategy.cli.train_job import TrainJob
 
     cfg, auto = compose_train_config(["cluster=local_cpu2_pipeline", "strategy=hetero_deepspeed",
                                       "planner.mode=pipeline", f"output.dir={tmp_path}"])

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from het_strategy.core.cluster import cluster_from_dict
-from het_strategy.core.cost_model import CostModel, StageCost, pipeline_time_s
+from het_strategy.core.cost_model import CostModel, pipeline_time_s
+from het_strategy.core.plan_score import StageCost
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.shipped import config_file
 from het_strategy.core.workload import TransformerConfig, load_workload, transformer_workload

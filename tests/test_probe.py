@@ -21,18 +21,18 @@ import torch.distributed as dist  # noqa: E402
 
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.profiling import device_probe, probe, probe_cache  # noqa: E402
-from het_strategy.profiling.measurements import best_rounds_figure, peak_noise  # noqa: E402
-from het_strategy.profiling.probe import (  # noqa: E402
+from het_strategy.profiling.device_probe import measure_device  # noqa: E402
+from het_strategy.profiling.measurements import (  # noqa: E402
     AllreduceTiming,
     DeviceMeasurement,
     LinkMeasurement,
     P2PTiming,
-    ProbeResult,
     SnappedFigures,
-    cluster_from_measurements,
-    measure_device,
+    best_rounds_figure,
+    peak_noise,
     snap_like_devices,
 )
+from het_strategy.profiling.probe import ProbeResult, cluster_from_measurements  # noqa: E402
 
 TIMEOUT_S = 60
 BUDGET_S = 0.05
@@ -159,9 +159,9 @@ def test_table_lists_every_rank_and_link():
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("HET_STRATEGY_CACHE", str(tmp_path))
-    assert probe.default_cache_dir() == tmp_path
+    assert probe_cache.default_cache_dir() == tmp_path
     monkeypatch.delenv("HET_STRATEGY_CACHE")
-    assert probe.default_cache_dir() == Path.home() / ".cache" / "het_strategy" / "probe"
+    assert probe_cache.default_cache_dir() == Path.home() / ".cache" / "het_strategy" / "probe"
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------------

@@ -23,12 +23,11 @@ from het_strategy.moe import HeteroMoE
 from het_strategy.planning.run_plan import data_parallel_plan, shares_in_rank_order
 from het_strategy.planning.rebalance import with_shares
 from het_strategy.strategy import checkpoint as ckpt
-from het_strategy.strategy.arguments import PROBE_MODES
+from het_strategy.strategy.arguments import PROBE_MODES, ProbeMode
 from het_strategy.strategy.compression_run import CommHookBuilder
 from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.planning.experts import MoEPlacement
 from het_strategy.strategy.expert_placer import ExpertPlacer, check_resumable
-from het_strategy.strategy.hetero_run import ProbeMode
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, is_split, loader_mode, split_loader
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.rank_context import RankContext

@@ -408,7 +408,8 @@ def _model_checkpoint(tmp_path: Path, name: str, *overrides: str) -> Path:
     """A Lightning-shaped checkpoint of the char GPT het-train builds with ``overrides``."""
     import torch
 
-    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.cli.train_cli import compose_train_config
+    from het_strategy.cli.train_job import TrainJob
     from het_strategy.demo.moe_gpt import build_char_model
 
     cfg, auto = compose_train_config(["cluster=local_cpu2", f"output.dir={tmp_path}", *overrides])
@@ -419,7 +420,8 @@ def _model_checkpoint(tmp_path: Path, name: str, *overrides: str) -> Path:
 
 
 def test_a_lightning_checkpoint_of_this_model_passes_the_resume_check(tmp_path: Path) -> None:
-    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.cli.train_cli import compose_train_config
+    from het_strategy.cli.train_job import TrainJob
 
     ckpt = _model_checkpoint(tmp_path, "step_2.ckpt")
     cfg, auto = compose_train_config(["cluster=local_cpu2", f"resume={ckpt}", f"output.dir={tmp_path}"])
@@ -470,7 +472,8 @@ def test_a_bad_value_inside_a_sweep_is_one_line_before_any_run(no_training: None
 
 
 def test_the_job_reads_typed_sections(tmp_path: Path) -> None:
-    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.cli.train_cli import compose_train_config
+    from het_strategy.cli.train_job import TrainJob
     from het_strategy.cli.train_config import MoEConfig, TrainConfig
 
     cfg, auto = compose_train_config(["cluster=local_cpu2", "train.lr=1", "data.seed=3", f"output.dir={tmp_path}"])
@@ -487,7 +490,8 @@ def test_the_job_reads_typed_sections(tmp_path: Path) -> None:
 ])
 def test_strategy_and_logger_are_group_choices(overrides: list[str], strategy: str, loggers: list[str],
                                                tmp_path: Path) -> None:
-    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.cli.train_cli import compose_train_config
+    from het_strategy.cli.train_job import TrainJob
 
     cfg, auto = compose_train_config(["cluster=local_cpu2", *overrides, f"output.dir={tmp_path}"])
     job = TrainJob(cfg, auto)
@@ -516,7 +520,8 @@ def test_the_group_nodes_instantiate_for_a_hydra_user(tmp_path: Path) -> None:
     ("adaptive_compression", {"cluster": "local_cpu2", "loggers": ["csv"], "max_steps": 60, "experts": 0}),
 ])
 def test_experiment_presets_compose_and_check(name: str, expect: dict, tmp_path: Path) -> None:
-    from het_strategy.cli.train_cli import TrainJob, compose_train_config
+    from het_strategy.cli.train_cli import compose_train_config
+    from het_strategy.cli.train_job import TrainJob
 
     cfg, auto = compose_train_config([f"experiment={name}", f"output.dir={tmp_path}"])
     job = TrainJob(cfg, auto)

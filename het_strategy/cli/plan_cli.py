@@ -57,7 +57,7 @@ from het_strategy.core.shipped import shipped_names
 if TYPE_CHECKING:
     from het_strategy.cli.plan_config import ModelInputConfig, PlanOutputConfig
     from het_strategy.core.cluster import ClusterSpec
-    from het_strategy.core.cost_model import PlanScore
+    from het_strategy.core.plan_score import PlanScore
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.plan import Plan
     from het_strategy.core.workload import MeasuredProfile, WorkloadSpec

@@ -45,7 +45,7 @@ from het_strategy.core.errors import ConfigError
 from het_strategy.core.log import rank_zero_info
 from het_strategy.core.shipped import shipped_names
 
-__all__ = ["PROG", "CONFIG_NAME", "TrainJob", "compose_train_config", "build_strategy", "log_planned_compression",
+__all__ = ["PROG", "CONFIG_NAME", "compose_train_config", "build_strategy", "log_planned_compression",
            "run_train", "main"]
 
 PROG = "het-train"

@@ -1,8 +1,7 @@
 """Clusters: devices grouped into nodes, the links between them, and the YAML form that describes them.
 
 A device's datasheet figures and list price come from the catalog (``catalog.py``)
-and one device entry is parsed in ``device_spec.py`` (both modules' public names are
-re-exported here).  A cluster YAML (schema: docs/guide/cluster-schema.md) is loaded into ``ClusterSpec``; every
+and one device entry is parsed in ``device_spec.py`` (import their names from there).  A cluster YAML (schema: docs/guide/cluster-schema.md) is loaded into ``ClusterSpec``; every
 field is checked on construction and a bad one raises ``ConfigError`` naming
 the field, the value and the rule.  Nothing here imports torch.
 """
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from het_strategy.core.catalog import DTYPES, DeviceType, device_catalog, lookup_device_type
+from het_strategy.core.catalog import DeviceType
 from het_strategy.core.device_spec import DEVICE_KEYS, DeviceSpec, device_from_dict, resolve_device_type
 from het_strategy.core.cluster_limits import bounded_figure as _figure, check_count, check_figure, check_name, \
     check_yaml_tree, devices_per_node as _devices_per_node
@@ -26,14 +25,6 @@ from het_strategy.core.files import naming_file, read_yaml_file
 from het_strategy.core.shipped import config_file
 
 __all__ = [
-    # the catalog's names (catalog.py), re-exported
-    "DTYPES",
-    "DeviceType",
-    "device_catalog",
-    "lookup_device_type",
-    # one device (device_spec.py), re-exported
-    "DeviceSpec",
-    # clusters
     "NodeSpec",
     "LinkSpec",
     "Slowdown",

@@ -37,7 +37,7 @@ from typing import Any, Literal, Sequence
 
 from het_strategy.core.errors import field_error
 from het_strategy.core.network import ring_allreduce_bytes, ring_steps
-from het_strategy.core.workload import DTYPE_BYTES
+from het_strategy.core.dtypes import DTYPE_BYTES
 
 __all__ = ["Codec", "Exchange", "Bound", "Scaling", "SCALINGS", "META_FLOATS", "CodecParams", "CodecSpec",
            "CODECS", "ELEMENTWISE_CODECS", "codec", "packed_bytes", "topk_count",

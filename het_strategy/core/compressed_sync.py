@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from het_strategy.core.codecs import CODECS, ELEMENTWISE_CODECS, Codec, Exchange, codec
-from het_strategy.core.workload import DTYPE_BYTES
+from het_strategy.core.dtypes import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from het_strategy.core.device_spec import DeviceSpec

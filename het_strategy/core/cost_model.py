@@ -61,7 +61,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from het_strategy.core.cluster import ClusterSpec, DeviceSpec
+from het_strategy.core.cluster import ClusterSpec
+from het_strategy.core.device_spec import DeviceSpec
 from het_strategy.core.compute_model import ComputeCalibration, device_roofline, layer_seconds
 from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync_s, wire_fraction
 from het_strategy.core.network import BLOCK_TP_ALLREDUCES, NO_SYNC, Network, SyncRoute, routes
@@ -72,7 +73,7 @@ from het_strategy.core.memory import MemoryModel, overhead_bytes
 from het_strategy.core.plan_score import PlanScore, StageCost
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
-__all__ = ["StageCost", "PlanScore", "CostModel", "pipeline_time_s", "fill_s", "bottleneck_s"]
+__all__ = ["CostModel", "pipeline_time_s", "fill_s", "bottleneck_s"]
 
 
 class CostModel:

@@ -65,7 +65,7 @@ from typing import Any, Mapping, Sequence
 
 from het_strategy.core.codecs import CODECS, Codec, CodecParams, Exchange, packed_bytes
 from het_strategy.core.compressed_sync import codec_bandwidth, wire_fraction
-from het_strategy.core.cost_model import CostModel, PlanScore
+from het_strategy.core.cost_model import CostModel
 from het_strategy.core.network import NodeTuple, SyncRoute, ring_allreduce_bytes
 from het_strategy.core.outer_sync import outer_codec
 from het_strategy.core.plan import Pipeline, Plan, Stage

@@ -37,7 +37,6 @@ __all__ = [
     "transformer_config",
     "load_workload",
     "MODEL_KEYS",
-    "DTYPE_BYTES",  # core.dtypes' table, for the modules that import it from here
 ]
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from het_strategy.core.runtime_rules import (ClippingOwner, Runtime, clipping_ow
                                              runtime_problems, runs_per_replica)
 
 if TYPE_CHECKING:
-    from het_strategy.core.cost_model import CostModel, PlanScore
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.plan_score import PlanScore
     from het_strategy.core.train_settings import TrainSettings
 
 __all__ = [

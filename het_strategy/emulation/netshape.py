@@ -81,7 +81,6 @@ from het_strategy.emulation.netns import (
 
 __all__ = [
     "LinkShape",
-    "NetnsUnavailable",
     "ShapedNamespace",
     "netns_available",
     "netem_available",

@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Sequence
 
-from het_strategy.core.cost_model import CostModel, PlanScore
+from het_strategy.core.cost_model import CostModel
 from het_strategy.core.memory import GiB
 from het_strategy.core.memory import overhead_bytes
 from het_strategy.core.plan import Plan

@@ -53,7 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.codecs import Codec
-from het_strategy.core.cost_model import CostModel, PlanScore
+from het_strategy.core.cost_model import CostModel
 from het_strategy.core.errors import ConfigError, field_error, require_int, require_option
 from het_strategy.core.outer_sync import OuterSync, outer_codec
 from het_strategy.core.outer_sync_cost import OuterSyncCost

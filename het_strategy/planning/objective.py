@@ -56,8 +56,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from het_strategy.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from het_strategy.core.cluster import ClusterSpec, NodeSpec
 from het_strategy.core.cost_model import CostModel
+from het_strategy.core.device_spec import DeviceSpec
 from het_strategy.core.train_settings import TP_DEGREES, TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan

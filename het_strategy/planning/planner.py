@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from het_strategy.core.cost_model import CostModel, PlanScore
+from het_strategy.core.cost_model import CostModel
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.outer_sync_cost import OuterSyncCost
 from het_strategy.core.plan import Plan

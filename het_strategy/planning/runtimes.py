@@ -33,7 +33,7 @@ from het_strategy.core.runtime_rules import Runtime, as_runtime, runtime_problem
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 
-__all__ = ["Runtime", "RuntimeChoice", "runnable", "search_runtime"]
+__all__ = ["RuntimeChoice", "runnable", "search_runtime"]
 
 
 def runnable(plan: Plan, runtime: Runtime | str) -> bool:

@@ -79,10 +79,8 @@ from het_strategy.profiling.device_probe import InTurn, measure_device
 from het_strategy.profiling.link_probe import DEFAULT_LINK_SIZES, measure_links
 from het_strategy.profiling.measurements import (
     DEFAULT_SNAP_TOLERANCE,
-    AllreduceTiming,
     DeviceMeasurement,
     LinkMeasurement,
-    P2PTiming,
     SnappedFigures,
     snap_like_devices,
 )
@@ -98,18 +96,8 @@ from het_strategy.profiling.torch_device import indexed_device
 from het_strategy.report.table import format_table
 
 __all__ = [
-    "DEFAULT_LINK_SIZES",
-    "DeviceMeasurement",
-    "AllreduceTiming",
-    "P2PTiming",
-    "LinkMeasurement",
-    "SnappedFigures",
-    "snap_like_devices",
     "ProbeResult",
-    "measure_device",
-    "measure_links",
     "cluster_from_measurements",
-    "default_cache_dir",
     "probe_cluster",
 ]
 

@@ -27,7 +27,7 @@ from het_strategy.planning.dp_split import equal_split_plan
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
-    from het_strategy.core.cost_model import PlanScore
+    from het_strategy.core.plan_score import PlanScore
     from het_strategy.core.plan import Plan
     from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 

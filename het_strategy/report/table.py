@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Collection, Sequence
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
-    from het_strategy.core.cost_model import PlanScore
+    from het_strategy.core.plan_score import PlanScore
     from het_strategy.core.plan import Plan
 
 __all__ = ["plan_table", "format_table", "compress_devices", "compress_indices", "PipelineGroup",

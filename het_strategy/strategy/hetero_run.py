@@ -55,7 +55,7 @@ from het_strategy.strategy.sampler import split_by_shares
 from het_strategy.strategy.step_timing import StepPacing
 from het_strategy.strategy.strategy_run import Parent, StrategyRun
 
-__all__ = ["HeteroRun", "ProbeMode", "wrap_in_ddp"]
+__all__ = ["HeteroRun", "wrap_in_ddp"]
 
 
 class HeteroRun(StrategyRun):
