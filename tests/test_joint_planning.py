@@ -144,7 +144,7 @@ def test_compression_planned_runs_the_plans_inter_node_choice() -> None:
     cluster, workload = cluster_from_dict(_two_nodes(1.0)), _workload(hidden_size=1024, seq_len=1024)
     joint = _joint(cluster, workload, TrainSettings(global_batch_size=256, micro_batch_sizes=(1, 2)))
     strategy = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.plan, compression="planned")
-    assert strategy.run.comm.config == CompressionConfig(method="quantize", bits=4, scope="inter_node")
+    assert strategy.run.comm.config == CompressionConfig(method="q4", scope="inter_node")
     blind = het_strategy.HeteroStrategy(cluster=_two_nodes(1.0), plan=joint.blind, compression="planned")
     assert blind.run.comm.config.method == "none"
     with pytest.raises(ConfigError, match="`compression` is 'planned'; it must go with plan="):

@@ -6,10 +6,8 @@ group ``compression=<name>`` and ``CompressionState`` take.  ``method`` is
 layer: ``none``, ``fp16``, ``bf16``, ``q2`` ... ``q8`` (quantized to that many
 bits with the config's scaling, bucket and rounding), ``topk`` (``topk_ratio``
 of the entries) or ``powersgd`` (rank ``rank``); the tokens are
-``core.codecs.Codec``, each registered once there.
-
-One alias is read here and nowhere else: ``method: quantize`` with ``bits: b``
-is taken as ``q<b>``, with a logged note naming the token to write.
+``core.codecs.Codec``, each registered once there.  A codec has one spelling: any
+other method is refused, naming the methods.
 """
 
 from __future__ import annotations
@@ -22,14 +20,12 @@ from typing import Any, Literal, Mapping
 from het_strategy.compression.quantize import QuantizerSpec
 from het_strategy.core.codecs import CODECS, SCALINGS, Codec, CodecParams, Scaling, codec
 from het_strategy.core.errors import check_keys, field_error, require_int, require_option
-from het_strategy.core.log import logger
 
 __all__ = ["CompressionConfig", "Scope", "METHODS", "ADAPTIVE", "compression_config", "quantizer_for"]
 
 ADAPTIVE = "adaptive"
 METHODS: tuple[str, ...] = (ADAPTIVE, *Codec)
 """What ``CompressionConfig.method`` may be: adaptive, or any codec token."""
-_QUANTIZE_ALIAS = "quantize"  # method: quantize + bits: b, read as q<b>
 _BITS = 4  # CompressionConfig.bits's default
 _DEFAULTS = CodecParams()
 
@@ -91,11 +87,6 @@ class CompressionConfig:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
             raise field_error("compression.bits", self.bits, "be an integer from 2 to 8",
                               "fewer bits cannot carry a sign and a zero; more than 8 do not pay over fp16")
-        if self.method == _QUANTIZE_ALIAS:
-            logger.info("compression.method: 'quantize' with bits=%d is the codec 'q%d'; write method: q%d",
-                        self.bits, self.bits, self.bits)
-            object.__setattr__(self, "method", Codec(f"q{self.bits}"))
-            object.__setattr__(self, "bits", _BITS)  # as CompressionConfig(method="q<b>") has it
         if self.method != ADAPTIVE:
             object.__setattr__(self, "method", codec(self.method, "compression.method", METHODS))
             if self.bits != _BITS:  # it would have no effect
