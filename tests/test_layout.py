@@ -1,6 +1,7 @@
 """The house rules of the package layout: a light planning core, registration in either import order, no import
 circle and imports pointing down the layers (module-level and function-level imports alike), optional
-dependencies imported only where allowed, a warning for a module over 500 lines."""
+dependencies imported only where allowed, no re-exports (one import path per name; an ``__all__`` in every
+``__init__.py``), a warning for a module over 500 lines."""
 
 from __future__ import annotations
 
@@ -286,3 +287,96 @@ def test_the_known_lightning_pytree_warning_is_quiet_only_where_it_comes_from() 
     ])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["1", "True"], out.stderr
+
+
+def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements that run when a module is imported: its body, and inside it the bodies of ``if``, ``try``,
+    ``with``, ``for`` and ``while`` (not of functions or classes, whose names are local)."""
+    out = []
+    for node in body:
+        out.append(node)
+        for field in ("body", "orelse", "finalbody"):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.extend(_module_level(getattr(node, field, [])))
+        for handler in getattr(node, "handlers", []):
+            out.extend(_module_level(handler.body))
+    return out
+
+
+def _defined_names(statements: list[ast.stmt]) -> set[str]:
+    """The names a module defines itself: functions, classes, assignments (annotated ones and ``TypeAlias``
+    included), ``type X = ...`` and loop targets; an imported name is not one of them."""
+    names: set[str] = set()
+    type_alias = getattr(ast, "TypeAlias", ())  # ``type X = ...``, Python 3.12+
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif type_alias and isinstance(node, type_alias):
+            names.add(node.name.id)
+        else:
+            targets = {ast.Assign: lambda n: n.targets, ast.AnnAssign: lambda n: [n.target],
+                       ast.AugAssign: lambda n: [n.target], ast.For: lambda n: [n.target]}
+            for target in targets.get(type(node), lambda n: [])(node):
+                names.update(t.id for t in ast.walk(target) if isinstance(t, ast.Name))
+    return names
+
+
+def _re_export_problems(source: str, is_init: bool) -> list[str]:
+    """What makes a module re-export a name, one line each (empty: none).
+
+    A module that is not an ``__init__.py`` lists in ``__all__`` (a literal list or tuple of strings) only names it
+    defines, and carries no ``# noqa: F401`` on a module-level import: a module-level name the module does not
+    use is there only for its importers, a second import path.  (A function-level import binds a local name:
+    an F401 there marks an import for its side effect, e.g. whether matplotlib is installed.)  An ``__init__.py``
+    is where a package names its public surface: it must have an ``__all__``, and may list imported names in it.
+    """
+    tree = ast.parse(source)
+    statements = _module_level(tree.body)
+    lines = source.splitlines()
+    all_names = None
+    problems = []
+    for node in statements:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+                isinstance(t, ast.Name) and t.id == "__all__"
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+            value = node.value
+            if not (isinstance(value, (ast.List, ast.Tuple))
+                    and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts)):
+                problems.append(f"line {node.lineno}: __all__ is not a literal list of names")
+                continue
+            all_names = [e.value for e in value.elts]
+    if is_init:
+        return problems + ([] if all_names is not None else ["an __init__.py without __all__"])
+    defined = _defined_names(statements)
+    problems += [f"__all__ lists {name!r}, which it does not define (import it from where it is defined)"
+                 for name in all_names or [] if name not in defined]
+    for node in statements:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            text = "\n".join(lines[node.lineno - 1:node.end_lineno])
+            if "noqa: F401" in text:
+                problems.append(f"line {node.lineno}: a module-level import kept with `# noqa: F401`, "
+                                "a re-export (import the name from the module that defines it)")
+    return problems
+
+
+def test_re_exports_are_found() -> None:
+    defines = "from a import b\nX: int = 1\ndef f(): pass\nclass C: pass\nif X:\n    Y = 2\n"
+    assert _re_export_problems(defines + "__all__ = ['X', 'f', 'C', 'Y']", is_init=False) == []
+    assert _re_export_problems(defines + "__all__ = ['X', 'b']", is_init=False) == [
+        "__all__ lists 'b', which it does not define (import it from where it is defined)"]
+    assert _re_export_problems("from a import b  # noqa: F401\n__all__ = []", is_init=False) == [
+        "line 1: a module-level import kept with `# noqa: F401`, a re-export (import the name from the module "
+        "that defines it)"]
+    assert _re_export_problems("def f():\n    import a  # noqa: F401\n__all__ = ['f']", is_init=False) == []
+    assert _re_export_problems("from a import b\n__all__ = ['b']", is_init=True) == []
+    assert _re_export_problems("from a import b\n", is_init=True) == ["an __init__.py without __all__"]
+    assert _re_export_problems("__all__ = ['a'] + other", is_init=False) == [
+        "line 1: __all__ is not a literal list of names"]
+
+
+def test_no_module_re_exports_a_name_it_does_not_define_and_every_init_lists_all() -> None:
+    """Each name has one import path, the module that defines it; a package's ``__init__.py`` names its public
+    surface in ``__all__`` (empty where the package's modules are imported one by one)."""
+    wrong = [f"{path.relative_to(ROOT)}: {problem}" for path in _module_files()
+             for problem in _re_export_problems(path.read_text(), path.name == "__init__.py")]
+    assert not wrong, "re-exports:\n" + "\n".join(wrong)

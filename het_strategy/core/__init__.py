@@ -21,3 +21,5 @@
 
 Pure Python + numpy + PyYAML: no torch, no Lightning, no DeepSpeed.
 """
+
+__all__: list[str] = []  # the package's modules are imported one by one

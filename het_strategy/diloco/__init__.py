@@ -5,3 +5,5 @@
   codec of the registry with error feedback;
 - ``outer_loop.py`` — the outer parameters and optimizer, the count of inner steps in the round, the outer step.
 """
+
+__all__: list[str] = []  # the package's modules are imported one by one

@@ -8,3 +8,5 @@
 - ``netns.py``        the ``ip netns`` plumbing under both: create, list, empty and delete a namespace
 - ``local_ranks.py``  start N gloo ranks of a function (or a script, optionally on emulated nodes) on this machine
 """
+
+__all__: list[str] = []  # the package's modules are imported one by one

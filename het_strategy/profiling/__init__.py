@@ -14,3 +14,5 @@
 
 What they measure becomes core objects (``ClusterSpec``, ``MeasuredProfile``) that the planner reads.
 """
+
+__all__: list[str] = []  # the package's modules are imported one by one

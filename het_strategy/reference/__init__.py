@@ -12,3 +12,5 @@
 
 These import the planning core; the core and the planners never import them.  Pure Python: no torch.
 """
+
+__all__: list[str] = []  # the package's modules are imported one by one

@@ -18,3 +18,5 @@
 Importing this package imports neither torch nor Lightning; ``het_strategy.HeteroStrategy`` (and the other
 public class names) import them on first access.
 """
+
+__all__: list[str] = []  # the package's modules are imported one by one
