@@ -67,7 +67,7 @@ def plans(cluster: Any, workload: Any, batch: int) -> Any:
     """The ``JointResult`` on ``cluster`` (``.blind``, ``.plan``: the joint one): pure data parallelism planned as
     the strategy plans it, except that devices may stay idle (the blind plan's point)."""
     from het_strategy.planning import PlanRequest, plan
-    from het_strategy.planning.run_plan import data_parallel_settings
+    from het_strategy.planning.strategy_plans import data_parallel_settings
 
     return plan(cluster, workload, data_parallel_settings(batch, "fp32", idle_devices=True),
                 PlanRequest(compression="joint", mode="dp")).joint
@@ -95,7 +95,7 @@ def _worker(args: argparse.Namespace) -> None:
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.demo.moe_gpt import build_char_model
     from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
-    from het_strategy.planning.run_plan import data_parallel_plan
+    from het_strategy.planning.strategy_plans import data_parallel_plan
 
     torch.set_num_threads(1)
     pl.seed_everything(args.seed, verbose=False)

@@ -60,7 +60,7 @@ def _plans(cluster: Any, workload: Any, args: argparse.Namespace) -> dict[str, A
     from het_strategy.planning import PlanRequest, plan
     from het_strategy.planning.dp_split import equal_split_plan
     from het_strategy.planning.low_communication import OuterSyncBudget, plan_low_communication
-    from het_strategy.planning.run_plan import data_parallel_settings
+    from het_strategy.planning.strategy_plans import data_parallel_settings
 
     settings = data_parallel_settings(args.batch, "fp32")
     sync = plan(cluster, workload, settings, PlanRequest(compression="joint", mode="dp")).joint.plan

@@ -36,7 +36,7 @@ from het_strategy.callbacks.telemetry import FIELDS, StepTelemetry
 from het_strategy.core.errors import field_error, require_int
 from het_strategy.core.log import logger as het_logger, rank_debug
 from het_strategy.planning.rebalance import rebalance
-from het_strategy.planning.run_plan import shares_in_rank_order
+from het_strategy.planning.strategy_plans import shares_in_rank_order
 
 __all__ = ["Shift", "ShiftDetector", "Decision", "StragglerMitigation"]
 

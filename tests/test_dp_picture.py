@@ -14,7 +14,7 @@ from het_strategy.core.cost_model import CostModel
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.plan_score import DeviceStepTimes, dp_step_times
 from het_strategy.core.workload import load_workload
-from het_strategy.planning.run_plan import data_parallel_plan, data_parallel_settings
+from het_strategy.planning.strategy_plans import data_parallel_plan, data_parallel_settings
 
 pytest.importorskip("matplotlib")
 

@@ -13,7 +13,7 @@ from het_strategy.core.plan import Pipeline, Stage
 from het_strategy.core.workload import load_workload
 from het_strategy.planning.dp_split import equal_split_plan
 from het_strategy.planning.experts import expert_counts_by_speed, place_experts
-from het_strategy.planning.run_plan import estimate_workload
+from het_strategy.planning.strategy_plans import estimate_workload
 from het_strategy.planning.structure import plan_from_pipelines
 
 

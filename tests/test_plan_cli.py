@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from het_strategy.cli._common import cluster_from_cfg, workload_from_cfg
-from het_strategy.cli.plan_cli import compose_plan_config, main, run_plan
+from het_strategy.cli.plan_cli import compose_plan_config, main, plan_or_score
 from het_strategy.cli.plan_config import register_plan_schema, typed_plan_config
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.cost_model import CostModel
@@ -43,7 +43,7 @@ def test_compose_api_plans_writes_plan_json_and_scores_it_back(tmp_path: Path):
     register_plan_schema()  # the schema plan.yaml's defaults list names (het-plan registers it itself)
     with initialize_config_module(version_base="1.3", config_module="het_strategy.configs"):
         cfg = compose("plan", overrides=[*SHIPPED, "settings.global_batch_size=32", f"output.dir={tmp_path}"])
-    plan, score = run_plan(cfg, echo=False)
+    plan, score = plan_or_score(cfg, echo=False)
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads((tmp_path / "plan.json").read_text())
     assert loaded.global_batch_size == 32 and sum(p.samples for p in loaded.pipelines) == 32
@@ -52,7 +52,7 @@ def test_compose_api_plans_writes_plan_json_and_scores_it_back(tmp_path: Path):
     with initialize_config_module(version_base="1.3", config_module="het_strategy.configs"):
         cfg2 = compose("plan", overrides=[*SHIPPED, f"score={tmp_path / 'plan.json'}", f"output.dir={tmp_path}",
                                           "output.plan=scored.json"])
-    rescored, score2 = run_plan(cfg2, echo=False)
+    rescored, score2 = plan_or_score(cfg2, echo=False)
     assert score2.step_time_s == pytest.approx(score.step_time_s, rel=1e-12)
     assert Plan.load(tmp_path / "scored.json").pipelines == loaded.pipelines
 
@@ -62,7 +62,7 @@ def test_score_option_uses_the_same_cost_model(tmp_path: Path):
     hand.save(tmp_path / "hand.json")
     cfg = compose_plan_config([*SHIPPED, f"score={tmp_path / 'hand.json'}", f"output.dir={tmp_path}",
                                "output.plan=out.json", "output.ds_config=true"])
-    plan, score = run_plan(cfg, echo=False)
+    plan, score = plan_or_score(cfg, echo=False)
     expected = CostModel(load_cluster("local_cpu4_mixed"), load_workload("tiny_gpt"),
                          TrainSettings(global_batch_size=64)).score(hand)
     assert score.step_time_s == pytest.approx(expected.step_time_s, rel=1e-12)
@@ -152,7 +152,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path: Path, capsys, monkeypat
     assert not (tmp_path / "plan.json").exists()
 
 
-def test_run_plan_raises_config_error_for_bad_train_values():
+def test_plan_or_score_raises_config_error_for_bad_train_values():
     with pytest.raises(ConfigError, match="`settings.activation_checkpointing` is 'maybe'; it must be true or false"):
         compose_plan_config([*SHIPPED, "settings.activation_checkpointing=maybe"])
     with pytest.raises(ConfigError, match="`planner.mode` is 'fast'; it must be one of auto, dp, pipeline, hybrid"):
@@ -162,7 +162,7 @@ def test_run_plan_raises_config_error_for_bad_train_values():
     with pytest.raises(ConfigError, match=r"`train[.\w]*` is .*; it must not be there: .*settings"):
         compose_plan_config([*SHIPPED, "train.dtype=fp32"])  # the section is `settings`
     with pytest.raises(ConfigError, match="`planner.budget_per_hour` is -1.0; it must be null or a number > 0"):
-        run_plan(compose_plan_config([*SHIPPED, "planner.budget_per_hour=-1"]), echo=False)
+        plan_or_score(compose_plan_config([*SHIPPED, "planner.budget_per_hour=-1"]), echo=False)
 
 
 def test_help_and_cfg_print_without_planning(capsys):
@@ -216,7 +216,7 @@ def test_score_never_overwrites_its_input_and_unknown_plan_keys_are_refused(tmp_
     hand.save(tmp_path / "plan.json")
     before = (tmp_path / "plan.json").read_text()
     cfg = compose_plan_config([*SHIPPED, f"score={tmp_path / 'plan.json'}", f"output.dir={tmp_path}"])
-    run_plan(cfg, echo=False)
+    plan_or_score(cfg, echo=False)
     assert (tmp_path / "plan.json").read_text() == before  # the input is untouched
     assert Plan.load(tmp_path / "plan.scored.json").predicted["step_time_s"] > 0
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from het_strategy.cli.plan_cli import compose_plan_config, main, run_plan
+from het_strategy.cli.plan_cli import compose_plan_config, main, plan_or_score
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.plan import Plan
-from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload
+from het_strategy.planning.strategy_plans import data_parallel_plan, estimate_workload
 from het_strategy.profiling.model_factory import load_profile_file
 
 _MODELS = '''
@@ -62,7 +62,7 @@ def _args(tmp_path: Path, *extra: str) -> list[str]:
 
 def test_a_file_factory_is_profiled_planned_and_its_plan_passes_the_strategys_check(models: Path, tmp_path: Path):
     cfg = compose_plan_config(_args(tmp_path, f"model={models}:make", "model_input.shape=[4,8]"))
-    plan, score = run_plan(cfg, echo=False)
+    plan, score = plan_or_score(cfg, echo=False)
     saved = load_profile_file(tmp_path / "out" / "plan.model.json")
     # embedding + 3 blocks + head, FLOPs counted by torch: 2 x in x out per sample for each Linear
     assert [layer.name for layer in saved.workload.layers] == ["embedding", "block0", "block1", "block2", "head"]
@@ -113,7 +113,7 @@ def test_a_saved_profile_plans_as_its_model_did(models: Path, tmp_path: Path, ca
     the saved layers and measured times give the plan the profiled model gave, without profiling again."""
     first = compose_plan_config(_args(tmp_path, f"model={models}:make", "model_input.shape=[4,8]",
                                       "model_input.measured_type=CPU"))
-    plan, score = run_plan(first, echo=False)
+    plan, score = plan_or_score(first, echo=False)
     saved = tmp_path / "out" / "plan.model.json"
     again = tmp_path / "again"
     assert main([*_args(again, f"model={saved}")]) == 0

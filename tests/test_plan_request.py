@@ -30,7 +30,7 @@ from het_strategy.core.errors import ConfigError
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import CompressionPlanning, Objective, PlanMode, PlanRequest, plan
-from het_strategy.planning.run_plan import data_parallel_plan
+from het_strategy.planning.strategy_plans import data_parallel_plan
 from het_strategy.reference.sailor_profiles import request_profile
 
 _BASELINE = json.loads((Path(__file__).parent / "data" / "plan_request_baseline.json").read_text())

@@ -139,7 +139,7 @@ def test_idle_devices_of_a_plan_with_pipelines_are_compared_with_one_more_replic
 def test_the_hetero_strategys_plans_give_every_rank_a_share():
     """idle_devices=False (data_parallel_plan, the hetero strategy's planner): an idle rank would still run a filler
     sample and the sync, so every device gets a share, the slow CPU included."""
-    from het_strategy.planning.run_plan import data_parallel_plan
+    from het_strategy.planning.strategy_plans import data_parallel_plan
 
     cluster, workload = cluster_from_dict(_gpus_and_a_cpu()), _workload(seq_len=512)
     s = TrainSettings(global_batch_size=6, micro_batch_sizes=(1, 2), idle_devices=False)

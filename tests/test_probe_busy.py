@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from het_strategy.core.cluster import cluster_from_dict  # noqa: E402
-from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, shares_in_rank_order  # noqa: E402
+from het_strategy.planning.strategy_plans import data_parallel_plan, estimate_workload, shares_in_rank_order  # noqa: E402
 
 WORLD = 3
 TIMEOUT_S = 90

@@ -9,7 +9,7 @@ import pytest
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import ConfigError
 from het_strategy.planning.rebalance import rebalance
-from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, shares_in_rank_order
+from het_strategy.planning.strategy_plans import data_parallel_plan, estimate_workload, shares_in_rank_order
 
 CLUSTER = load_cluster("local_cpu4_mixed")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from het_strategy.cli.plan_cli import compose_plan_config, run_plan
+from het_strategy.cli.plan_cli import compose_plan_config, plan_or_score
 from het_strategy.core.cluster import load_cluster
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.core.train_settings import TrainSettings
@@ -148,9 +148,9 @@ def test_a_runnable_plan_as_fast_as_the_unconstrained_search_found_is_the_uncons
 def test_tensor_parallel_best_runs_on_the_deepspeed_runtime():
     # AMP's V100 + T4 cluster with tp up to 8: the best plan uses tp, and the deepspeed runtime runs it as it is
     args = ["cluster=amp_v100_t4", "model=gpt_small", "settings.max_tp=8", "settings.dtype=fp32", "output.plan=null"]
-    plan, _ = run_plan(compose_plan_config(args), echo=False)
+    plan, _ = plan_or_score(compose_plan_config(args), echo=False)
     assert any(s.tp > 1 for p in plan.pipelines for s in p.stages)
-    plan_ds, _ = run_plan(compose_plan_config([*args, "planner.runtime=deepspeed"]), echo=False)
+    plan_ds, _ = plan_or_score(compose_plan_config([*args, "planner.runtime=deepspeed"]), echo=False)
     assert runnable_problem(plan_ds, "deepspeed") is None
     assert any(s.tp > 1 for p in plan_ds.pipelines for s in p.stages)
     assert plan_ds.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"])

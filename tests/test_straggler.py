@@ -14,7 +14,7 @@ from het_strategy.core.cluster import load_cluster  # noqa: E402
 from het_strategy.emulation.speeds import emulated_factor  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
-from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, shares_in_rank_order  # noqa: E402
+from het_strategy.planning.strategy_plans import data_parallel_plan, estimate_workload, shares_in_rank_order  # noqa: E402
 
 
 def _run(values: list[float], **kwargs) -> list[tuple[int, float]]:  # type: ignore[no-untyped-def]

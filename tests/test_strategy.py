@@ -16,7 +16,7 @@ from het_strategy.emulation.speeds import EmulatedCompute, emulated_seconds_per_
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.core.plan import Pipeline, Plan, Stage  # noqa: E402
 from het_strategy.core.dtypes import precision_dtype  # noqa: E402
-from het_strategy.planning.run_plan import data_parallel_plan, shares_in_rank_order  # noqa: E402
+from het_strategy.planning.strategy_plans import data_parallel_plan, shares_in_rank_order  # noqa: E402
 from het_strategy.core.workload import load_workload  # noqa: E402
 
 

@@ -20,7 +20,7 @@ from het_strategy.core.cluster import load_cluster
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.workload import load_workload
 from het_strategy.moe import HeteroMoE
-from het_strategy.planning.run_plan import data_parallel_plan, shares_in_rank_order
+from het_strategy.planning.strategy_plans import data_parallel_plan, shares_in_rank_order
 from het_strategy.planning.rebalance import with_shares
 from het_strategy.strategy import checkpoint as ckpt
 from het_strategy.strategy.arguments import PROBE_MODES, ProbeMode

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from het_strategy import HeteroStrategy  # noqa: E402
 from het_strategy.compression.wire_count import WireBytes, counted_comm_hook  # noqa: E402
 from het_strategy.core.cluster import load_cluster  # noqa: E402
-from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload  # noqa: E402
+from het_strategy.planning.strategy_plans import data_parallel_plan, estimate_workload  # noqa: E402
 from het_strategy.report.run_record import PLAN_COLUMNS, decision_rows, plan_config, plan_rows  # noqa: E402
 
 _FORK = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from het_strategy.profiling.model_factory import SavedProfile
     from het_strategy.profiling.module_profile import ProfileResult
 
-__all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "run_plan", "main"]
+__all__ = ["PROG", "CONFIG_NAME", "compose_plan_config", "plan_or_score", "main"]
 
 PROG = "het-plan"
 CONFIG_NAME = "plan"
@@ -154,7 +154,7 @@ def _requested_profile(request: "PlanRequest", workload: "WorkloadSpec",
     return request_profile(request, workload, measured)
 
 
-def run_plan(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
+def plan_or_score(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanScore]":
     """Plan (or score ``cfg.score``), print the table when ``echo``, write the requested files.
 
     Paths in ``cfg.output`` and ``cfg.score`` are relative to the current directory.
@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if show_cfg:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
-        run_plan(cfg)
+        plan_or_score(cfg)
         return 0
 
     return run_cli(PROG, body)

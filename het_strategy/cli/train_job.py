@@ -161,7 +161,7 @@ class TrainJob:
         """
         from het_strategy.compression import compression_config
         from het_strategy.planning import PlanRequest, plan as make_plan
-        from het_strategy.planning.run_plan import data_parallel_plan, data_parallel_settings
+        from het_strategy.planning.strategy_plans import data_parallel_plan, data_parallel_settings
         from het_strategy.strategy.arguments import planned_compression
         from het_strategy.strategy.compression_run import ranks_per_node
 

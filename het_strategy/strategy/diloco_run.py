@@ -37,7 +37,7 @@ from het_strategy.diloco.groups import DiLoCoGroups, build_groups, group_ranks
 from het_strategy.diloco.outer_exchange import OuterExchange
 from het_strategy.diloco.outer_loop import OuterLoop, OuterRecord
 from het_strategy.planning.low_communication import resolve_groups
-from het_strategy.planning.run_plan import checked_run_plan, data_parallel_settings
+from het_strategy.planning.strategy_plans import check_given_plan, data_parallel_settings
 from het_strategy.strategy.diloco_options import PLANNED, DiLoCoOptions
 from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.strategy.hetero_run import HeteroRun
@@ -106,7 +106,7 @@ class DiLoCoExtension(DataParallelExtension):
                   given: Plan | None, profile: MeasuredProfile | None) -> Plan:
         """``given`` checked, or the low-communication planner's choice for this cluster and budget."""
         if given is not None:
-            return checked_run_plan(given, cluster, workload, global_batch, dtype, Runtime.hetero_diloco)
+            return check_given_plan(given, cluster, workload, global_batch, dtype, Runtime.hetero_diloco)
         from het_strategy.planning.low_communication import plan_low_communication
 
         o = self.options

@@ -15,7 +15,7 @@ from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import Runtime
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
-from het_strategy.planning.run_plan import data_parallel_plan
+from het_strategy.planning.strategy_plans import data_parallel_plan
 
 __all__ = ["DataParallelExtension"]
 

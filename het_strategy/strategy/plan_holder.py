@@ -27,7 +27,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec, load_workload
 from het_strategy.emulation.speeds import cluster_is_emulated, emulation_summary
 from het_strategy.moe import moe_layers
-from het_strategy.planning.run_plan import data_parallel_plan, estimate_workload, shares_in_rank_order
+from het_strategy.planning.strategy_plans import data_parallel_plan, estimate_workload, shares_in_rank_order
 from het_strategy.profiling.batch_contents import first_tensor
 from het_strategy.strategy.elastic import DEVICE_ENV, present_cluster
 from het_strategy.strategy.checkpoint import restored_plan

@@ -15,7 +15,7 @@ from het_strategy.core.cluster import load_cluster
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import load_workload
 from het_strategy.planning import PlanRequest, plan
-from het_strategy.planning.run_plan import data_parallel_plan
+from het_strategy.planning.strategy_plans import data_parallel_plan
 from het_strategy.reference.sailor_profiles import request_profile
 
 PATH = Path(__file__).with_name("plan_request_baseline.json")

@@ -1,4 +1,4 @@
-"""What the strategy needs from the planning core at run time, with no process group in sight.
+"""The plans the strategies run: what they need from the planning core at run time, with no process group in sight.
 
 * ``estimate_workload`` — a one-layer workload of any model (parameters
   counted, FLOPs by the standard 2 x parameters x tokens forward estimate),
@@ -7,6 +7,8 @@
 * ``data_parallel_plan`` — the uneven data-parallel plan of a run: searched
   (``planning.plan`` in mode dp), or a given plan checked against the cluster,
   the model and the global batch;
+* ``check_given_plan`` — a plan given to a run (any runtime's), checked against the
+  cluster, the model, the runtime, the precision and the global batch;
 * ``shares_in_rank_order`` — the plan's shares, rank r playing device r.
 """
 
@@ -25,7 +27,7 @@ from het_strategy.planning import PlanRequest, plan
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
 __all__ = ["estimate_workload", "data_parallel_settings", "data_parallel_plan",
-           "checked_run_plan", "shares_in_rank_order"]
+           "check_given_plan", "shares_in_rank_order"]
 
 
 def estimate_workload(name: str, num_params: int, tokens_per_sample: int, dtype: Dtype | str,
@@ -68,10 +70,10 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
     if given is None:
         return plan(cluster, workload, data_parallel_settings(global_batch_size, dtype), PlanRequest(mode="dp"),
                     profile).plan
-    return checked_run_plan(given, cluster, workload, global_batch_size, dtype, Runtime.hetero)
+    return check_given_plan(given, cluster, workload, global_batch_size, dtype, Runtime.hetero)
 
 
-def checked_run_plan(given: Plan | str | Path, cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int,
+def check_given_plan(given: Plan | str | Path, cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int,
                      dtype: Dtype | str, runtime: Runtime) -> Plan:
     """A plan given to a run, checked: made for this cluster (devices in rank order) and model, one ``runtime``
     runs, in the run's precision and global batch."""
