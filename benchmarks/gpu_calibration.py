@@ -15,7 +15,7 @@ Three sections, each printing predicted / measured (a ratio above 1: the model i
    FLOPs at the catalog CPU's rate).  Per row: a block's forward + backward (the median over the blocks), the
    head's and the embedding's.  The head is measured with a ``sum`` loss, priced with the cross-entropy
    over fp32 logits: its ratio is an upper figure.
-2. **Codec throughput**: quantize + dequantize (``compression/codecs.py``, the comm hooks' own encoders) of a
+2. **Codec throughput**: quantize + dequantize (``compression/torch_codecs.py``, the comm hooks' own encoders) of a
    flat fp32 gradient in each codec the joint planner offers (q8, q4), in GB/s of fp32 input, against what the
    cost model assumes without a measurement (``core/compressed_sync.codec_bandwidth``: 1/8 of the memory
    bandwidth for a GPU).  The slower codec's figure is the ``codec_gbs`` written for the catalog.
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from het_strategy.compression.codecs import TORCH_CODECS
+from het_strategy.compression.torch_codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig
 from het_strategy.core.atomic_file import replacing
 from het_strategy.core.catalog import catalog_device_name, lookup_device_type

@@ -12,7 +12,7 @@ import torch
 
 from het_strategy.compression import CompressionConfig, CompressionState, WireBytes, compression_hook, \
     counted_comm_hook
-from het_strategy.compression.codecs import TORCH_CODECS, bound_ratio, round_trip
+from het_strategy.compression.torch_codecs import TORCH_CODECS, bound_ratio, round_trip
 from het_strategy.core.codecs import CODECS, ELEMENTWISE_CODECS, Bound, Codec, Exchange, codec, low_rank
 from het_strategy.core.compressed_sync import INTER_NODE_TOKENS, wire_fraction
 from het_strategy.core.errors import ConfigError

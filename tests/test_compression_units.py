@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from het_strategy.compression.codecs import wire_bytes
+from het_strategy.compression.torch_codecs import wire_bytes
 from het_strategy.compression.config import CompressionConfig, compression_config
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods
@@ -406,7 +406,7 @@ def test_a_0_1_0_checkpoints_compression_states_load_and_save_back_unchanged_in_
 
 
 def test_compression_modules_import_one_way() -> None:
-    """quantize <- config <- codecs <- exchange, controller <- adaptive <- state <- hook: no module imports one
+    """quantize <- config <- torch_codecs <- exchange, controller <- adaptive <- state <- hook: no module imports one
     that imports it back (TYPE_CHECKING and function-level imports included)."""
     import ast
     from pathlib import Path
@@ -427,7 +427,7 @@ def test_compression_modules_import_one_way() -> None:
         return any(d == goal or (d not in seen and reaches(d, goal, seen | {d})) for d in graph.get(start, ()))
 
     assert not [m for m in graph if reaches(m, m, {m})]
-    assert graph["adaptive"] <= {"config", "quantize", "codecs", "exchange", "controller"}
+    assert graph["adaptive"] <= {"config", "quantize", "torch_codecs", "exchange", "controller"}
     assert "hook" not in graph["state"] and "state" not in graph["adaptive"]
 
 

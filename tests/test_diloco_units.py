@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from het_strategy.compression.codecs import bound_ratio
+from het_strategy.compression.torch_codecs import bound_ratio
 from het_strategy.compression.config import CompressionConfig
 from het_strategy.core.codecs import Codec
 from het_strategy.core.errors import ConfigError

@@ -2,8 +2,8 @@
 
 - ``config.py``      what the user asks (``CompressionConfig``: ``adaptive`` or one codec token)
 - ``quantize.py``    bucketed 2-8 bit quantization and bit packing
-- ``codecs.py``      each codec's encoder and decoder (``TORCH_CODECS``), its bound and wire bytes; the codecs
-  themselves (tokens, exchange, wire bytes, bound) are ``core/codecs.py``'s
+- ``torch_codecs.py`` each codec's torch encoder and decoder (``TORCH_CODECS``), its bound and wire bytes; the
+  codecs themselves (tokens, exchange, wire bytes, bound) are ``core/codecs.py``'s table
 - ``duplex.py``      all-to-all and all-gather that run both directions of a link at once (on gloo: every
   receive posted before any send)
 - ``exchange.py``    the collective behind each codec's exchange (flat fp32 in, world mean out)
@@ -16,13 +16,13 @@
 - ``hierarchical.py`` ``hierarchical_hook``: uncompressed inside a node, compressed among node leaders
 - ``wire_count.py``  ``counted_comm_hook``: any hook's bytes on the wire per rank, into a ``WireBytes``
 
-Imports point one way: quantize <- config <- codecs <- exchange; duplex <- exchange; controller;
+Imports point one way: quantize <- config <- torch_codecs <- exchange; duplex <- exchange; controller;
 adaptive <- state <- hook <- hierarchical; wire_count alone.
 """
 
 from het_strategy.core.codecs import CODECS, Codec
 from het_strategy.compression.config import METHODS, CompressionConfig, Scope, compression_config
-from het_strategy.compression.codecs import TORCH_CODECS, wire_bytes
+from het_strategy.compression.torch_codecs import TORCH_CODECS, wire_bytes
 from het_strategy.compression.controller import LayerOption, LinkModel, solve_layer_methods
 from het_strategy.compression.adaptive import AdaptiveController, format_decisions
 from het_strategy.compression.state import CompressionState

@@ -37,7 +37,7 @@ from typing import Any, Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.codecs import round_trip, wire_bytes
+from het_strategy.compression.torch_codecs import round_trip, wire_bytes
 from het_strategy.compression.config import CompressionConfig
 from het_strategy.compression.controller import LayerOption, LinkModel, fit_link, predicted_exchange_s, \
     solve_layer_methods

@@ -2,7 +2,7 @@
 
 Each function carries one ``Exchange``'s payloads and nothing else: the
 tensors a codec puts on the wire are its registered encoder's
-(``compression/codecs.py``, ``TORCH_CODECS``), and what comes back is turned
+(``compression/torch_codecs.py``, ``TORCH_CODECS``), and what comes back is turned
 into fp32 by its registered decoder.  The functions take this rank's flat
 fp32 gradient (error feedback already added), the codec's ``CodecSpec`` and
 the ``CompressionConfig``, and return ``Exchanged(mean, delivered,
@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.codecs import TORCH_CODECS
+from het_strategy.compression.torch_codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig, quantizer_for
 from het_strategy.compression.duplex import all_gather, all_to_all
 from het_strategy.compression.quantize import zero_padded

@@ -38,7 +38,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.codecs import wire_bytes
+from het_strategy.compression.torch_codecs import wire_bytes
 from het_strategy.compression.exchange import Steps, allreduce_steps, quantized_steps, run_steps, topk_steps
 from het_strategy.compression.state import CompressionState
 from het_strategy.core.codecs import CODECS, Codec, Exchange

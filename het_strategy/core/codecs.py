@@ -15,7 +15,7 @@ sync.  Each is registered here once, by its token (``Codec``), with
 The comm hook, the adaptive controller, the wire counter (all in
 ``het_strategy.compression``) and the cost model's compressed-sync price
 (``core/compressed_sync.py``) read this table; nothing else spells a codec's
-bytes.  The torch encoders and decoders (``het_strategy.compression.codecs``)
+bytes.  The torch encoders and decoders (``het_strategy.compression.torch_codecs``)
 are one per ``Exchange`` and take a codec's own figures from its spec, so they
 need no entry of their own.
 
@@ -24,7 +24,7 @@ registration: a member of ``Codec`` and its ``CodecSpec`` in ``CODECS``.  A
 codec whose payload no exchange carries yet needs a new ``Exchange``: its
 wire-byte formula in ``CodecSpec.wire_bytes``, its bound (an existing
 ``Bound`` or a new one), its encoder and decoder in
-``compression/codecs.py``'s ``ENCODINGS`` and its collective in
+``compression/torch_codecs.py``'s ``ENCODINGS`` and its collective in
 ``compression/exchange.py``.  Pure Python: no torch.
 """
 

@@ -5,7 +5,7 @@ them equal), so only the group's leader crosses the slow link:
 
 1. the leader adds its error-feedback residual to ``n_g x delta_g`` (its
    group's samples in the round times its pseudo-gradient), encodes the sum with
-   the codec (``compression/codecs.py``: a cast, or a bucketed quantizer) and
+   the codec (``compression/torch_codecs.py``: a cast, or a bucketed quantizer) and
    keeps what the encoding lost as the next round's residual;
 2. the leaders all-gather the payloads (``compression/duplex.py``: on gloo,
    every receive posted before any send) and the sample counts; each decodes
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from het_strategy.compression.codecs import TORCH_CODECS
+from het_strategy.compression.torch_codecs import TORCH_CODECS
 from het_strategy.compression.config import CompressionConfig
 from het_strategy.compression.duplex import all_gather
 from het_strategy.core.codecs import CODECS, Bound, Codec

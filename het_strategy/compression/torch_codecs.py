@@ -132,7 +132,7 @@ ENCODINGS: dict[Exchange, TorchCodec] = {
 its ``CodecSpec``."""
 
 if set(ENCODINGS) != set(Exchange):
-    raise ImportError(f"compression/codecs.py: ENCODINGS covers {sorted(ENCODINGS)}, core.codecs.Exchange "
+    raise ImportError(f"compression/torch_codecs.py: ENCODINGS covers {sorted(ENCODINGS)}, core.codecs.Exchange "
                       f"{sorted(Exchange)}; a new exchange needs its encoder and decoder here")
 
 TORCH_CODECS: dict[Codec, TorchCodec] = {token: ENCODINGS[spec.exchange] for token, spec in CODECS.items()}
