@@ -67,6 +67,7 @@ from het_strategy.core.codecs import CODECS, Codec, CodecParams, Exchange, packe
 from het_strategy.core.compressed_sync import codec_bandwidth, wire_fraction
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.network import NodeTuple, SyncRoute, ring_allreduce_bytes
+from het_strategy.core.plan_score import PlanScore
 from het_strategy.core.outer_sync import outer_codec
 from het_strategy.core.plan import Pipeline, Plan, Stage
 

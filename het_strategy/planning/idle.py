@@ -43,6 +43,7 @@ from het_strategy.core.cost_model import CostModel
 from het_strategy.core.memory import GiB
 from het_strategy.core.memory import overhead_bytes
 from het_strategy.core.plan import Plan
+from het_strategy.core.plan_score import PlanScore
 from het_strategy.planning.structure import StructureResult, assemble_plan
 
 __all__ = ["EXHAUSTIVE_DEVICES", "EXHAUSTIVE_CLASSES", "MAX_GROUPS", "replica_memory", "best_device_set",

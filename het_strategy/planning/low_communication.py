@@ -58,6 +58,7 @@ from het_strategy.core.errors import ConfigError, field_error, require_int, requ
 from het_strategy.core.outer_sync import OuterSync, outer_codec
 from het_strategy.core.outer_sync_cost import OuterSyncCost
 from het_strategy.core.plan import Pipeline, Plan, Stage
+from het_strategy.core.plan_score import PlanScore
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.allocation import allocate_min_max

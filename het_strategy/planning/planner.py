@@ -34,6 +34,7 @@ from het_strategy.core.cost_model import CostModel
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.outer_sync_cost import OuterSyncCost
 from het_strategy.core.plan import Plan
+from het_strategy.core.plan_score import PlanScore
 from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_problems
 from het_strategy.core.pricing import plan_price
 from het_strategy.planning.joint import JointResult, search_joint
