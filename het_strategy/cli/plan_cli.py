@@ -27,8 +27,8 @@ Steps of one run:
    ``planning.rescore`` it with the same CostModel; either way the plan's money
    figures (its used devices' $/hour, $/iteration) are in ``predicted``;
 4. print the table (``planner.mode=low_communication``: the low-communication plan beside the
-   synchronous one, ``report.low_communication``); write ``output.dir/output.plan`` atomically, and, when asked,
-   the DeepSpeed files and a PNG picture.
+   synchronous one, ``report.low_communication_report``); write ``output.dir/output.plan`` atomically,
+   and, when asked, the DeepSpeed files and a PNG picture.
 
 Bad input (cluster, model, batch, overrides, plan file) prints one line
 ``het-plan: error: ...`` on stderr and exits with code 2.
@@ -210,7 +210,7 @@ def plan_or_score(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanSco
         written.append(write_atomic(target, json.dumps(factory.to_dict(), indent=2) + "\n"))
     if echo:
         if result.low_communication is not None:
-            from het_strategy.report.low_communication import low_communication_report
+            from het_strategy.report.low_communication_report import low_communication_report
 
             print(low_communication_report(result, cluster))
         else:
