@@ -89,7 +89,7 @@ def main() -> None:
     import deepspeed
 
     from het_strategy.core.train_settings import TrainSettings
-    from het_strategy.ds_runtime.config import deepspeed_config, hetero_pipeline_module, pipeline_parts, rank_batches
+    from het_strategy.ds_runtime.ds_config import deepspeed_config, hetero_pipeline_module, pipeline_parts, rank_batches
 
     _no_shm_op()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timedelta(seconds=60))

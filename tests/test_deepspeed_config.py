@@ -13,7 +13,7 @@ import pytest
 from het_strategy.core.cluster import cluster_from_dict
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.train_settings import TrainSettings
-from het_strategy.ds_runtime.config import (
+from het_strategy.ds_runtime.ds_config import (
     deepspeed_config,
     expert_map,
     per_rank_configs,
@@ -98,11 +98,11 @@ def test_planning_core_runs_without_torch_or_deepspeed():
                "import het_strategy; "
                "from het_strategy.core.cluster import load_cluster; from het_strategy.core.workload import load_workload; "
                "from het_strategy.core.train_settings import TrainSettings; from het_strategy.planning import search_plan; "
-               "from het_strategy.ds_runtime.config import deepspeed_config; "
+               "from het_strategy.ds_runtime.ds_config import deepspeed_config; "
                "p = search_plan(load_cluster('local_cpu2'), load_workload('tiny_gpt', 'fp32'), "
                "TrainSettings(global_batch_size=8, dtype='fp32'), mode='dp'); "
                "assert p.rank_shares()")
-    plain = ("import sys, het_strategy.ds_runtime.config as m; m.deepspeed_config; "
+    plain = ("import sys, het_strategy.ds_runtime.ds_config as m; m.deepspeed_config; "
              "assert 'deepspeed' not in sys.modules, sorted(k for k in sys.modules if k.startswith('deepspeed'))[:5]")
     import subprocess
 
@@ -299,7 +299,7 @@ def test_pipeline_plan_config_validates(monkeypatch, tmp_path):
 
 
 def test_hetero_pipeline_module_is_lazy_and_checks_parts():
-    import het_strategy.ds_runtime.config as m
+    import het_strategy.ds_runtime.ds_config as m
 
     with pytest.raises(ConfigError, match="num_stages"):
         m.hetero_pipeline_module([object()] * 6, [0, 4, 6], num_stages=3)

@@ -274,7 +274,7 @@ def test_per_replica_plans_run_zero_1_and_tell_deepspeed_zero_0_without_its_bf16
     # the runtime shards within holder sets itself (in bf16 the fp32 masters too, and it clips); DeepSpeed's own
     # ZeRO would shard over the replica's grid, its BF16_Optimizer would keep whole fp32 masters
     from het_strategy.core.train_settings import TrainSettings
-    from het_strategy.ds_runtime.config import deepspeed_config
+    from het_strategy.ds_runtime.ds_config import deepspeed_config
 
     for plan in (_plan([_pipe(["d0", "d1"], [0, 3, 6]), _pipe(["d2"], [0, 6])], zero_stage=1, dtype=dtype),
                  _plan([_pipe([("d0", "d1"), "d2"], [0, 3, 6])], zero_stage=1, dtype=dtype)):

@@ -30,7 +30,7 @@ _REPORT_HEAVY = (f"import atexit, sys; atexit.register(lambda: print('HEAVY', so
 @pytest.mark.parametrize("modules", [
     "het_strategy", "het_strategy.planning", "het_strategy.strategy.registry", "het_strategy.core.cluster, het_strategy.core.workload",
     "het_strategy.core.cost_model, het_strategy.core.plan, het_strategy.planning.rebalance",
-    "het_strategy.ds_runtime.config, het_strategy.report.table, het_strategy.emulation.speeds",
+    "het_strategy.ds_runtime.ds_config, het_strategy.report.table, het_strategy.emulation.speeds",
     "het_strategy.reference.sailor_simulator, het_strategy.reference.amp_plans",
 ])
 def test_importing_the_planning_core_loads_no_torch_lightning_deepspeed_or_matplotlib(modules: str) -> None:

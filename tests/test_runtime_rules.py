@@ -18,7 +18,7 @@ from het_strategy.core.runtime_rules import (ClippingOwner, Runtime, clipping_ow
 from het_strategy.planning.runtimes import runnable
 
 pytest.importorskip("torch")
-from het_strategy.ds_runtime.config import deepspeed_config, rank_batches  # noqa: E402
+from het_strategy.ds_runtime.ds_config import deepspeed_config, rank_batches  # noqa: E402
 from het_strategy.ds_runtime.engine import check_runnable  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.cluster import load_cluster  # noqa: E402
@@ -109,7 +109,7 @@ def test_planner_runtime_and_strategy_refuse_the_same_generated_plans():
 def _clipped_before(plan: Plan) -> tuple[bool, bool]:
     """(the runtime clips, the ds_config keeps the clipping) as ``ds_runtime`` decided them before the decision
     became ``clipping_owner``: ``engine.py``'s ``own_clipping``, ``replica_engine.py``'s ``own_clip`` and
-    ``config.py``'s ``gradient_clipping``, written out."""
+    ``ds_config.py``'s ``gradient_clipping``, written out."""
     on_grid = not runs_per_replica(plan)
     holder = holds_own_masters(plan)
     if on_grid:

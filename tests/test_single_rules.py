@@ -77,7 +77,7 @@ def test_who_clips_is_decided_by_the_rule_table() -> None:
     """``core.runtime_rules.clipping_owner`` decides; the DeepSpeed runtime's config and engine read it and hand
     the reducer or sharding the norm to clip to (``test_runtime_rules.test_one_rule_says_who_clips...``)."""
     sources = _sources()
-    for name in ("het_strategy/ds_runtime/config.py", "het_strategy/ds_runtime/engine.py"):
+    for name in ("het_strategy/ds_runtime/ds_config.py", "het_strategy/ds_runtime/engine.py"):
         assert "clipping_owner(plan)" in sources[name], name
     assert _lines_with(r"own_clip\b|\"bf16\", \{\}\)\.get\(\"enabled\"\)") == []
 

@@ -293,7 +293,7 @@ def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", set
             raise field_error("output.dir", str(out_dir), f"be a folder het-plan can write into ({exc.strerror})") \
                 from None
     if output["ds_config"]:
-        from het_strategy.ds_runtime.config import write_deepspeed_files
+        from het_strategy.ds_runtime.ds_config import write_deepspeed_files
 
         written.extend(write_deepspeed_files(plan, settings, score, out_dir))
     if output["plot"]:

@@ -72,7 +72,7 @@ from het_strategy.core.runtime_rules import (ClippingOwner, Runtime, clipping_ow
                                              runtime_problems)
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
-from het_strategy.ds_runtime.config import deepspeed_config, rank_batches, rank_layout
+from het_strategy.ds_runtime.ds_config import deepspeed_config, rank_batches, rank_layout
 from het_strategy.ds_runtime.replicas import ReplicaLayout, replica_layout
 from het_strategy.profiling.torch_device import TORCH_DTYPES
 
@@ -220,7 +220,7 @@ class PlanRunner:
             return
         parts = list(self.layout.parts[0])
         if self.num_stages > 1:
-            from het_strategy.ds_runtime.config import hetero_pipeline_module
+            from het_strategy.ds_runtime.ds_config import hetero_pipeline_module
 
             module = hetero_pipeline_module(list(layers), parts, loss_fn=weighted,
                                             activation_checkpoint_interval=activation_checkpoint_interval,

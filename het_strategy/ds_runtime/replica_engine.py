@@ -351,7 +351,7 @@ def _fp16_scaler() -> Any:
     ``2 ** FP16_INITIAL_SCALE_POWER``, as ``deepspeed_config`` configures DeepSpeed's own fp16 optimizers."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from het_strategy.ds_runtime.config import FP16_INITIAL_SCALE_POWER
+    from het_strategy.ds_runtime.ds_config import FP16_INITIAL_SCALE_POWER
 
     return DynamicLossScaler(init_scale=2.0 ** FP16_INITIAL_SCALE_POWER, scale_window=1000, min_scale=1,
                              delayed_shift=2, consecutive_hysteresis=False, dtype=torch.float16)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import runs_per_replica, shares_boundaries
-from het_strategy.ds_runtime.config import rank_layout
+from het_strategy.ds_runtime.ds_config import rank_layout
 
 __all__ = ["ReplicaLayout", "replica_layout"]
 
