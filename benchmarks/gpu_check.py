@@ -473,7 +473,7 @@ def _tp_rank(cpu: bool, dtype: str, out: str) -> None:
     from het_strategy.demo.char_gpt import CharGPT
     from het_strategy.ds_runtime.engine import PlanRunner
     from het_strategy.tensor_parallel.layers import shard_of
-    from het_strategy.tensor_parallel.plan import tensor_parallel_plan_of
+    from het_strategy.tensor_parallel.tp_plan import tensor_parallel_plan_of
 
     torch.set_num_threads(1)
     device = torch.device("cpu" if cpu else "cuda:0")

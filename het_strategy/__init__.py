@@ -21,7 +21,7 @@ _registry = _importlib.import_module("het_strategy.strategy.registry")
 
 __version__ = "0.3.0"
 
-from het_strategy.tensor_parallel.plan import Colwise, Rowwise, TensorParallelPlan  # noqa: E402  (pure Python)
+from het_strategy.tensor_parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan  # noqa: E402  (pure Python)
 
 __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL",
            "HeteroDiLoCoStrategy", "HeteroDiLoCoStrategyPL",

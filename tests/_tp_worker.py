@@ -114,7 +114,7 @@ def main() -> None:
     from het_strategy.demo.char_gpt import CharGPT
     from het_strategy.ds_runtime.engine import PlanRunner
     from het_strategy.tensor_parallel.layers import shard_of
-    from het_strategy.tensor_parallel.plan import tensor_parallel_plan_of
+    from het_strategy.tensor_parallel.tp_plan import tensor_parallel_plan_of
 
     case, out = sys.argv[1], sys.argv[2]
     clip = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0

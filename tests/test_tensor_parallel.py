@@ -24,7 +24,7 @@ from het_strategy.demo.char_gpt import CharGPT  # noqa: E402
 from het_strategy.ds_runtime.replicas import replica_layout  # noqa: E402
 from het_strategy.ds_runtime.stage_exchange import StageLink  # noqa: E402
 from het_strategy.tensor_parallel.layers import shard_of, unit_view  # noqa: E402
-from het_strategy.tensor_parallel.plan import Colwise, ShardSpec, TensorParallelPlan, check_layers  # noqa: E402
+from het_strategy.tensor_parallel.tp_plan import Colwise, ShardSpec, TensorParallelPlan, check_layers  # noqa: E402
 
 WORKER = Path(__file__).with_name("_tp_worker.py")
 TIMEOUT_S = 300

@@ -39,7 +39,7 @@ from typing_extensions import override
 from het_strategy.core.errors import field_error, require_number
 from het_strategy.demo.stdlib_text import BYTE_VOCAB_SIZE
 from het_strategy.core.workload import TransformerConfig
-from het_strategy.tensor_parallel.plan import Colwise, Rowwise, TensorParallelPlan
+from het_strategy.tensor_parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
 
 __all__ = ["CharGPT", "WORKLOAD_NAME"]
 

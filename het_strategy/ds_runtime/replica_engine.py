@@ -143,7 +143,7 @@ def split_layers(layout: ReplicaLayout, rank: int, groups: PlanGroups, module: t
     layer runs whole (replicated) where it has no tensor-parallel plan.
     """
     from het_strategy.tensor_parallel.layers import parallelize_layer
-    from het_strategy.tensor_parallel.plan import check_layers, tensor_parallel_plan_of
+    from het_strategy.tensor_parallel.tp_plan import check_layers, tensor_parallel_plan_of
 
     replica, stage = layout.where(rank)
     group = layout.group_of(rank)

@@ -121,7 +121,7 @@ class DeepSpeedPlanHolder:
     def limit_tp_to(self, module: Any) -> str | None:
         """Plan with tp = 1 when none of ``module.pipeline_layers()`` has a ``tensor_parallel_plan()`` (only when
         planning with ``max_tp`` > 1); returns the reason to log, or None when nothing changed."""
-        from het_strategy.tensor_parallel.plan import tensor_parallel_plan_of
+        from het_strategy.tensor_parallel.tp_plan import tensor_parallel_plan_of
 
         if self.settings is None or self.settings.max_tp == 1 or not callable(getattr(module, "pipeline_layers",
                                                                                       None)):

@@ -59,7 +59,7 @@ class PlanHolder:
         self.cluster_source, self.plan_source, self.workload_source = cluster_source, plan_source, workload_source
         self.planner = planner
         """``(cluster, workload, global_batch, dtype, given, profile) -> Plan``: the run's plan, ``given``
-        checked or searched (the strategy's ``run_plan``)."""
+        checked or searched (the extension's ``make_plan``)."""
         self.emulation, self.probe_cache_dir, self.probe_refresh = emulation, probe_cache_dir, probe_refresh
         self.profile_input, self.verbose = profile_input, verbose
         self.cluster: ClusterSpec | None = None

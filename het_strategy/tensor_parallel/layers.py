@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from het_strategy.tensor_parallel.plan import Colwise, ShardSpec, TensorParallelPlan, _resolve
+from het_strategy.tensor_parallel.tp_plan import Colwise, ShardSpec, TensorParallelPlan, _resolve
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "parallelize_layer", "shard_of", "unit_view", "SOURCE"]
 
