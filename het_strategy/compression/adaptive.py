@@ -3,29 +3,19 @@
 An ``adaptive`` ``CompressionState`` owns one (``state.controller``).  On a
 measuring step (``controller.measuring(step)``) the state hands it each
 bucket's eligible layers (``measure``), then, after the last bucket, calls
-``end_step``, which solves:
+``end_step``, which solves (the steps are in ``AdaptiveController``'s
+docstring) and returns the new per-layer choice as a ``Solution``.
+``time_link`` fits the link's latency and bandwidth from two timed
+allreduces; ``format_decisions`` renders a solve's log rows.
 
-1. every rank records, per eligible layer and candidate method, the squared
-   error the method would add to its gradient (error feedback included) and
-   the seconds its encode/decode round trip takes;
-2. the ranks pool the figures (mean error; the slowest rank's codec time) and
-   time fp32 allreduces of two sizes to fit the link's latency and bandwidth
-   (or take ``link_mbit``);
-3. rank 0 solves the dynamic program (``controller.py``), keeps its choice only
-   if the predicted exchange falls by ``min_saving``, and broadcasts it: every
-   rank must run the same collectives for every bucket;
-4. the choice and its log rows (per layer: method, bits per element, bytes per
-   rank) go back to the state, which keeps them; the next re-solve comes
-   ``resolve_every`` steps later, twice as late (up to 8x) each time the choice
-   holds.
+Invariants:
 
-While compression is off, ``maybe_keep_off`` runs before a re-solve is due: one
-timing of the link decides whether even the cheapest codec could pay, and if
-not the per-layer measuring is skipped.
-
-The controller decides and the state records: what the controller needs from
-the state (the step, the current choice, error-feedback residuals, the rank's
-random generator) comes in as arguments, and it never reaches into the state.
+- every rank runs the same collectives for every bucket, so the choice is
+  rank 0's, broadcast, and the schedule (which steps measure and re-solve)
+  only ever follows figures every rank shares;
+- the controller decides and the state records: what the controller needs from
+  the state (the step, the current choice, error-feedback residuals, the rank's
+  random generator) comes in as arguments, and it never reaches into the state.
 """
 
 from __future__ import annotations
@@ -61,6 +51,26 @@ class Solution(NamedTuple):
 
 class AdaptiveController:
     """The per-layer choice's schedule and measurements (the ``adaptive`` method).
+
+    A solve (``end_step`` on a measuring step):
+
+    1. every rank records, per eligible layer and candidate method, the squared
+       error the method would add to its gradient (error feedback included) and
+       the seconds its encode/decode round trip takes (``measure``);
+    2. the ranks pool the figures (mean error; the slowest rank's codec time) and
+       time fp32 allreduces of two sizes to fit the link's latency and bandwidth
+       (or take ``link_mbit``);
+    3. rank 0 solves the dynamic program (``controller.py``), keeps its choice only
+       if the predicted exchange falls by ``min_saving``, and broadcasts it: every
+       rank must run the same collectives for every bucket;
+    4. the choice and its log rows (per layer: method, bits per element, bytes per
+       rank) go back to the state, which keeps them; the next re-solve comes
+       ``resolve_every`` steps later, twice as late (up to 8x) each time the choice
+       holds.
+
+    While compression is off, ``maybe_keep_off`` runs before a re-solve is due: one
+    timing of the link decides whether even the cheapest codec could pay, and if
+    not the per-layer measuring is skipped.
 
     Args:
         config: the state's ``CompressionConfig`` (candidates, budget, link, schedule).

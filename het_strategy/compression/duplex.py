@@ -17,9 +17,8 @@ So when one rank of a pair starts its send before it has posted its receive, and
 has already arrived, its receive notice follows its whole message over the link, and the peer's data waits for
 it: the exchange takes the time of both directions, one after the other.  Whether that happens depends on
 which rank arrives first.  Posting every receive first sends each notice before any data, so both directions
-run at once.  Measured (``benchmarks/duplex_exchange.py``: two emulated nodes at 10 Mbit/s, 1 MiB each way,
-8 rounds on 2 ranks): gloo's ``all_to_all_single`` took up to 2.00x the one-way time and its ``all_gather``
-up to 1.91x (median 1.41x); these, a median of 1.01x and at worst 1.34x.
+run at once (``benchmarks/duplex_exchange.py`` measures both against gloo's own; the figures are in
+docs/results.md).
 
 Both functions return a future of their output (on gloo completed already: gloo's compressed exchanges run
 each collective to completion, ``exchange.overlaps``).

@@ -1,55 +1,27 @@
 """The collectives behind each codec's ``Exchange``: flat fp32 in, world mean out.
 
-Each function carries one ``Exchange``'s payloads and nothing else: the
-tensors a codec puts on the wire are its registered encoder's
-(``compression/torch_codecs.py``, ``TORCH_CODECS``), and what comes back is turned
-into fp32 by its registered decoder.  The functions take this rank's flat
-fp32 gradient (error feedback already added), the codec's ``CodecSpec`` and
-the ``CompressionConfig``, and return ``Exchanged(mean, delivered,
-bytes_sent)``: the mean over ranks that every rank receives *identically*
-(DDP needs bitwise-equal replicas), what this rank's own contribution became
-after compression (for error feedback), and the bytes this rank put on the
-wire, counted from the tensors each collective sends (``core.codecs`` states
-the same figures per codec; the tests hold the two equal).
+Each function carries one ``Exchange``'s payloads and nothing else: what goes
+on the wire is the codec's registered encoder's (``torch_codecs.TORCH_CODECS``)
+and what comes back is turned into fp32 by its decoder.  They take this rank's
+flat fp32 gradient (error feedback already added), the codec's ``CodecSpec``
+and the ``CompressionConfig``, and return ``Exchanged(mean, delivered,
+bytes_sent)``:
 
-- ``allreduce_mean`` (``ALLREDUCE``): ``flat / W`` encoded (one tensor the
-  backend can sum: the gradients' own dtype, fp16 or bf16), ring-allreduced,
-  decoded;
-- ``quantized_mean`` (``QUANTIZED``): CGX's two phases, below;
-- ``topk_mean`` (``ALLGATHER``): every layer's (value, index) pairs
-  allgathered in one message and summed into the mean.
+- ``mean`` is the same on every rank, bitwise (DDP needs equal replicas);
+  quantized codes are never summed as small integers (they would overflow and
+  their scales differ per rank), so ``quantized_steps`` decodes before it sums;
+- ``delivered`` is this rank's contribution after compression (error feedback);
+- ``bytes_sent`` is counted from the tensors each collective sends
+  (``core.codecs`` states the same figures per codec; the tests hold them equal).
 
-PowerSGD (``LOW_RANK``) is torch's ``powerSGD_hook``, run by the hook itself.
-
-Quantized codes are never summed as small integers (they would overflow and
-their scales differ per rank).  ``quantized_mean`` is CGX's two-phase exchange:
-
-1. pad to ``world x bucket_size`` and encode the whole tensor (packed codes,
-   per-bucket metadata);
-2. an all-to-all of one row per rank, each row a chunk's packed codes
-   followed by its metadata bytes: rank j receives every rank's chunk j;
-3. rank j decodes them, sums in fp32, divides by the world size and
-   re-encodes its chunk of the mean (adding, with error feedback, what this
-   re-encoding left out last time: otherwise a rounding bias of the
-   second phase would add up step after step);
-4. an all-gather of the re-encoded chunks; every rank decodes the same
-   bytes, so every replica gets the same gradient.
-
-Both run through ``duplex.py`` (on gloo, every receive posted before any
-send, so that both directions of a link run at once).  Each phase sends
-``(W-1)/W`` of the packed tensor per rank, the same
-``2 (W-1)/W`` factor as a ring allreduce: the wire saving is the full
-``32 / bits`` minus metadata.
-
-Each exchange is written once, as *steps*: a generator that launches a
-collective (``async_op=True``), yields its future and, sent that future's
-value, finishes the phase (decodes, launches the next phase's collective, ...)
-until it returns its result.  ``settle`` runs steps to completion, waiting on
-every future (the synchronous path: launch, wait, finish); ``chain`` runs them
-from the futures' ``then`` callbacks and returns a future of the result (the
-overlapped path).  ``run_steps`` picks one by ``overlaps(group)``, the only
-place that decides; the hooks compose their own steps from these with
-``yield from``, so a bucket's codec groups chain one after another.
+``allreduce_steps`` (``ALLREDUCE``), ``quantized_steps`` (``QUANTIZED``, CGX's
+two phases) and ``topk_steps`` (``ALLGATHER``) write each exchange once, as a
+generator that launches a collective, yields its future and is sent its value.
+``settle`` runs steps to completion (``*_mean``); ``chain`` runs them from the
+futures' ``then`` callbacks; ``run_steps`` picks one by ``overlaps(group)``, the
+only place that decides.  The hooks compose their steps with ``yield from``, so
+a bucket's codec groups chain one after another.  PowerSGD (``LOW_RANK``) is
+torch's ``powerSGD_hook``, run by the hook itself.
 """
 
 from __future__ import annotations
@@ -208,8 +180,26 @@ def _payload(rows: torch.Tensor, code_bytes: int, meta_floats: int, chunk: int) 
 def quantized_steps(flat: torch.Tensor, spec: CodecSpec, config: CompressionConfig, group: dist.ProcessGroup,
                     generator: torch.Generator | None = None,
                     chunk_residual: torch.Tensor | None = None) -> Steps[Exchanged]:
-    """A ``QUANTIZED`` codec's two-phase mean (module docstring); ``chunk_residual``: the last call's, for this
-    rank's chunk."""
+    """A ``QUANTIZED`` codec's mean, CGX's two-phase exchange; ``chunk_residual``: the last call's, for this
+    rank's chunk.
+
+    1. pad to ``world x bucket_size`` and encode the whole tensor (packed codes,
+       per-bucket metadata);
+    2. an all-to-all of one row per rank, each row a chunk's packed codes
+       followed by its metadata bytes: rank j receives every rank's chunk j;
+    3. rank j decodes them, sums in fp32, divides by the world size and
+       re-encodes its chunk of the mean (adding, with error feedback, what this
+       re-encoding left out last time: otherwise a rounding bias of the
+       second phase would add up step after step);
+    4. an all-gather of the re-encoded chunks; every rank decodes the same
+       bytes, so every replica gets the same gradient.
+
+    Both phases run through ``duplex.py`` (on gloo, every receive posted before any
+    send, so that both directions of a link run at once).  Each phase sends
+    ``(W-1)/W`` of the packed tensor per rank, the same
+    ``2 (W-1)/W`` factor as a ring allreduce: the wire saving is the full
+    ``32 / bits`` minus metadata.
+    """
     world = group.size()
     coder = TORCH_CODECS[spec.token]
     q_spec = quantizer_for(spec.token, config)

@@ -1,32 +1,18 @@
 """Hierarchical gradient exchange: uncompressed within a node, compressed only across the slow inter-node hop.
 
 On a cluster whose nodes are joined by a slow link, flat compression squeezes
-every byte alike, though only the bytes that cross the link are slow.  The
-hierarchical hook sends only those compressed:
+every byte alike, though only the bytes that cross the link are slow.
+``hierarchical_hook`` sums each bucket within the node, exchanges the node sums
+compressed among the nodes' leaders (``compression_hook`` on the leaders'
+``CompressionState``, so ``adaptive`` measures and prices the inter-node link
+only) and broadcasts the result within the node; its docstring has the steps.
+``node_groups`` makes the process groups, ``HierarchicalState`` holds them.
 
-1. **within the node**, an uncompressed allreduce (sum) of the bucket over the
-   node's ranks (the fast link);
-2. **across nodes**, each node's leader (its first rank) exchanges the node sum
-   with the other leaders through ``compression_hook`` on a
-   ``CompressionState`` over the leaders' group: per-layer methods, error
-   feedback, warm-up and, for ``adaptive``, the controller measure and price
-   the inter-node link only, since only leaders are in that group;
-3. **within the node**, the leader broadcasts the result; every rank divides
-   by the ranks per node, so all ranks hold ``sum / world`` — bitwise the
-   same tensor on every rank.
-
-Only step 2 crosses nodes: every node's uplink carries ``2 (N-1)/N`` of the
-*compressed* bucket from one rank, where a flat exchange carries that of every
-rank's share.  With ``method="none"`` the result equals the flat mean up to
-the order of the fp32 additions.  Every node must hold the same number of
-ranks (DDP's buckets are the same on every rank, so every rank runs the same
-collectives in the same order).
-
-On NCCL the three steps are chained on their collectives' futures (the
-reduce's ``then`` launches the leaders' exchange, whose future's ``then``
-launches the broadcast) and the hook returns at once; on gloo and every other
-backend each runs to completion inside the hook (``exchange.overlaps``, decided
-on the node's group).
+Invariants: every rank ends with ``sum / world``, bitwise the same tensor on
+every rank (with ``method="none"`` equal to the flat mean up to the order of the
+fp32 additions).  Every node must hold the same number of ranks: DDP's buckets
+are the same on every rank, so every rank runs the same collectives in the same
+order.
 
 Usage on any DDP model::
 
@@ -118,7 +104,25 @@ class HierarchicalState:
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: node sum, compressed exchange among node leaders, broadcast (module docstring)."""
+    """DDP comm hook: node sum, compressed exchange among node leaders, broadcast.
+
+    1. **within the node**, an uncompressed reduce (sum) of the bucket onto the
+       node's leader (its first rank), over the fast link;
+    2. **across nodes**, each leader exchanges the node sum with the other
+       leaders through ``compression_hook`` on a ``CompressionState`` over the
+       leaders' group: per-layer methods, error feedback, warm-up and, for
+       ``adaptive``, the controller measure and price the inter-node link only,
+       since only leaders are in that group;
+    3. **within the node**, the leader broadcasts the result; every rank divides
+       by the ranks per node, so all ranks hold ``sum / world``.
+
+    Only step 2 crosses nodes: every node's uplink carries ``2 (N-1)/N`` of the
+    *compressed* bucket from one rank, where a flat exchange carries that of every
+    rank's share.  On NCCL the three steps are chained on their collectives'
+    futures and the hook returns at once; on gloo and every other backend each
+    runs to completion inside the hook (``exchange.overlaps``, decided on the
+    node's group).
+    """
     buffer = bucket.buffer()
     return run_steps(_hierarchical_steps(state, bucket, buffer), state.groups.intra, buffer.device)
 

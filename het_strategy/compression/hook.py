@@ -7,30 +7,19 @@ Usage on any DDP model (CPU/gloo or CUDA/NCCL)::
 
 or ``Trainer(strategy=HeteroStrategy(compression="adaptive"))``.
 
-What one call does, for one gradient bucket:
+``compression_hook`` gives each layer of a bucket a codec (``none`` during
+warm-up and for small or 1-D tensors; afterwards the configured method or the
+controller's per-layer choice) and exchanges each codec's group of layers
+through its ``Exchange`` (``exchange.py``); its docstring has the steps.
 
-1. Name each gradient by its parameter (names are stable across restarts and
-   DDP's bucket rebuilds, so error-feedback buffers and choices key by them).
-2. Give each a codec token: ``none`` during warm-up and for small or 1-D
-   tensors; afterwards the configured method, or the controller's per-layer
-   choice (``adaptive``; on a measuring step the controller first measures the
-   bucket's eligible layers, ``adaptive.py``).
-3. If the whole bucket is ``none``, launch one asynchronous allreduce, exactly
-   what DDP does without a hook.  Otherwise add each layer's error-feedback
-   residual, exchange each codec's group of layers through the collective of
-   its ``Exchange`` (``core/codecs.py``, ``exchange.py``; groups in ``Codec``
-   order, so every rank issues the same collectives), write the means into the
-   bucket and keep the new residuals.  On NCCL the compressed exchange is
-   chained on its collectives' futures (``exchange.run_steps``): each phase is
-   launched from the ``then`` of the one before, the means and residuals are
-   written in those callbacks in the same fixed order, and the hook returns at
-   once; on gloo and every other backend each collective runs to completion
-   inside the hook and the returned future is already completed
-   (``exchange.overlaps`` states why).
-4. On the last bucket of a step, ``CompressionState.end_step``: count the step
-   and, for ``adaptive``, let the controller re-solve when due (for a
-   compressed bucket, as the last step of its exchange: its collectives follow
-   the bucket's).
+Invariants:
+
+- gradients are keyed by their parameter's name, stable across restarts and
+  DDP's bucket rebuilds, so error-feedback buffers and choices survive both;
+- every rank issues the same collectives in the same order: codec groups go in
+  ``Codec`` order, and on NCCL the chained callbacks write means and residuals
+  in that same fixed order (``exchange.overlaps`` states why gloo runs each
+  collective to completion instead).
 """
 
 import zlib
@@ -80,7 +69,31 @@ class _SubBucket:
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: compress each layer of the bucket as ``state`` says (module docstring)."""
+    """DDP comm hook: compress each layer of the bucket as ``state`` says.
+
+    1. Name each gradient by its parameter (names are stable across restarts and
+       DDP's bucket rebuilds, so error-feedback buffers and choices key by them).
+    2. Give each a codec token: ``none`` during warm-up and for small or 1-D
+       tensors; afterwards the configured method, or the controller's per-layer
+       choice (``adaptive``; on a measuring step the controller first measures the
+       bucket's eligible layers, ``adaptive.py``).
+    3. If the whole bucket is ``none``, launch one asynchronous allreduce, exactly
+       what DDP does without a hook.  Otherwise add each layer's error-feedback
+       residual, exchange each codec's group of layers through the collective of
+       its ``Exchange`` (``core/codecs.py``, ``exchange.py``; groups in ``Codec``
+       order, so every rank issues the same collectives), write the means into the
+       bucket and keep the new residuals.  On NCCL the compressed exchange is
+       chained on its collectives' futures (``exchange.run_steps``): each phase is
+       launched from the ``then`` of the one before, the means and residuals are
+       written in those callbacks in the same fixed order, and the hook returns at
+       once; on gloo and every other backend each collective runs to completion
+       inside the hook and the returned future is already completed
+       (``exchange.overlaps`` states why).
+    4. On the last bucket of a step, ``CompressionState.end_step``: count the step
+       and, for ``adaptive``, let the controller re-solve when due (for a
+       compressed bucket, as the last step of its exchange: its collectives follow
+       the bucket's).
+    """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = group.size()
     uncompressed = ring_allreduce_bytes(bucket.buffer().numel() * bucket.buffer().element_size(), world)

@@ -4,31 +4,19 @@
 (``CodecSpec``: exchange, wire bytes, bound).  The torch side follows from
 that registration: ``ENCODINGS`` holds one ``TorchCodec`` (encoder and
 decoder) per ``Exchange``, reading the codec's own figures (wire dtype, bits)
-from its spec, and ``TORCH_CODECS`` gives every token its exchange's; importing
-this module fails unless ``ENCODINGS`` covers every ``Exchange``.  These
-encoders and decoders are the only place a codec's encoding is written: the
-comm hook's collectives (``exchange.py``) carry and sum their payloads, the
-adaptive controller measures their round trips.  PowerSGD's exchange is
-torch's ``powerSGD_hook`` (warm-started factors, its own error feedback); its
-encoder here is that hook's first step, which the controller measures.
+from its spec, and ``TORCH_CODECS`` gives every token its exchange's.
+``round_trip`` runs a flat gradient through a codec without communication,
+``bound_ratio`` sets its error against the codec's stated ``Bound`` and
+``wire_bytes`` gives a ``CodecSpec``'s bytes for one layer under a
+``CompressionConfig``.
 
-What each exchange's payload is (the tensors that go on the wire):
-
-- ``ALLREDUCE`` — one tensor the backend can sum: ``flat`` as it is (``none``;
-  the hook passes it in the gradients' dtype) or cast to the wire dtype;
-- ``QUANTIZED`` — ``(packed codes, per-bucket fp32 metadata, element count)``,
-  padded with zeros to whole buckets;
-- ``ALLGATHER`` — ``(fp32 values, int32 indices, element count)`` of the
-  entries top-k keeps;
-- ``LOW_RANK`` — PowerSGD's factors ``(P, Q)``, or the whole tensor where
-  factors would not be smaller.
-
-- ``round_trip`` — what a flat fp32 gradient becomes through a codec, without
-  communication (the adaptive controller measures each candidate's error so);
-- ``bound_ratio`` — a round trip's error over the codec's stated ``Bound``
-  (at most 1 when the bound holds);
-- ``wire_bytes`` — a ``CodecSpec``'s bytes for one layer under a
-  ``CompressionConfig``.
+Invariants: importing this module fails unless ``ENCODINGS`` covers every
+``Exchange``.  These encoders and decoders are the only place a codec's encoding
+is written: the comm hook's collectives (``exchange.py``) carry and sum their
+payloads, the adaptive controller measures their round trips.  PowerSGD's
+exchange is torch's ``powerSGD_hook`` (warm-started factors, its own error
+feedback); its encoder here is that hook's first step, which the controller
+measures.
 """
 
 from __future__ import annotations
@@ -129,7 +117,17 @@ ENCODINGS: dict[Exchange, TorchCodec] = {
     Exchange.LOW_RANK: TorchCodec(_factor, _unfactor),
 }
 """The encoder and decoder of each ``Exchange``'s payload; a codec's own figures (wire dtype, bits) come from
-its ``CodecSpec``."""
+its ``CodecSpec``.  The payloads (the tensors that go on the wire):
+
+- ``ALLREDUCE`` — one tensor the backend can sum: ``flat`` as it is (``none``;
+  the hook passes it in the gradients' dtype) or cast to the wire dtype;
+- ``QUANTIZED`` — ``(packed codes, per-bucket fp32 metadata, element count)``,
+  padded with zeros to whole buckets;
+- ``ALLGATHER`` — ``(fp32 values, int32 indices, element count)`` of the
+  entries top-k keeps;
+- ``LOW_RANK`` — PowerSGD's factors ``(P, Q)``, or the whole tensor where
+  factors would not be smaller.
+"""
 
 if set(ENCODINGS) != set(Exchange):
     raise ImportError(f"compression/torch_codecs.py: ENCODINGS covers {sorted(ENCODINGS)}, core.codecs.Exchange "
@@ -141,7 +139,8 @@ TORCH_CODECS: dict[Codec, TorchCodec] = {token: ENCODINGS[spec.exchange] for tok
 
 def round_trip(token: str, x: torch.Tensor, shape: Sequence[int], cfg: CompressionConfig,
                generator: torch.Generator | None = None) -> torch.Tensor:
-    """What flat fp32 ``x`` (a layer of ``shape``) becomes through ``token``'s encoder and decoder."""
+    """What flat fp32 ``x`` (a layer of ``shape``) becomes through ``token``'s encoder and decoder, without
+    communication (the adaptive controller measures each candidate's error so)."""
     spec = CODECS[codec(token, "token")]
     coder = TORCH_CODECS[spec.token]
     return coder.decode(spec, coder.encode(spec, x, shape, cfg, generator), cfg)
@@ -150,7 +149,8 @@ def round_trip(token: str, x: torch.Tensor, shape: Sequence[int], cfg: Compressi
 def bound_ratio(token: str, x: torch.Tensor, got: torch.Tensor, shape: Sequence[int],
                 cfg: CompressionConfig) -> float:
     """The round trip ``x -> got``'s error over ``token``'s ``Bound``: the worst element's error over its bound
-    (``inf`` where a zero bound is broken), or the error's norm over the bound's for ``PROJECTION``."""
+    (``inf`` where a zero bound is broken), or the error's norm over the bound's for ``PROJECTION``; at most 1
+    when the bound holds."""
     spec = CODECS[codec(token, "token")]
     err = (got - x).abs()
     whole = spec.bound is Bound.PROJECTION and not low_rank(shape[0], x.numel() // shape[0], cfg.rank)
