@@ -19,13 +19,10 @@ bytes.  The torch encoders and decoders (``het_strategy.compression.torch_codecs
 are one per ``Exchange`` and take a codec's own figures from its spec, so they
 need no entry of their own.
 
-Adding a codec of an existing exchange (a cast to another dtype the backend sums) is one
-registration: a member of ``Codec`` and its ``CodecSpec`` in ``CODECS``.  A
-codec whose payload no exchange carries yet needs a new ``Exchange``: its
-wire-byte formula in ``CodecSpec.wire_bytes``, its bound (an existing
-``Bound`` or a new one), its encoder and decoder in
-``compression/torch_codecs.py``'s ``ENCODINGS`` and its collective in
-``compression/exchange.py``.  Pure Python: no torch.
+A codec of an existing exchange is one registration: a member of ``Codec`` and
+its ``CodecSpec`` in ``CODECS``; one whose payload no exchange carries yet also
+needs a new ``Exchange`` (the steps: docs/extending/codec.md).  Pure Python: no
+torch.
 """
 
 from __future__ import annotations

@@ -3,33 +3,23 @@
 ``compression/hierarchical.py`` runs it: each node sums its gradients
 uncompressed over its own link, the node leaders exchange the node sums
 compressed (a ring of ``N`` leaders, the two-phase quantized exchange), and each
-leader broadcasts the mean inside its node.  Priced here, for a ring of ``M``
-replicas over ``N`` nodes (``L = ceil(M / N)`` per node):
+leader broadcasts the mean inside its node.  ``hierarchical_sync_s`` prices it,
+term by term: the node's reduce and broadcast, the leaders' ring in wire bytes
+and the codec's passes.
 
-* **within the node**: the reduce to the leader ``(L-1)/L x B / bw_intra`` plus
-  the broadcast ``(L-1)/L x B / bw_intra`` (and a latency for each);
-* **across nodes**: the ring allreduce of the *wire* bytes ``B x f`` among the
-  ``N`` leaders over the route's inter-node links (``f``: ``wire_fraction``);
-* **codec**: quantizing and dequantizing the whole tensor twice (the exchange's
-  two phases) at the slowest device's codec throughput (``codec_bandwidth``),
-  for codecs that encode (not for a cast).
+- ``INTER_NODE_TOKENS``: the methods a plan may run the inter-node hop in (the
+  codecs of a fixed size per element); ``check_token`` refuses any other;
+- ``wire_fraction``: the bytes on the wire per gradient byte;
+- ``codec_bandwidth``: a device's codec throughput, its ``codec_gbs`` where the
+  catalog or the cluster file gives one, else ``CODEC_FRACTION`` of its memory
+  bandwidth;
+- ``JOINT_CHOICES``: the methods the joint planner tries.
 
 The wire bytes per gradient element and whether a codec encodes are its
-``CodecSpec``'s (``core/codecs.py``), the same figures the comm hook sends.
-
-A device's codec throughput is its ``codec_gbs`` (GB/s of fp32 input quantized
-and dequantized) where the catalog entry or the cluster file gives one:
-``benchmarks/gpu_calibration.py`` measures it on a GPU.  Without it, it is a
-fraction of the device's memory bandwidth (``CODEC_FRACTION``).  The CPU
-fraction is measured on this machine: 4-bit quantize + dequantize of 16 MiB
-fp32 ran at 0.65 GB/s of input (8-bit: 0.97 GB/s) on one core of a loaded
-2-core machine, against the catalog CPU's 50 GB/s memory bandwidth: 1/60 (the
-catalog CPU keeps the fraction).  For accelerators it is an assumption, not a
-measurement: a memory-bound kernel that reads the fp32 tensor and writes its
-codes in a few passes, 1/8 of the memory bandwidth (40 GB/s on a T4).  The
-error a method adds is not priced: the planner only offers methods within the
-adaptive controller's quality budget (``JOINT_CHOICES``: no coarser than
-uniform 4-bit).
+``CodecSpec``'s (``core/codecs.py``), the same figures the comm hook sends, so
+the price and the run count the same bytes.  The error a method adds is not
+priced: the planner only offers methods within the adaptive controller's
+quality budget (``JOINT_CHOICES``: no coarser than uniform 4-bit).
 """
 
 from __future__ import annotations
@@ -54,7 +44,9 @@ JOINT_CHOICES: tuple[Codec, ...] = (Codec.NONE, Codec.Q8, Codec.Q4)
 """What the joint planner tries: none, and the quantizers within the default quality budget (uniform 4-bit)."""
 CODEC_FRACTION = {"cpu": 1 / 60, "accelerator": 1 / 8}
 """Input bytes/s of quantize + dequantize, as a fraction of the device's memory bandwidth, for a device without
-a ``codec_gbs`` (module docstring): measured for CPUs, assumed for accelerators."""
+a ``codec_gbs`` (``benchmarks/gpu_calibration.py`` measures one on a GPU).  Measured for CPUs
+(docs/how-it-works/cost-model.md; the catalog CPU keeps the fraction).  Assumed for accelerators: a memory-bound
+kernel that reads the fp32 tensor and writes its codes in a few passes, 1/8 of the memory bandwidth."""
 
 
 def check_token(token: Any, field: str) -> str:
@@ -84,7 +76,18 @@ def hierarchical_sync_s(num_bytes: Any, members: int, nodes: int, intra_bw: floa
                         latency_s: float, codec_bw: float, token: str) -> Any:
     """Seconds of the hierarchical exchange of ``num_bytes`` (scalar or array) over ``members`` replicas on
     ``nodes`` nodes; ``inter_ring_s`` is the ring allreduce time of the wire bytes among the node leaders
-    (priced by the caller's network model), ``intra_bw`` the slowest node's own link (bytes/s)."""
+    (priced by the caller's network model), ``intra_bw`` the slowest node's own link (bytes/s).
+
+    For a ring of ``M = members`` replicas over ``N = nodes`` nodes (``L = ceil(M / N)`` per node) and
+    ``B = num_bytes``, the sum of
+
+    * **within the node**: the reduce to the leader ``(L-1)/L x B / bw_intra`` plus the broadcast
+      ``(L-1)/L x B / bw_intra`` (and a latency for each);
+    * **across nodes**: the ring allreduce of the *wire* bytes ``B x f`` among the ``N`` leaders over the
+      route's inter-node links (``f``: ``wire_fraction``), ``inter_ring_s`` as given;
+    * **codec**: quantizing and dequantizing the whole tensor twice (the exchange's two phases) at
+      ``codec_bw``, the slowest device's ``codec_bandwidth``, for codecs that encode (not for a cast).
+    """
     b = np.asarray(num_bytes, dtype=float)
     local = math.ceil(members / nodes)
     # the node's reduce to its leader and the leader's broadcast: (local - 1) / local of the bytes each
