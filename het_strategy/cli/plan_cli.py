@@ -1,37 +1,26 @@
 """``het-plan``: cluster + model + global batch -> a Plan (table, plan.json, options).
 
-Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style)::
+Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style; docs/guide/het-plan.md has more)::
 
-    het-plan                                               # shipped defaults
     het-plan cluster=sailor_a100_v100_32_96 model=opt350 settings.global_batch_size=256
-    het-plan cluster=./my_cluster.yaml cluster.inter_node_bandwidth_gbs=5 planner.mode=dp
-    het-plan planner.profile=sailor output.ds_config=true output.plot=true
+    het-plan cluster=./my_cluster.yaml planner.mode=dp output.ds_config=true output.plot=true
     het-plan planner.objective=cost planner.min_throughput=200   # least $/iteration at >= 200 samples/s
-    het-plan planner.budget_per_hour=8                     # the fastest plan whose devices cost <= $8/hour
     het-plan score=plan.json                               # score a given plan, no search
-    het-plan planner.mode=low_communication                # DiLoCo groups (hetero_diloco) beside the synchronous plan
     het-plan model=my_models.py:make_net model_input.shape=[4,1,28,28]   # your own nn.Module
     het-plan --cfg                                         # print the composed config and stop
 
 Steps of one run:
 
-1. compose the config (Hydra compose API: no output folders, no change of cwd) against the
-   structured schema ``cli/plan_config.HetPlanConfig``: ``settings`` is a TrainSettings,
-   ``planner`` a PlanRequest, each checked while Hydra composes and on construction;
-2. build ClusterSpec and WorkloadSpec (activations in ``settings.dtype``);
-   with ``model=<python path>`` (``package.module:function`` or
-   ``file.py:function``) the workload is that model's profile
-   (``profiling.model_factory``), written next to the plan as ``<plan>.model.json``;
-3. ``het_strategy.planning.plan(cluster, workload, settings, request)`` — or, with
-   ``score=<file>``, load that plan, check it belongs to this cluster and model, and
-   ``planning.rescore`` it with the same CostModel; either way the plan's money
-   figures (its used devices' $/hour, $/iteration) are in ``predicted``;
-4. print the table (``planner.mode=low_communication``: the low-communication plan beside the
-   synchronous one, ``report.low_communication_report``); write ``output.dir/output.plan`` atomically,
-   and, when asked, the DeepSpeed files and a PNG picture.
+1. compose the config (Hydra's compose API: no output folders, no change of cwd) against the structured schema
+   ``cli/plan_config.HetPlanConfig``, checked while Hydra composes and on construction;
+2. build the ClusterSpec and the WorkloadSpec (``model=<python path>``: that model's profile, written next to the
+   plan as ``<plan>.model.json``), and the measured profile ``planner.profile`` names;
+3. ``planning.plan`` — or, with ``score=<file>``, that plan checked against this cluster and model and
+   ``planning.rescore``d with the same cost model;
+4. print the table; write ``output.dir/output.plan`` atomically and, when asked, the DeepSpeed files and the picture.
 
-Bad input (cluster, model, batch, overrides, plan file) prints one line
-``het-plan: error: ...`` on stderr and exits with code 2.
+Bad input (cluster, model, batch, overrides, plan file) prints one line ``het-plan: error: ...`` on stderr and
+exits with code 2.
 """
 
 from __future__ import annotations

@@ -1,30 +1,24 @@
 """``het-train``: the main job — a character-level GPT on the standard library's source, on a mixed cluster.
 
-Usage (every field of ``configs/train.yaml`` can be overridden Hydra-style)::
+Usage (every field of ``configs/train.yaml`` can be overridden Hydra-style; docs/guide/het-train.md has more)::
 
     het-train                                  # 4 emulated CPU devices of speeds 1, 1, 0.5, 0.25
     het-train strategy=ddp                     # plain Lightning DDP on the same cluster, for comparison
-    het-train cluster=local_cpu2 train.max_steps=30 model.num_layers=2 model.hidden_size=64
     het-train cluster=auto devices=2           # probe the real devices (cached) instead of a cluster file
     het-train experiment=smoke                 # a preset (configs/experiment/): a few seconds on 2 ranks
-    het-train logger=csv strategy=ddp          # config groups (configs/logger/, configs/strategy/)
     het-train --cfg                            # print the composed config and stop
     het-train -m train.seed=0,1                # a sweep: two runs, summaries in het_train_runs/multirun/{0,1}
 
 Steps of one run:
 
-1. compose the config against its typed schema (``train_config.py``) and check
-   it in the launching process (``train_job.TrainJob``; bad input: one line
-   ``het-train: error: ...`` and exit code 2, before any worker starts);
-2. build the corpus (stdlib source, split by file), the model and the strategy —
-   ``hetero`` (planned uneven shares; with ``compression=planned`` the joint
-   plan of placement and inter-node compression, its method run by the
-   hierarchical hook) or ``ddp`` (even split; on an emulated cluster the same
-   emulation callback pads its compute);
-3. ``Trainer.fit`` on ``devices`` processes (Lightning re-runs this command for
-   ranks 1..n-1), then a full validation pass;
-4. rank 0 prints the plan, per-rank throughput, the losses and the speed-up
-   over an equal split, and writes ``output.dir/output.summary``.
+1. compose the config against its typed schema (``train_config.py``) and check it in the launching process
+   (``train_job.TrainJob``; bad input: one line ``het-train: error: ...`` and exit code 2, before any worker
+   starts);
+2. build the corpus (stdlib source, split by file), the model and the strategy (``build_strategy``);
+3. ``Trainer.fit`` on ``devices`` processes (Lightning re-runs this command for ranks 1..n-1), then a full
+   validation pass;
+4. rank 0 prints the plan, per-rank throughput, the losses and the speed-up over an equal split, and writes
+   ``output.dir/output.summary``.
 """
 
 from __future__ import annotations
@@ -99,10 +93,8 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     """Train; returns the run summary on rank 0 (None on other ranks)."""
     import lightning.pytorch as pl
     import torch
-    from torch.utils.data import DataLoader
 
     import het_strategy  # noqa: F401  (registers the strategy)
-    from het_strategy.callbacks.throughput import ThroughputMonitor
     from het_strategy.demo.stdlib_text import CharDataset, stdlib_corpus
     from het_strategy.demo.moe_gpt import build_char_model
 
@@ -113,28 +105,60 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
                            seed=job.data.seed)
     seq = job.model_cfg.seq_len
     train_set, val_set = CharDataset(corpus.train, seq), CharDataset(corpus.val, seq)
-    if job.strategy == "hetero_deepspeed":  # every rank loads the whole global batch and cuts its micro-batches
-        train_loader = DataLoader(train_set, batch_size=job.global_batch_size, shuffle=True, drop_last=True)
-        val_loader = DataLoader(val_set, batch_size=job.global_batch_size, drop_last=True)
-    else:
-        per_rank = max(1, job.global_batch_size // (job.devices * job.num_nodes))
-        train_loader = DataLoader(train_set, batch_size=per_rank, shuffle=True)
-        val_loader = DataLoader(val_set, batch_size=per_rank)
+    train_loader, val_loader = _loaders(job, train_set, val_set)
     model = build_char_model(job.model_cfg, job.moe.routing(), lr=job.train.lr, weight_decay=job.train.weight_decay)
+    strategy, emulation = build_strategy(job)
+    callbacks = _callbacks(job, emulation)
+    trainer = pl.Trainer(
+        accelerator=job.accelerator, devices=job.devices, num_nodes=job.num_nodes, strategy=strategy,
+        precision=None if job.dtype == "per_device" else job.train.precision, max_steps=job.train.max_steps,
+        accumulate_grad_batches=job.train.accumulate_grad_batches,
+        val_check_interval=job.train.val_every_n_steps, check_val_every_n_epoch=None,
+        limit_val_batches=job.train.val_batches, num_sanity_val_steps=0,
+        logger=_loggers(job), callbacks=callbacks, enable_checkpointing=job.checkpoint.every_n_steps is not None,
+        enable_model_summary=False, default_root_dir=str(job.out_dir), log_every_n_steps=1, plugins=_plugins(job))
+    log_planned_compression(job, trainer.global_rank)
+    trainer.fit(model, train_loader, val_loader, ckpt_path=_resume_from(job))
+    train_loss = trainer.callback_metrics.get("train_loss")
+    trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
+    full_val = trainer.validate(model, val_loader, verbose=False)
+    if trainer.global_rank != 0:
+        return None
+    summary = _summary(job, trainer, callbacks, {
+        "final_train_loss": float(train_loss) if train_loss is not None else None,
+        "final_val_loss": float(full_val[0]["val_loss"]) if full_val else None,
+        "val_samples": (len(val_set) // job.global_batch_size * job.global_batch_size
+                        if job.strategy == "hetero_deepspeed" else len(val_set)),  # whole global batches only
+        "train_samples": len(train_set), "wall_s": time.perf_counter() - started})
+    _print_report(summary)
+    _write_summary(job, trainer, summary)
+    return summary
+
+
+def _loaders(job: TrainJob, train_set: Any, val_set: Any) -> tuple[Any, Any]:
+    """The training and validation loaders: per-rank batches, or the whole global batch on every rank
+    (``hetero_deepspeed`` cuts its micro-batches from it)."""
+    from torch.utils.data import DataLoader
+
+    if job.strategy == "hetero_deepspeed":
+        return (DataLoader(train_set, batch_size=job.global_batch_size, shuffle=True, drop_last=True),
+                DataLoader(val_set, batch_size=job.global_batch_size, drop_last=True))
+    per_rank = max(1, job.global_batch_size // (job.devices * job.num_nodes))
+    return DataLoader(train_set, batch_size=per_rank, shuffle=True), DataLoader(val_set, batch_size=per_rank)
+
+
+def _callbacks(job: TrainJob, emulation: list[Any]) -> list[Any]:
+    """The job's callbacks: throughput first, then the emulation's, straggler mitigation, the compression monitor,
+    the preemption checkpoint and the periodic checkpoints, as the job asks."""
+    from het_strategy.callbacks.throughput import ThroughputMonitor
 
     out = job.out_dir
-    summary_path = out / job.output.summary if job.output.summary else None
-    throughput = ThroughputMonitor(warmup_steps=min(3, max(0, job.train.max_steps - 2)),
-                                   summary_path=None, verbose=False)
-    callbacks: list[Any] = [throughput]
-    strategy, emulation = build_strategy(job)
-    callbacks.extend(emulation)
-    straggler = None
+    callbacks: list[Any] = [ThroughputMonitor(warmup_steps=min(3, max(0, job.train.max_steps - 2)),
+                                              summary_path=None, verbose=False), *emulation]
     if job.straggler.enabled:
         from het_strategy.callbacks.straggler import StragglerMitigation
 
-        straggler = StragglerMitigation(**job.straggler.mitigation_args())
-        callbacks.append(straggler)
+        callbacks.append(StragglerMitigation(**job.straggler.mitigation_args()))
     if job.compression is not None and job.compression.method != "none":
         from het_strategy.callbacks.compression import CompressionMonitor
 
@@ -155,51 +179,45 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
         # so `resume=<path>` works as printed
         callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename="step_{step}",
                                          auto_insert_metric_name=False, every_n_train_steps=every, save_top_k=-1))
-    trainer = pl.Trainer(
-        accelerator=job.accelerator, devices=job.devices, num_nodes=job.num_nodes, strategy=strategy,
-        precision=None if job.dtype == "per_device" else job.train.precision, max_steps=job.train.max_steps,
-        accumulate_grad_batches=job.train.accumulate_grad_batches,
-        val_check_interval=job.train.val_every_n_steps, check_val_every_n_epoch=None,
-        limit_val_batches=job.train.val_batches, num_sanity_val_steps=0,
-        logger=_loggers(job), callbacks=callbacks, enable_checkpointing=every is not None,
-        enable_model_summary=False, default_root_dir=str(out), log_every_n_steps=1, plugins=_plugins(job))
-    log_planned_compression(job, trainer.global_rank)
-    trainer.fit(model, train_loader, val_loader, ckpt_path=_resume_from(job))
-    train_loss = trainer.callback_metrics.get("train_loss")
-    trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
-    full_val = trainer.validate(model, val_loader, verbose=False)
-    if trainer.global_rank != 0:
-        return None
-    summary = dict(throughput.summary or {})
-    summary.update({
-        "strategy": job.strategy, "cluster": "auto" if job.auto_cluster else job.cluster.name,  # type: ignore[union-attr]
-        "model": OmegaConf.to_container(job.cfg.model), "max_steps": job.train.max_steps,
-        "final_train_loss": float(train_loss) if train_loss is not None else None,
-        "final_val_loss": float(full_val[0]["val_loss"]) if full_val else None,
-        "val_samples": (len(val_set) // job.global_batch_size * job.global_batch_size
-                        if job.strategy == "hetero_deepspeed" else len(val_set)),  # whole global batches only
-        "train_samples": len(train_set), "wall_s": time.perf_counter() - started,
-    })
-    if straggler is not None:
-        from dataclasses import asdict
+    return callbacks
 
+
+def _summary(job: TrainJob, trainer: Any, callbacks: list[Any], figures: dict[str, Any]) -> dict[str, Any]:
+    """The run summary (rank 0): throughput, the job, ``figures`` (losses, samples, wall time), the straggler's
+    decisions, the predicted speed-up, the experts and the compression."""
+    from dataclasses import asdict
+
+    from het_strategy.callbacks.straggler import StragglerMitigation
+    from het_strategy.callbacks.throughput import ThroughputMonitor
+
+    throughput = next(c for c in callbacks if isinstance(c, ThroughputMonitor))
+    summary = dict(throughput.summary or {})
+    summary.update({"strategy": job.strategy,
+                    "cluster": "auto" if job.auto_cluster else job.cluster.name,  # type: ignore[union-attr]
+                    "model": OmegaConf.to_container(job.cfg.model), "max_steps": job.train.max_steps, **figures})
+    straggler = next((c for c in callbacks if isinstance(c, StragglerMitigation)), None)
+    if straggler is not None:
         summary["straggler_decisions"] = [asdict(d) for d in straggler.decisions]
     summary.update(_predicted_speedup(trainer.strategy, job))
     experts = getattr(trainer.strategy.run, "experts", None)
     if experts is not None:
         summary.update(experts.summary())
     summary.update(_compression_summary(trainer.strategy, job))
-    _print_report(summary)
-    if summary_path is not None:
-        import json
-
-        from het_strategy.core.atomic_file import write_atomic
-
-        write_atomic(summary_path, json.dumps(summary, indent=2, default=str))
-        from het_strategy.report.wandb_view import save_file
-
-        save_file(trainer.loggers, summary_path)  # into the wandb run's files (no-op without a WandbLogger)
     return summary
+
+
+def _write_summary(job: TrainJob, trainer: Any, summary: dict[str, Any]) -> None:
+    """``output.summary`` as JSON in the output folder, and into the wandb run's files (no-op without one)."""
+    if not job.output.summary:
+        return
+    import json
+
+    from het_strategy.core.atomic_file import write_atomic
+    from het_strategy.report.wandb_view import save_file
+
+    path = job.out_dir / job.output.summary
+    write_atomic(path, json.dumps(summary, indent=2, default=str))
+    save_file(trainer.loggers, path)
 
 
 def _resume_from(job: TrainJob) -> str | None:

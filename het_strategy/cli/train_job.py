@@ -30,6 +30,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.planning.experts import MoEPlacement
 
 if TYPE_CHECKING:
+    from het_strategy.compression import CompressionConfig
     from het_strategy.planning.request import PlanRequest
 
 __all__ = ["PLANNED", "STRATEGY_TARGETS", "TrainJob"]
@@ -80,19 +81,9 @@ class TrainJob:
         fields_["name"] = fields_["name"] or "model"
         self.model_cfg = transformer_config(fields_)
         self.workload = transformer_workload(self.model_cfg, self.dtype)
-        gb = c.train.global_batch_size
-        world = self.devices * self.num_nodes
-        if gb < world:
-            raise field_error("train.global_batch_size", gb, f"be an integer >= the ranks ({world}): every rank "
-                              "needs a sample")
-        if self.strategy == "ddp" and gb % self.devices:
-            raise field_error("train.global_batch_size", gb, f"be divisible by devices ({self.devices}) for plain "
-                              "ddp, which splits the batch evenly")
-        self.global_batch_size = gb
+        self.global_batch_size = self._checked_global_batch(c.train.global_batch_size)
         _check_output(c.output.dir, c.output.summary)
         self._check_straggler()
-        from het_strategy.compression import compression_config
-
         raw_compression = cfg_to_dict(cfg.compression, "compression")
         self.plan: Plan | None = None
         """``compression=planned``: the joint plan handed to the strategy; else None (the strategy plans)."""
@@ -101,25 +92,10 @@ class TrainJob:
         planned = raw_compression.get("method") == PLANNED
         if planned:
             self._check_planned(raw_compression)
-        self.compression = None if planned else compression_config(raw_compression)
-        if self.compression is not None and self.compression.method != "none" and self.strategy != "hetero":
-            why = ("Lightning's DDP registers comm hooks on CUDA only" if self.strategy == "ddp" else
-                   "DeepSpeed reduces the gradients itself")
-            raise field_error("compression.method", self.compression.method,
-                              f"be none with strategy={self.strategy} ({why})",
-                              "use strategy=hetero, which registers them on every device")
+        self.compression = None if planned else self._checked_compression(raw_compression)
         if self.strategy == "hetero_diloco":
             self._check_diloco_job(c)
-        if self.strategy == "hetero" and c.planner.mode not in ("auto", "dp"):
-            raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero (it plans data "
-                              "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
-        if self.strategy != "hetero_deepspeed" and c.train.max_tp not in (None, 1):
-            raise field_error("train.max_tp", c.train.max_tp, f"be 1 with strategy={self.strategy} (it runs data "
-                              "parallelism)", "use strategy=hetero_deepspeed for tensor-parallel stages")
-        if self.dtype == "per_device" and self.strategy not in ("hetero", "hetero_deepspeed"):
-            raise field_error("train.precision", "per_device", f"go with strategy=hetero or hetero_deepspeed, not "
-                              f"{self.strategy} (each rank takes its dtype from the plan)",
-                              "use strategy=hetero or hetero_deepspeed, or bf16-mixed")
+        self._check_strategy_options(c)
         _check_planner(c.planner)
         self.resume = c.resume
         state = None
@@ -132,6 +108,42 @@ class TrainJob:
             check_checkpoint_model(self.resume, state, self.model_cfg)
         if planned:
             self._plan_jointly()  # last: every other field is checked, and named, before the search
+
+    def _checked_global_batch(self, gb: int) -> int:
+        """``train.global_batch_size``: a sample for every rank, and divisible by the devices for plain ddp."""
+        world = self.devices * self.num_nodes
+        if gb < world:
+            raise field_error("train.global_batch_size", gb, f"be an integer >= the ranks ({world}): every rank "
+                              "needs a sample")
+        if self.strategy == "ddp" and gb % self.devices:
+            raise field_error("train.global_batch_size", gb, f"be divisible by devices ({self.devices}) for plain "
+                              "ddp, which splits the batch evenly")
+        return gb
+
+    def _checked_compression(self, raw: dict[str, Any]) -> CompressionConfig:
+        """The compression group as a config; a method other than none only with ``strategy=hetero``."""
+        from het_strategy.compression import compression_config
+
+        config = compression_config(raw)
+        if config.method != "none" and self.strategy != "hetero":
+            why = ("Lightning's DDP registers comm hooks on CUDA only" if self.strategy == "ddp" else
+                   "DeepSpeed reduces the gradients itself")
+            raise field_error("compression.method", config.method, f"be none with strategy={self.strategy} ({why})",
+                              "use strategy=hetero, which registers them on every device")
+        return config
+
+    def _check_strategy_options(self, c: HetTrainConfig) -> None:
+        """The planner mode, ``train.max_tp`` and ``per_device`` precision each go with the strategies that run them."""
+        if self.strategy == "hetero" and c.planner.mode not in ("auto", "dp"):
+            raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero (it plans data "
+                              "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
+        if self.strategy != "hetero_deepspeed" and c.train.max_tp not in (None, 1):
+            raise field_error("train.max_tp", c.train.max_tp, f"be 1 with strategy={self.strategy} (it runs data "
+                              "parallelism)", "use strategy=hetero_deepspeed for tensor-parallel stages")
+        if self.dtype == "per_device" and self.strategy not in ("hetero", "hetero_deepspeed"):
+            raise field_error("train.precision", "per_device", f"go with strategy=hetero or hetero_deepspeed, not "
+                              f"{self.strategy} (each rank takes its dtype from the plan)",
+                              "use strategy=hetero or hetero_deepspeed, or bf16-mixed")
 
     def _check_planned(self, raw: dict[str, Any]) -> None:
         """What ``compression=planned`` goes with (the group file holds only its method and description)."""
@@ -454,6 +466,7 @@ def _check_planner(request: "PlanRequest") -> None:
     ``planner`` field keeps its default."""
     from dataclasses import fields
 
+    from het_strategy.compression import CompressionConfig
     from het_strategy.planning.request import PlanRequest
 
     default = PlanRequest()
