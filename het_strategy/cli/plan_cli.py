@@ -289,7 +289,7 @@ def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", set
         from het_strategy.report.picture import plot_plan
 
         stem = Path(output["plan"]).stem if output["plan"] else "plan"
-        written.append(plot_plan(plan, cluster, out_dir / f"{stem}.png"))
+        written.append(plot_plan(plan, cluster, out_dir / f"{stem}.png", figures=score))
     return written
 
 
