@@ -1,41 +1,27 @@
 """How long a layer's kernels take on a GPU nobody profiled: a roofline over the layer's matmuls and memory passes.
 
 The cost model uses it with ``settings.compute_model=roofline`` (``ComputeModel``); the default, ``flops``, prices
-a layer by its FLOPs at the datasheet rate times the device's ``efficiency``.  The roofline is far closer to
-measured layers (``benchmarks/cost_model_fidelity.py``), but a layer's time per sample then falls with the
-micro-batch (the planners' bounds take that into account), and its tensor-core efficiency was fitted on fp32
-blocks only, so 16-bit matmuls are priced at full peak: it is not the default yet.
+a layer by its FLOPs at the datasheet rate times the device's ``efficiency`` (why the roofline is not the default
+yet: docs/how-it-works/cost-model.md).
 
-A transformer layer (``LayerShape``) is priced kernel by kernel, from the datasheet figures of the catalog
-(``DeviceSpec``: the matmul rate of the dtype, the memory bandwidth and the number of compute units):
+A transformer layer (``LayerShape``) is priced kernel by kernel (``layer_seconds``) from the datasheet figures of
+the catalog (``DeviceSpec``: the matmul rate of the dtype, the memory bandwidth and the number of compute units):
+its matmuls (``gemm_s``: their FLOPs at the rate of the unit the runtime's dtype uses, ``device_roofline``, times
+an efficiency for their shape), its memory-bound passes (``memory_s``, counted from the kernels Megatron-style
+blocks run) and its attention as it runs (``AttentionKernel``).  Each kernel also pays a launch time.
 
-- **Matmuls** (``gemm_s``): ``2·m·n·k`` FLOPs at the matmul rate times an efficiency.  The efficiency is the
-  calibrated peak fraction (``tensor_efficiency`` on tensor cores, ``vector_efficiency`` for fp32 on CUDA cores)
-  times three shape terms: *tile padding* (the output is computed in tiles, a partial tile costs a whole one),
-  *wave quantisation* (the tiles run in waves of one tile per compute unit, a last partial wave costs a whole
-  one), both for the library's tile shapes (``TILES``, 256 x 128 down to 64 x 64) with the best kept, as
-  cuBLAS's heuristics pick a kernel per shape, and *small-depth falloff* ``k / (k + small_dim)`` (a short
-  reduction cannot hide its loads).  Each kernel also pays ``launch_s``.
-- **Memory-bound passes** (``memory_s``): layer norms, activations, softmax, dropout, bias and residual adds and
-  layout copies move their elements at the memory bandwidth times ``memory_efficiency``.  The passes are counted
-  from the kernels Megatron-style blocks run (``_block_passes``): an element read and written counts 2.
-- **The dtype the runtime uses.**  16-bit matmuls run at the fp16/bf16 tensor-core rate.  fp32 matmuls run at
-  the fp32 rate under torch's default ``torch.set_float32_matmul_precision("highest")``, and at the TF32
-  tensor-core rate where the user sets ``high`` or ``medium`` (``Float32MatmulPrecision``), as torch does on
-  a device with TF32 units.
-- **Attention** (``AttentionKernel``): ``fused`` (torch's ``scaled_dot_product_attention``, flash or
-  memory-efficient) keeps the ``s x s`` scores on chip, so attention is matmul work only (its backward
-  recomputes the scores: 5 matmuls against the forward's 2); ``materialized`` (Megatron without flash
-  attention, as Sailor's and AMP's profiles were measured) writes them and runs its softmax and dropout
-  over them, fused into one kernel in 16-bit and as separate scale, mask, softmax and dropout kernels in fp32.
+What callers may rely on:
 
-The four efficiencies and the launch time are fitted once (``reference/compute_calibration.py``) on the public
-per-layer measurements the project holds, Sailor's and AMP's, and shipped in ``data/compute_calibration.json``;
-the shapes, pass counts and datasheet figures are not fitted.  Tensor-parallel communication is not priced here:
-the cost model adds the Megatron all-reduces over the node's link (``network.Network.tp_allreduce_s``).
-A layer without a shape (a model profiled as an ``nn.Module``), or a device the roofline does not describe (a
-CPU, an emulated device, a throughput given in the cluster file) is priced by FLOPs at the device's sustained
-rate, as before.  Pure Python: no torch.
+- Only the five constants of ``ComputeCalibration`` are fitted, once (``reference/compute_calibration.py``), on
+  the public per-layer measurements the project holds, Sailor's and AMP's, and shipped in
+  ``data/compute_calibration.json``; the shapes, pass counts and datasheet figures are not fitted.
+- A layer's time per sample falls with the micro-batch (the kernels fill the device better): the planners'
+  bounds take that into account.
+- Tensor-parallel communication is not priced here: the cost model adds the Megatron all-reduces over the
+  node's link (``network.Network.tp_allreduce_s``).
+- A layer without a shape (a model profiled as an ``nn.Module``), or a device the roofline does not describe (a
+  CPU, an emulated device, a throughput given in the cluster file: ``device_roofline`` is None) is priced by
+  FLOPs at the device's sustained rate.  Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -74,7 +60,13 @@ class ComputeModel(StrEnum):
 
 
 class AttentionKernel(StrEnum):
-    """How a block's attention runs (a model YAML's ``attention``)."""
+    """How a block's attention runs (a model YAML's ``attention``).
+
+    ``fused`` keeps the ``s x s`` scores on chip, so attention is matmul work only (its backward recomputes the
+    scores: 5 matmuls against the forward's 2); ``materialized`` (Megatron without flash attention, as Sailor's
+    and AMP's profiles were measured) writes them and runs its softmax and dropout over them, fused into one
+    kernel in 16-bit and as separate scale, mask, softmax and dropout kernels in fp32 (``_block_passes``).
+    """
 
     fused = "fused"
     """torch's ``scaled_dot_product_attention`` (flash or memory-efficient): the scores never reach memory."""
@@ -148,7 +140,13 @@ class ComputeCalibration:
 def device_roofline(device: DeviceSpec, dtype: Dtype | str,
                     float32_matmul: Float32MatmulPrecision | str = Float32MatmulPrecision.highest) -> Roofline | None:
     """The roofline of ``device`` computing in ``dtype`` (an element dtype), or None where the device's own
-    figures price it (no ``compute_units``: a CPU, an emulated device, a throughput from the cluster file)."""
+    figures price it (no ``compute_units``: a CPU, an emulated device, a throughput from the cluster file).
+
+    The matmul unit is the one the runtime uses: 16-bit matmuls run at the fp16/bf16 tensor-core rate; fp32
+    matmuls run at the fp32 rate under torch's default ``torch.set_float32_matmul_precision("highest")``, and
+    at the TF32 tensor-core rate where the user sets ``high`` or ``medium`` (``Float32MatmulPrecision``), as
+    torch does on a device with TF32 units.
+    """
     if device.compute_units is None:
         return None
     bandwidth = device.memory_bandwidth_gbs * 1e9
@@ -162,8 +160,18 @@ def device_roofline(device: DeviceSpec, dtype: Dtype | str,
 
 
 def gemm_s(m: float, n: float, k: float, batch: float, roof: Roofline, cal: ComputeCalibration) -> float:
-    """Seconds of ``batch`` matmuls of ``(m x k) @ (k x n)`` with the fastest of ``TILES`` (see the module
-    docstring)."""
+    """Seconds of ``batch`` matmuls of ``(m x k) @ (k x n)`` with the fastest of ``TILES``.
+
+    Each matmul is ``2·m·n·k`` FLOPs at the matmul rate times an efficiency, plus ``launch_s`` per kernel.  The
+    efficiency is the calibrated peak fraction (``tensor_efficiency`` on tensor cores, ``vector_efficiency``
+    for fp32 on CUDA cores) times three shape terms:
+
+    1. *tile padding*: the output is computed in tiles, a partial tile costs a whole one;
+    2. *wave quantisation*: the tiles run in waves of one tile per compute unit, a last partial wave costs a
+       whole one (1 and 2 for each of ``TILES``, 256 x 128 down to 64 x 64, the best kept, as cuBLAS's
+       heuristics pick a kernel per shape: ``_tile_fill``);
+    3. *small-depth falloff* ``k / (k + small_dim)``: a short reduction cannot hide its loads.
+    """
     if min(m, n, k, batch) <= 0:
         return 0.0
     shape = max(_tile_fill(m, n, batch, tile, roof.compute_units) for tile in TILES)
@@ -182,7 +190,12 @@ def _tile_fill(m: float, n: float, batch: float, tile: tuple[int, int], units: i
 
 
 def memory_s(elements: float, element_bytes: float, kernels: int, roof: Roofline, cal: ComputeCalibration) -> float:
-    """Seconds of ``kernels`` memory-bound kernels moving ``elements`` elements of ``element_bytes`` in all."""
+    """Seconds of ``kernels`` memory-bound kernels moving ``elements`` elements of ``element_bytes`` in all.
+
+    Layer norms, activations, softmax, dropout, bias and residual adds and layout copies move their elements
+    at the memory bandwidth times ``memory_efficiency`` (an element read and written counts 2), each kernel
+    paying ``launch_s``.
+    """
     return elements * element_bytes / (roof.memory_bytes_per_s * cal.memory_efficiency) + kernels * cal.launch_s
 
 

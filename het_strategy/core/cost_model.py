@@ -2,55 +2,27 @@
 
 One function, ``CostModel.score(plan)``, scores every plan — planned here, read
 from a file, or hand-made — so plans from different sources compare on equal
-terms.  Per micro-batch, a stage costs
+terms; the planners price their candidates with the same ``CostModel``.
 
-    t_s = sum over its layers of forward + backward time on its device (measured profile
-          if it covers the device type; else FLOPs / sustained FLOP/s with backward = 2 x
-          forward, or with ``settings.compute_model=roofline`` ``compute_model``'s roofline;
-          +1 forward with activation checkpointing) + tp allreduces + MoE all-to-alls
-    c_s = activation forward + gradient backward over the link to the next stage
+A plan's step is its slowest pipeline's 1F1B time (``pipeline_time_s``), then
+every device's gradient allreduce with the replicas of its layers and its
+optimizer update (``CostModel.score``).  A stage's compute per micro-batch is
+its measured profile where one covers the device type and tp, else FLOPs over
+the sustained rate or, with ``settings.compute_model=roofline``,
+``core/compute_model.py``'s roofline (``CostModel._compute_layer_prefix``).
+Transfers are priced by ``network.Network`` (the one place for the link model),
+a compressed inter-node hop by ``core/compressed_sync.py``, memory by
+``core/memory.py``.
 
-and a pipeline with n micro-batches takes, in 1F1B order,
+What every caller may rely on:
 
-    T_p = (fill: sum_s t_s + sum_s c_s for the first micro-batch)
-          + (n - 1) x bottleneck  (bottleneck = max_s (c_{s-1} + t_s + c_s), c_{-1} = 0)
-
-(the last micro-batch may be smaller and is costed at its own size).  A send
-overlaps nothing on either side: the runtime's sends and receives are blocking
-(DeepSpeed's ``PipelineEngine._exec_send_activations`` -> ``p2p.send`` ->
-``dist.send``, ``_exec_recv_activations`` -> ``p2p.recv``; ``ds_runtime.
-stage_exchange.send_tensors``/``recv_tensors``: blocking ``send``/``recv`` per
-chunk), so per micro-batch a stage is busy for its compute plus every transfer
-at its two boundaries, one after another.  ``benchmarks/pipeline_slow_link.py``
-measures it on shaped links.  After the
-slowest pipeline, every device allreduces its gradients with the replicas that
-hold the same layers, then runs its optimizer update (memory-bound).
-Step time = max_p T_p + max over devices of (sync + update).  Gradient sync is
-not overlapped with backward here: the model errs on the slow side.
-
-Communication is priced by ``network.Network`` (one place for the link model):
-
-* gradients move in ``settings.grad_dtype`` (fp32 unless set: mixed precision
-  keeps fp32 gradients), sharded by tp, in a ring over the replicas whose
-  route (``ring_bandwidths``) knows which nodes it spans and how many other
-  rings cross each node's interface at the same time; ZeRO-3 adds the
-  parameter all-gathers (1.5x);
-* tensor parallelism costs 2 activation allreduces per transformer block
-  forward and 2 backward (+2 with activation checkpointing: the recomputed
-  forward), over the node's own link, not overlapped; measured per-layer
-  times for (device, tp) replace all of it when a profile has them;
-* a pipeline send between stages of tp ``a`` and ``b`` is partitioned as the
-  runtime sends it (``ds_runtime.stage_exchange``): ``lcm(a, b)`` chunks over
-  the links between the two groups' devices, then an all-gather on the
-  receiving group (``stage_send_s``); one message when both are 1;
-* an LM head split by vocabulary (``tensor_parallel``: a column-parallel
-  linear with gathered logits) adds an all-gather of its output forward and
-  an allreduce of its input's gradient backward at tp > 1.
-
-Memory per device (``core/memory.py``): weights, gradients, optimizer state and
-the runtime's buffers (sharded by ZeRO stage over the data-parallel degree) +
-activations of the micro-batches in flight (1F1B keeps min(S - s, n) on stage
-s) + the framework's overhead outside the allocator + a headroom.
+- a send overlaps nothing on either side (the runtime's sends and receives are
+  blocking), so per micro-batch a stage is busy for its compute plus every
+  transfer at its two boundaries (``bottleneck_s``);
+- gradient sync is not overlapped with backward: the model errs on the slow side;
+- devices with equal ``device_key`` cost the same per layer, and a stage's
+  figures are prefix-sum differences over its layers ``[start, stop)``, so a
+  planner may group devices and price layer ranges in O(1).
 """
 
 from __future__ import annotations
@@ -139,6 +111,15 @@ class CostModel:
 
     def _compute_layer_prefix(self, device: DeviceSpec, tp: int, micro_batch: int
                               ) -> tuple[list[float], list[float]]:
+        """Prefix sums of (fwd + bwd) and optimizer-update seconds per layer for one micro-batch.
+
+        Forward + backward is the measured profile where it covers (device type, tp), measured tensor-parallel
+        times included; else ``_analytic_compute`` plus, at tp > 1, the tensor-parallel communication over the
+        node's own link, not overlapped: 2 activation allreduces per transformer block forward and 2 backward
+        (+2 with activation checkpointing: the recomputed forward), and for an LM head split by vocabulary
+        (``tensor_parallel``: a column-parallel linear with gathered logits) an all-gather of its output forward
+        and an allreduce of its input's gradient backward.  Activation checkpointing adds one forward.
+        """
         ckpt = self.settings.activation_checkpointing
         if self.uses_profile(device, tp):
             rows = self.profile.layer_times(device.type, tp, micro_batch)  # type: ignore[union-attr]
@@ -280,7 +261,13 @@ class CostModel:
 
     def allreduce_s(self, num_bytes: Any, group_size: int, route: SyncRoute) -> Any:
         """Gradient allreduce of ``num_bytes`` (a number or an array) among ``group_size`` replicas along
-        ``route``, plus ZeRO-3's parameter all-gathers (1.5x)."""
+        ``route``, plus ZeRO-3's parameter all-gathers (1.5x).
+
+        A ring over the replicas whose route (``ring_bandwidths``) knows which nodes it spans and how many other
+        rings cross each node's interface at the same time (``network.Network.ring_allreduce_s``); the
+        hierarchical exchange (``core/compressed_sync.py``) where the route crosses nodes and the settings
+        compress the inter-node hop.
+        """
         if group_size <= 1 or route.members <= 1:
             return np.zeros_like(num_bytes, dtype=float) if isinstance(num_bytes, np.ndarray) else 0.0
         if route.members != group_size:
@@ -337,7 +324,11 @@ class CostModel:
     # -- scoring ------------------------------------------------------------------------------
     def score(self, plan: Plan) -> PlanScore:
         """Predicted step time, throughput and per-device memory of ``plan`` (in the compression it carries, if it
-        carries one; else in the settings')."""
+        carries one; else in the settings').
+
+        Step time = max over pipelines of their 1F1B time (``pipeline_cost``) + max over devices of (gradient
+        sync + optimizer update), the update memory-bound.
+        """
         token = plan.compression.get("inter_node")
         if token is not None and token != self.settings.inter_node_compression:
             return self.with_compression(token).score(plan)
@@ -376,6 +367,9 @@ class CostModel:
                       group_tokens: float = 0.0, routes: list[SyncRoute] | None = None
                       ) -> tuple[float, list[StageCost], dict[str, float]]:
         """(1F1B time, per-stage costs at the full micro-batch, memory per device) of one pipeline.
+
+        A device's memory is its stage's (``core/memory.py``) with the ``min(S - s, n)`` micro-batches 1F1B keeps
+        in flight on stage ``s`` of ``S``, plus the framework's overhead outside the allocator.
 
         ``routes`` (from ``ring_bandwidths``) tell how many sends share each boundary's interfaces;
         None: every send alone."""
@@ -436,13 +430,25 @@ class CostModel:
         return routes(self.cluster, structure)
 
     def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, route: SyncRoute) -> float:
-        """Gradient allreduce of a stage's dense parameters among ``dp`` replicas."""
+        """Gradient allreduce of a stage's dense parameters among ``dp`` replicas: each device its ``1/tp``
+        shard, in ``settings.grad_dtype`` (fp32 unless set: mixed precision keeps fp32 gradients)."""
         grad_bytes = (self._params[stop] - self._params[start]) / tp * self.settings.grad_bytes
         return self.allreduce_s(grad_bytes, dp, route)
 
 
 def pipeline_time_s(costs: list[StageCost], costs_last: list[StageCost], num_micro_batches: int) -> float:
-    """1F1B time of one pipeline: fill with the first micro-batch, then one bottleneck per micro-batch."""
+    """1F1B time of one pipeline: fill with the first micro-batch, then one bottleneck per micro-batch.
+
+    Per micro-batch, stage ``s`` costs ``t_s`` (``StageCost.compute_s``: the forward + backward of its layers on
+    its slowest device, tp communication and MoE expert work included) and ``c_s`` (``StageCost.send_s``: the
+    activation forward + the gradient backward over the link to the next stage).  With ``n`` micro-batches:
+
+        T_p = fill + (n - 1) x bottleneck
+        fill = sum_s (t_s + c_s)                                (fill_s: the first micro-batch)
+        bottleneck = max_s (c_{s-1} + t_s + c_s), c_{-1} = 0    (bottleneck_s)
+
+    The last micro-batch may be smaller and is costed at its own size (``costs_last``).
+    """
     first = costs if num_micro_batches > 1 else costs_last
     fill = fill_s(first)
     if num_micro_batches == 1:
@@ -457,7 +463,14 @@ def fill_s(costs: list[StageCost]) -> float:
 
 def bottleneck_s(costs: list[StageCost]) -> float:
     """The 1F1B steady state's time per micro-batch: the busiest stage's compute plus the sends at both its
-    boundaries (blocking sends overlap nothing; module docstring)."""
+    boundaries.
+
+    A send overlaps nothing on either side: the runtime's sends and receives are blocking (DeepSpeed's
+    ``PipelineEngine._exec_send_activations`` -> ``p2p.send`` -> ``dist.send``, ``_exec_recv_activations`` ->
+    ``p2p.recv``; ``ds_runtime.stage_exchange.send_tensors``/``recv_tensors``: blocking ``send``/``recv`` per
+    chunk), so a stage is busy for its compute plus every transfer at its two boundaries, one after another
+    (``benchmarks/pipeline_slow_link.py`` measures it on shaped links).
+    """
     return max(c.compute_s + c.send_s + (costs[s - 1].send_s if s else 0.0) for s, c in enumerate(costs))
 
 
