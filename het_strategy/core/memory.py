@@ -5,34 +5,22 @@ One device of a stage holding layers ``[start, stop)`` at tensor-parallel degree
 the later stages' count plus its own) among ``dp`` replicas, holds:
 
 1. **Model state**: its parameters / tp x ``TrainSettings.state_bytes_per_param(dp)``:
-   weights, gradients and Adam's state in the training dtype, each split as ZeRO
-   splits it, plus the runtime's two 4-byte buffers per parameter: the fp32 buffer
-   the gradient reduction runs in (DDP's buckets, DeepSpeed's flat reduce buffer)
-   and the weight copy DeepSpeed makes when it builds its engine.  In fp32 that is
-   24 B per parameter, Sailor's figure for Adam, validated on its runs.
-2. **Activations**: per layer and sample the bytes kept for backward
-   (``LayerCost.activation_bytes_per_sample``), divided by tp except
-   ``LayerCost.tp_replicated_activation_bytes`` (without sequence parallelism the
-   layer norms' inputs and the dropout masks of a block, 10·s·h bytes, stay whole
-   on every tp rank: Korthikanti et al. 2022, eq. 2), times ``m x in_flight``.
-   A block's figure counts the attention scores only where they reach memory
-   (``transformer_workload``: ``attention: materialized``, not ``fused``).
-   With activation checkpointing: the layer outputs of the micro-batches in flight
-   plus one layer's whole activations (its recomputation).
-3. **Framework overhead** outside the allocator (``overhead_bytes``): 2e9 bytes at
-   tp 1 and 3e9 at tp > 1 on an accelerator (the CUDA or ROCm context, NCCL's
-   buffers, cuBLAS workspaces: Megatron's memory outside PyTorch's allocator as
-   Sailor measured it in nvidia-smi); none on a CPU device.
+   weights, gradients and Adam's state, each split as ZeRO splits it, plus the
+   runtime's two 4-byte buffers per parameter (in fp32 24 B per parameter, Sailor's
+   figure for Adam, validated on its runs);
+2. **Activations**: per layer and sample the bytes kept for backward, divided by tp
+   except what every tp rank keeps whole, times ``m x in_flight``; with activation
+   checkpointing, the layer outputs in flight plus one layer's whole activations;
+3. **Framework overhead** outside the allocator (``overhead_bytes``): on an
+   accelerator 2e9 bytes at tp 1 and 3e9 at tp > 1; none on a CPU device;
 4. **Headroom**: ``settings.memory_reserve_gb``, kept free beyond 1-3.  It is 0 by
    default: 1-3 alone is never below Sailor's fit check (which Sailor validated
-   against its runs) on any configuration Sailor profiled (median 6% above it,
-   ``benchmarks/cost_model_fidelity.py``); raise it for margin against the caching
-   allocator's fragmentation in long runs.
+   against its runs) on any configuration Sailor profiled; raise it for margin
+   against the caching allocator's fragmentation in long runs.
 
-A stage fits a device when 1 + 2 + 3 + 4 is at most the device's memory
-(``fits``).  ``benchmarks/cost_model_fidelity.py`` (d) compares 1 + 2 + 3 with
-Sailor's formula (``reference/sailor_memory.py``) on every configuration Sailor
-profiled.  Pure Python and numpy: no torch.
+``MemoryModel.stage_bytes`` is 1 + 2 + 4 (the details of each there); a stage fits
+a device when 1 + 2 + 3 + 4 is at most the device's memory (``MemoryModel.fits``,
+the planner's own comparison).  Pure Python and numpy: no torch.
 """
 
 from __future__ import annotations
@@ -57,7 +45,12 @@ OVERHEAD_TP_BYTES = 3.0e9
 
 
 def overhead_bytes(device: DeviceSpec, tp: int) -> float:
-    """The framework's memory outside the allocator on ``device`` at tensor-parallel degree ``tp`` (item 3)."""
+    """The framework's memory outside the allocator on ``device`` at tensor-parallel degree ``tp`` (item 3).
+
+    On an accelerator: the CUDA or ROCm context, NCCL's buffers, cuBLAS workspaces, Megatron's memory outside
+    PyTorch's allocator as Sailor measured it in nvidia-smi (``OVERHEAD_TP1_BYTES``, ``OVERHEAD_TP_BYTES``).
+    None on a CPU device.
+    """
     entry = device_catalog().get(device.type)
     if entry is not None and entry.vendor == "cpu":
         return 0.0
@@ -90,7 +83,22 @@ class MemoryModel:
 
     def stage_bytes(self, params: float, start: int, stop: int, tp: int, micro_batch: int, in_flight: int,
                     dp: int) -> float:
-        """Model state of ``params`` parameters + activations of layers ``[start, stop)`` + headroom, per device."""
+        """Model state of ``params`` parameters + activations of layers ``[start, stop)`` + headroom, per device.
+
+        1. Model state: ``params / tp x TrainSettings.state_bytes_per_param(dp)``: weights, gradients and Adam's
+           state in the training dtype, each split as ZeRO splits it, plus the runtime's two 4-byte buffers per
+           parameter: the fp32 buffer the gradient reduction runs in (DDP's buckets, DeepSpeed's flat reduce
+           buffer) and the weight copy DeepSpeed makes when it builds its engine.
+        2. Activations: per layer and sample the bytes kept for backward
+           (``LayerCost.activation_bytes_per_sample``), divided by tp except
+           ``LayerCost.tp_replicated_activation_bytes`` (without sequence parallelism the layer norms' inputs and
+           the dropout masks of a block, 10·s·h bytes, stay whole on every tp rank: Korthikanti et al. 2022,
+           eq. 2), times ``micro_batch x in_flight``.  A block's figure counts the attention scores only where
+           they reach memory (``transformer_workload``: ``attention: materialized``, not ``fused``).  With
+           activation checkpointing: the layer outputs of the micro-batches in flight plus one layer's whole
+           activations (its recomputation).
+        3. Headroom: ``settings.memory_reserve_gb``.
+        """
         s = self.settings
         state = params / tp * s.state_bytes_per_param(dp)
         if s.activation_checkpointing:
