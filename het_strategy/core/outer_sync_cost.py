@@ -5,56 +5,23 @@ takes H inner steps, side by side, then the groups exchange once.  So
 
     round_s = H x inner_step_s + exchange_s        step_time_s = round_s / H
 
-**Inner step.**  Device i of group g, on its share of b_i samples, costs
+``OuterSyncCost`` prices one group split on one ``CostModel``:
 
-    cost_i(b_i) = compute_i(b_i) + post_g
+- ``device_step_s``: device i's inner step on its b_i samples, ``cost_i(b_i) =
+  compute_i(b_i) + post_g`` (its replica's forward + backward, then its group's
+  gradient allreduce and optimizer update);
+- ``inner_step_s``: the slowest device's ``cost_i`` (the slowest group sets the
+  pace: every group takes H steps);
+- ``exchange`` (an ``ExchangePrice``): the outer exchange in one codec,
+  everything between a round's last inner step and the next round's first;
+- ``figures`` and ``score``: a plan's predicted figures and its ``PlanScore``.
 
-* ``compute_i(b)``: the forward + backward of b samples on a replica of the
-  whole model, the best over the micro-batch sizes whose replica fits the
-  device (``CostModel.pipeline_cost`` of a one-device pipeline: what the dp
-  planner prices), ZeRO sharding over the group's replicas;
-* ``post_g``: the allreduce of the gradients among g's devices only, over g's
-  route (``CostModel.stage_sync_s``: a ring inside the node for a node's group;
-  nothing for a one-device group), plus g's slowest optimizer update
-  (``CostModel.stage_update_s``).
-
-The allreduce starts when g's slowest device has finished its backward, so g's
-step is ``max_{i in g} compute_i + post_g`` and ``inner_step_s = max_i
-cost_i(b_i)``: the slowest group sets the pace (every group takes H steps).
-
-**Outer exchange** in codec c, as ``hetero_diloco`` runs it:
-
-1. each group's leader (its first device) encodes its flat fp32
-   pseudo-gradient of P parameters (``WorkloadSpec.total_params``); the payload
-   is ``outer_payload_bytes``: ``CodecSpec.bytes_per_element`` x P for a cast,
-   the packed codes of P padded to whole buckets plus each bucket's metadata
-   for a quantizer (``codecs.packed_bytes``);
-2. the G leaders all-gather the payloads: a ring over the leaders, node by
-   node, each leader sending G-1 payloads over its edge; that is the all-gather
-   half of a ring allreduce of G payloads (``Network.ring_allreduce_s`` / 2)
-   on the leaders' route;
-3. each leader decodes the G payloads and sums them;
-4. each leader broadcasts the fp32 sum inside its group: ``(L-1)/L`` of it
-   over the group's route, as ``compressed_sync`` prices a leader's broadcast
-   (the all-gather half of a ring allreduce on the group's route).
-
-5. every device takes the outer Nesterov step on its copy of the outer
-   parameters: memory-bound, priced as one optimizer update
-   (``CostModel.stage_update_s``, unsharded), the slowest device's.
-
-Encoding and decoding run at the leader's ``compressed_sync.codec_bandwidth``
-(the rate of a quantize + dequantize round trip of fp32 input; one encode, or
-one decode, is priced as half a round trip); a cast is not priced, as
-``compressed_sync`` does not price one.  ``exchange_s = max over leaders of
-the encode + the all-gather + max over groups of (decode + broadcast) + the
-outer step``: everything between a round's last inner step and the next
-round's first.
-
-**Memory.**  Beside the replica (``CostModel.stage_memory_bytes``) every device
-keeps ``OUTER_STATE_BYTES`` per parameter: the outer parameters and the outer
-optimizer's momentum in fp32, and a leader's error-feedback residual (counted on
-every device: any may lead).  A micro-batch fits when both do, and the plan's
-memory figures include them.  Pure Python + numpy.
+A leader's payload is ``outer_payload_bytes``, from the codec's ``CodecSpec``
+(``core/codecs.py``) as the runtime sends it, and encoding is priced at
+``compressed_sync.codec_bandwidth``, as the compressed gradient sync is.  Beside
+its replica every device keeps ``OUTER_STATE_BYTES`` per parameter: a micro-batch
+fits when both do, and the plan's memory figures include them.  Pure Python +
+numpy.
 """
 
 from __future__ import annotations
@@ -94,7 +61,7 @@ def outer_payload_bytes(token: Any, num_params: int, params: CodecParams = Codec
 
 @dataclass(frozen=True)
 class ExchangePrice:
-    """One outer exchange in one codec (module docstring, steps 1-4)."""
+    """One outer exchange in one codec (``OuterSyncCost.exchange``, steps 1-5)."""
 
     codec: Codec
     payload_bytes: int
@@ -117,7 +84,12 @@ class ExchangePrice:
 
 
 class OuterSyncCost:
-    """Prices inner steps and outer exchanges of one group split on one cost model (module docstring)."""
+    """Prices inner steps and outer exchanges of one group split on one cost model (module docstring).
+
+    Every device keeps ``OUTER_STATE_BYTES`` per parameter beside its replica (``CostModel.stage_memory_bytes``):
+    the outer parameters and the outer optimizer's momentum in fp32, and a leader's error-feedback residual
+    (counted on every device: any may lead).
+    """
 
     def __init__(self, cm: CostModel, groups: Sequence[Sequence[str]], params: CodecParams = CodecParams()) -> None:
         self.cm = cm
@@ -137,11 +109,16 @@ class OuterSyncCost:
 
     # -- inner steps ----------------------------------------------------------------------------
     def post_s(self, group: int) -> float:
-        """Gradient allreduce inside ``group`` + its slowest optimizer update."""
+        """``post_g``: the allreduce of the gradients among ``group``'s devices only, over its route
+        (``CostModel.stage_sync_s``: a ring inside the node for a node's group; nothing for a one-device group),
+        plus its slowest optimizer update (``CostModel.stage_update_s``)."""
         return self._post[group]
 
     def compute_s(self, device: str, samples: int) -> float:
-        """Forward + backward of ``samples`` on ``device``'s replica, best micro-batch (inf: none fits)."""
+        """``compute_i(b)``: forward + backward of ``samples`` on a replica of the whole model on ``device``, the
+        best over the micro-batch sizes whose replica (and outer state) fits the device (``CostModel.pipeline_cost``
+        of a one-device pipeline: what the dp planner prices), ZeRO sharding over the group's replicas (inf: none
+        fits)."""
         return self._best(device, samples)[0]
 
     def micro_batch(self, device: str, samples: int) -> int | None:
@@ -153,7 +130,11 @@ class OuterSyncCost:
         return self.compute_s(device, samples) + self._post[self.group_of[device]]
 
     def inner_step_s(self, shares: Mapping[str, int]) -> float:
-        """One inner step of every group with these per-device shares: the slowest device's ``cost_i``."""
+        """One inner step of every group with these per-device shares: the slowest device's ``cost_i``.
+
+        A group's allreduce starts when its slowest device has finished its backward, so group g's step is
+        ``max_{i in g} compute_i + post_g``, and the slowest group sets the pace (every group takes H steps).
+        """
         return max(self.device_step_s(d, shares[d]) for d in self.group_of)
 
     def _best(self, device: str, samples: int) -> tuple[float, int | None]:
@@ -195,7 +176,27 @@ class OuterSyncCost:
 
     # -- outer exchange ---------------------------------------------------------------------------
     def exchange(self, token: Any) -> ExchangePrice:
-        """The outer exchange in codec ``token`` (one of ``OUTER_CODECS``)."""
+        """The outer exchange in codec ``token`` (one of ``OUTER_CODECS``), as ``hetero_diloco`` runs it.
+
+        1. Each group's leader (its first device) encodes its flat fp32 pseudo-gradient of P parameters
+           (``WorkloadSpec.total_params``); the payload is ``outer_payload_bytes``:
+           ``CodecSpec.bytes_per_element`` x P for a cast, the packed codes of P padded to whole buckets plus
+           each bucket's metadata for a quantizer (``codecs.packed_bytes``).
+        2. The G leaders all-gather the payloads: a ring over the leaders, node by node, each leader sending
+           G-1 payloads over its edge; that is the all-gather half of a ring allreduce of G payloads
+           (``Network.ring_allreduce_s`` / 2) on the leaders' route.
+        3. Each leader decodes the G payloads and sums them.
+        4. Each leader broadcasts the fp32 sum inside its group: ``(L-1)/L`` of it over the group's route, as
+           ``compressed_sync`` prices a leader's broadcast (the all-gather half of a ring allreduce on the
+           group's route).
+        5. Every device takes the outer Nesterov step on its copy of the outer parameters: memory-bound, priced
+           as one optimizer update (``CostModel.stage_update_s``, unsharded), the slowest device's.
+
+        Encoding and decoding run at the leader's ``compressed_sync.codec_bandwidth`` (the rate of a quantize +
+        dequantize round trip of fp32 input; one encode, or one decode, is priced as half a round trip); a cast
+        is not priced, as ``compressed_sync`` does not price one.  The total (``ExchangePrice.total_s``) is the
+        slowest leader's encode + the all-gather + the slowest group's decode + broadcast + the outer step.
+        """
         token = outer_codec(token, "plan.outer_sync.codec")
         hit = self._exchanges.get(token)
         if hit is not None:
