@@ -3,55 +3,23 @@
 A structure is a set of pipelines (ordered stage slots, each a tensor-parallel
 group).  ``structure.assemble_plan`` finds its best plan exactly, at the cost of
 many layer-split DPs; a bound here needs a few small DPs per pipeline shape
-(``bound_cache.BoundCache`` computes and caches them) and a closed form or a
-short bisection per structure, and never exceeds what ``assemble_plan`` can
-reach.  The searches visit structures in order of the bound and stop at the
-first whose bound reaches the best step found, so pruning by it loses nothing.
+(``bound_cache.BoundCache`` computes and caches them, with ``min_bottleneck``
+and ``min_sum``) and a closed form or a short bisection per structure.
 
-**Per pipeline** (its slots, the structure's d pipelines and gradient routes),
-``PipelineBound``:
+- ``PipelineBound``: per pipeline, ``tau`` (the per-sample bottleneck), ``phi``
+  (one sample through the pipeline) and ``post`` (the least gradient sync +
+  update), with ``g_p(b) >= (b - 1) tau + phi`` on b >= 1 samples (why: there);
+- ``CurveBound``: sharper, per micro-batch size from the layer split's own
+  matrices (``BoundCache.refined``);
+- ``structure_bound``, ``counted_structure_bound``, ``curve_structure_bound``:
+  per structure, the least time at which its pipelines' bounds let them take the
+  global batch together, plus the largest ``post``.
 
-* ``tau`` (per-sample bottleneck): for a layer split, per stage the smallest
-  compute seconds per sample over micro-batch sizes 1..M (M the largest on the
-  menu) plus the sends at its two boundaries, each the smallest per sample over
-  1..M with the link to itself; tau = min over splits of the largest such stage
-  figure;
-* ``phi`` (one sample through the pipeline): min over splits of the sum of
-  the stage figures with the outgoing send only (a fill pays each send once);
-* ``post``: min over splits of the largest stage gradient sync + update, on
-  the stages' routes, or on the cheapest route a ring could have (a *floor*,
-  when the routes are not computed yet: ``BoundCache.floor``).
-
-Only splits that fit memory count: with one micro-batch in flight at the
-smallest micro-batch (the least any plan holds), or, where the assembly fixes
-it (the families regime), S - s micro-batches on stage s.
-
-Why ``g_p(b) >= (b - 1) tau + phi`` for b >= 1 samples: the cost model's 1F1B
-time of n micro-batches of size m (the last of size l) is
-``fill(m) + (n - 2) bottleneck(m) + bottleneck(l)`` (n >= 2) or ``fill(b)``
-(n = 1).  Every micro-batch of k samples costs a stage at least k times its
-per-sample figures (a send shared with other flows only takes longer), so
-``fill(m) >= m sum_s f_s`` (f_s: compute + send out) and the rest is
-``>= (b - m) max_s g_s`` (g_s = f_s + the send in, which is part of f_{s-1});
-with m >= 1 and ``sum_s f_s >= max_s g_s`` this is ``>= (b - 1) max_s g_s +
-sum_s f_s``, and minimising each term over splits separately gives the bound.
-For n = 1, ``fill(b) >= b phi >= (b - 1) tau + phi``.
-Past ``(S - 1) M`` samples every plan has >= S micro-batches, so stage s holds
-S - s of them: ``tau_full``/``phi_full`` apply with that memory.
-
-``CurveBound`` (``BoundCache.refined``) is sharper: per micro-batch size m it
-uses the very (compute + send) matrices the layer split uses, at size m:
-``T >= m phi_m + (b - 2m) tau_m + m tau`` for n >= 2 (the last micro-batch of
-l <= m samples costs >= l tau), ``fill(b) >= b phi`` for one micro-batch; the
-bound is the least of these over m.
-
-**Per structure**: every pipeline gets b_p >= 1 samples summing to B, so the
-pipeline part is at least the least T at which the pipelines' bounds let them
-take B samples together (shares relaxed to reals): for ``PipelineBound`` in
-closed form, ``sum_p (1 + (T - phi_p) / tau_p) = B`` (and T >= every phi_p),
-else by bisection on T.  The post part, max over pipelines, is at least
-max_p post_p.  The bound is their sum.  With ``settings.equal_shares`` each
-pipeline gets at least ``B // d`` samples instead.
+The invariant every search relies on: no bound exceeds what ``assemble_plan``
+can reach for the structure (only splits that fit memory count, every figure is
+a minimum over splits, shares are relaxed to reals).  The searches visit
+structures in order of the bound and stop at the first whose bound reaches the
+best step found, so pruning by it loses nothing.
 """
 
 from __future__ import annotations
@@ -68,11 +36,32 @@ __all__ = ["PipelineBound", "CurveBound", "INFEASIBLE", "structure_bound", "coun
 
 @dataclass(frozen=True)
 class PipelineBound:
-    """Lower-bound figures of one pipeline shape (see module docstring); inf when nothing fits.
+    """Lower-bound figures of one pipeline shape (its slots, the structure's d pipelines and gradient routes);
+    inf when nothing fits.
 
-    ``beyond``: past that many samples every plan has >= S micro-batches, so stage s
-    holds S - s of them; ``tau_full`` / ``phi_full`` are the figures with that memory
-    (inf: no split fits so many samples).  ``beyond = inf`` when not known.
+    * ``tau`` (per-sample bottleneck): for a layer split, per stage the smallest compute seconds per sample
+      over micro-batch sizes 1..M (M the largest on the menu) plus the sends at its two boundaries, each the
+      smallest per sample over 1..M with the link to itself; tau = min over splits of the largest such stage
+      figure;
+    * ``phi`` (one sample through the pipeline): min over splits of the sum of the stage figures with the
+      outgoing send only (a fill pays each send once);
+    * ``post``: min over splits of the largest stage gradient sync + update, on the stages' routes, or on the
+      cheapest route a ring could have (a *floor*, when the routes are not computed yet: ``BoundCache.floor``).
+
+    Only splits that fit memory count: with one micro-batch in flight at the smallest micro-batch (the least
+    any plan holds), or, where the assembly fixes it (the families regime), S - s micro-batches on stage s.
+
+    Why ``g_p(b) >= (b - 1) tau + phi`` for b >= 1 samples: the cost model's 1F1B time of n micro-batches of
+    size m (the last of size l) is ``fill(m) + (n - 2) bottleneck(m) + bottleneck(l)`` (n >= 2) or
+    ``fill(b)`` (n = 1).  Every micro-batch of k samples costs a stage at least k times its per-sample figures
+    (a send shared with other flows only takes longer), so ``fill(m) >= m sum_s f_s`` (f_s: compute + send
+    out) and the rest is ``>= (b - m) max_s g_s`` (g_s = f_s + the send in, which is part of f_{s-1}); with
+    m >= 1 and ``sum_s f_s >= max_s g_s`` this is ``>= (b - 1) max_s g_s + sum_s f_s``, and minimising each
+    term over splits separately gives the bound.  For n = 1, ``fill(b) >= b phi >= (b - 1) tau + phi``.
+
+    ``beyond``: past that many samples (``(S - 1) M``) every plan has >= S micro-batches, so stage s holds
+    S - s of them; ``tau_full`` / ``phi_full`` are the figures with that memory (inf: no split fits so many
+    samples).  ``beyond = inf`` when not known.
     """
 
     tau: float
@@ -111,7 +100,12 @@ INFEASIBLE = PipelineBound(math.inf, math.inf, math.inf)
 @dataclass(frozen=True)
 class CurveBound:
     """A sharper pipeline bound: ``g_p(b) >= min`` over pieces ``(lo, hi, base, slope)`` with
-    ``lo <= b <= hi`` of ``base + slope * b`` (``BoundCache.refined``)."""
+    ``lo <= b <= hi`` of ``base + slope * b`` (``BoundCache.refined``).
+
+    Per micro-batch size m it uses the very (compute + send) matrices the layer split uses, at size m:
+    ``T >= m phi_m + (b - 2m) tau_m + m tau`` for n >= 2 (the last micro-batch of l <= m samples costs
+    >= l tau), ``fill(b) >= b phi`` for one micro-batch; the bound is the least of these over m.
+    """
 
     pieces: tuple[tuple[float, float, float, float], ...]
     post: float
@@ -169,7 +163,14 @@ def structure_bound(bounds: Sequence[PipelineBound], total: int, equal_shares: b
 
 def counted_structure_bound(pairs: Sequence[tuple[PipelineBound, int]], total: int,
                             equal_shares: bool = False) -> float:
-    """``structure_bound`` with pipelines given as (bound figures, how many such pipelines)."""
+    """``structure_bound`` with pipelines given as (bound figures, how many such pipelines).
+
+    Every pipeline gets b_p >= 1 samples summing to B, so the pipeline part is at least the least T at which
+    the pipelines' bounds let them take B samples together (shares relaxed to reals): in closed form,
+    ``sum_p (1 + (T - phi_p) / tau_p) = B`` (and T >= every phi_p), else (a pipeline past its ``beyond``) by
+    bisection on T.  The post part, max over pipelines, is at least max_p post_p.  The bound is their sum.
+    With ``equal_shares`` each pipeline gets at least ``B // d`` samples instead.
+    """
     dp = sum(n for _, n in pairs)
     if dp == 0 or total < dp or any(not b.feasible for b, _ in pairs):
         return math.inf
