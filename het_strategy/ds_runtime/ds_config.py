@@ -245,6 +245,55 @@ def _state_bytes(plan: Plan, device: str, cost_model: "CostModel") -> tuple[floa
     return 0.0, 0.0
 
 
+def _warn_first_stage_clipping() -> None:
+    """Warn (at ``deepspeed_config``'s caller) that plain DeepSpeed would clip this config by stage 0's norm."""
+    # plain DeepSpeed running this config clips by the norm of stage 0's gradients only (clipping_owner);
+    # PlanRunner passes gradient_clipping 0 here and clips by the global norm itself
+    warnings.warn("DeepSpeed's fp32 ZeRO-0 pipeline engine clips gradients by the first stage's norm only; "
+                  "use zero_stage 1 (or gradient_clipping 0) for clipping by the global norm", stacklevel=3)
+
+
+def _rank_batch(plan: Plan, rank: int | None) -> RankBatch:
+    """The batch figures of ``rank`` (rank 0 when None); refused outside the plan's ranks."""
+    batches = rank_batches(plan)
+    r = 0 if rank is None else rank
+    if not 0 <= r < len(batches):
+        raise field_error("rank", rank, f"be in [0, {len(batches)}) (the plan has {len(batches)} ranks)")
+    return batches[r]
+
+
+def _zero_optimization(plan: Plan, on_grid: bool, offload: bool | None, off_optim: bool,
+                       off_params: bool) -> dict[str, Any]:
+    """The ds_config's ``zero_optimization``: the stage DeepSpeed runs and what it offloads to the CPU."""
+    if off_optim and not on_grid:
+        raise field_error("offload", offload, "be off for a plan run per replica (asymmetric, tensor-parallel or "
+                          "fp16 at ZeRO 0: DeepSpeed offloads only through ZeRO, which such a plan cannot use)",
+                          "re-plan within the devices' memory")
+    # a per-replica plan's grid has no data-parallel group for DeepSpeed's ZeRO to shard over: DeepSpeed runs at
+    # ZeRO 0 and the runtime shards within the holder sets itself (ds_runtime.holder_sharding)
+    zero: dict[str, Any] = {"stage": plan.zero_stage if on_grid else 0}
+    if off_optim:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if off_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if off_optim and plan.zero_stage == 0:
+        # DeepSpeed offloads only through ZeRO; stage 1 shards nothing extra at dp=1 and is the cheapest host
+        zero["stage"] = 1
+    return zero
+
+
+def _mixed_precision(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ds_config's ``bf16`` and ``fp16`` sections: DeepSpeed's mixed precision, unless the runtime keeps the
+    fp32 masters itself."""
+    # ZeRO 1 run per replica, or per_device: the holder sets keep the fp32 masters and clip (DeepSpeed runs plain)
+    holder_sharded = holds_own_masters(plan)
+    bf16 = {"enabled": plan.dtype == "bf16" and not holder_sharded}
+    fp16: dict[str, Any] = {"enabled": plan.dtype == "fp16" and not holder_sharded}
+    if fp16["enabled"]:
+        fp16.update({"loss_scale": 0, "initial_scale_power": FP16_INITIAL_SCALE_POWER})
+    return bf16, fp16
+
+
 def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | None" = None, *,
                      rank: int | None = None, gradient_clipping: float = 1.0, offload: bool | None = None,
                      cost_model: "CostModel | None" = None) -> dict[str, Any]:
@@ -284,36 +333,15 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     on_grid = not runs_per_replica(plan)  # DeepSpeed's own stage x replica grid runs it
     deepspeed_clips = clipping_owner(plan) is ClippingOwner.deepspeed
     if on_grid and not deepspeed_clips and gradient_clipping > 0 and rank in (None, 0):
-        # plain DeepSpeed running this config clips by the norm of stage 0's gradients only (clipping_owner);
-        # PlanRunner passes gradient_clipping 0 here and clips by the global norm itself
-        warnings.warn("DeepSpeed's fp32 ZeRO-0 pipeline engine clips gradients by the first stage's norm only; "
-                      "use zero_stage 1 (or gradient_clipping 0) for clipping by the global norm", stacklevel=2)
-    batches = rank_batches(plan)
-    r = 0 if rank is None else rank
-    if not 0 <= r < len(batches):
-        raise field_error("rank", rank, f"be in [0, {len(batches)}) (the plan has {len(batches)} ranks)")
-    rb = batches[r]
+        _warn_first_stage_clipping()
+    rb = _rank_batch(plan, rank)
     micro = max(rb.micro_batch_sizes)
     gas = rb.gradient_accumulation_steps
     # An asymmetric, tp or ZeRO-0 fp16 plan runs each replica as its own one-replica grid (ds_runtime.replica_engine)
     dp = plan.num_pipelines if on_grid else 1
     off_optim, off_params = _offload_choice(plan, score, offload, cost_model)
-    if off_optim and not on_grid:
-        raise field_error("offload", offload, "be off for a plan run per replica (asymmetric, tensor-parallel or "
-                          "fp16 at ZeRO 0: DeepSpeed offloads only through ZeRO, which such a plan cannot use)",
-                          "re-plan within the devices' memory")
-    # a per-replica plan's grid has no data-parallel group for DeepSpeed's ZeRO to shard over: DeepSpeed runs at
-    # ZeRO 0 and the runtime shards within the holder sets itself (ds_runtime.holder_sharding)
-    zero: dict[str, Any] = {"stage": plan.zero_stage if on_grid else 0}
-    if off_optim:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if off_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if off_optim and plan.zero_stage == 0:
-        # DeepSpeed offloads only through ZeRO; stage 1 shards nothing extra at dp=1 and is the cheapest host
-        zero["stage"] = 1
-    # ZeRO 1 run per replica, or per_device: the holder sets keep the fp32 masters and clip (DeepSpeed runs plain)
-    holder_sharded = holds_own_masters(plan)
+    zero = _zero_optimization(plan, on_grid, offload, off_optim, off_params)
+    bf16, fp16 = _mixed_precision(plan)
     cfg: dict[str, Any] = {
         "train_batch_size": micro * gas * dp,
         "train_micro_batch_size_per_gpu": micro,
@@ -322,13 +350,11 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
         # DeepSpeed clips (core.runtime_rules.clipping_owner), else the runtime clips after its own reduction
         "gradient_clipping": float(gradient_clipping) if on_grid or deepspeed_clips else 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": plan.dtype == "bf16" and not holder_sharded},
-        "fp16": {"enabled": plan.dtype == "fp16" and not holder_sharded},
+        "bf16": bf16,
+        "fp16": fp16,
         "steps_per_print": 100,
         "wall_clock_breakdown": False,
     }
-    if cfg["fp16"]["enabled"]:
-        cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": FP16_INITIAL_SCALE_POWER})
     if plan.dtype != "fp32":
         # reduce gradients in the dtype the cost model priced (settings.grad_dtype; fp32 unless set)
         cfg["communication_data_type"] = str(settings.grad_reduce_dtype)  # plain JSON: the config is saved too

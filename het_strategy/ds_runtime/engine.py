@@ -3,55 +3,18 @@
 ``PlanRunner`` is built in every process of the job (one per device the plan
 uses).  ``train_step(x, y)`` takes the whole global batch, identical on every
 rank, and makes the optimizer step that a single process would make on the
-mean loss over all ``B`` samples.  The distributed invariants, in order:
+mean loss over all ``B`` samples.  Aligned plans run on DeepSpeed's own grid;
+asymmetric plans and plans with tensor-parallel stages run each replica as its
+own pipeline (``replica_engine``).  ``check_runnable`` refuses a plan this
+runtime cannot run exactly (``core.runtime_rules``'s ``deepspeed`` table);
+``init_deepspeed_distributed`` sets up DeepSpeed's process group.
 
-1. Ranks.  The world size is the plan's device count and ranks follow
-   ``rank_layout``.  Aligned plans (every pipeline the same boundaries,
-   ``pipeline_parts``) run on DeepSpeed's own grid, ``PipeDataParallelTopology``
-   (``rank = stage * dp + pipeline``), since stage ``s`` of every replica
-   allreduces the same parameters; DeepSpeed broadcasts each stage's
-   parameters from data-parallel rank 0 at ``initialize``, so replicas start
-   equal.  Asymmetric plans (replicas of other lengths or boundaries, plan
-   order) and plans with tensor-parallel stages run each replica as its own
-   pipeline (``replica_engine``): every part of every gradient is reduced
-   over the ranks holding it (``holder_reduction``), every layer broadcast
-   from replica 0's holder at the start, then split for each tp rank
-   (``tensor_parallel``); stages of any tp pass partitioned activations
-   (``stage_exchange``).
-2. Data.  Pipeline ``p`` takes the contiguous slice ``[sum(samples[:p]),
-   +samples[p])`` and cuts it into ``rank_batches(plan)[rank]
-   .micro_batch_sizes``.  Its first stage (inputs) and last stage (labels)
-   read the same micro-batches from their own iterators; middle stages read
-   nothing.
-3. Weights.  DeepSpeed divides each micro-batch loss by the rank's own
-   ``gas_r`` and averages gradients over the ``dp`` replicas with equal
-   weight (the asymmetric reduction averages over replicas too).
-   Micro-batch ``k`` (``m_k`` samples, mean loss ``L_k``) therefore
-   travels with ``w_k = dp * gas_r * m_k / B`` (``RankBatch.micro_loss_weights``)
-   inside its labels, ``(y_k, w_k)``, and the loss is ``loss_fn(out, y_k) *
-   w_k``: the averaged gradient is ``(1/dp) sum_r (1/gas_r) sum_k w_k dL_k =
-   (1/B) sum_i dl_i``, the global-batch mean.  A per-micro-batch weight (not
-   one per rank) keeps a short last micro-batch exact.
-4. Collectives.  At ZeRO 0/1 DeepSpeed reduces gradients once per step, at the
-   accumulation boundary, so replicas with different ``gas_r`` still meet in
-   the same collectives in the same order; ZeRO 2/3 reduce on every
-   micro-step, so there every replica runs the largest micro-batch count
-   (``rank_batches``), and a replica with fewer samples than that count is
-   refused (``core.runtime_rules``).
-5. Shapes.  The pipeline engine caches the first activation shape it sends and
-   receives; a short last micro-batch would then be received into a buffer of
-   the wrong size.  The module is built with ``dynamic_shape=True`` (shape
-   metadata is sent with every micro-batch: one small message per transfer).
-6. Loss.  The last stage's ``train_batch`` value is ``(1/dp) sum_r (1/gas_r)
-   sum_k w_k L_k = (1/B) sum_r sum_k m_k L_k``, the global-batch mean.
-   DeepSpeed broadcasts it to the other stages as fp32; ``train_step``
-   re-broadcasts the last stage's value in float64 so every rank returns the
-   same, unrounded number.  Pure DP: ``sum_k m_k L_k`` is summed over ranks
-   and divided by ``B``.
-7. Clipping.  DeepSpeed 0.19's fp32 ZeRO-0 pipeline engine clips by stage 0's
-   gradient norm only, so for that combination DeepSpeed's clipping is off
-   and the engine clips by the global norm after its reduction
-   (``clipping.py``); ZeRO 1 clips by the global norm itself.
+The distributed invariants (ranks, data, weights, collectives, shapes, loss,
+clipping) are numbered in ``PlanRunner``'s docstring.  In short: ranks follow
+``rank_layout``; pipeline ``p`` reads its contiguous slice of the batch; each
+micro-batch carries its own loss weight in its labels, so the averaged
+gradient is the global-batch mean; every replica meets the others in the same
+collectives in the same order; and every rank returns the same, unrounded loss.
 
 Import cost: torch at module level, deepspeed only inside functions.
 """
@@ -152,7 +115,7 @@ def _to(batch: Any, device: Any) -> Any:
 
 
 class PlanRunner:
-    """This rank's share of a Plan as a DeepSpeed engine (see the module docstring for the invariants).
+    """This rank's share of a Plan as a DeepSpeed engine.
 
     ``layers``: the whole model as an ordered list of ``nn.Module`` or
     ``deepspeed.pipe.LayerSpec`` (identical on every rank); ``loss_fn(outputs,
@@ -160,6 +123,56 @@ class PlanRunner:
     the optimizer over this rank's parameters.  ``settings`` defaults to the
     plan's own batch, dtype and ZeRO stage.  ``ds_config_overrides`` are merged
     into the emitted ds_config last (top-level keys).
+
+    The distributed invariants, in order:
+
+    1. Ranks.  The world size is the plan's device count and ranks follow
+       ``rank_layout``.  Aligned plans (every pipeline the same boundaries,
+       ``pipeline_parts``) run on DeepSpeed's own grid, ``PipeDataParallelTopology``
+       (``rank = stage * dp + pipeline``), since stage ``s`` of every replica
+       allreduces the same parameters; DeepSpeed broadcasts each stage's
+       parameters from data-parallel rank 0 at ``initialize``, so replicas start
+       equal.  Asymmetric plans (replicas of other lengths or boundaries, plan
+       order) and plans with tensor-parallel stages run each replica as its own
+       pipeline (``replica_engine``): every part of every gradient is reduced
+       over the ranks holding it (``holder_reduction``), every layer broadcast
+       from replica 0's holder at the start, then split for each tp rank
+       (``tensor_parallel``); stages of any tp pass partitioned activations
+       (``stage_exchange``).
+    2. Data.  Pipeline ``p`` takes the contiguous slice ``[sum(samples[:p]),
+       +samples[p])`` and cuts it into ``rank_batches(plan)[rank]
+       .micro_batch_sizes``.  Its first stage (inputs) and last stage (labels)
+       read the same micro-batches from their own iterators; middle stages read
+       nothing.
+    3. Weights.  DeepSpeed divides each micro-batch loss by the rank's own
+       ``gas_r`` and averages gradients over the ``dp`` replicas with equal
+       weight (the asymmetric reduction averages over replicas too).
+       Micro-batch ``k`` (``m_k`` samples, mean loss ``L_k``) therefore
+       travels with ``w_k = dp * gas_r * m_k / B`` (``RankBatch.micro_loss_weights``)
+       inside its labels, ``(y_k, w_k)``, and the loss is ``loss_fn(out, y_k) *
+       w_k``: the averaged gradient is ``(1/dp) sum_r (1/gas_r) sum_k w_k dL_k =
+       (1/B) sum_i dl_i``, the global-batch mean.  A per-micro-batch weight (not
+       one per rank) keeps a short last micro-batch exact.
+    4. Collectives.  At ZeRO 0/1 DeepSpeed reduces gradients once per step, at the
+       accumulation boundary, so replicas with different ``gas_r`` still meet in
+       the same collectives in the same order; ZeRO 2/3 reduce on every
+       micro-step, so there every replica runs the largest micro-batch count
+       (``rank_batches``), and a replica with fewer samples than that count is
+       refused (``core.runtime_rules``).
+    5. Shapes.  The pipeline engine caches the first activation shape it sends and
+       receives; a short last micro-batch would then be received into a buffer of
+       the wrong size.  The module is built with ``dynamic_shape=True`` (shape
+       metadata is sent with every micro-batch: one small message per transfer).
+    6. Loss.  The last stage's ``train_batch`` value is ``(1/dp) sum_r (1/gas_r)
+       sum_k w_k L_k = (1/B) sum_r sum_k m_k L_k``, the global-batch mean.
+       DeepSpeed broadcasts it to the other stages as fp32; ``train_step``
+       re-broadcasts the last stage's value in float64 so every rank returns the
+       same, unrounded number.  Pure DP: ``sum_k m_k L_k`` is summed over ranks
+       and divided by ``B``.
+    7. Clipping.  DeepSpeed 0.19's fp32 ZeRO-0 pipeline engine clips by stage 0's
+       gradient norm only, so for that combination DeepSpeed's clipping is off
+       and the engine clips by the global norm after its reduction
+       (``clipping.py``); ZeRO 1 clips by the global norm itself.
     """
 
     def __init__(self, plan: Plan, layers: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor],

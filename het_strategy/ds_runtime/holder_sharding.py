@@ -6,75 +6,23 @@ plan (asymmetric stage boundaries, tensor parallelism: ``replica_engine``) has
 no such group: a rank's layers are held by different sets of ranks
 (``ReplicaLayout.holder_sets``: layers 0-1 by ranks (0, 1, 3), layers 2-5 by
 (0, 2, 3)).  ``HolderSetSharding`` shards within each of them instead, as
-ZeRO-1 does within its group (DeepSpeed's ``stage_1_and_2``: a flat partition
-per rank, a reduce-scatter into it, the client optimizer stepping on it, then
-an all-gather):
+ZeRO-1 does within its group (a reduce-scatter into each holder's chunk, the
+user's optimizer stepping on the chunks, an all-gather); its docstring has the
+steps, the 16-bit master weights, fp16's loss scale and the unsharded form.
 
-1. This rank's parts (``holder_reduction.holder_parts``: units of shards and
-   whole parameters, per holder set, in the same order on every holder) are
-   cut into *runs*: consecutive parts of one optimizer param group.  Every
-   holder of a set cuts the same runs, since each parameter sits in the same
-   param group on every rank (``configure_optimizers`` is the same code).
-2. A run of ``N`` elements over a set of ``k`` ranks is split into ``k``
-   chunks of ``ceil(N / k)``; the holder of group rank ``i`` owns chunk ``i``.
-   The user's optimizer is rewritten in place to hold this rank's chunks
-   instead of its parameters (its param groups keep their hyperparameters, so
-   learning-rate schedulers go on working), so its state (Adam's moments,
-   SGD's momentum) exists for ``1 / k`` of the elements.
-3. The gradient reduction (the schedule's ``ReduceGrads``, in place of
-   ``HolderSetReducer``): per run, in ``holder_sets`` order (no two ranks wait
-   on each other in opposite orders), one reduce-scatter of the gradients
-   (replicated parts of a tp stage scaled by ``1 / tp``, as the reducer does)
-   into the owner's chunk, divided by the replica count.  Every element of the
-   model is then in exactly one chunk in the world, so clipping takes the
-   global norm as one all-reduce of the chunks' squared norms.
-4. After the step (a post-hook) every run all-gathers its chunks and writes
-   the updated values into each holder's parameters.  The chunks are the
-   master weights: before a step (a pre-hook) a chunk element is taken from
-   its parameter only where the parameter no longer holds the chunk's value
-   rounded to the parameter's dtype, i.e. where something else set it (the
-   first step, a checkpoint load, a user's edit).
+Invariants:
 
-**bf16 and fp16** (DeepSpeed's bf16 / fp16 off, the layers cast by the
-engine builder): the chunks are fp32, so each holder keeps ``1 / k`` of the
-fp32 master weights, as DeepSpeed's ZeRO-1 keeps its fp32 partition
-(``single_partition_of_fp32_groups``); the gradients accumulate in the
-parameters' 16-bit ``.grad`` over the micro-batches (DeepSpeed's default
-``grad_accum_dtype``: the model's dtype) and are reduced in fp32.  The
-chunks ride along in the optimizer's ``state_dict`` (``het_master``), so a
-DeepSpeed checkpoint restores them exactly.
+- every holder of a set cuts the same runs and reduces them in ``holder_sets``
+  order, so no two ranks wait on each other in opposite orders;
+- every element of the model is in exactly one chunk in the world, so the
+  global norm is one all-reduce of the chunks' squared norms;
+- fp16's overflow decision is one all-reduce over the world: every rank skips
+  the same steps and keeps the same loss scale;
+- the optimizer updates each element from that element's own state (SGD, Adam,
+  AdamW; a per-tensor norm, as LAMB's, would be taken over a chunk).
 
-**fp16's loss scale** is DeepSpeed's ``DynamicLossScaler`` (``scaler``): the
-engine multiplies the last stage's loss by ``loss_scale``, the reduction
-divides the chunks' gradients by it, and one all-reduce (max) over the world
-of "a chunk holds an inf or a nan" is every rank's overflow decision (an
-overflow on one rank reaches only its own holder sets through the
-reduce-scatter; the other sets' holders must skip too).  On an overflow every
-chunk's gradient is dropped, so the optimizer leaves chunks and state as they
-are, and ``optimizer.overflow`` tells DeepSpeed's engine, which counts a
-skipped step and holds the learning-rate scheduler, as with its own fp16
-optimizers; the scale is updated either way.  The scaler's state rides in the
-``state_dict`` too (``het_loss_scale``).
-
-**Unsharded** (``shard=False``, a ``per_device`` plan at ZeRO 0: bf16 on some
-ranks and fp16 on others, which DeepSpeed's one precision config cannot run):
-each holder keeps its runs whole (one chunk per run, the fp32 masters and the
-optimizer state of all of it, as DeepSpeed's ``BF16_Optimizer`` does at
-ZeRO 0), the reduction is one all-reduce per run, nothing is gathered after
-the step, and the global norm counts each run on the set's first holder.
-Since chunks, reductions and the scale are fp32, holders computing in
-different dtypes reduce together; each writes the masters back rounded to its
-own parameters' dtype.
-
-A step moves what the reducer's all-reduce moves (a reduce-scatter and an
-all-gather), the same as DeepSpeed's ZeRO-1, and the cost model's sync.  The
-optimizer must update each element from that element's own state, as SGD,
-Adam and AdamW do (DeepSpeed's ZeRO asks the same: a per-tensor norm, as
-LAMB's, would be taken over a chunk).
-
-``full_state`` / ``set_full_state`` and ``full_values`` / ``set_full_values``
-gather and scatter the state and the master weights per parameter, for the
-per-layer checkpoint files (``layer_state``).
+``full_state`` / ``set_full_state`` and ``full_values`` / ``set_full_values`` gather and scatter the state
+and the master weights per parameter, for the per-layer checkpoint files (``layer_state``).
 """
 
 from __future__ import annotations
@@ -173,8 +121,75 @@ class _Run:
 
 
 class HolderSetSharding:
-    """Reduce into, and shard ``optimizer``'s state over, the holder sets of this rank's parameters (see the module
-    docstring); called as the plan's gradient reduction.  ``shard=False``: every holder keeps the state whole."""
+    """Reduce into, and shard ``optimizer``'s state over, the holder sets of this rank's parameters; called as the
+    plan's gradient reduction.  ``shard=False``: every holder keeps the state whole.
+
+    As ZeRO-1 within its group (DeepSpeed's ``stage_1_and_2``: a flat partition
+    per rank, a reduce-scatter into it, the client optimizer stepping on it, then
+    an all-gather):
+
+    1. This rank's parts (``holder_reduction.holder_parts``: units of shards and
+       whole parameters, per holder set, in the same order on every holder) are
+       cut into *runs*: consecutive parts of one optimizer param group.  Every
+       holder of a set cuts the same runs, since each parameter sits in the same
+       param group on every rank (``configure_optimizers`` is the same code).
+    2. A run of ``N`` elements over a set of ``k`` ranks is split into ``k``
+       chunks of ``ceil(N / k)``; the holder of group rank ``i`` owns chunk ``i``.
+       The user's optimizer is rewritten in place to hold this rank's chunks
+       instead of its parameters (its param groups keep their hyperparameters, so
+       learning-rate schedulers go on working), so its state (Adam's moments,
+       SGD's momentum) exists for ``1 / k`` of the elements.
+    3. The gradient reduction (the schedule's ``ReduceGrads``, in place of
+       ``HolderSetReducer``): per run, in ``holder_sets`` order (no two ranks wait
+       on each other in opposite orders), one reduce-scatter of the gradients
+       (replicated parts of a tp stage scaled by ``1 / tp``, as the reducer does)
+       into the owner's chunk, divided by the replica count.  Every element of the
+       model is then in exactly one chunk in the world, so clipping takes the
+       global norm as one all-reduce of the chunks' squared norms.
+    4. After the step (a post-hook) every run all-gathers its chunks and writes
+       the updated values into each holder's parameters.  The chunks are the
+       master weights: before a step (a pre-hook) a chunk element is taken from
+       its parameter only where the parameter no longer holds the chunk's value
+       rounded to the parameter's dtype, i.e. where something else set it (the
+       first step, a checkpoint load, a user's edit).
+
+    **bf16 and fp16** (DeepSpeed's bf16 / fp16 off, the layers cast by the
+    engine builder): the chunks are fp32, so each holder keeps ``1 / k`` of the
+    fp32 master weights, as DeepSpeed's ZeRO-1 keeps its fp32 partition
+    (``single_partition_of_fp32_groups``); the gradients accumulate in the
+    parameters' 16-bit ``.grad`` over the micro-batches (DeepSpeed's default
+    ``grad_accum_dtype``: the model's dtype) and are reduced in fp32.  The
+    chunks ride along in the optimizer's ``state_dict`` (``het_master``), so a
+    DeepSpeed checkpoint restores them exactly.
+
+    **fp16's loss scale** is DeepSpeed's ``DynamicLossScaler`` (``scaler``): the
+    engine multiplies the last stage's loss by ``loss_scale``, the reduction
+    divides the chunks' gradients by it, and one all-reduce (max) over the world
+    of "a chunk holds an inf or a nan" is every rank's overflow decision (an
+    overflow on one rank reaches only its own holder sets through the
+    reduce-scatter; the other sets' holders must skip too).  On an overflow every
+    chunk's gradient is dropped, so the optimizer leaves chunks and state as they
+    are, and ``optimizer.overflow`` tells DeepSpeed's engine, which counts a
+    skipped step and holds the learning-rate scheduler, as with its own fp16
+    optimizers; the scale is updated either way.  The scaler's state rides in the
+    ``state_dict`` too (``het_loss_scale``).
+
+    **Unsharded** (``shard=False``, a ``per_device`` plan at ZeRO 0: bf16 on some
+    ranks and fp16 on others, which DeepSpeed's one precision config cannot run):
+    each holder keeps its runs whole (one chunk per run, the fp32 masters and the
+    optimizer state of all of it, as DeepSpeed's ``BF16_Optimizer`` does at
+    ZeRO 0), the reduction is one all-reduce per run, nothing is gathered after
+    the step, and the global norm counts each run on the set's first holder.
+    Since chunks, reductions and the scale are fp32, holders computing in
+    different dtypes reduce together; each writes the masters back rounded to its
+    own parameters' dtype.
+
+    A step moves what the reducer's all-reduce moves (a reduce-scatter and an
+    all-gather), the same as DeepSpeed's ZeRO-1, and the cost model's sync.  The
+    optimizer must update each element from that element's own state, as SGD,
+    Adam and AdamW do (DeepSpeed's ZeRO asks the same: a per-tensor norm, as
+    LAMB's, would be taken over a chunk).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: Sequence[tuple[tuple[int, ...], list[GradientPart]]],
                  groups: dict[tuple[int, ...], Any], num_replicas: int, gradient_clipping: float,
@@ -223,7 +238,7 @@ class HolderSetSharding:
 
     @torch.no_grad()
     def __call__(self, module: torch.nn.Module, optimizer: Any = None) -> None:
-        """Reduce this step's gradients into the chunks, then clip them by the global norm (module docstring)."""
+        """Reduce this step's gradients into the chunks, then clip them by the global norm (class docstring)."""
         t0 = time.perf_counter()
         scale = self.loss_scale or 1.0
         for run in self.runs:
@@ -238,7 +253,7 @@ class HolderSetSharding:
 
     def _overflowed(self) -> bool:
         """Whether any rank's chunks hold an inf or a nan (one all-reduce over the world); updates the scale and
-        ``optimizer.overflow`` (module docstring)."""
+        ``optimizer.overflow`` (class docstring)."""
         import deepspeed.comm as dist
 
         bad = any(not bool(torch.isfinite(run.chunk.grad).all()) for run in self.runs)

@@ -3,39 +3,25 @@
 DeepSpeed's checkpoint of a plan is cut the way that plan runs: optimizer
 state per stage (and per replica, per data-parallel shard), in flat buffers
 whose layout follows the stage's layers.  Beside it ``write_layer_states``
-writes ``<checkpoint>/layers/``:
+writes ``<checkpoint>/layers/``: ``layer_XXX.pt`` per layer (each parameter's
+fp32 value and per-parameter optimizer state, whole) and ``manifest.json``
+(``read_manifest``).  ``read_layer_states`` loads them into a ``PlanRunner`` of
+another plan (other stage boundaries, replicas, world size or ZeRO stage 0 / 1);
+``reshard_problem`` says why a plan can do neither (tensor-parallel stages,
+fp16 on DeepSpeed's own fp16 optimizers, ZeRO 2 and 3).
 
-- ``layer_XXX.pt`` for every layer ``XXX`` of the model, written by the
-  lowest rank holding it (``ReplicaLayout.layer_holders``): for each of the
-  layer's parameters (by its name in the layer) the fp32 value and the
-  optimizer's per-parameter state (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's
-  ``momentum_buffer``, ``step``), whole;
-- ``manifest.json`` (rank 0): the format, the layer count, the dtype, the
-  optimizer's class, DeepSpeed's step counters, the client state's keys and
-  the fp16 loss scaler's state where the holder sets keep one.
+Invariants:
 
-Every replica holds the same values after a step (the gradients are reduced
-before it), so one holder's copy is every holder's.  Each value is read with
-DeepSpeed's own accessors where a mixed-precision or ZeRO optimizer keeps it
-in flat fp32 partitions (``deepspeed.utils.safe_get_full_fp32_param`` /
-``safe_get_full_optimizer_state``: collectives over the stage's data-parallel
-group, which every holder of the stage calls in the same order), gathered
-from the holder sets where a per-replica plan shards it there
-(``holder_sharding.HolderSetSharding.full_state``, and ``full_values``: the
-fp32 masters of bf16 parameters), and from the torch
-optimizer's ``state`` otherwise (fp32 at ZeRO 0).
-
-``read_layer_states`` loads them into a ``PlanRunner`` of another plan (other
-stage boundaries, replicas, world size or ZeRO stage 0 / 1): each rank copies
-its layers' values into its parameters (and the fp32 master copies) and sets
-its optimizer's state per parameter the same three ways.  Not covered, each
-refused in one line naming the field: tensor-parallel stages (a shard's
-state is not a whole parameter's), another dtype, another layer count, fp16
-on DeepSpeed's own fp16 optimizers (``FP16_Optimizer`` keeps no per-parameter
-mapping; fp16 per replica at ZeRO 1 and ``per_device`` plans keep their masters
-in the holder sets, and the one loss scale goes in the manifest), ZeRO 2 and 3.  Files are
-read as data (``checkpoint_files.load_as_data``) and written under a
-temporary name, then renamed.
+- every replica holds the same values after a step (the gradients are reduced
+  before it), so one holder's copy is every holder's: the lowest rank holding
+  a layer writes it;
+- a value is read and set three ways, each the same on every holder: through
+  DeepSpeed's accessors where its optimizer keeps flat fp32 partitions (a
+  collective over the stage's data-parallel group, which every holder calls in
+  the same order), through ``HolderSetSharding`` where a per-replica plan
+  shards it, and from the torch optimizer's ``state`` otherwise;
+- files are read as data (``checkpoint_files.load_as_data``) and written under
+  a temporary name, then renamed.
 """
 
 from __future__ import annotations
@@ -112,8 +98,28 @@ def reshard_problem(runner: PlanRunner) -> str | None:
 
 
 def write_layer_states(runner: PlanRunner, path: str | Path, client_keys: list[str]) -> bool:
-    """Write ``path/layers/`` (see the module); a collective over the ranks holding each layer.  False (nothing
-    written) when the plan cannot (``reshard_problem``)."""
+    """Write ``path/layers/``; a collective over the ranks holding each layer.  False (nothing written) when the
+    plan cannot (``reshard_problem``).
+
+    - ``layer_XXX.pt`` for every layer ``XXX`` of the model, written by the
+      lowest rank holding it (``ReplicaLayout.layer_holders``): for each of the
+      layer's parameters (by its name in the layer) the fp32 value and the
+      optimizer's per-parameter state (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's
+      ``momentum_buffer``, ``step``), whole;
+    - ``manifest.json`` (rank 0): the format, the layer count, the dtype, the
+      optimizer's class, DeepSpeed's step counters, the client state's keys and
+      the fp16 loss scaler's state where the holder sets keep one.
+
+    Each value is read with DeepSpeed's own accessors where a mixed-precision or
+    ZeRO optimizer keeps it in flat fp32 partitions
+    (``deepspeed.utils.safe_get_full_fp32_param`` /
+    ``safe_get_full_optimizer_state``: collectives over the stage's data-parallel
+    group, which every holder of the stage calls in the same order), gathered
+    from the holder sets where a per-replica plan shards it there
+    (``holder_sharding.HolderSetSharding.full_state``, and ``full_values``: the
+    fp32 masters of bf16 parameters), and from the torch optimizer's ``state``
+    otherwise (fp32 at ZeRO 0).
+    """
     import deepspeed.comm as ds_dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -178,7 +184,17 @@ def read_manifest(path: str | Path, field: str = "ckpt_path") -> dict[str, Any] 
 
 def read_layer_states(runner: PlanRunner, path: str | Path, manifest: dict[str, Any], field: str = "ckpt_path"
                       ) -> None:
-    """Load ``path/layers/`` into this rank's engine (see the module); every rank calls it."""
+    """Load ``path/layers/`` into this rank's engine; every rank calls it.
+
+    Each rank copies its layers' values into its parameters (and the fp32 master
+    copies) and sets its optimizer's state per parameter the same three ways
+    ``write_layer_states`` reads them.  Not covered, each refused in one line
+    naming the field: tensor-parallel stages (a shard's state is not a whole
+    parameter's), another dtype, another layer count, fp16 on DeepSpeed's own fp16
+    optimizers (``FP16_Optimizer`` keeps no per-parameter mapping; fp16 per replica
+    at ZeRO 1 and ``per_device`` plans keep their masters in the holder sets, and
+    the one loss scale goes in the manifest), ZeRO 2 and 3.
+    """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     problem = reshard_problem(runner)

@@ -5,27 +5,18 @@ tensor-parallel degree (an asymmetric plan: one fast device holding every
 layer beside a two-stage pipeline of slow ones; or one A100 at tp 1 beside
 two V100s at tp 2).  Stage ``s`` of replica ``p`` runs on a tensor-parallel
 group of ranks, ``stage_groups[p][s]`` (one rank when tp = 1).
+``replica_layout(plan)`` gives the ``ReplicaLayout``.
 
 Gradients are reduced over *holder sets*, the ranks holding the same part of
-a parameter:
+a parameter: a unit of a sharded parameter (``unit_holders``) or a whole
+replicated one (``layer_holders``); ``ReplicaLayout``'s docstring says which
+is which.  With tp = 1 everywhere both sets are the rank holding ``l`` in each
+replica.
 
-- a **sharded** parameter (split by ``tensor_parallel``: a column- or
-  row-parallel linear) of layer ``l`` is cut into ``units(l)`` equal units,
-  the largest tp holding ``l`` (every other tp divides it:
-  ``core.runtime_rules``).  In a replica at tp ``t``, tp rank ``r`` holds
-  units ``[r u/t, (r + 1) u/t)``; unit ``k``'s holder set is one rank per
-  replica (``unit_holders``).
-- a **replicated** parameter (a LayerNorm, a row-parallel bias, every
-  parameter at tp 1) is whole on every rank of each stage holding ``l``; its
-  holder set is all of them (``layer_holders``), and each rank scales its
-  gradient by ``1 / tp`` of its stage before the sum, so every replica counts
-  once.
-
-With tp = 1 everywhere both sets are the rank holding ``l`` in each replica.
-Sets with the same ranks share one process group and one flat allreduce; the
-groups are created once, in the order of ``holder_sets`` on every rank, and
-the reductions run in that same order, so no two ranks ever wait on each
-other in opposite orders.
+Invariant: sets with the same ranks share one process group and one flat
+allreduce; the groups are created once, in the order of ``holder_sets`` on
+every rank, and the reductions run in that same order, so no two ranks ever
+wait on each other in opposite orders.
 
 Pure Python (no torch): the runtime and the tests read the same layout.
 """
@@ -43,7 +34,22 @@ __all__ = ["ReplicaLayout", "replica_layout"]
 
 @dataclass(frozen=True)
 class ReplicaLayout:
-    """Per replica and stage: the tensor-parallel group of global ranks, and the stage boundaries."""
+    """Per replica and stage: the tensor-parallel group of global ranks, and the stage boundaries.
+
+    Holder sets, the ranks holding the same part of a parameter of layer ``l``:
+
+    - a **sharded** parameter (split by ``tensor_parallel``: a column- or
+      row-parallel linear) of layer ``l`` is cut into ``units(l)`` equal units,
+      the largest tp holding ``l`` (every other tp divides it:
+      ``core.runtime_rules``).  In a replica at tp ``t``, tp rank ``r`` holds
+      units ``[r u/t, (r + 1) u/t)``; unit ``k``'s holder set is one rank per
+      replica (``unit_holders``).
+    - a **replicated** parameter (a LayerNorm, a row-parallel bias, every
+      parameter at tp 1) is whole on every rank of each stage holding ``l``; its
+      holder set is all of them (``layer_holders``), and each rank scales its
+      gradient by ``1 / tp`` of its stage before the sum, so every replica counts
+      once.
+    """
 
     stage_groups: tuple[tuple[tuple[int, ...], ...], ...]
     """``stage_groups[p][s]``: the global ranks running stage ``s`` of replica ``p``, in tp-rank order."""

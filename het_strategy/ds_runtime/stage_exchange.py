@@ -4,22 +4,15 @@ After a stage's last row-parallel all-reduce its output is whole and equal on
 every rank of its tensor-parallel group, so sending it whole from each rank
 would carry it ``tp`` times.  As DeepSpeed's ``is_pipe_partitioned`` does for
 equal degrees, each rank sends a part and the receiving group all-gathers;
-here the two sides may differ (tp ``a`` sending to tp ``b``):
-
-1. each floating tensor is flattened, zero-padded to a multiple of
-   ``n = lcm(a, b)`` and cut into ``n`` equal chunks;
-2. chunk ``c`` goes from sender ``c mod a`` to receiver ``c mod b``
-   (``StageLink``): every sender sends ``1/a`` of the tensor, every receiver
-   receives ``1/b``; each connected pair exchanges exactly one chunk
-   (Chinese remainder theorem), every pair in ascending ``c``;
-3. the receivers all-gather their chunks over their group and reassemble.
-
-Gradients travel the same link backwards (the gradient of a stage's input is
-whole and equal on its group too: the backward of Megatron's *f* all-reduces
-it).  Non-floating tensors (ids, masks) go whole from each receiver's primary
-sender, ``c = j``.  Before the activations, each receiver gets a header (the
-tensors' count, dtypes and shapes) from its primary sender, so micro-batches
-of any size pass (DeepSpeed's ``dynamic_shape``).
+here the two sides may differ (tp ``a`` sending to tp ``b``): ``StageLink``
+says who sends which chunk to whom (its docstring has the steps);
+``send_tensors`` / ``recv_tensors`` carry the activations and ``send_grads`` /
+``recv_grads`` their gradients back over the same link (the gradient of a
+stage's input is whole and equal on its group too: the backward of Megatron's
+*f* all-reduces it).  Non-floating tensors (ids, masks) go whole from each
+receiver's primary sender.  A header (the tensors' count, dtypes and shapes)
+precedes the activations, so micro-batches of any size pass (DeepSpeed's
+``dynamic_shape``).
 
 Ordering, the distributed invariant: every send and receive of a pair is a
 blocking ``send``/``recv`` in ascending chunk order on both sides, and a wait
@@ -47,7 +40,21 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 
 @dataclass(frozen=True)
 class StageLink:
-    """Who sends which chunk to whom between a sending group and a receiving group (global ranks, tp order)."""
+    """Who sends which chunk to whom between a sending group and a receiving group (global ranks, tp order).
+
+    For tp ``a`` sending to tp ``b``:
+
+    1. each floating tensor is flattened, zero-padded to a multiple of
+       ``n = lcm(a, b)`` and cut into ``n`` equal chunks;
+    2. chunk ``c`` goes from sender ``c mod a`` to receiver ``c mod b``
+       (``sends``, ``receives``): every sender sends ``1/a`` of the tensor, every receiver
+       receives ``1/b``; each connected pair exchanges exactly one chunk
+       (Chinese remainder theorem), every pair in ascending ``c``;
+    3. the receivers all-gather their chunks over their group and reassemble.
+
+    Non-floating tensors go whole from each receiver's primary sender, ``c = j``
+    (``primary_sender``), which also sends the header before the activations.
+    """
 
     senders: tuple[int, ...]
     receivers: tuple[int, ...]
