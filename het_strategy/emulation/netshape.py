@@ -1,46 +1,23 @@
 """A real slow network on one machine: a private network namespace whose loopback is shaped with ``tc``.
 
 Benchmarks of gradient compression need a link that is actually slow, not a
-sleep that pretends to be.  ``shaped_namespace`` makes one:
+sleep that pretends to be.  ``shaped_namespace`` makes one (its docstring has
+the steps): processes started with ``ShapedNamespace.run``/``.popen`` (or
+``.command(argv)``) talk over 127.0.0.1 through the ``lo`` that ``LinkShape``
+shapes (a ``tbf`` rate, a ``netem`` delay).  What that means for a measurement:
+docs/guide/compression.md, "A real slow network".
 
-1. create a network namespace with a unique name ``het-<creator pid>-<n>``
-   (``ip netns add``); the pid in the name lets ``remove_stale_namespaces``
-   recognise namespaces left behind by a run that was killed;
-2. bring its loopback up (a fresh namespace's ``lo`` is down);
-3. attach a token-bucket filter (``tbf``) to ``lo``; with ``delay_ms > 0`` a
-   ``netem`` root adds the delay and the ``tbf`` hangs below it;
-4. yield a ``ShapedNamespace``: processes started with ``.run``/``.popen`` (or
-   with ``.command(argv)`` in any launcher) talk over 127.0.0.1 through the
-   shaped ``lo``, so gloo's TCP traffic between them crosses the slow link;
-5. on exit -- normal, exception, KeyboardInterrupt -- end any process still
-   inside and delete the namespace.  If any step of 1-3 fails the namespace is
-   deleted before ``NetnsUnavailable`` is raised: nothing half-made is left.
+Invariants:
 
-What the shaping means (measure with this in mind):
+- ``rate_mbit`` is the *total* of all traffic inside the namespace (loopback has
+  one transmit queue), not a per-link rate; ``node_network.py`` shapes per link;
+- nothing half-made is left: the namespace is deleted on every exit path, and
+  ``remove_stale_namespaces`` finds those of a killed run by the pid in the name;
+- the shaping is never on silently: the CLI prints what it applied,
+  ``qdisc_stats`` shows the qdisc's counters, and a delay on a kernel without
+  ``sch_netem`` raises ``NetnsUnavailable`` rather than run unshaped.
 
-- Loopback has a single transmit queue.  Every packet between two processes in
-  the namespace -- both directions, all pairs -- passes through it once, so
-  ``rate_mbit`` is the *total* of all traffic inside the namespace, a shared
-  half-duplex bus, not a per-link or per-direction rate.  Two opposite flows
-  each get about half.  (Per-link shaping between nodes: ``node_network.py``,
-  a namespace per node joined by veth pairs.)
-- The bucket starts full: the first ``LinkShape.burst_bytes`` (256 KiB up to
-  ~500 Mbit/s) pass at full speed, so a short transfer measures a little fast
-  (8 MiB at 50 Mbit/s: 1.03x the rate; 2 MiB at 10 Mbit/s: 1.10x).  Time
-  transfers of many times the burst, or warm the link up first.
-- ``delay_ms`` is added once to every packet on ``lo``, so a round trip sees
-  twice the delay.  It needs the kernel's ``sch_netem``; kernels without it
-  (such as the one this module was written on) give rate shaping only, and a
-  shape with a delay raises ``NetnsUnavailable`` rather than running unshaped.
-- ``shape=None`` makes the same kind of namespace without a qdisc, so a shaped
-  run and its unshaped baseline differ only in the shaping.
-
-The shaping is never on silently: the CLI prints what it applied, and
-``qdisc_stats`` shows the counters of the qdisc that did the work.  Everything
-here needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and the ``ip``/``tc`` tools
-of iproute2; ``netns_available`` tells, cheaply, whether this machine has them.
-
-Command line::
+Needs root and iproute2's ``ip``/``tc`` (``netns_available`` tells, cheaply).  Command line::
 
     python -m het_strategy.emulation.netshape --rate-mbit 100 [--delay-ms 0] -- CMD ARGS...
     python -m het_strategy.emulation.netshape -- CMD ARGS...          # unshaped namespace
@@ -271,6 +248,19 @@ def shaped_namespace(shape: LinkShape | None, name: str | None = None) -> Iterat
     however it exits; processes still inside are terminated first.  Raises
     ``NetnsUnavailable`` (nothing left behind) when it cannot be made, e.g. not
     root, no iproute2, or ``delay_ms > 0`` without netem.
+
+    1. create a network namespace with a unique name ``het-<creator pid>-<n>``
+       (``ip netns add``); the pid in the name lets ``remove_stale_namespaces``
+       recognise namespaces left behind by a run that was killed;
+    2. bring its loopback up (a fresh namespace's ``lo`` is down);
+    3. attach a token-bucket filter (``tbf``) to ``lo``; with ``delay_ms > 0`` a
+       ``netem`` root adds the delay and the ``tbf`` hangs below it;
+    4. yield a ``ShapedNamespace``: processes started with ``.run``/``.popen`` (or
+       with ``.command(argv)`` in any launcher) talk over 127.0.0.1 through the
+       shaped ``lo``, so gloo's TCP traffic between them crosses the slow link;
+    5. on exit -- normal, exception, KeyboardInterrupt -- end any process still
+       inside and delete the namespace.  If any step of 1-3 fails the namespace is
+       deleted before ``NetnsUnavailable`` is raised: nothing half-made is left.
     """
     if shape is not None and not isinstance(shape, LinkShape):
         raise field_error("shape", shape, "be a LinkShape or None")

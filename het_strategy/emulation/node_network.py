@@ -3,36 +3,25 @@
 ``netshape.py`` shapes one namespace's loopback, which every rank inside shares
 like a hub.  A cluster of nodes needs the opposite: ranks of one node talk
 fast, ranks of different nodes cross a slow link.  ``emulated_nodes`` builds
-that:
+that (its docstring has the steps): a namespace per node, joined through a
+switch namespace's bridge by veth links whose egress is shaped per node pair
+with ``htb``.  It yields ``EmulatedNodes``: ``command(node, argv)`` runs argv
+inside a node, ``rank_env(node)`` is what a gloo rank there needs, node i's
+address is ``NodeAddress``'s.
 
-1. a namespace per node (``het-<pid>-<n>``, as ``netns.create_namespace``
-   names them) and one more, the switch, holding a Linux bridge;
-2. a veth pair per node: ``uplink`` inside the node, its peer enslaved to the
-   switch's bridge; node i gets the address ``10.77.0.(i+1)/24`` on
-   ``uplink`` (``NodeAddress``);
-3. the node's egress on ``uplink`` shaped with an ``htb`` qdisc: a default
-   class at the inter-node rate, plus one class per peer node whose pair has
-   a rate of its own (a ``u32`` filter on the destination address).  Each
-   direction of a pair is shaped where it leaves its sender, so a link is
-   full duplex: node 0 -> node 1 and node 1 -> node 0 each get the rate.
-   ``uplink`` hands the shaper single frames (no segmentation offload) and
-   each class's bucket holds one timer tick of its rate, so every message
-   takes its line time, also the first after an idle spell;
-4. yields ``EmulatedNodes``: ``command(node, argv)`` runs argv inside a node,
-   ``rank_env(node)`` is what a gloo rank there needs (``GLOO_SOCKET_IFNAME``
-   = ``uplink``, so every rank advertises its node's address);
-5. on every exit path (normal, exception, Ctrl-C) ends what still runs inside
-   and deletes every namespace; when any step of 1-3 fails, what was made is
-   deleted before ``NetnsUnavailable`` is raised.
+Invariants:
 
-Traffic between two ranks of one node goes to the node's own address, which
-the kernel routes over the node's loopback: never shaped, never counted on
-``uplink``.  Traffic between nodes leaves through ``uplink``:
-``uplink_tx_bytes(node)`` counts it (headers included).
+- a link is full duplex: each direction of a pair is shaped where it leaves
+  its sender, so node 0 -> node 1 and node 1 -> node 0 each get the rate;
+- traffic between two ranks of one node goes over the node's loopback, never
+  shaped, never counted on ``uplink``; traffic between nodes leaves through
+  ``uplink``, and ``uplink_tx_bytes(node)`` counts it (headers included);
+- on every exit path (normal, exception, Ctrl-C) what still runs inside is
+  ended and every namespace deleted; nothing half-made is left.
 
 Needs root and iproute2's ``ip`` and ``tc`` with ``htb``, ``u32`` and the
-``bridge`` and ``veth`` link types (checked here: all present; ``netem`` is
-not, so links have rates, not delays).
+``bridge`` and ``veth`` link types (``netem`` is not needed: links have rates,
+not delays).
 """
 
 from __future__ import annotations
@@ -197,7 +186,28 @@ def _wire(net: EmulatedNodes) -> None:
 def emulated_nodes(num_nodes: int, inter_node: LinkShape | None,
                    pairs: Mapping[tuple[int, int], LinkShape] | None = None) -> Iterator[EmulatedNodes]:
     """``num_nodes`` namespaces joined through a switch, each node's egress shaped to ``inter_node`` (or, for a
-    pair in ``pairs``, that pair's rate); everything is deleted when the block exits, however it exits."""
+    pair in ``pairs``, that pair's rate); everything is deleted when the block exits, however it exits.
+
+    1. a namespace per node (``het-<pid>-<n>``, as ``netns.create_namespace``
+       names them) and one more, the switch, holding a Linux bridge;
+    2. a veth pair per node: ``uplink`` inside the node, its peer enslaved to the
+       switch's bridge; node i gets the address ``10.77.0.(i+1)/24`` on
+       ``uplink`` (``NodeAddress``);
+    3. the node's egress on ``uplink`` shaped with an ``htb`` qdisc: a default
+       class at the inter-node rate, plus one class per peer node whose pair has
+       a rate of its own (a ``u32`` filter on the destination address).  Each
+       direction of a pair is shaped where it leaves its sender, so a link is
+       full duplex: node 0 -> node 1 and node 1 -> node 0 each get the rate.
+       ``uplink`` hands the shaper single frames (no segmentation offload) and
+       each class's bucket holds one timer tick of its rate, so every message
+       takes its line time, also the first after an idle spell;
+    4. yields ``EmulatedNodes``: ``command(node, argv)`` runs argv inside a node,
+       ``rank_env(node)`` is what a gloo rank there needs (``GLOO_SOCKET_IFNAME``
+       = ``uplink``, so every rank advertises its node's address);
+    5. on every exit path (normal, exception, Ctrl-C) ends what still runs inside
+       and deletes every namespace; when any step of 1-3 fails, what was made is
+       deleted before ``NetnsUnavailable`` is raised.
+    """
     checked = _check(num_nodes, inter_node, pairs)
     made: list[str] = []
     net: EmulatedNodes | None = None

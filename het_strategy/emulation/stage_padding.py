@@ -3,21 +3,10 @@
 In a pipeline each rank runs only its stage's layers, micro-batch by
 micro-batch, and the schedule interleaves forwards and backwards; a per-batch
 pad (``padding.BatchPadding``) would shift all of a step's waiting to its end.
-``StagePadding`` pads every micro-batch instead:
-
-- forward: a forward hook on the stage module sleeps until the forward has
-  taken ``f(m) = stage_compute_s(m) / 3`` (the cost model's split: backward =
-  2 x forward; ``m`` is the micro-batch's first dimension);
-- backward: the hook wraps the stage's output in ``_PadBackward``, an identity
-  whose backward runs first in the stage's backward and notes the time; a
-  multi-grad hook on the stage's trainable parameters
-  (``torch.autograd.graph.register_multi_grad_hook``) runs once their
-  gradients are all computed, still inside the stage's backward, and sleeps
-  ``2 f(m)`` minus the real backward measured between the two, so the
-  gradient leaves the stage on time whatever the real backward's ratio to the
-  forward (a CPU's fp16 backward takes about 6x its forward).  A stage without
-  trainable parameters sleeps at the start instead, ``2 f(m)`` minus the real
-  backward expected from the real forward (``backward_ratio`` x forward).
+``StagePadding`` pads every micro-batch instead: its forward to ``f(m)``, its
+backward to ``2 f(m)`` (the cost model's split), with hooks on the stage module
+(its docstring says how), so the gradient leaves the stage on time whatever
+the real backward's ratio to the forward.
 
 Times are the cost model's (``CostModel.stage_compute_s`` of the device with
 its ``emulated_speed``, at the stage's tp: the compute of its shard and the
@@ -55,7 +44,22 @@ class _PadBackward(torch.autograd.Function):
 
 
 class StagePadding:
-    """One rank's stage: ``attach(module)`` pads its forwards and backwards (see the module docstring)."""
+    """One rank's stage: ``attach(module)`` pads its forwards and backwards.
+
+    - forward: a forward hook on the stage module sleeps until the forward has
+      taken ``f(m) = stage_compute_s(m) / 3`` (the cost model's split: backward =
+      2 x forward; ``m`` is the micro-batch's first dimension);
+    - backward: the hook wraps the stage's output in ``_PadBackward``, an identity
+      whose backward runs first in the stage's backward and notes the time; a
+      multi-grad hook on the stage's trainable parameters
+      (``torch.autograd.graph.register_multi_grad_hook``) runs once their
+      gradients are all computed, still inside the stage's backward, and sleeps
+      ``2 f(m)`` minus the real backward measured between the two, so the
+      gradient leaves the stage on time whatever the real backward's ratio to the
+      forward (a CPU's fp16 backward takes about 6x its forward).  A stage without
+      trainable parameters sleeps at the start instead, ``2 f(m)`` minus the real
+      backward expected from the real forward (``backward_ratio`` x forward).
+    """
 
     def __init__(self, cluster: ClusterSpec, device: str, workload: WorkloadSpec, layers: tuple[int, int],
                  dtype: str = "fp32", step: Callable[[], int] | None = None, backward_ratio: float = 2.0,
