@@ -2,57 +2,25 @@
 
 The space (the one ``benchmarks/plan_optimality.py`` enumerates by brute force):
 
-* a *unit* is (device class, tp) with tp in {1, 2, 4, 8}, tp <= ``settings.max_tp``
-  and <= the class's size (a class: interchangeable devices, same cost key and node);
+* a *unit* is (device class, tp) with tp in ``core.train_settings.TP_DEGREES``,
+  tp <= ``settings.max_tp`` and <= the class's size (a class: interchangeable
+  devices, same cost key and node);
 * a *template* is a pipeline: an ordered sequence of 1..min(max_stages, L) units
   whose device use fits the class counts;
 * a *structure* is a multiset of templates whose joint use fits (devices may idle);
   devices are given to units in class order (interchangeable, so nothing is lost).
 
-Search.  Every structure gets lower bounds (``bounds``) before anything is
-assembled, of three strengths, each <= the next <= the assembled step:
-
-0. the route-free bound: each stage's gradient sync on the cheapest route its
-   ring could have (``BoundCache.floor``), memory judged with the most ZeRO
-   sharding any structure here can have; figures per template (per pipeline
-   prefix, in fact) and d, combined per structure in closed form, vectorised:
-   tens of thousands of structures cost a fraction of a second.  The larger of
-   that and the bound of the templates' per-micro-batch compute curves
-   (``BoundCache.compute_curve``: level 2's pieces with each send alone on its link, without routes,
-   combined by a bisection run on every structure at once) counts: where a
-   layer's time per sample falls with the micro-batch (the roofline), the
-   closed form pairs one sample's fill with the largest micro-batch's rate and
-   is 10-15% loose, the curves are not.  Templates that fit nowhere even so
-   are dropped before structures are formed;
-1. with the structure's gradient-ring and send routes (``structure_routes``);
-2. per micro-batch size, from the layer split's own matrices, sends included,
-   with the memory of S - s micro-batches in flight past (S - 1) M samples
-   (``BoundCache.refined``).
-
-One heap holds (bound, level, structure).  The smallest entry is raised to the
-next level, or, at level 2, assembled (``structure.assemble_plan``, exact for
-the structure, with the best step as cutoff and the structure's post bound as
-``post_floor``).  The search ends when the smallest entry reaches the best step
-found: nothing left can beat it, so the result is the same as assembling every
-structure.  A structure is assembled only when its sharpest bound is the least
-of all bounds left; on real clusters that bound is within a few percent of the
-step, so a handful of structures are assembled (~0.3 s for a 7-device
-``mixed_vendors`` variant, where assembling every structure takes ~100 s).
+``plan_exhaustive`` bounds every structure before assembling any, with bounds of
+three rising strengths, each <= the next <= the assembled step (``bounds``), and
+assembles a structure only when its sharpest bound is the least of all left (the
+steps: there).  It ends when the smallest bound reaches the best step found, so
+the result is the same as assembling every structure.
 
 Budgets are work counts, never wall time, so the result is deterministic:
-
-* more than ``MAX_TEMPLATES`` ordered templates, or more than ``MAX_STRUCTURES``
-  structures over them: the space shrinks to *block* templates, where the units
-  of one class are contiguous (tp non-increasing within the block) in every
-  order of the blocks; interleaved orders such as A-B-A are given up.  Past
-  ``MAX_TEMPLATES`` block templates (many classes of one or two devices) the
-  shortest are kept; past ``MAX_STRUCTURES`` structures, those enumerated first
-  (templates in increasing single-pipeline bound) are kept;
-* at most ``MAX_ASSEMBLIES`` structures are assembled.
-
-The outcome says whether it is exact (full space, search ended by the bound);
-``hybrid.plan_hybrid`` runs the families regime as well when it is not, and
-keeps the better plan.
+``MAX_TEMPLATES`` and ``MAX_STRUCTURES`` shrink the space to block templates
+(``_space``), ``MAX_ASSEMBLIES`` caps the assemblies.  The outcome says whether it
+is exact (full space, search ended by the bound); ``hybrid.plan_hybrid`` runs the
+families regime as well when it is not, and keeps the better plan.
 """
 
 from __future__ import annotations
@@ -276,10 +244,17 @@ class _Space:
         return np.where(ok, low, np.inf)
 
     def lb0(self, structs: Sequence[tuple[int, ...]]) -> list[float]:
-        """The route-free structure bound, vectorised: the larger of ``bounds.counted_structure_bound`` with
-        floors and the compute curves' bound (``_curve_pipe``), plus the largest floor post.  The curves matter
-        where a layer's time per sample falls with the micro-batch (``settings.compute_model=roofline``):
-        there the per-sample figures of the first mix the best of every size."""
+        """The route-free structure bound (level 0), vectorised: the larger of ``bounds.counted_structure_bound``
+        with floors and the compute curves' bound (``_curve_pipe``), plus the largest floor post.
+
+        Floors: each stage's gradient sync on the cheapest route its ring could have (``BoundCache.floor``),
+        memory judged with the most ZeRO sharding any structure here can have; figures per template (per
+        pipeline prefix, in fact) and d, combined per structure in closed form, so tens of thousands of
+        structures cost a fraction of a second.  The curves (``BoundCache.compute_curve``: level 2's pieces with
+        each send alone on its link, without routes, one bisection over every structure at once) matter where a
+        layer's time per sample falls with the micro-batch (``settings.compute_model=roofline``): there the
+        closed form pairs one sample's fill with the largest micro-batch's rate and is loose, the curves are
+        not."""
         out = np.full(len(structs), np.inf)
         by_dp: dict[int, list[int]] = {}
         for k, struct in enumerate(structs):
@@ -315,7 +290,15 @@ def _realise(struct: Sequence[tuple[Unit, ...]], classes: Sequence) -> list[Slot
 
 def _space(cm: CostModel, classes: Sequence, units: list[Unit], bc: BoundCache
            ) -> tuple[_Space, list[tuple[int, ...]], bool, bool]:
-    """(space, structures, whether the structures are all of the full space, whether templates are blocks)."""
+    """(space, structures, whether the structures are all of the full space, whether templates are blocks).
+
+    More than ``MAX_TEMPLATES`` ordered templates, or more than ``MAX_STRUCTURES`` structures over them: the
+    space shrinks to *block* templates, where the units of one class are contiguous (tp non-increasing within
+    the block) in every order of the blocks; interleaved orders such as A-B-A are given up.  Past
+    ``MAX_TEMPLATES`` block templates (many classes of one or two devices) the shortest are kept; past
+    ``MAX_STRUCTURES`` structures, those enumerated first (templates in increasing single-pipeline bound).
+    Templates that fit nowhere even alone are dropped before structures are formed (``_Space``).
+    """
     counts = [len(c.devices) for c in classes]
     max_len = min(cm.settings.max_stages, cm.workload.num_layers)
     max_pipes = cm.settings.global_batch_size
@@ -336,10 +319,19 @@ def _space(cm: CostModel, classes: Sequence, units: list[Unit], bc: BoundCache
 def plan_exhaustive(cm: CostModel, classes: Sequence, units: list[Unit]) -> ExhaustiveOutcome:
     """Best structure over the space (module docstring), best bound first, within the work budgets.
 
-    One heap holds (bound, level, structure): level 0 is the route-free bound, 1 adds the routes,
-    2 is the sharper per-micro-batch bound (``BoundCache.refined``).  The smallest entry is raised to
-    the next level, or assembled once at level 2; every level is a lower bound on the next, so when
-    the smallest entry reaches the best step nothing left can beat it.
+    1. Every structure gets its level-0 bound, route-free (``_Space.lb0``); structures of an infinite bound
+       are dropped.
+    2. One heap holds (bound, level, structure).  The smallest entry is raised to the next level: level 1
+       with the structure's gradient-ring and send routes (``structure_routes``); level 2 per micro-batch
+       size, from the layer split's own matrices, sends included, with the memory of S - s micro-batches in
+       flight past (S - 1) M samples (``BoundCache.refined``).
+    3. An entry at level 2 is assembled (``structure.assemble_plan``, exact for the structure, with the best
+       step as cutoff and the structure's post bound as ``post_floor``), at most ``MAX_ASSEMBLIES`` times.
+    4. The search ends when the smallest entry reaches the best step: every level is a lower bound on the
+       next, so nothing left can beat it.
+
+    On real clusters the level-2 bound is within a few percent of the step, so a handful of structures are
+    assembled (timings: docs/how-it-works/planners.md).
     """
     bc = BoundCache(cm)
     space, structs, complete, blocks = _space(cm, classes, units, bc)
