@@ -4,34 +4,20 @@ A very slow device beside fast ones (a CPU needing seconds per sample beside
 GPUs) sets the step time if it must take a sample; one on a slow link can cost
 more in gradient sync than its compute saves; one that cannot hold a model
 replica cannot take part at all.  So the data-parallel planner searches over
-the set of devices that run, not only over the shares:
+the set of devices that run, not only over the shares.
 
-1. Devices whose replica (weights, gradients, optimizer state, one
-   micro-batch of the smallest size) exceeds their memory are idle: "does not
-   fit".
-2. Among the others, the set S minimising the step time of the exact uneven
-   split (``structure.assemble_plan``) over S:
-   * up to ``EXHAUSTIVE_DEVICES`` devices: every non-empty subset (exact);
-   * otherwise every union of device classes (a class: devices of equal cost
-     figures, ``CostModel.device_key``; up to ``EXHAUSTIVE_CLASSES`` classes)
-     and every union of classes within one node, then, per (class, node)
-     group, drop it while that is faster
-     (``MAX_GROUPS`` groups at most);
-   * then every idle device is compared with the plan it would join: the best
-     plan over S plus that device.  If that is faster, it joins (and the
-     comparison repeats), so no single device left idle would make the step
-     faster.
-3. Each idle device gets its reason from that comparison: too slow (the step
-   with and without it), or its sync over the slowest link costs more than its
-   compute saves.  (The global batch is at least the device count,
-   ``dp_split``: every launched rank takes part in every step.)
+- ``best_device_set``: the fastest pure data-parallel plan over a set of the
+  devices (every subset up to ``EXHAUSTIVE_DEVICES`` devices, unions of device
+  classes beyond: the steps there) and a reason per idle device;
+- ``structure_idle_reasons``: the same reasons for a plan with pipelines (the
+  plan plus that device as one more replica, against the plan);
+- ``replica_memory``: what a model replica needs on a device, and what it has.
 
-Plans with pipelines (``structure_idle_reasons``) explain an idle device the
-same way: the plan's pipelines plus that device as one more replica, against
-the plan, or that it cannot hold a replica.
-
-Tuning: the search costs at most ``2**EXHAUSTIVE_DEVICES`` assemblies on small
-clusters and a few dozen on large ones (one assembly of 512 devices is ~40 ms).
+What callers may rely on: no single device left idle would make the step
+faster (each was compared with the plan it would join), and every idle device
+has a reason: it does not fit, it is too slow (the step with and without it),
+or its sync over the slowest link costs more than its compute saves.  With
+``settings.idle_devices`` off, every device that fits runs (or there is no plan).
 """
 
 from __future__ import annotations
@@ -161,7 +147,29 @@ def _unions(classes: list[list[str]]) -> list[list[str]]:
 
 
 def best_device_set(cm: CostModel) -> tuple[StructureResult | None, dict[str, str]]:
-    """The fastest pure-DP plan over a subset of the devices, and why each device left out is idle."""
+    """The fastest pure-DP plan over a subset of the devices, and why each device left out is idle.
+
+    1. Devices whose replica (weights, gradients, optimizer state, one micro-batch of the smallest size)
+       exceeds their memory are idle: "does not fit".
+    2. Among the others, the set S minimising the step time of the exact uneven split
+       (``structure.assemble_plan``) over S:
+
+       * up to ``EXHAUSTIVE_DEVICES`` devices: every non-empty subset (exact);
+       * otherwise every union of device classes (a class: devices of equal cost figures,
+         ``CostModel.device_key``; up to ``EXHAUSTIVE_CLASSES`` classes) and every union of classes within
+         one node, then, per (class, node) group, drop it while that is faster (``MAX_GROUPS`` groups at
+         most);
+       * then every idle device is compared with the plan it would join: the best plan over S plus that
+         device.  If that is faster, it joins (and the comparison repeats), so no single device left idle
+         would make the step faster.
+
+    3. Each idle device gets its reason from that comparison: too slow (the step with and without it), or its
+       sync over the slowest link costs more than its compute saves.  (The global batch is at least the device
+       count, ``dp_split``: every launched rank takes part in every step.)
+
+    Tuning: the search costs at most ``2**EXHAUSTIVE_DEVICES`` assemblies on small clusters and a few dozen on
+    large ones.
+    """
     reasons: dict[str, str] = {}
     fitting = []
     m = min(cm.settings.micro_batch_sizes)
