@@ -3,44 +3,22 @@
 Each group of devices (default: one per node) trains as an uneven
 data-parallel replica; every H inner steps the groups exchange their
 pseudo-gradients in a codec and take an outer step (``core/outer_sync.py``;
-priced by ``core/outer_sync_cost.py``).  Every group takes the same H, so a
-faster device takes more samples per inner step: nobody waits at the exchange.
+priced by ``core/outer_sync_cost.py``).
 
-Steps of ``plan_low_communication``:
+``plan_low_communication`` plans in three steps, each its own function:
 
-1. **Groups**: ``budget.groups`` — ``node`` (one group per node of the
-   cluster), ``device`` (one group per device) or explicit lists of device
-   names that cover the cluster's devices exactly once; at least 2 groups.
-   ``planned`` plans every split of ``candidate_splits`` (per node, then nodes
-   merged along their fastest links, and per device) and keeps the one of the
-   least predicted time per sample (ties: the fewest groups).
-   Every device takes part (no idle device: the runtime launches every rank).
-2. **Inner split** of the global batch over all devices: ``planned`` is the
-   exact min-max integer split (``allocation.allocate_min_max``, each device
-   at least one sample) of ``cost_i(b) = compute_i(b) + post_g`` — the
-   device's forward + backward of b samples plus its group's allreduce and
-   update — so every device ends an inner step at (nearly) the same time;
-   ``even`` gives every device the same share (``dp_split.equal_split_plan``'s
-   split: the baseline).
-3. **H and codec** (the choice rule).  With I the inner step and E_c the
-   exchange in codec c, a round's sync overhead at H is ``E_c / (H x I +
-   E_c)``.  For each allowed codec c, ``H_c`` is the smallest H whose overhead
-   is at most ``budget.max_sync_overhead``; c is feasible when ``H_c <=
-   budget.max_inner_steps``.  The plan takes the feasible candidate of the
-   smallest H (fewest local steps: the closest to synchronous training);
-   among equal H the codec listed first in ``budget.codecs`` (the most
-   faithful).  When none is feasible, H = ``max_inner_steps`` with the codec
-   of the least round time per sample (ties: listed first).
+1. **Groups** (``resolve_groups``; ``candidate_splits`` for ``groups=planned``);
+2. **Inner split** of the global batch over all devices (``inner_shares``);
+3. **H and codec** (``choose_outer_sync``: the choice rule, with a user's
+   pinned H or codec).
 
-   Pinned choices (the strategy passes a user's fixed H or codec): with H
-   pinned, the codec is the first listed whose overhead at that H is within
-   the budget, else the one of the least round time; with the codec pinned, H
-   is its ``H_c`` when feasible, else ``max_inner_steps``; with both pinned
-   the planner only prices them.
-
-``LowCommunicationResult`` holds the plan (mode ``low_communication``, one
-single-device pipeline per device with its share, ``outer_sync`` set,
-``predicted`` from ``OuterSyncCost.figures``) and every codec's candidate.
+What every plan keeps: every group takes the same H, so a faster device takes
+more samples per inner step and nobody waits at the exchange; every device
+takes part, with at least one sample (no idle device: the runtime launches
+every rank); at least 2 groups.  ``LowCommunicationResult`` holds the plan
+(mode ``low_communication``, one single-device pipeline per device with its
+share, ``outer_sync`` set, ``predicted`` from ``OuterSyncCost.figures``) and
+every codec's candidate.
 """
 
 from __future__ import annotations
@@ -76,14 +54,14 @@ class InnerSplit(StrEnum):
     """How the global batch is split over the devices for the inner steps."""
 
     planned = "planned"
-    """Exact min-max shares: every device ends an inner step at the same time (module docstring, step 2)."""
+    """Exact min-max shares: every device ends an inner step at the same time (``inner_shares``)."""
     even = "even"
     """The same share on every device (the baseline)."""
 
 
 @dataclass(frozen=True)
 class OuterSyncBudget:
-    """The ``planner.outer_sync`` section: what a low-communication plan may be (module docstring, step 3)."""
+    """The ``planner.outer_sync`` section: what a low-communication plan may be (``choose_outer_sync``)."""
 
     max_inner_steps: int = 500
     """The largest H accepted (the quality budget: more local steps drift further between exchanges)."""
@@ -204,7 +182,12 @@ DEFAULT_BUDGET = OuterSyncBudget()
 
 def resolve_groups(cluster: ClusterSpec, groups: Any, field_name: str = "planner.outer_sync.groups"
                    ) -> tuple[tuple[str, ...], ...]:
-    """``node``/``device``/explicit lists as device-name groups covering the cluster once (at least 2 groups)."""
+    """``node``/``device``/explicit lists as device-name groups covering the cluster once (at least 2 groups).
+
+    ``budget.groups``: ``node`` (one group per node of the cluster), ``device`` (one group per device) or
+    explicit lists of device names that cover the cluster's devices exactly once.  ``planned`` is resolved by
+    ``plan_low_communication`` over ``candidate_splits``, not here.
+    """
     groups = _checked_groups(groups, field_name)
     if groups == "planned":
         raise field_error(field_name, groups, "be node, device or lists of device names here (planned is the "
@@ -226,7 +209,14 @@ def resolve_groups(cluster: ClusterSpec, groups: Any, field_name: str = "planner
 
 
 def inner_shares(cost: OuterSyncCost, global_batch: int, split: InnerSplit | str) -> dict[str, int]:
-    """Per device (cluster order): its samples per inner step (module docstring, step 2)."""
+    """Per device (cluster order): its samples per inner step.
+
+    ``planned`` is the exact min-max integer split (``allocation.allocate_min_max``, each device at least one
+    sample) of ``cost_i(b) = compute_i(b) + post_g`` — the device's forward + backward of b samples plus its
+    group's allreduce and update (``OuterSyncCost.device_step_s``) — so every device ends an inner step at
+    (nearly) the same time; ``even`` gives every device the same share (``dp_split.equal_split_plan``'s split:
+    the baseline).
+    """
     devices = [d.name for d in cost.cm.cluster.devices]
     n = len(devices)
     if global_batch < n:
@@ -254,7 +244,24 @@ def inner_shares(cost: OuterSyncCost, global_batch: int, split: InnerSplit | str
 def choose_outer_sync(cost: OuterSyncCost, inner_step_s: float, budget: OuterSyncBudget,
                       inner_steps: int | None = None, codec: str | None = None
                       ) -> tuple[int, Codec, tuple[CodecCandidate, ...]]:
-    """(H, codec, candidates) by the choice rule (module docstring, step 3), H and/or codec pinned if given."""
+    """(H, codec, candidates) by the choice rule, H and/or codec pinned if given.
+
+    With I the inner step and E_c the exchange in codec c, a round's sync overhead at H is
+    ``E_c / (H x I + E_c)`` (``sync_overhead``).
+
+    1. For each allowed codec c, ``H_c`` is the smallest H whose overhead is at most
+       ``budget.max_sync_overhead`` (``smallest_inner_steps``); c is feasible when
+       ``H_c <= budget.max_inner_steps``.
+    2. The plan takes the feasible candidate of the smallest H (fewest local steps: the closest to synchronous
+       training); among equal H the codec listed first in ``budget.codecs`` (the most faithful).
+    3. When none is feasible, H = ``max_inner_steps`` with the codec of the least round time per sample (ties:
+       listed first).
+
+    Pinned choices (the strategy passes a user's fixed H or codec): with H pinned, the codec is the first
+    listed whose overhead at that H is within the budget, else the one of the least round time; with the
+    codec pinned, H is its ``H_c`` when feasible, else ``max_inner_steps``; with both pinned the planner only
+    prices them.
+    """
     if inner_steps is not None:
         require_int(inner_steps, "plan.outer_sync.inner_steps", minimum=1)
     tokens = (outer_codec(codec, "plan.outer_sync.codec"),) if codec is not None else tuple(Codec(c) for c in
@@ -308,10 +315,12 @@ def candidate_splits(cluster: ClusterSpec) -> list[tuple[tuple[str, ...], ...]]:
 def plan_low_communication(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings,
                            budget: OuterSyncBudget = OuterSyncBudget(), profile: MeasuredProfile | None = None,
                            inner_steps: int | None = None, codec: str | None = None) -> LowCommunicationResult:
-    """The low-communication plan of ``cluster`` (module docstring: groups, inner split, H and codec).
+    """The low-communication plan of ``cluster``: groups (``resolve_groups``), inner split (``inner_shares``),
+    H and codec (``choose_outer_sync``).
 
-    ``budget.groups="planned"``: every split of ``candidate_splits`` is planned so, and the one of the least
-    predicted time per sample wins (ties, within 1e-9: the fewest groups, the closest to synchronous training).
+    ``budget.groups="planned"``: every split of ``candidate_splits`` (per node, then nodes merged along their
+    fastest links, and per device) is planned so, and the one of the least predicted time per sample wins
+    (ties, within 1e-9: the fewest groups, the closest to synchronous training).
     """
     if budget.groups != "planned":
         return _plan_split(cluster, workload, settings, budget, profile, inner_steps, codec)
