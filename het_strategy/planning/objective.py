@@ -6,31 +6,9 @@ devices (``core/pricing.py``).  Money changes the answer: the cheapest plan
 per iteration often leaves fast, expensive devices out, and a budget can rule
 out the fastest plan.  ``search_objective`` (step 3 of ``planning.plan``, for a
 ``PlanRequest`` with ``objective=cost``, a ``budget_per_hour`` or a
-``min_throughput``) therefore searches sub-clusters:
-
-1. The whole cluster is planned first: that plan is the planner's fastest, so a
-   floor it misses is an error right away; with ``objective="time"``, when it
-   meets the budget (and floor) it is the answer (no search).
-2. The sub-clusters: per node, how many devices of each kind to keep (0..n of
-   each (node, device kind) group; devices of one kind in one node are
-   interchangeable, so which ones is immaterial and the first ones are kept,
-   under their own names).  When that space exceeds ``max_subsets``
-   (``MAX_SUBSETS``), whole nodes are kept instead: per class of identical
-   nodes (same devices and bandwidths, named in no ``links`` entry), how many
-   (partial nodes are then not searched, though each node's plan may still
-   leave devices idle); beyond that too, ``ConfigError``.
-3. Each sub-cluster gets a lower bound on its step time that holds for any plan
-   using all its devices: its compute alone, every device running at its best
-   per-sample rate (any micro-batch, tensor-parallel degree) with no bubble,
-   send or sync (an LP bound over the layers, ``_Bounds``).  Sub-clusters
-   are planned in the order of that bound (of $/iteration for ``cost``, of
-   step time for ``time``); the search stops once the bound exceeds the best
-   plan found.  A sub-cluster pricier in total than the budget, or whose bound
-   misses the floor, is skipped.
-4. Each sub-cluster is planned by the caller's ``plan_cluster`` (``planning.plan``
-   passes its one-cluster step: the mode search, the runtime's or the joint
-   search, as the request asks), its plan priced by its used devices; the best plan meeting the budget and floor wins
-   (``cost``: least $/iteration, then fastest; ``time``: fastest, then cheapest).
+``min_throughput``) therefore plans sub-clusters (``_subsets``) in the order of
+a lower bound on their step time (``_Bounds``) and stops once the bound exceeds
+the best plan found (the steps: there).
 
 Why skipping by a sub-cluster's own bound, or its total price, loses no plan: a
 plan on a sub-cluster that leaves some of its devices idle is a plan of the
@@ -43,9 +21,7 @@ force on small clusters.)
 The winner is returned on the whole cluster's device list (``cluster_devices``
 unchanged, so the strategy and ``het-plan score=`` accept it), rescored there,
 with the devices left out marked idle ("not rented") and the money figures and
-the objective in ``plan.predicted``.  Tuning: a cluster with many distinct
-(node, kind) groups searches whole nodes; describe identical nodes with ``count:``
-so they form one class.
+the objective in ``plan.predicted``.
 """
 
 from __future__ import annotations
@@ -163,9 +139,28 @@ def sub_cluster(cluster: ClusterSpec, kept: set[str] | frozenset[str]) -> Cluste
 def search_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, request: PlanRequest,
                      plan_cluster: Callable[[ClusterSpec], Plan], profile: MeasuredProfile | None = None, *,
                      max_subsets: int = MAX_SUBSETS) -> ObjectiveResult:
-    """The best plan for the request's objective within its budget and floor (see the module docstring).
+    """The best plan for the request's objective within its budget and floor.
 
     ``plan_cluster(sub)`` plans one sub-cluster (``ConfigError``: nothing fits there).
+
+    1. The whole cluster is planned first: that plan is the planner's fastest, so a floor it misses is an
+       error right away; with ``objective="time"``, when it meets the budget (and floor) it is the answer (no
+       search).
+    2. The sub-clusters (``_subsets``): per node, how many devices of each kind to keep, or, past
+       ``max_subsets``, how many whole nodes per class of identical nodes.
+    3. Each sub-cluster gets a lower bound on its step time that holds for any plan using all its devices: its
+       compute alone, every device running at its best per-sample rate (any micro-batch, tensor-parallel
+       degree) with no bubble, send or sync (an LP bound over the layers, ``_Bounds``).  Sub-clusters are
+       planned in the order of that bound (of $/iteration for ``cost``, of step time for ``time``); the search
+       stops once the bound exceeds the best plan found.  A sub-cluster pricier in total than the budget, or
+       whose bound misses the floor, is skipped.
+    4. Each sub-cluster is planned by ``plan_cluster`` (``planning.plan`` passes its one-cluster step: the
+       mode search, the runtime's or the joint search, as the request asks), its plan priced by its used
+       devices; the best plan meeting the budget and floor wins (``cost``: least $/iteration, then fastest;
+       ``time``: fastest, then cheapest).
+
+    Tuning: a cluster with many distinct (node, kind) groups searches whole nodes; describe identical nodes
+    with ``count:`` so they form one class.
     """
     goal = _Goal(request)
     if request.objective == "cost" or request.budget_per_hour is not None:
@@ -313,7 +308,15 @@ def _node_class(cluster: ClusterSpec, n: NodeSpec, linked: set[str]) -> tuple:
 
 
 def _subsets(cluster: ClusterSpec, max_subsets: int, request: PlanRequest) -> tuple[list[tuple[str, ...]], str]:
-    """Every sub-cluster of the search (device names in cluster order) and how they were formed."""
+    """Every sub-cluster of the search (device names in cluster order) and how they were formed.
+
+    Per node, how many devices of each kind to keep (0..n of each (node, device kind) group; devices of one
+    kind in one node are interchangeable, so which ones is immaterial and the first ones are kept, under their
+    own names).  When that space exceeds ``max_subsets`` (``MAX_SUBSETS``), whole nodes are kept instead: per
+    class of identical nodes (same devices and bandwidths, named in no ``links`` entry), how many (partial
+    nodes are then not searched, though each node's plan may still leave devices idle); beyond that too,
+    ``ConfigError``.
+    """
     groups: dict[tuple, list[str]] = {}
     for d in cluster.devices:
         groups.setdefault((d.node, _device_kind(cluster, d)), []).append(d.name)
