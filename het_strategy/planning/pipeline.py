@@ -15,24 +15,12 @@ subject to every stage fitting in its devices' memory (1F1B keeps
 min(S - s, n) micro-batches of activations on stage s) and, optionally, every
 stage's gradient sync + optimizer update staying under ``post_limit``.
 
-Steps:
-1. Build S cost matrices ``cost[s][i][j]`` for layers [i, j) on slot s from the
-   cost model's prefix sums (numpy, O(S L^2)); infeasible cells are inf.
-2. Min-bottleneck DP gives C* (the smallest achievable bottleneck).
-3. For bottleneck caps C >= C*, a min-sum DP gives minfill(C); the pairs
-   (C, minfill(C)) form a front, and T(n) = min_C minfill(C) + (n - 1) C.
-   With <= 16 layers every distinct stage cost is tried as C (exact); beyond
-   that a geometric grid of caps between C* and the bottleneck of the min-fill
-   partition is used (the front is convex in practice; the grid is 24 points).
-   Up to ``_DENSE_LAYERS`` layers all caps run as one vectorised DP
-   (``_min_fill_many``: same arithmetic and tie-breaking per cap as the one-cap
-   DP); beyond, one DP per cap (the 3-D arrays would not fit in cache).
-
-Caching (``_SlotCache``): the matrices are cached by what they depend on, and
-equal matrices are the same object (masks deduplicated by content), so a front
-is computed once per distinct set of matrices: pipelines that differ only in d,
-gradient routes, or in-flight counts that do not change what fits share it
-(``post_s`` is re-read from each one's own post matrices).
+``partition_front`` gives every useful split as a (bottleneck, fill) front (the
+steps there), exact up to ``EXACT_LAYER_LIMIT`` layers; ``plan_pipeline_stages``
+the best split for ``n``.  The stage matrices are cached per cost model
+(``_SlotCache``), and equal matrices are the same object, so pipelines whose
+matrices are equal (other d, other gradient routes, in-flight counts that do not
+change what fits) share one front.
 """
 
 from __future__ import annotations
@@ -273,7 +261,23 @@ def _describe(bounds: tuple[int, ...], bott: list[np.ndarray], fill: list[np.nda
 
 def partition_front(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch: int, num_micro_batches: int,
                     dp: int, ring_bw: Sequence, post_limit: float = math.inf) -> PartitionFront | None:
-    """All useful layer splits of a pipeline (see module docstring); None if nothing fits."""
+    """All useful layer splits of a pipeline (the problem: module docstring); None if nothing fits.
+
+    1. Build S cost matrices ``cost[s][i][j]`` for layers [i, j) on slot s from the cost model's prefix sums
+       (numpy, O(S L^2), ``_stage_matrices``); infeasible cells are inf.
+    2. Min-bottleneck DP gives C* (the smallest achievable bottleneck).
+    3. For bottleneck caps C >= C*, a min-sum DP gives minfill(C); the pairs (C, minfill(C)) form a front, and
+       T(n) = min_C minfill(C) + (n - 1) C (``_front_splits``).  With <= ``EXACT_LAYER_LIMIT`` layers every
+       distinct stage cost is tried as C (exact); beyond that a geometric grid of caps between C* and the
+       bottleneck of the min-fill partition is used (the front is convex in practice; the grid is 24 points).
+       Up to ``_DENSE_LAYERS`` layers all caps run as one vectorised DP (``_min_fill_many``: same arithmetic
+       and tie-breaking per cap as the one-cap DP); beyond, one DP per cap (the 3-D arrays would not fit in
+       cache).
+
+    A front is computed once per distinct set of matrices (``_SlotCache``): pipelines that differ only in d,
+    gradient routes, or in-flight counts that do not change what fits share it (``post_s`` is re-read from
+    each one's own post matrices).
+    """
     S = len(slots)
     L = cm.workload.num_layers
     if S > L:
@@ -297,7 +301,8 @@ def partition_front(cm: CostModel, slots: Sequence[tuple[str, ...]], micro_batch
 
 def _front_splits(bott: list[np.ndarray], fill: list[np.ndarray], post: list[np.ndarray], post_limit: float,
                   L: int) -> tuple[tuple[tuple[int, ...], float, float], ...]:
-    """(bounds, fill, bottleneck) of the front's splits, ascending bottleneck caps (module docstring)."""
+    """(bounds, fill, bottleneck) of the front's splits, ascending bottleneck caps (``partition_front``, steps
+    2-3)."""
     if math.isfinite(post_limit):
         bott = [np.where(p <= post_limit, b, np.inf) for b, p in zip(bott, post)]
     c_star = min_bottleneck(bott)
