@@ -8,30 +8,16 @@ layer split and share of the global batch so that the step time
 is smallest.  Every planner mode ends here; they differ only in which
 structures they try.
 
-Steps:
-1. For each pipeline and micro-batch size, the exact layer-split front
-   (``pipeline.partition_front``) — cached by the pipeline's cost signature,
-   so thousands of identical pipelines cost one front.
-2. ``g_p(b)`` = the best 1F1B time of pipeline p on b samples over its
-   micro-batch sizes and splits (non-decreasing in b), evaluated with the cost
-   model's own pipeline formula (last micro-batch at its real size), from the
-   splits' (fill, bottleneck) per micro-batch size, cached per cost model by
-   signature: rounds and structures that share a pipeline shape share them.
-3. Batch shares: exact min-max allocation (``allocation.allocate_min_max``),
-   each pipeline at least one sample; with ``settings.equal_shares`` every
-   pipeline gets B / dp (runtimes that cannot run uneven batches).
-4. Sync/update coupling: the post-step term depends on each stage's layers.
-   Starting from no limit, the stages' post time is capped ever lower
-   (``post_limit`` = current max - epsilon) and steps 1-3 re-run; the pipeline
-   part can only grow as the cap falls, so the loop stops as soon as it alone
-   (plus ``post_floor``, a lower bound on any post term the caller may know)
-   exceeds the best step found.  This makes the result exact for the
-   structure, given exact fronts.  A front the cap leaves whole (every split
-   of it under the cap, exact fronts only) is reused rather than recomputed.
+- ``assemble_plan``: the best plan for one structure (the steps there), exact
+  for the structure given exact layer-split fronts (``pipeline.partition_front``),
+  with an optional ``cutoff`` and ``post_floor`` so a search can stop early;
+- ``plan_from_pipelines``: the ``Plan`` of chosen pipelines on the cost model's cluster;
+- ``structure_routes``: ``cm.ring_bandwidths`` of the last few structures (the
+  searches bound a structure with its routes just before assembling it).
 
-Routes (``cm.ring_bandwidths``) of the last few structures are kept
-(``structure_routes``): the searches bound a structure with its routes just
-before assembling it.
+Fronts and a pipeline's best time per share are cached per cost model by the
+pipeline's cost signature, so thousands of identical pipelines, and rounds and
+structures that share a pipeline shape, cost one front.
 """
 
 from __future__ import annotations
@@ -208,6 +194,22 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
                   post_rounds: int = _MAX_POST_ROUNDS, exact_in_flight: bool = True,
                   post_floor: float = 0.0) -> StructureResult | None:
     """Best plan for pipelines with these stage slots; None if nothing fits or it can't beat ``cutoff``.
+
+    1. For each pipeline and micro-batch size, the exact layer-split front (``pipeline.partition_front``) —
+       cached by the pipeline's cost signature, so thousands of identical pipelines cost one front.
+    2. ``g_p(b)`` = the best 1F1B time of pipeline p on b samples over its micro-batch sizes and splits
+       (non-decreasing in b), evaluated with the cost model's own pipeline formula (last micro-batch at its
+       real size), from the splits' (fill, bottleneck) per micro-batch size, cached per cost model by
+       signature: rounds and structures that share a pipeline shape share them.
+    3. Batch shares: exact min-max allocation (``allocation.allocate_min_max``), each pipeline at least one
+       sample; with ``settings.equal_shares`` every pipeline gets B / dp (runtimes that cannot run uneven
+       batches).
+    4. Sync/update coupling: the post-step term depends on each stage's layers.  Starting from no limit, the
+       stages' post time is capped ever lower (``post_limit`` = current max - epsilon) and steps 1-3 re-run,
+       at most ``post_rounds`` times; the pipeline part can only grow as the cap falls, so the loop stops as
+       soon as it alone (plus ``post_floor``) exceeds the best step found.  This makes the result exact for
+       the structure, given exact fronts.  A front the cap leaves whole (every split of it under the cap,
+       exact fronts only) is reused rather than recomputed.
 
     ``post_floor``: a lower bound on the post term of any plan of this structure (``bounds``); a round
     whose pipeline part plus it cannot beat the best step ends the search early (exact: later rounds
