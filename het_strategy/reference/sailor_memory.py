@@ -8,31 +8,15 @@ simulator's ``Simulator.check_config_fits`` / ``get_memory_footprint_on_gpu`` in
 ``sailor/Planner/simulations/runtime_simulator.py`` (saha18uiuc/sailor fb8d0e81).  Sailor is MIT licensed
 (SOSP'25, ETH Zurich); this is our own code computing the same numbers.
 
-For stage ``stage_index`` (0-based) of a pipeline of ``num_stages`` stages holding layers ``[start, stop)``
-at tensor-parallel degree ``tp`` and micro-batch ``mbs``, one device holds, in bytes:
+``sailor_stage_memory`` gives one device's three terms in bytes (``SailorStageMemory``; the formulas there):
+its layers' model state from Sailor's measured per-device parameter counts x ``bytes_per_param`` (24 for
+Adam), the stored activations of the micro-batches a 1F1B schedule keeps in flight on the stage, and
+Megatron's fixed memory outside PyTorch's allocator (``sailor_overhead_bytes``).  ``sailor_stage_fits`` is
+Sailor's check: the total at most the GPU's memory in GiB x 2**30 (``SAILOR_GPU_MEMORY_GIB``).
 
-1. **Model state** = ``sum(params_floats[tp][layer]) x bytes_per_param``.  ``params_floats`` is Sailor's
-   measured per-device parameter count at that tp (``layer_memory.json``; not the tp-1 count divided by
-   tp: the embedding's position table is replicated).  ``bytes_per_param`` = 24 for Adam
-   (``SAILOR_ADAM_BYTES_PER_PARAM``): 8 for the optimizer's two fp32 moments, 4 for the fp32 model copy,
-   4 for the gradients, 4 for a communication buffer and 4 for the extra copy DeepSpeed makes at start
-   (``check_config_fits``, ``get_memory_footprint_on_gpu``, and ``check_stage_fits`` in the fork).  With
-   SGD the moments count 4 instead of 8 (``check_config_fits``), 20 in all.  eth-easl/sailor 142ddeb's
-   ``check_stage_fits`` hard-codes 16 instead (the same terms listed, their sum commented out); pass
-   ``bytes_per_param=16`` for that variant.
-2. **Activations** = ``sum(act_mem_floats[tp][layer]) x mbs x float_bytes x (num_stages - stage_index)``:
-   the stored activations of one sample, per layer and device, as Sailor measured them at that tp, for
-   the micro-batches a 1F1B schedule keeps in flight on that stage (all of the later stages' count plus
-   its own).  ``float_bytes`` is 4 in Sailor's training setup (its planner and simulator are run with
-   ``fp16=False``; the profiles are fp32) and 2 with ``fp16=True`` (``float_size`` in both).
-3. **Fixed overhead** = 2e9 bytes at tp 1, 3e9 bytes at tp > 1: memory Megatron takes outside PyTorch's
-   allocator, seen in nvidia-smi (``megatron_mem`` in ``check_stage_fits`` and ``check_config_fits``).
-
-A stage fits when the total is at most the GPU's memory in GiB x 2**30 (``GPU_MEMORY`` in
-``planner_utils.cpp``, ``GPU_MEMORY_GB`` in ``sailor/Planner/simulations/constants.py``;
-``SAILOR_GPU_MEMORY_GIB`` here).  Sailor's layer indices are ours for the same model (OPT-350: 26 = embedding,
-24 blocks, head).  Bad input (a model, tp, layer range or stage index outside Sailor's tables) raises
-``ConfigError`` naming the field.  Pure Python: no torch.
+Sailor's layer indices are ours for the same model (OPT-350: 26 = embedding, 24 blocks, head).  Bad input (a
+model, tp, layer range or stage index outside Sailor's tables) raises ``ConfigError`` naming the field.  Pure
+Python: no torch.
 """
 
 from __future__ import annotations
@@ -53,7 +37,8 @@ SAILOR_SGD_BYTES_PER_PARAM = 4 + 4 + 4 + 4 + 4
 
 SAILOR_GPU_MEMORY_GIB = {"A100-40": 40, "A100-80": 80, "V100-16": 16, "V100-32": 32, "T4-16": 16, "GH-96": 96,
                          "RTX-3090": 24, "Titan-RTX": 24, "RTX-2080": 11}
-"""GPU memory (GiB) Sailor's planner and simulator check a stage against, by Sailor's GPU name."""
+"""GPU memory (GiB) Sailor's planner and simulator check a stage against, by Sailor's GPU name (``GPU_MEMORY`` in
+``planner_utils.cpp``, ``GPU_MEMORY_GB`` in ``sailor/Planner/simulations/constants.py``)."""
 
 _TP1_OVERHEAD_BYTES = 2.0e9
 _TP_OVERHEAD_BYTES = 3.0e9
@@ -106,6 +91,24 @@ def sailor_stage_memory(start: int, stop: int, tp: int, micro_batch: int, stage_
 
     ``fp16`` is Sailor's flag (2 instead of 4 bytes per activation float); ``bytes_per_param`` is Sailor's
     model-state multiplier (24 for Adam; ``SAILOR_SGD_BYTES_PER_PARAM`` for SGD, 16 for eth-easl's planner).
+    At tensor-parallel degree ``tp`` and micro-batch ``micro_batch`` (Sailor's ``mbs``), in bytes:
+
+    1. **Model state** = ``sum(params_floats[tp][layer]) x bytes_per_param``.  ``params_floats`` is Sailor's
+       measured per-device parameter count at that tp (``layer_memory.json``; not the tp-1 count divided by
+       tp: the embedding's position table is replicated).  ``bytes_per_param`` = 24 for Adam
+       (``SAILOR_ADAM_BYTES_PER_PARAM``): 8 for the optimizer's two fp32 moments, 4 for the fp32 model copy,
+       4 for the gradients, 4 for a communication buffer and 4 for the extra copy DeepSpeed makes at start
+       (``check_config_fits``, ``get_memory_footprint_on_gpu``, and ``check_stage_fits`` in the fork).  With
+       SGD the moments count 4 instead of 8 (``check_config_fits``), 20 in all.  eth-easl/sailor 142ddeb's
+       ``check_stage_fits`` hard-codes 16 instead (the same terms listed, their sum commented out); pass
+       ``bytes_per_param=16`` for that variant.
+    2. **Activations** = ``sum(act_mem_floats[tp][layer]) x mbs x float_bytes x (num_stages - stage_index)``:
+       the stored activations of one sample, per layer and device, as Sailor measured them at that tp, for
+       the micro-batches a 1F1B schedule keeps in flight on that stage (all of the later stages' count plus
+       its own).  ``float_bytes`` is 4 in Sailor's training setup (its planner and simulator are run with
+       ``fp16=False``; the profiles are fp32) and 2 with ``fp16=True`` (``float_size`` in both).
+    3. **Fixed overhead** = 2e9 bytes at tp 1, 3e9 bytes at tp > 1: memory Megatron takes outside PyTorch's
+       allocator, seen in nvidia-smi (``megatron_mem`` in ``check_stage_fits`` and ``check_config_fits``).
     """
     table = _layer_table(model, tp)
     num_layers = len(table)
