@@ -7,45 +7,14 @@ in the Sailor fork ``saha18uiuc/sailor`` at commit fb8d0e81972909aef932f3e9b1533
 (evaluating a fit) and ``sailor/Planner/sailor_planner/constants.py`` (the 5e8 bucket).  Sailor is MIT
 licensed (SOSP'25, ETH Zurich); this is our own code computing the same numbers from the vendored data.
 
-What the simulator charges for one optimizer step (its validation runs it with ``fp16=False``, so every
-parameter, gradient and activation counts 4 bytes):
-
-1. **Compute per stage**: for each replica of the stage, the sum over its layers of forward + backward
-   seconds from ``layer_profiles.json[model][gpu][mbs][tp]``; the stage is charged its slowest replica.
-2. **Optimizer update**: per stage, the slowest replica's update time of the stage's *first* layer only;
-   the pipeline is charged the largest of those, once.
-3. **Pipeline sends**, per micro-batch, with the *inter-node* fit between the two replicas (GPU count on
-   each side = its tp), whether or not they share a node.  Forward: the output of the stage's last layer
-   (``act_output_floats`` at tp 1, x 4 bytes x mbs) to the same-index replica of the next stage;
-   backward: to the previous stage, at a size set by ``backward_send`` (``BackwardSend``):
-
-   - ``first_layer_output`` (the default, Sailor's own rule): the output size of the stage's *own first*
-     layer.  This is a slip: the gradient a stage sends back is the gradient of its input, so its size is
-     the stage's input, not its first layer's output.  The two agree where the first layer keeps the
-     hidden size (a block), and differ at the output head, whose output is the logits: for OPT-350 a
-     stage starting at the head is charged 412 MB per sample of the micro-batch (103,022,593 floats)
-     instead of the 8.4 MB hidden state (2,097,152 floats).
-   - ``stage_input`` (the slip corrected): the stage's input size, i.e. the output of the previous
-     stage's last layer, which is also what the forward send of that previous stage carries.
-
-   Each is the slowest replica's.  A stage is charged: forward + backward in the middle; twice the
-   backward at the last stage; the forward at the first stage (twice it when there are more than 3
-   stages).  The correction changes only plans with a stage that starts at a layer whose output size
-   differs from its input's (for OPT-350, the head), and there it lowers the charge: on every inter-node
-   fit Sailor measured, a hidden-state send at mbs 1 to 8 takes less time than a logits send.
-4. **Pipeline time** = (m - 1) x max over stages of (compute + sends) + sum of sends + sum of compute
-   + update, m = ceil(global batch / (mbs x dp x number of pipelines)).
-5. **Gradient sync**, not overlapped with anything: per stage, the parameter bytes of its layers divided
-   by min(4, smallest tp among its replicas), all-reduced over its dp replicas in buckets of 5e8 bytes,
-   each bucket costing 2 (dp - 1) x send time of bucket/dp.  The fit is the inter-node one between
-   replicas j and j+1 taken as single GPUs (``[zone][gpu_j]["1"][zone][gpu_j+1]["1"]``), and the stage
-   pays the slowest such neighbour pair.  A plan's sync is the largest stage figure over all pipelines,
-   plus, when there are several pipelines, an all-reduce of the full (undivided) stage bytes across the
-   pipelines, over the stages of the longest pipeline, each of its replicas with its own type's fit.
-6. **Iteration** = slowest pipeline time + sync.
-
-A send of x bytes takes ``x / 1e9 / bw`` seconds with ``bw = sum(c[i] * log2(x / 1e6) ** (n-1-i))`` GB/s,
-no cap at the fit's peak and no latency.  The intra-node fits are loaded by the simulator but never used.
+``sailor_iteration_time`` charges what the simulator charges for one optimizer step (its six rules: there):
+per stage the slowest replica's compute from Sailor's measured layer profiles, one optimizer update, the
+pipeline sends at the inter-node fits, Sailor's pipeline formula, and a gradient sync overlapped with nothing.
+``sailor_send_time_s`` and ``sailor_allreduce_time_s`` are its transfer times: a send of x bytes takes
+``x / 1e9 / bw`` seconds, ``bw`` the fit's GB/s (a polynomial in log2 MB), no cap at the fit's peak and no
+latency; the intra-node fits are loaded by the simulator but never used.  ``BackwardSend`` picks the size of
+the backward send: Sailor's own rule (the default, which reproduces its published figures) or its slip
+corrected.
 
 Translation: our pipelines with the same stage boundaries become one Sailor pipeline whose stage ``s``
 has our pipelines' ``s``-th stages as its replicas, in plan order; a stage's devices must be one GPU type
@@ -78,7 +47,18 @@ _TP_DIVISOR_CAP = 4
 
 
 class BackwardSend(StrEnum):
-    """The size a stage's backward send (the gradient to the previous stage) is charged at (rule 3)."""
+    """The size a stage's backward send (the gradient to the previous stage) is charged at
+    (``sailor_iteration_time``, rule 3).
+
+    Sailor's own rule charges the output size of the stage's *own first* layer.  This is a slip: the gradient a
+    stage sends back is the gradient of its input, so its size is the stage's input, not its first layer's
+    output.  The two agree where the first layer keeps the hidden size (a block), and differ at the output
+    head, whose output is the logits: for OPT-350 a stage starting at the head is charged 412 MB per sample of
+    the micro-batch (103,022,593 floats) instead of the 8.4 MB hidden state (2,097,152 floats).  The
+    correction changes only plans with a stage that starts at a layer whose output size differs from its
+    input's (for OPT-350, the head), and there it lowers the charge: on every inter-node fit Sailor measured,
+    a hidden-state send at mbs 1 to 8 takes less time than a logits send.
+    """
 
     first_layer_output = "first_layer_output"
     """Sailor's own rule: the output size of the stage's first layer (logits-sized for a stage at the head)."""
@@ -97,7 +77,7 @@ class SailorStageEstimate:
     compute_s: float
     """Forward + backward of the slowest replica."""
     send_s: float
-    """Pipeline sends charged to the stage (rule 3 of the module docstring)."""
+    """Pipeline sends charged to the stage (``sailor_iteration_time``, rule 3)."""
     update_s: float
     """Optimizer update of the slowest replica (first layer's figure)."""
     sync_s: float
@@ -168,7 +148,8 @@ def _fit_gbs(coeffs: list[float], message_bytes: float) -> float:
 
 
 def sailor_send_time_s(message_bytes: float, coeffs: list[float]) -> float:
-    """Seconds to send ``message_bytes`` at the fit ``coeffs`` (GB/s polynomial in log2 MB), as Sailor.
+    """Seconds to send ``message_bytes`` at the fit ``coeffs`` (GB/s polynomial in log2 MB), as Sailor:
+    ``x / 1e9 / bw`` with ``bw = sum(c[i] * log2(x / 1e6) ** (n-1-i))`` GB/s.
 
     No peak cap and no latency term.  A fit that gives <= 0 GB/s at that size (Sailor would return a
     negative or infinite time) raises ConfigError.
@@ -320,11 +301,36 @@ def sailor_iteration_time(plan: Plan, cluster: ClusterSpec | str | None = None, 
     ``model`` and ``zone`` pick Sailor's tables; ``fp16`` is the simulator's flag (2 instead of 4 bytes
     per activation and gradient element; Sailor's validation runs use False).  ``backward_send`` is the size
     the backward pipeline send is charged at: ``first_layer_output``, Sailor's own rule (the default, which
-    reproduces its published figures), or ``stage_input``, that rule's slip corrected (module docstring,
-    rule 3).  The plan's own micro-batch
-    counts are not used: Sailor derives m from the global batch.  Raises ConfigError for a plan it cannot
-    score (GPU type, micro-batch size, tp or link not in Sailor's data; mixed micro-batch sizes; a tp
-    group of several types or nodes).
+    reproduces its published figures), or ``stage_input``, that rule's slip corrected (``BackwardSend``).
+    The plan's own micro-batch counts are not used: Sailor derives m from the global batch.  Raises
+    ConfigError for a plan it cannot score (GPU type, micro-batch size, tp or link not in Sailor's data; mixed
+    micro-batch sizes; a tp group of several types or nodes).
+
+    What the simulator charges for one optimizer step (its validation runs it with ``fp16=False``, so every
+    parameter, gradient and activation counts 4 bytes):
+
+    1. **Compute per stage**: for each replica of the stage, the sum over its layers of forward + backward
+       seconds from ``layer_profiles.json[model][gpu][mbs][tp]``; the stage is charged its slowest replica.
+    2. **Optimizer update**: per stage, the slowest replica's update time of the stage's *first* layer only;
+       the pipeline is charged the largest of those, once.
+    3. **Pipeline sends**, per micro-batch, with the *inter-node* fit between the two replicas (GPU count on
+       each side = its tp), whether or not they share a node.  Forward: the output of the stage's last layer
+       (``act_output_floats`` at tp 1, x 4 bytes x mbs) to the same-index replica of the next stage;
+       backward: to the previous stage, at a size set by ``backward_send``: the output size of the stage's
+       own first layer (``first_layer_output``) or the stage's input size, the output of the previous
+       stage's last layer (``stage_input``).  Each is the slowest replica's.  A stage is charged: forward +
+       backward in the middle; twice the backward at the last stage; the forward at the first stage (twice
+       it when there are more than 3 stages).
+    4. **Pipeline time** = (m - 1) x max over stages of (compute + sends) + sum of sends + sum of compute
+       + update, m = ceil(global batch / (mbs x dp x number of pipelines)).
+    5. **Gradient sync**, not overlapped with anything: per stage, the parameter bytes of its layers divided
+       by min(4, smallest tp among its replicas), all-reduced over its dp replicas in buckets of 5e8 bytes,
+       each bucket costing 2 (dp - 1) x send time of bucket/dp.  The fit is the inter-node one between
+       replicas j and j+1 taken as single GPUs (``[zone][gpu_j]["1"][zone][gpu_j+1]["1"]``), and the stage
+       pays the slowest such neighbour pair.  A plan's sync is the largest stage figure over all pipelines,
+       plus, when there are several pipelines, an all-reduce of the full (undivided) stage bytes across the
+       pipelines, over the stages of the longest pipeline, each of its replicas with its own type's fit.
+    6. **Iteration** = slowest pipeline time + sync.
     """
     if backward_send not in tuple(BackwardSend):
         raise field_error("backward_send", backward_send, f"be one of {', '.join(BackwardSend)}")
