@@ -7,9 +7,10 @@ in the Sailor fork ``saha18uiuc/sailor`` at commit fb8d0e81972909aef932f3e9b1533
 (evaluating a fit) and ``sailor/Planner/sailor_planner/constants.py`` (the 5e8 bucket).  Sailor is MIT
 licensed (SOSP'25, ETH Zurich); this is our own code computing the same numbers from the vendored data.
 
-``sailor_iteration_time`` charges what the simulator charges for one optimizer step (its six rules: there):
-per stage the slowest replica's compute from Sailor's measured layer profiles, one optimizer update, the
-pipeline sends at the inter-node fits, Sailor's pipeline formula, and a gradient sync overlapped with nothing.
+``sailor_iteration_time`` charges what the simulator charges for one optimizer step (its six rules:
+``SailorEstimate``): per stage the slowest replica's compute from Sailor's measured layer profiles, one
+optimizer update, the pipeline sends at the inter-node fits, Sailor's pipeline formula, and a gradient sync
+overlapped with nothing.
 ``sailor_send_time_s`` and ``sailor_allreduce_time_s`` are its transfer times: a send of x bytes takes
 ``x / 1e9 / bw`` seconds, ``bw`` the fit's GB/s (a polynomial in log2 MB), no cap at the fit's peak and no
 latency; the intra-node fits are loaded by the simulator but never used.  ``BackwardSend`` picks the size of
@@ -48,7 +49,7 @@ _TP_DIVISOR_CAP = 4
 
 class BackwardSend(StrEnum):
     """The size a stage's backward send (the gradient to the previous stage) is charged at
-    (``sailor_iteration_time``, rule 3).
+    (``SailorEstimate``, rule 3).
 
     Sailor's own rule charges the output size of the stage's *own first* layer.  This is a slip: the gradient a
     stage sends back is the gradient of its input, so its size is the stage's input, not its first layer's
@@ -77,7 +78,7 @@ class SailorStageEstimate:
     compute_s: float
     """Forward + backward of the slowest replica."""
     send_s: float
-    """Pipeline sends charged to the stage (``sailor_iteration_time``, rule 3)."""
+    """Pipeline sends charged to the stage (``SailorEstimate``, rule 3)."""
     update_s: float
     """Optimizer update of the slowest replica (first layer's figure)."""
     sync_s: float
@@ -108,7 +109,34 @@ class SailorPipelineEstimate:
 
 @dataclass(frozen=True)
 class SailorEstimate:
-    """Sailor's simulated iteration time of a plan and its terms."""
+    """Sailor's simulated iteration time of a plan and its terms.
+
+    What the simulator charges for one optimizer step (its validation runs it with ``fp16=False``, so every
+    parameter, gradient and activation counts 4 bytes):
+
+    1. **Compute per stage**: for each replica of the stage, the sum over its layers of forward + backward
+       seconds from ``layer_profiles.json[model][gpu][mbs][tp]``; the stage is charged its slowest replica.
+    2. **Optimizer update**: per stage, the slowest replica's update time of the stage's *first* layer only;
+       the pipeline is charged the largest of those, once.
+    3. **Pipeline sends**, per micro-batch, with the *inter-node* fit between the two replicas (GPU count on
+       each side = its tp), whether or not they share a node.  Forward: the output of the stage's last layer
+       (``act_output_floats`` at tp 1, x 4 bytes x mbs) to the same-index replica of the next stage;
+       backward: to the previous stage, at a size set by ``backward_send``: the output size of the stage's
+       own first layer (``first_layer_output``) or the stage's input size, the output of the previous
+       stage's last layer (``stage_input``).  Each is the slowest replica's.  A stage is charged: forward +
+       backward in the middle; twice the backward at the last stage; the forward at the first stage (twice
+       it when there are more than 3 stages).
+    4. **Pipeline time** = (m - 1) x max over stages of (compute + sends) + sum of sends + sum of compute
+       + update, m = ceil(global batch / (mbs x dp x number of pipelines)).
+    5. **Gradient sync**, not overlapped with anything: per stage, the parameter bytes of its layers divided
+       by min(4, smallest tp among its replicas), all-reduced over its dp replicas in buckets of 5e8 bytes,
+       each bucket costing 2 (dp - 1) x send time of bucket/dp.  The fit is the inter-node one between
+       replicas j and j+1 taken as single GPUs (``[zone][gpu_j]["1"][zone][gpu_j+1]["1"]``), and the stage
+       pays the slowest such neighbour pair.  A plan's sync is the largest stage figure over all pipelines,
+       plus, when there are several pipelines, an all-reduce of the full (undivided) stage bytes across the
+       pipelines, over the stages of the longest pipeline, each of its replicas with its own type's fit.
+    6. **Iteration** = slowest pipeline time + sync.
+    """
 
     iteration_s: float
     """pipeline_s + sync_s."""
@@ -304,33 +332,7 @@ def sailor_iteration_time(plan: Plan, cluster: ClusterSpec | str | None = None, 
     reproduces its published figures), or ``stage_input``, that rule's slip corrected (``BackwardSend``).
     The plan's own micro-batch counts are not used: Sailor derives m from the global batch.  Raises
     ConfigError for a plan it cannot score (GPU type, micro-batch size, tp or link not in Sailor's data; mixed
-    micro-batch sizes; a tp group of several types or nodes).
-
-    What the simulator charges for one optimizer step (its validation runs it with ``fp16=False``, so every
-    parameter, gradient and activation counts 4 bytes):
-
-    1. **Compute per stage**: for each replica of the stage, the sum over its layers of forward + backward
-       seconds from ``layer_profiles.json[model][gpu][mbs][tp]``; the stage is charged its slowest replica.
-    2. **Optimizer update**: per stage, the slowest replica's update time of the stage's *first* layer only;
-       the pipeline is charged the largest of those, once.
-    3. **Pipeline sends**, per micro-batch, with the *inter-node* fit between the two replicas (GPU count on
-       each side = its tp), whether or not they share a node.  Forward: the output of the stage's last layer
-       (``act_output_floats`` at tp 1, x 4 bytes x mbs) to the same-index replica of the next stage;
-       backward: to the previous stage, at a size set by ``backward_send``: the output size of the stage's
-       own first layer (``first_layer_output``) or the stage's input size, the output of the previous
-       stage's last layer (``stage_input``).  Each is the slowest replica's.  A stage is charged: forward +
-       backward in the middle; twice the backward at the last stage; the forward at the first stage (twice
-       it when there are more than 3 stages).
-    4. **Pipeline time** = (m - 1) x max over stages of (compute + sends) + sum of sends + sum of compute
-       + update, m = ceil(global batch / (mbs x dp x number of pipelines)).
-    5. **Gradient sync**, not overlapped with anything: per stage, the parameter bytes of its layers divided
-       by min(4, smallest tp among its replicas), all-reduced over its dp replicas in buckets of 5e8 bytes,
-       each bucket costing 2 (dp - 1) x send time of bucket/dp.  The fit is the inter-node one between
-       replicas j and j+1 taken as single GPUs (``[zone][gpu_j]["1"][zone][gpu_j+1]["1"]``), and the stage
-       pays the slowest such neighbour pair.  A plan's sync is the largest stage figure over all pipelines,
-       plus, when there are several pipelines, an all-reduce of the full (undivided) stage bytes across the
-       pipelines, over the stages of the longest pipeline, each of its replicas with its own type's fit.
-    6. **Iteration** = slowest pipeline time + sync.
+    micro-batch sizes; a tp group of several types or nodes).  The rules it charges: ``SailorEstimate``.
     """
     if backward_send not in tuple(BackwardSend):
         raise field_error("backward_send", backward_send, f"be one of {', '.join(BackwardSend)}")
