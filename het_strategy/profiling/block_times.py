@@ -26,81 +26,101 @@ from het_strategy.profiling.torch_device import synchronizer
 __all__ = ["time_passes", "adam_update_s"]
 
 
+class _PassTimer:
+    """The clock of one forward + backward pass: block hooks and autograd hooks mark the segment boundaries, and
+    the time since the last boundary is charged to the segment that was running."""
+
+    def __init__(self, num_blocks: int, sync: Callable[[], None]) -> None:
+        self.n = num_blocks
+        self.sync = sync
+        self.acc: list[float] = [0.0] * (num_blocks + 2)
+        """The pass's figures the clock charges now (the forward's, then the backward's)."""
+        self.last = 0.0
+        self.phase = "idle"
+        self.bwd_seen: set[int] = set()
+        """Segments whose backward has begun in this pass."""
+        self.hooked: set[int] = set()
+        """Segments whose backward-start hook is registered in this pass."""
+        self.timeline = Timeline(self._on_leave)
+
+    def _on_leave(self, seg: int) -> None:
+        self.sync()
+        now = time.perf_counter()
+        self.acc[seg] += now - self.last
+        self.last = now
+
+    def _backward_event(self, seg: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if seg not in self.bwd_seen:  # the first gradient to arrive opens the segment's backward
+                self.bwd_seen.add(seg)
+                self.timeline.switch(seg)
+        return hook
+
+    def pre_hook(self, idx: int) -> Callable:
+        """Block ``idx``'s forward pre-hook: its segment begins (and, on the first block, its input's gradient
+        will mark where segment 0's backward begins)."""
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.phase != "forward":
+                return  # e.g. activation checkpointing recomputing a block inside backward
+            self.timeline.switch(idx + 1)
+            if idx == 0 and 0 not in self.hooked:
+                self.hooked.add(0)
+                for t in tensors_in((args, kwargs)):
+                    if t.requires_grad:
+                        t.register_hook(self._backward_event(0))
+        return hook
+
+    def post_hook(self, idx: int) -> Callable:
+        """Block ``idx``'s forward hook: the next segment begins, and its output's gradient will mark where the
+        block's backward begins."""
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self.phase != "forward":
+                return
+            if idx + 1 not in self.hooked:
+                self.hooked.add(idx + 1)
+                for t in tensors_in(output):
+                    if t.requires_grad:
+                        t.register_hook(self._backward_event(idx + 1))
+            self.timeline.switch(idx + 1 if idx < self.n - 1 else self.n + 1)
+        return hook
+
+    def run(self, module: nn.Module, batch: Any, params: list[nn.Parameter]) -> tuple[list[float], list[float]]:
+        """One forward + backward pass of ``module`` on ``batch`` (the hooks registered): forward and backward
+        seconds per segment; the gradients are cleared after it."""
+        n = self.n
+        self.hooked.clear()
+        self.bwd_seen.clear()
+        fwd = [0.0] * (n + 2)
+        bwd = [0.0] * (n + 2)
+        self.acc = fwd
+        self.phase = "forward"
+        self.sync()
+        self.last = time.perf_counter()
+        self.timeline.current = 0
+        loss = _loss(call_module(module, batch))
+        self.timeline.switch(n + 1)
+        self.acc = bwd
+        self.phase = "backward"
+        loss.backward()
+        self.timeline.switch(n + 1)
+        self.phase = "idle"
+        del loss
+        for p in params:
+            p.grad = None
+        return fwd, bwd
+
+
 def time_passes(module: nn.Module, batch: Any, block_list: BlockList, device: torch.device,
                 repeats: int, warmup: int) -> tuple[list[float], list[float]]:
     """Median forward and backward seconds per segment over ``repeats`` timed passes."""
     n = len(block_list)
-    sync = synchronizer(device)
-    acc: list[list[float]] = [[0.0] * (n + 2)]
-    last = [0.0]
-    phase = ["idle"]
-    bwd_seen: set[int] = set()
-
-    def on_leave(seg: int) -> None:
-        sync()
-        now = time.perf_counter()
-        acc[0][seg] += now - last[0]
-        last[0] = now
-
-    timeline = Timeline(on_leave)
-
-    def backward_event(seg: int) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if seg not in bwd_seen:  # the first gradient to arrive opens the segment's backward
-                bwd_seen.add(seg)
-                timeline.switch(seg)
-        return hook
-
-    hooked: set[int] = set()
-
-    def pre_hook(idx: int) -> Callable:
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            if phase[0] != "forward":
-                return  # e.g. activation checkpointing recomputing a block inside backward
-            timeline.switch(idx + 1)
-            if idx == 0 and 0 not in hooked:
-                hooked.add(0)
-                for t in tensors_in((args, kwargs)):
-                    if t.requires_grad:
-                        t.register_hook(backward_event(0))
-        return hook
-
-    def post_hook(idx: int) -> Callable:
-        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if phase[0] != "forward":
-                return
-            if idx + 1 not in hooked:
-                hooked.add(idx + 1)
-                for t in tensors_in(output):
-                    if t.requires_grad:
-                        t.register_hook(backward_event(idx + 1))
-            timeline.switch(idx + 1 if idx < n - 1 else n + 1)
-        return hook
-
+    timer = _PassTimer(n, synchronizer(device))
     fwd_runs: list[list[float]] = []
     bwd_runs: list[list[float]] = []
     params = list(module.parameters())
-    with block_hooks(block_list, pre_hook, post_hook), torch.enable_grad():
+    with block_hooks(block_list, timer.pre_hook, timer.post_hook), torch.enable_grad():
         for run in range(warmup + repeats):
-            hooked.clear()
-            bwd_seen.clear()
-            fwd = [0.0] * (n + 2)
-            bwd = [0.0] * (n + 2)
-            acc[0] = fwd
-            phase[0] = "forward"
-            sync()
-            last[0] = time.perf_counter()
-            timeline.current = 0
-            loss = _loss(call_module(module, batch))
-            timeline.switch(n + 1)
-            acc[0] = bwd
-            phase[0] = "backward"
-            loss.backward()
-            timeline.switch(n + 1)
-            phase[0] = "idle"
-            del loss
-            for p in params:
-                p.grad = None
+            fwd, bwd = timer.run(module, batch, params)
             if run >= warmup:
                 fwd_runs.append(fwd)
                 bwd_runs.append(bwd)

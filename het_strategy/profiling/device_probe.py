@@ -1,33 +1,23 @@
 """Measuring one device: sustained matmul TFLOPS in the training dtype, memory, copy bandwidth.
 
 ``measure_device`` is what every rank of ``probe_cluster`` runs on its own
-device.  Each figure is the median of the best three of ``rounds`` timed
-rounds of identical calls (about ``budget_s`` of timed work in all, after a
-warm-up call and a sizing call), with the device synchronised around each
-round.  The best rounds, not the mean nor the median of all: on a shared
-machine other processes take the core away for part of most rounds (a busy
-host measured rounds of one rank between 0.014 and 0.074 TFLOPS), and
-interference only ever slows a round down, so the fastest rounds are the
-least disturbed — the reason ``timeit`` reports the minimum time; three of
-them, so that one lucky round does not set the figure
-(``measurements.best_rounds_figure``).  Every round's figure is kept in the
-measurement; how far the median round falls short of the figure
-(``DeviceMeasurement.tflops_noise``) tells how well the figure is known.  Short rounds, many of them, give more chances of
-an undisturbed one: 10 rounds of 50 ms by default.
+device; ``round_clock`` says how one round is timed; ``InTurn`` is the
+caller's scheduler of rounds.  Each figure is the median of the best three of
+``rounds`` short timed rounds (``measurements.best_rounds_figure``;
+``measure_device``'s docstring says why the best), and every round's figure is
+kept in the measurement: how far the median round falls short of the figure
+(``DeviceMeasurement.tflops_noise``) tells how well the figure is known.
 
-On a CPU a round's time also leaves out the time the measuring thread spent
-*waiting for a core* (Linux's ``/proc/thread-self/schedstat``, the run-queue
-wait): a process that took the core away for part of a round does not count
-against the device.  Exact for a single-threaded rank; for a multi-threaded
-one only the main thread's waits are left out, so the figure stays on the
-safe side (never above the undisturbed speed).  Where the file is missing the
-wall time is used.  The figure is thus what the device does when it runs, not
-how much of the host a rank got while measuring: a load that lasts into
-training is the straggler callback's to see.
+Invariants:
 
-Not collective by itself; ``in_turn`` lets the caller schedule each round
-(``probe_cluster`` makes the ranks of one host take turns, so that they do not
-compete for the same cores while each measures).
+- a figure is what the device does when it runs, not how much of the host a
+  rank got while measuring: on a CPU a round leaves out the time the measuring
+  thread waited for a core, and it is never timed shorter than it ran, so the
+  figure stays on the safe side (never above the undisturbed speed); a load
+  that lasts into training is the straggler callback's to see;
+- not collective by itself: ``in_turn`` lets the caller schedule each round,
+  and it is called equally often on every rank (``probe_cluster`` makes the
+  ranks of one host take turns, so that they do not compete for the same cores).
 """
 
 from __future__ import annotations
@@ -75,6 +65,10 @@ def round_clock(device: torch.device) -> Callable[[Callable[[], None]], float]:
     """How a round is timed: ``clock(work) -> seconds``.  On a CPU, wall time less this thread's run-queue
     waits (when Linux tells them); elsewhere (a GPU computes while its host thread waits) wall time.
 
+    A process that took the core away for part of a round does not count against the device.  Exact for a
+    single-threaded rank; for a multi-threaded one only the main thread's waits are left out, so the figure stays
+    on the safe side.  Where ``/proc/thread-self/schedstat`` is missing the wall time is used.
+
     The reads are ordered so that a preemption between two of them can only lengthen the time (the wait read
     after the wall clock at the start, before it at the end): a round is never timed shorter than it ran.
     """
@@ -110,6 +104,18 @@ def measure_device(device: torch.device | str, dtype: str = "fp32", budget_s: fl
     runs each sizing call and each round (default: at once); it is called the
     same number of times on every rank, ``2 x (rounds + 1)``, so a collective
     scheduler can use it.
+
+    Each figure is the median of the best three of ``rounds`` timed rounds of
+    identical calls (about ``budget_s`` of timed work in all, after a warm-up
+    call and a sizing call), with the device synchronised around each round.
+    The best rounds, not the mean nor the median of all: on a shared machine
+    other processes take the core away for part of most rounds, and
+    interference only ever slows a round down, so the fastest rounds are the
+    least disturbed (the reason ``timeit`` reports the minimum time); three of
+    them, so that one lucky round does not set the figure.  Short rounds, many
+    of them, give more chances of an undisturbed one: 10 rounds of 50 ms by
+    default.
+
     The matmuls run under the current ``torch.backends`` settings (e.g. TF32
     for fp32 on NVIDIA GPUs), so set those as training will before probing.
     ``num_local_ranks`` ranks share a CPU host's memory (default:

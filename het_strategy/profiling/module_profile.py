@@ -1,7 +1,8 @@
 """A workload from a real ``nn.Module``: per-block FLOPs, bytes and measured times.
 
 ``profile_module(model, sample_batch)`` turns a user's own model into the two
-objects the planner needs, so it can be planned like the analytic transformers:
+objects the planner needs, so it can be planned like the analytic transformers
+(its docstring has the steps and tuning advice); ``ProfileResult`` holds them:
 
 * a ``WorkloadSpec`` — one ``LayerCost`` per block, with forward FLOPs counted by
   ``torch.utils.flop_counter.FlopCounterMode`` (no hand-written formulas), the
@@ -11,33 +12,10 @@ objects the planner needs, so it can be planned like the analytic transformers:
   layer, measured on the local device, which the cost model prefers to
   datasheet throughput for that device type.
 
-How it works, in order:
-
-1. Blocks: the dotted names given, or the first ``nn.ModuleList`` /
-   ``nn.Sequential`` with >= 2 children found breadth-first.  Code that runs
-   before the first block (embeddings) forms layer 0 (``embedding``), code after
-   the last block (final norm, head, loss) forms the last layer (``head``); each
-   is left out when it holds no parameters, FLOPs or saved bytes.
-2. One counting forward pass (``block_counts.py``): a forward pre/post hook
-   on every block marks the boundaries of a single timeline (``segments.py``);
-   FLOPs (running total of ``FlopCounterMode``), saved-for-backward bytes
-   (``saved_tensors_hooks``; storages deduplicated, parameters and buffers
-   counted out, a storage charged to the first layer that saves it) and the
-   first use of every parameter outside the blocks (a ``TorchFunctionMode``)
-   are charged to the layer whose interval is running.  Code between two
-   blocks belongs to the earlier block, so the layers' FLOPs add up exactly to
-   the whole forward's count.
-3. ``warmup + repeats`` timed forward + backward passes (``block_times.py``):
-   the same boundaries in forward; in backward, autograd hooks on each block's
-   output (and on the first block's input) mark where its backward starts.
-   ``time.perf_counter``, with ``torch.cuda.synchronize`` at every boundary on
-   CUDA; the median is kept.
-4. Update time: a measured ``torch.optim.Adam`` step on detached copies of the
-   layer's trainable parameters (the model's own weights are not touched).
-
-Tuning advice: the sample batch sets the micro-batch size of the profile; the
-cost model scales times linearly to other sizes, so profile at the micro-batch
-you expect to train with.  Use ``repeats`` >= 5 on a busy machine.
+Invariants: every parameter is in exactly one layer, and the layers' FLOPs add
+up exactly to the whole forward's count (code between two blocks belongs to the
+earlier block).  The model is left as it was: modes, gradients and RNG state are
+restored, and the update is timed on copies of its weights.
 
 This is a runtime module: it imports torch (the planning core does not).
 """
@@ -56,7 +34,7 @@ from het_strategy.core.errors import field_error, require_int
 from het_strategy.core.dtypes import DTYPE_BYTES
 from het_strategy.core.workload import LayerCost, MeasuredProfile, WorkloadSpec
 from het_strategy.profiling.batch_contents import first_tensor
-from het_strategy.profiling.block_counts import count_pass
+from het_strategy.profiling.block_counts import SegmentCounts, count_pass
 from het_strategy.profiling.block_times import adam_update_s, time_passes
 from het_strategy.profiling.segments import BlockList
 from het_strategy.profiling.torch_device import DTYPE_NAMES, indexed_device
@@ -120,6 +98,32 @@ def profile_module(
     or the first tensor for a dict).  ``dtype`` labels the byte figures and must
     be the dtype the module's parameters are in.  Modes, gradients and the RNG
     state of the module are restored afterwards.
+
+    How it works, in order:
+
+    1. Blocks: the dotted names given, or the first ``nn.ModuleList`` /
+       ``nn.Sequential`` with >= 2 children found breadth-first.  Code that runs
+       before the first block (embeddings) forms layer 0 (``embedding``), code after
+       the last block (final norm, head, loss) forms the last layer (``head``); each
+       is left out when it holds no parameters, FLOPs or saved bytes.
+    2. One counting forward pass (``block_counts.py``, which says how each figure
+       is counted): a forward pre/post hook on every block marks the boundaries
+       of a single timeline (``segments.py``); FLOPs, saved-for-backward bytes and
+       the first use of every parameter outside the blocks are charged to the
+       layer whose interval is running.  Code between two blocks belongs to the
+       earlier block, so the layers' FLOPs add up exactly to the whole forward's
+       count.
+    3. ``warmup + repeats`` timed forward + backward passes (``block_times.py``):
+       the same boundaries in forward; in backward, autograd hooks on each block's
+       output (and on the first block's input) mark where its backward starts.
+       ``time.perf_counter``, with ``torch.cuda.synchronize`` at every boundary on
+       CUDA; the median is kept.
+    4. Update time: a measured ``torch.optim.Adam`` step on detached copies of the
+       layer's trainable parameters (the model's own weights are not touched).
+
+    Tuning advice: the sample batch sets the micro-batch size of the profile; the
+    cost model scales times linearly to other sizes, so profile at the micro-batch
+    you expect to train with.  Use ``repeats`` >= 5 on a busy machine.
     """
     params = list(module.parameters()) if isinstance(module, nn.Module) else []
     if not params:
@@ -130,6 +134,32 @@ def profile_module(
     _check_module_dtype(params, dtype)
     repeats = require_int(repeats, "repeats", minimum=1)
     warmup = require_int(warmup, "warmup", minimum=0)
+    batch_size, seq_len = _batch_shape(sample_batch)
+    block_list = _resolve_blocks(module, blocks)
+    device = params[0].device
+    if device_type is None:
+        device_type = _local_device_type(device)
+    elif not isinstance(device_type, str) or not device_type:
+        raise field_error("device_type", device_type, "be a device type name (string)")
+
+    counts, fwd_s, bwd_s = _count_and_time(module, params, sample_batch, block_list, device, repeats, warmup)
+    seg_params, seg_tensors = _segment_parameters(module, params, block_list, counts)
+    segments = _kept_segments(len(block_list), seg_tensors, counts, fwd_s, bwd_s)
+    layers = _layer_costs(segments, len(block_list), counts, batch_size, seg_tensors)
+    rows = [(fwd_s[seg], bwd_s[seg], adam_update_s([p for p in seg_tensors[seg] if p.requires_grad], repeats, warmup,
+                                                   device)) for seg in segments]
+    names = [tuple(seg_params[seg]) for seg in segments]
+    model_name = name if name is not None else type(module).__name__
+    workload = WorkloadSpec(name=model_name, layers=tuple(layers), seq_len=seq_len, dtype=dtype)
+    profile = MeasuredProfile(model=model_name, times={(device_type, 1): {batch_size: rows}})
+    profile.check_matches(workload)
+    return ProfileResult(workload=workload, profile=profile, device_type=device_type, micro_batch=batch_size,
+                         block_modules=tuple(bname for bname, _ in block_list), layer_params=tuple(names))
+
+
+def _batch_shape(sample_batch: Any) -> tuple[int, int]:
+    """(batch size, sequence length) of the sample batch: its first tensor's dim 0 and, when it has >= 2 dims,
+    its dim 1 (else 1)."""
     first = first_tensor(sample_batch)
     if first is None:
         raise field_error("sample_batch", type(sample_batch).__name__, "hold at least one tensor",
@@ -139,13 +169,13 @@ def profile_module(
                           "have a batch dimension (dim 0 of its first tensor, size >= 1)")
     batch_size = int(first.shape[0])
     seq_len = int(first.shape[1]) if first.dim() >= 2 and first.shape[1] >= 1 else 1
-    block_list = _resolve_blocks(module, blocks)
-    device = params[0].device
-    if device_type is None:
-        device_type = _local_device_type(device)
-    elif not isinstance(device_type, str) or not device_type:
-        raise field_error("device_type", device_type, "be a device type name (string)")
+    return batch_size, seq_len
 
+
+def _count_and_time(module: nn.Module, params: list[nn.Parameter], sample_batch: Any, block_list: BlockList,
+                    device: torch.device, repeats: int, warmup: int) -> tuple[SegmentCounts, list[float], list[float]]:
+    """The counting pass and the timed passes, in train mode from cleared gradients under a forked RNG; the
+    module's modes and gradients restored after them, however they end."""
     saved_modes = {m: m.training for m in module.modules()}
     saved_grads = {p: p.grad for p in params}
     rng_devices = [indexed_device(device).index] if device.type == "cuda" else []
@@ -161,7 +191,12 @@ def profile_module(
             m.training = mode
         for p, g in saved_grads.items():
             p.grad = g
+    return counts, fwd_s, bwd_s
 
+
+def _segment_parameters(module: nn.Module, params: list[nn.Parameter], block_list: BlockList,
+                        counts: SegmentCounts) -> tuple[list[list[str]], list[list[nn.Parameter]]]:
+    """The names and tensors of the parameters each segment holds (every parameter in exactly one)."""
     owner = _assign_params(module, block_list, counts.first_use)
     n = len(block_list)
     seg_params: list[list[str]] = [[] for _ in range(n + 2)]
@@ -173,8 +208,14 @@ def profile_module(
     if sum(seg_numel) != sum(p.numel() for p in params):  # every parameter in exactly one layer
         raise AssertionError(f"layer parameters sum to {sum(seg_numel)}, the module has "
                              f"{sum(p.numel() for p in params)}")
+    return seg_params, seg_tensors
 
-    # Layer 0 and the last layer exist only when something happens there.
+
+def _kept_segments(n: int, seg_tensors: list[list[nn.Parameter]], counts: SegmentCounts, fwd_s: list[float],
+                   bwd_s: list[float]) -> list[int]:
+    """The segments that become layers: every block, and the code before the first block and after the last
+    only when something happens there (else their time goes to the neighbouring block, in place)."""
+    seg_numel = [sum(p.numel() for p in ts) for ts in seg_tensors]
     keep_lead = seg_numel[0] > 0 or counts.flops[0] > 0 or counts.saved_bytes[0] > 0
     keep_trail = seg_numel[n + 1] > 0 or counts.flops[n + 1] > 0 or counts.saved_bytes[n + 1] > 0
     if not keep_lead:
@@ -183,29 +224,18 @@ def profile_module(
     if not keep_trail:
         fwd_s[n] += fwd_s[n + 1]
         bwd_s[n] += bwd_s[n + 1]
-    segments = ([0] if keep_lead else []) + list(range(1, n + 1)) + ([n + 1] if keep_trail else [])
+    return ([0] if keep_lead else []) + list(range(1, n + 1)) + ([n + 1] if keep_trail else [])
 
-    layers: list[LayerCost] = []
-    rows: list[tuple[float, float, float]] = []
-    names: list[tuple[str, ...]] = []
-    for seg in segments:
-        label = _LEAD_NAME if seg == 0 else _TRAIL_NAME if seg == n + 1 else f"block{seg - 1}"
-        layers.append(LayerCost(
-            name=label,
-            flops_per_sample=counts.flops[seg] / batch_size,
-            params=seg_numel[seg],
-            activation_bytes_per_sample=counts.saved_bytes[seg] / batch_size,
-            output_bytes_per_sample=counts.output_bytes[seg] / batch_size,
-        ))
-        trainable = [p for p in seg_tensors[seg] if p.requires_grad]
-        rows.append((fwd_s[seg], bwd_s[seg], adam_update_s(trainable, repeats, warmup, device)))
-        names.append(tuple(seg_params[seg]))
-    model_name = name if name is not None else type(module).__name__
-    workload = WorkloadSpec(name=model_name, layers=tuple(layers), seq_len=seq_len, dtype=dtype)
-    profile = MeasuredProfile(model=model_name, times={(device_type, 1): {batch_size: rows}})
-    profile.check_matches(workload)
-    return ProfileResult(workload=workload, profile=profile, device_type=device_type, micro_batch=batch_size,
-                         block_modules=tuple(bname for bname, _ in block_list), layer_params=tuple(names))
+
+def _layer_costs(segments: list[int], n: int, counts: SegmentCounts, batch_size: int,
+                 seg_tensors: list[list[nn.Parameter]]) -> list[LayerCost]:
+    """The ``LayerCost`` of each kept segment: its per-sample FLOPs and bytes, its parameter count."""
+    return [LayerCost(name=_LEAD_NAME if seg == 0 else _TRAIL_NAME if seg == n + 1 else f"block{seg - 1}",
+                      flops_per_sample=counts.flops[seg] / batch_size,
+                      params=sum(p.numel() for p in seg_tensors[seg]),
+                      activation_bytes_per_sample=counts.saved_bytes[seg] / batch_size,
+                      output_bytes_per_sample=counts.output_bytes[seg] / batch_size)
+            for seg in segments]
 
 
 # -- blocks ----------------------------------------------------------------------------------------

@@ -4,60 +4,24 @@ At setup every rank measures its own device and, together, the process
 group's links; the figures are gathered to all ranks, turned into a
 ``ClusterSpec`` (the same object a cluster YAML gives), printed as a table on
 rank 0 and cached so that a re-run on the same hosts skips the measurement.
+``probe_cluster`` does it (its docstring has the steps and tuning advice) and
+returns a ``ProbeResult``; ``cluster_from_measurements`` builds the
+``ClusterSpec`` from figures without a process group.
 
-How ``probe_cluster`` works, in order (every step is collective over the
-default process group):
+Invariants:
 
-1. Each rank's host name is gathered, so each rank knows how many ranks share
-   its host (a CPU rank's memory share, the turns of step 2) and which cache
-   files belong to it.
-2. Devices: every rank looks for its device cache file; the "have it" flags are
-   gathered and the ranks load only when *all* have one, else all measure.
-   ``measure_device`` times square matmuls in the training dtype and a large
-   copy (memory bandwidth), each figure the median of the best three of
-   ``rounds`` short rounds (interference only slows a round down), and reads
-   the device's memory.
-   The ranks of one host take turns round by round (rank a's round 1, rank
-   b's round 1, ..., rank a's round 2, ...; a barrier between turns), so they
-   never compete for the host's cores while one measures, and a load that
-   comes and goes on the machine falls on every rank's rounds alike.  Hosts
-   measure at the same time.
-3. Links: rank 0 looks for the link cache and broadcasts what it found (or
-   nothing), so all ranks take the same branch; otherwise ``measure_links``
-   times allreduce and ring send/recv at a few sizes (median of ``repeats``),
-   and rank 0 writes the cache.  The collectives of both branches match on
-   every rank.
-4. The device figures are gathered to all ranks; devices of one type whose
-   figures are equal within noise are read as one figure
-   (``snap_like_devices``: within ``snap_tolerance``, default 10%, or the
-   figures' own noise); freshly measured figures go to the cache, the raw
-   rounds with the snapped figures beside them.  ``cluster_from_measurements``
-   builds the ``ClusterSpec`` from the snapped figures: one node per host,
-   device ``rank{i}`` per rank, TFLOPS with efficiency 1.0 (measured figures
-   are already sustained), intra-node bandwidth = the slowest measured pair
-   inside the node, inter-node bandwidth = the slowest pair across hosts.
-   The table shows raw and snapped figures and, when figures came from the
-   cache, how old they are and how to measure again.
-
-Tuning advice: ``budget_s`` is the timed work per device figure (all
-``rounds`` together); 0.5 s in 10 rounds is stable on an idle accelerator and
-on a host shared with a busy process; on a heavily loaded one raise
-``rounds`` (more chances of an undisturbed round) with the budget.  Taking turns makes the device step take about
-``2 x budget_s x ranks per host``.  The figures are each rank's *alone* on its
-host; the planner needs their ratios, which concurrent measuring on an
-oversubscribed host gets wrong (three ranks on two cores measured 0.016 /
-0.022 / 0.027 TFLOPS at once).  The link sizes default to 64 KiB, 1 MiB and
-8 MiB; bandwidth figures are read at the largest size, so add a larger one
-(e.g. 64 MiB) for fast NVLink/InfiniBand fabrics where 8 MiB does not yet
-saturate the link.  Pass ``refresh=True`` (``HeteroStrategy(probe="refresh")``)
-after hardware or driver changes, or when the cached figures were measured on
-a loaded machine; the cache does not notice.
+- every step of ``probe_cluster`` is collective over the default process group,
+  and every rank takes the same branch (all load from the cache or all measure:
+  the "have it" flags are gathered, rank 0's link cache is broadcast), so the
+  collectives match on every rank;
+- the ranks of one host take turns while they measure, so the figures are each
+  rank's *alone* on its host: the planner needs their ratios, which ranks
+  measuring at once on an oversubscribed host get wrong.
 
 Where the pieces are: what is measured and snapping, ``measurements.py``; one
 device, ``device_probe.py``; the links, ``link_probe.py``; the cache files,
-``probe_cache.py``.  This module puts them together, and their public names
-are importable from here as before.  It is a runtime module: it imports torch
-(the planning core does not).
+``probe_cache.py``.  This module puts them together.  It is a runtime module: it
+imports torch (the planning core does not).
 """
 
 from __future__ import annotations
@@ -252,6 +216,72 @@ def _turns_of_host(hosts: Sequence[str], rank: int) -> InTurn:
     return in_turn
 
 
+def _hosts(world: int) -> list[Any]:
+    """Step 1 of ``probe_cluster``: every rank's host name, gathered (collective), so each rank knows how many
+    ranks share its host (a CPU rank's memory share, the turns of step 2) and which cache files belong to it."""
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
+def _device_figures(device: torch.device, dtype: str, device_path: Path, hosts: list[Any], rank: int,
+                    refresh: bool, budget_s: float, rounds: int) -> tuple[DeviceMeasurement, Any, bool]:
+    """Step 2 of ``probe_cluster``: this rank's device figure, when it was cached (None: measured now), and
+    whether every rank's came from the cache (collective).
+
+    Every rank looks for its device cache file; the "have it" flags are
+    gathered and the ranks load only when *all* have one, else all measure.
+    ``measure_device`` times square matmuls in the training dtype and a large
+    copy (memory bandwidth), each figure the median of the best three of
+    ``rounds`` short rounds (interference only slows a round down), and reads
+    the device's memory.  The ranks of one host take turns round by round
+    (rank a's round 1, rank b's round 1, ..., rank a's round 2, ...; a barrier
+    between turns), so they never compete for the host's cores while one
+    measures, and a load that comes and goes on the machine falls on every
+    rank's rounds alike.  Hosts measure at the same time.
+    """
+    # load only if every rank can, so that all measure (in turns) or none does
+    world = len(hosts)
+    same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    entry = None if refresh else read_cache(device_path, DeviceMeasurement.from_dict)
+    have: list[Any] = [None] * world
+    dist.all_gather_object(have, entry is not None)
+    devices_cached = all(have)
+    if devices_cached:
+        return entry.measurement, entry.written_at, True  # type: ignore[union-attr]
+    rank_debug(rank, "probe: measuring %s (turn %d of %d on %s)", device, same_host.index(rank) + 1,
+               len(same_host), hosts[rank])
+    mine = measure_device(device, dtype, budget_s, num_local_ranks=len(same_host), rounds=rounds,
+                          in_turn=_turns_of_host(hosts, rank))
+    return mine, None, False
+
+
+def _link_figures(device: torch.device, cache: Path, hosts: list[Any], rank: int, refresh: bool,
+                  sizes_bytes: Sequence[int], repeats: int) -> tuple[LinkMeasurement, Any, bool]:
+    """Step 3 of ``probe_cluster``: the links' figures, when they were cached (None: measured now), and whether
+    they came from the cache (collective).
+
+    Rank 0 looks for the link cache and broadcasts what it found (or nothing),
+    so all ranks take the same branch (other hosts do not have its file);
+    otherwise ``measure_links`` times allreduce and ring send/recv at a few
+    sizes (median of ``repeats``), and rank 0 writes the cache.  The collectives
+    of both branches match on every rank.
+    """
+    backend = str(dist.get_backend())
+    links_path = links_cache_path(cache, hosts, backend, sizes_bytes)
+    found: list[Any] = [None]
+    if rank == 0 and not refresh:
+        cached = read_cache(links_path, LinkMeasurement.from_dict)
+        found[0] = None if cached is None else (cached.measurement.to_dict(), cached.written_at)
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        return LinkMeasurement.from_dict(found[0][0]), found[0][1], True
+    links = measure_links(sizes_bytes, repeats, device)
+    if rank == 0:
+        write_cache(links_path, links)
+    return links, None, False
+
+
 def probe_cluster(device: torch.device | str, dtype: str = "fp32", cache_dir: str | Path | None = None,
                   name: str = "auto", refresh: bool = False, budget_s: float = 0.5,
                   sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES, repeats: int = 5,
@@ -268,7 +298,34 @@ def probe_cluster(device: torch.device | str, dtype: str = "fp32", cache_dir: st
     table with ``print`` (to stdout, flushed) unless ``print_table`` is False;
     the cache note (age, path, how to refresh) also goes to the
     ``het_strategy`` logger.
-    The steps are in the module docstring.
+
+    Every step is collective over the default process group:
+
+    1. hosts: each rank's host name is gathered (``_hosts``);
+    2. devices: all ranks load their cache files or all measure, in turns per
+       host (``_device_figures``);
+    3. links: rank 0's cache decides for everyone, else all measure
+       (``_link_figures``);
+    4. The device figures are gathered to all ranks; devices of one type whose
+       figures are equal within noise are read as one figure
+       (``snap_like_devices``: within ``snap_tolerance``, default 10%, or the
+       figures' own noise); freshly measured figures go to the cache, the raw
+       rounds with the snapped figures beside them.  ``cluster_from_measurements``
+       builds the ``ClusterSpec`` from the snapped figures (TFLOPS with efficiency
+       1.0: measured figures are already sustained).  The table shows raw and snapped figures and, when figures came from the
+       cache, how old they are and how to measure again.
+
+    Tuning advice: ``budget_s`` is the timed work per device figure (all
+    ``rounds`` together); 0.5 s in 10 rounds is stable on an idle accelerator and
+    on a host shared with a busy process; on a heavily loaded one raise
+    ``rounds`` (more chances of an undisturbed round) with the budget.  Taking
+    turns makes the device step take about ``2 x budget_s x ranks per host``.
+    The link sizes default to 64 KiB, 1 MiB and 8 MiB; bandwidth figures are
+    read at the largest size, so add a larger one (e.g. 64 MiB) for fast
+    NVLink/InfiniBand fabrics where 8 MiB does not yet saturate the link.  Pass
+    ``refresh=True`` (``HeteroStrategy(probe="refresh")``) after hardware or
+    driver changes, or when the cached figures were measured on a loaded
+    machine; the cache does not notice.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("probe_cluster needs an initialised torch.distributed default process group")
@@ -277,41 +334,12 @@ def probe_cluster(device: torch.device | str, dtype: str = "fp32", cache_dir: st
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    # 1. hosts of all ranks: the CPU memory share, the turns and the cache keys need them
-    hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = _hosts(world)
     same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     device_path = device_cache_path(cache, device, dtype, same_host.index(rank), len(same_host))
-
-    # 2. devices: load only if every rank can, so that all measure (in turns) or none does
-    entry = None if refresh else read_cache(device_path, DeviceMeasurement.from_dict)
-    have: list[Any] = [None] * world
-    dist.all_gather_object(have, entry is not None)
-    devices_cached = all(have)
-    if devices_cached:
-        mine, mine_at = entry.measurement, entry.written_at  # type: ignore[union-attr]
-    else:
-        rank_debug(rank, "probe: measuring %s (turn %d of %d on %s)", device, same_host.index(rank) + 1,
-                   len(same_host), hosts[rank])
-        mine = measure_device(device, dtype, budget_s, num_local_ranks=len(same_host), rounds=rounds,
-                              in_turn=_turns_of_host(hosts, rank))
-        mine_at = None
-
-    # 3. links: rank 0's cache decides for everyone (other hosts do not have its file)
-    backend = str(dist.get_backend())
-    links_path = links_cache_path(cache, hosts, backend, sizes_bytes)
-    found: list[Any] = [None]
-    if rank == 0 and not refresh:
-        cached = read_cache(links_path, LinkMeasurement.from_dict)
-        found[0] = None if cached is None else (cached.measurement.to_dict(), cached.written_at)
-    dist.broadcast_object_list(found, src=0)
-    links_cached = found[0] is not None
-    if links_cached:
-        links, links_at = LinkMeasurement.from_dict(found[0][0]), found[0][1]
-    else:
-        links, links_at = measure_links(sizes_bytes, repeats, device), None
-        if rank == 0:
-            write_cache(links_path, links)
+    mine, mine_at, devices_cached = _device_figures(device, dtype, device_path, hosts, rank, refresh, budget_s,
+                                                    rounds)
+    links, links_at, links_cached = _link_figures(device, cache, hosts, rank, refresh, sizes_bytes, repeats)
 
     # 4. everyone gets every rank's figures, snaps them alike and builds the same ClusterSpec
     gathered: list[Any] = [None] * world
