@@ -9,7 +9,7 @@ The plan space (written from the cost model's rules, not from the planner):
 
 * any number d >= 1 of disjoint pipelines over the devices (devices may idle);
 * each pipeline an ordered sequence of stages; a stage is a tensor-parallel
-  group of tp in {1, 2, 4, 8} (tp <= ``train.max_tp``) devices on one node with
+  group of tp in ``core.train_settings.TP_DEGREES`` (tp <= ``train.max_tp``) devices on one node with
   identical figures; at most ``min(train.max_stages, L)`` stages;
 * a contiguous split of the L layers over the stages (every stage >= 1 layer);
 * a micro-batch size per pipeline from ``train.micro_batch_sizes`` (every size
