@@ -9,14 +9,7 @@ this model be applied to it without a profiling pass, and lets
 ``profile_module`` find the same layers (the blocks live in the
 ``nn.ModuleList`` named ``blocks``).
 
-Shape, in the workload's terms (h = hidden_size, s = seq_len, v = vocab_size):
-
-* embedding: token ``Embedding(v, h)`` + learned position ``Embedding(s, h)``;
-* each block (pre-norm): LayerNorm, causal self-attention (one ``Linear(h, 3h)``
-  for q, k, v and a ``Linear(h, h)`` out projection, both with bias,
-  ``scaled_dot_product_attention(is_causal=True)``), LayerNorm, MLP
-  ``Linear(h, 4h)`` -> GELU -> ``Linear(4h, h)``; residual connections;
-* head: final LayerNorm and an untied ``Linear(h, v, bias=False)``.
+Its shape, in the workload's terms, is in ``CharGPT``'s docstring.
 
 The blocks and the head carry a ``tensor_parallel_plan()`` (Megatron's
 column/row split, the head's logits gathered), so a ``hetero_deepspeed`` plan
@@ -130,6 +123,15 @@ class CharGPT(pl.LightningModule):
     ``(batch, T, vocab_size)`` logits; the training and validation steps take
     ``(x, y)`` batches as ``het_strategy.demo.stdlib_text.CharDataset`` yields and
     minimise next-byte cross-entropy with AdamW.
+
+    Shape, in the workload's terms (h = hidden_size, s = seq_len, v = vocab_size):
+
+    * embedding: token ``Embedding(v, h)`` + learned position ``Embedding(s, h)``;
+    * each block (pre-norm): LayerNorm, causal self-attention (one ``Linear(h, 3h)``
+      for q, k, v and a ``Linear(h, h)`` out projection, both with bias,
+      ``scaled_dot_product_attention(is_causal=True)``), LayerNorm, MLP
+      ``Linear(h, 4h)`` -> GELU -> ``Linear(4h, h)``; residual connections;
+    * head: final LayerNorm and an untied ``Linear(h, v, bias=False)``.
     """
 
     def __init__(self, num_layers: int = 4, hidden_size: int = 128, num_heads: int = 4, seq_len: int = 128,

@@ -11,16 +11,9 @@ a ``TensorParallelPlan``::
                      "mlp.0": Colwise(), "mlp.2": Rowwise()},
             divide=("attn.num_heads",))
 
-- ``Colwise``: the linear's output features are split; its input is whole on
-  every rank (the input's gradient is all-reduced over the group backward).
-  ``fused=3``: the output is three projections side by side (q, k, v), each
-  split alone.  ``gather_output=True``: the outputs are all-gathered (a layer
-  whose output must be whole, such as an LM head).
-- ``Rowwise``: the input features are split (the output of a ``Colwise``
-  before it, through element-wise ops only); the partial outputs are
-  all-reduced forward, then the whole bias is added.
-- ``divide``: integer attributes divided by tp on each rank (the local head
-  count).
+``Colwise`` splits a linear's output features, ``Rowwise`` its input features
+(their docstrings say what crosses the group); ``divide`` names integer
+attributes divided by tp on each rank (the local head count).
 
 Every other parameter (LayerNorms, a row-parallel bias, a layer without a
 plan) is replicated: computed whole on each rank of the group.  A stage whose
@@ -41,7 +34,13 @@ __all__ = ["Colwise", "Rowwise", "TensorParallelPlan", "ShardSpec", "tensor_para
 
 @dataclass(frozen=True)
 class Colwise:
-    """Split a linear's output features (Megatron's column-parallel linear)."""
+    """Split a linear's output features (Megatron's column-parallel linear).
+
+    Its input is whole on every rank (the input's gradient is all-reduced over
+    the group backward).  ``fused=3``: the output is three projections side by
+    side (q, k, v), each split alone.  ``gather_output=True``: the outputs are
+    all-gathered (a layer whose output must be whole, such as an LM head).
+    """
 
     fused: int = 1
     """Projections side by side in the output (3 for a fused q, k, v): each is split alone."""
@@ -57,7 +56,12 @@ class Colwise:
 
 @dataclass(frozen=True)
 class Rowwise:
-    """Split a linear's input features (Megatron's row-parallel linear); the partial outputs are all-reduced."""
+    """Split a linear's input features (Megatron's row-parallel linear); the partial outputs are all-reduced.
+
+    The input is the split output of a ``Colwise`` before it, through element-wise
+    ops only; the partial outputs are all-reduced forward, then the whole bias is
+    added.
+    """
 
 
 @dataclass(frozen=True)
