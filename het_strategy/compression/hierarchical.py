@@ -80,7 +80,7 @@ class HierarchicalState:
 
     ``bytes_inter`` counts what this rank sent to other nodes (leaders only: the
     inter-node state's ``bytes_sent``); ``bytes_intra`` what it sent within its
-    node (allreduce and broadcast, ring-counted).
+    node (the reduce onto the leader and the broadcast back, each counted at a ring's (n-1)/n of the buffer).
     """
 
     def __init__(self, module: torch.nn.Module, config: Any, groups: NodeGroups) -> None:
