@@ -380,3 +380,23 @@ def test_no_module_re_exports_a_name_it_does_not_define_and_every_init_lists_all
     wrong = [f"{path.relative_to(ROOT)}: {problem}" for path in _module_files()
              for problem in _re_export_problems(path.read_text(), path.name == "__init__.py")]
     assert not wrong, "re-exports:\n" + "\n".join(wrong)
+
+
+def test_no_function_over_80_lines() -> None:
+    """A function that does one thing reads in one screen (benchmarks/ aside: they are not the package)."""
+    long = []
+    for path in _module_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not long, long
+
+
+def test_module_docstrings_say_what_the_module_does_in_25_lines() -> None:
+    """What a module does and its invariants; results go to the docs, history to the CHANGELOG."""
+    long = []
+    for path in _module_files():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if len(doc.splitlines()) > 25:
+            long.append(f"{path.relative_to(ROOT)} ({len(doc.splitlines())} lines)")
+    assert not long, long
