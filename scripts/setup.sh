@@ -9,9 +9,9 @@
 # and set HET_TORCH_SPEC="" to keep it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="pl,plot,wandb,deepspeed"
-[ "${1:-}" = "--test" ] && extras="pl,plot,wandb,deepspeed,test,docs"
-[ "${1:-}" = "--bench" ] && extras="pl,plot,wandb,deepspeed,test,docs,bench"
+extras="pl,plot,wandb,deepspeed,hf"
+[ "${1:-}" = "--test" ] && extras="pl,plot,wandb,deepspeed,hf,test,docs"
+[ "${1:-}" = "--bench" ] && extras="pl,plot,wandb,deepspeed,hf,test,docs,bench"
 python3 -m venv .venv
 torch_spec="${HET_TORCH_SPEC-torch==2.13.0}"
 [ -n "$torch_spec" ] && .venv/bin/python -m pip install -q "$torch_spec"
