@@ -209,6 +209,20 @@ def test_het_train_end_to_end_tiny(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_het_train_with_lightnings_ddp_writes_its_summary(tmp_path: Path) -> None:
+    """`strategy=ddp` (Lightning's own, the benchmarks' baseline) runs the same job and writes the summary: the
+    report reads the package's run only where the strategy has one."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "het_strategy.cli.train_cli", "cluster=local_cpu2", "strategy=ddp", "logger=none",
+           "train.max_steps=2", *TINY, f"output.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["strategy"] == "ddp" and summary["global_batch"] == 16 and "shares" not in summary
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_het_train_with_adaptive_compression_on_a_planned_slow_link(tmp_path: Path) -> None:
     """`compression=adaptive` from the Hydra group: after its warm-up the controller, told the link is 10 Mbit/s,
     compresses the large layers; the run still learns and the summary carries the per-layer decisions."""

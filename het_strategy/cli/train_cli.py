@@ -199,11 +199,17 @@ def _summary(job: TrainJob, trainer: Any, callbacks: list[Any], figures: dict[st
     if straggler is not None:
         summary["straggler_decisions"] = [asdict(d) for d in straggler.decisions]
     summary.update(_predicted_speedup(trainer.strategy, job))
-    experts = getattr(trainer.strategy.run, "experts", None)
+    experts = getattr(_run_of(trainer.strategy), "experts", None)
     if experts is not None:
         summary.update(experts.summary())
     summary.update(_compression_summary(trainer.strategy, job))
     return summary
+
+
+def _run_of(strategy: Any) -> Any:
+    """The strategy's run (``trainer.strategy.run``) for the package's strategies; None for Lightning's own
+    (``strategy=ddp``)."""
+    return getattr(strategy, "run", None)
 
 
 def _write_summary(job: TrainJob, trainer: Any, summary: dict[str, Any]) -> None:
@@ -296,7 +302,7 @@ def log_planned_compression(job: TrainJob, rank: int) -> None:
 
 def _compression_summary(strategy: Any, job: TrainJob) -> dict[str, Any]:
     """The compression config, the wire saving on rank 0 and the last per-layer decisions."""
-    state = getattr(strategy.run, "compression_state", None)
+    state = getattr(_run_of(strategy), "compression_state", None)
     out: dict[str, Any] = {"compression": job.compression.to_dict() if job.compression else None}
     if job.plan is not None:  # compression=planned: what the joint plan chose for the inter-node hop
         out["compression_planned"] = dict(job.plan.compression)
