@@ -188,8 +188,8 @@ def test_no_import_circle_at_module_or_function_level() -> None:
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-LAYERS = ("cli", "strategy", "callbacks", "ds_runtime", "diloco", "compression", "emulation", "profiling", "report",
-          "demo", "tensor_parallel", "moe", "reference", "planning", "core")
+LAYERS = ("cli", "strategy", "callbacks", "ds_runtime", "hf", "diloco", "compression", "emulation", "profiling",
+          "report", "demo", "tensor_parallel", "moe", "reference", "planning", "core")
 """The folders in the docs' "How it works" order: each imports only folders after it (or itself)."""
 
 
@@ -218,6 +218,9 @@ REQUIRED = ("numpy", "yaml", "omegaconf", "hydra", "torch", "lightning",
 OPTIONAL = {
     # extra `deepspeed`: the DeepSpeed engine, the checks of its ds_config, its gradient clipping
     "deepspeed": ("ds_runtime",),
+    # extra `hf`: Hugging Face models cut into pipeline units and tp plans, their checkpoints (het_strategy/hf/)
+    "transformers": ("hf",),
+    "safetensors": ("hf",),
     # extra `plot`: the plan picture (report/picture.py; report/wandb_view.py draws it for a wandb run)
     "matplotlib": ("report",),
     # extra `wandb`: tables, pictures and files logged to a wandb run (report/wandb_view.py)

@@ -167,3 +167,7 @@ def parallelize_layer(layer: nn.Module, plan: TensorParallelPlan, group: Any, tp
             _set(layer, path, RowParallelLinear(full, group, tp, rank))
     for path in plan.divide:
         _set(layer, path, _resolve(layer, path) // tp)
+    for name in plan.summed:
+        # the reduction averages a replicated gradient over the group (each rank's is the whole one there); this
+        # one is each rank's share of the sum, so it is scaled by tp first
+        _resolve(layer, name).register_hook(lambda grad, tp=tp: grad * tp)

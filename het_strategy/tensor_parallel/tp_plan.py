@@ -13,7 +13,8 @@ a ``TensorParallelPlan``::
 
 ``Colwise`` splits a linear's output features, ``Rowwise`` its input features
 (their docstrings say what crosses the group); ``divide`` names integer
-attributes divided by tp on each rank (the local head count).
+attributes divided by tp on each rank (the local head count); ``summed`` names
+replicated parameters whose gradient is partial on each rank (a per-head norm).
 
 Every other parameter (LayerNorms, a row-parallel bias, a layer without a
 plan) is replicated: computed whole on each rank of the group.  A stage whose
@@ -80,6 +81,9 @@ class TensorParallelPlan:
     """Submodule path (``"attn.qkv"``, ``"mlp.0"``) -> ``Colwise()`` or ``Rowwise()``."""
     divide: tuple[str, ...] = field(default=())
     """Dotted paths of integer attributes divided by tp (``"attn.num_heads"``)."""
+    summed: tuple[str, ...] = field(default=())
+    """Dotted names of replicated parameters whose gradient each rank computes in part (a norm applied per head, as
+    Hugging Face's ``replicated_with_grad_allreduce``): the group's gradient of each is the sum of the ranks'."""
 
     def __post_init__(self) -> None:
         for path, split in self.linears.items():

@@ -1,0 +1,82 @@
+"""The pipeline a LightningModule gives ``hetero_deepspeed``: its own hooks, or those of the Hugging Face model it holds.
+
+A LightningModule that defines ``pipeline_layers()`` and ``pipeline_loss`` gives them (``pipeline_of``).  One that
+defines neither and holds one ``PreTrainedModel`` causal LM as a direct child (``self.model = LlamaForCausalLM(...)``)
+gets them from the model: ``hf_pipeline_units(model)`` and ``CausalLMLoss(model)``, and its planner workload from the
+model's config (``module_workload``: ``core.hf_config.hf_workload``).  Two such children are refused in one line.
+
+With tied embeddings (``tie_word_embeddings``) the embedding and the head share one matrix: every replica must hold
+both in one stage (``check_tied_stages``), since a matrix on two stages would get two unrelated updates.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from het_strategy.core.errors import field_error
+from het_strategy.core.plan import Plan
+
+__all__ = ["hf_model_of", "pipeline_of", "module_workload", "check_tied_stages"]
+
+
+def hf_model_of(module: Any) -> Any:
+    """The one ``PreTrainedModel`` direct child of ``module``, or None (also when transformers is not imported:
+    then no module can hold one)."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import PreTrainedModel
+
+    found = [(name, child) for name, child in module.named_children() if isinstance(child, PreTrainedModel)]
+    if len(found) > 1:
+        raise field_error(f"{type(module).__name__}", [n for n, _ in found], "hold one PreTrainedModel (the model "
+                          "hetero_deepspeed cuts into a pipeline), or define pipeline_layers() and pipeline_loss")
+    return found[0][1] if found else None
+
+
+def pipeline_of(module: Any) -> tuple[list[Any], Callable[[Any, Any], Any]] | None:
+    """``(layers, loss)`` of ``module``: its ``pipeline_layers()`` and ``pipeline_loss``, else those of the Hugging
+    Face causal LM it holds; None when it has neither."""
+    own = [callable(getattr(module, hook, None)) for hook in ("pipeline_layers", "pipeline_loss")]
+    if any(own):
+        if not all(own):
+            missing = "pipeline_loss" if own[0] else "pipeline_layers"
+            raise field_error(f"LightningModule.{missing}", None, "be defined with the other hook "
+                              "(see docs/guide/hetero-deepspeed.md)")
+        return list(module.pipeline_layers()), module.pipeline_loss
+    model = hf_model_of(module)
+    if model is None:
+        return None
+    from het_strategy.hf.causal_lm_loss import CausalLMLoss
+    from het_strategy.hf.pipeline_units import hf_pipeline_units
+
+    return hf_pipeline_units(model), CausalLMLoss(model)
+
+
+def module_workload(module: Any, seq_len: int | None, dtype: str) -> Any:
+    """The planner's workload of the Hugging Face model ``module`` holds, at ``seq_len`` tokens (None when it holds
+    none); a missing ``seq_len`` is refused, naming it."""
+    model = hf_model_of(module)
+    if model is None or callable(getattr(module, "pipeline_layers", None)):
+        return None
+    if seq_len is None:
+        raise field_error("seq_len", None, "be given to plan or emulate a Hugging Face model (the sequence length "
+                          "trained, not max_position_embeddings)", "pass HeteroDeepSpeedStrategy(seq_len=...) or "
+                          "workload=")
+    from het_strategy.core.hf_config import hf_workload
+
+    return hf_workload(model.config.to_dict(), seq_len, dtype=dtype)
+
+
+def check_tied_stages(plan: Plan, layers: list[Any]) -> None:
+    """Refuse a plan that puts the embedding and the head of a tied-embedding model on different stages."""
+    first, last = layers[0], layers[-1]
+    shared = {id(q) for q in first.parameters()} & {id(q) for q in last.parameters()}
+    if not shared:
+        return
+    for p, pipe in enumerate(plan.pipelines):
+        holder = [i for i, stage in enumerate(pipe.stages) if stage.layers[0] == 0]
+        if not pipe.stages[holder[0]].layers[1] == len(layers):
+            raise field_error(f"plan.pipelines[{p}].stages", [list(s.layers) for s in pipe.stages],
+                              f"hold layers 0 and {len(layers) - 1} (the tied embedding and head) in one stage",
+                              "re-plan with one stage per replica, or untie the embeddings")
