@@ -52,19 +52,19 @@ def base_layout(model: Any) -> BaseLayout:
     """The layout of ``model``'s base model from its config's ``base_model_pp_plan`` (or the GPT-2 fallback)."""
     base, config = model.base_model, model.config
     plan = getattr(config, "base_model_pp_plan", None)
-    kind = getattr(config, "model_type", type(model).__name__)
+    kind = f"{type(model).__name__}.config"
     if not plan:
         if all(isinstance(getattr(base, n, None), nn.Module) for n in ("wte", "h", "ln_f")):
             return BaseLayout(embeddings=tuple(n for n in _FALLBACK.embeddings if hasattr(base, n)), layers="h",
                               norm="ln_f", dropout="drop" if isinstance(getattr(base, "drop", None), nn.Module)
                               else None)
-        raise field_error(f"{kind} config.base_model_pp_plan", None, "be declared by the model's config class "
+        raise field_error(f"{kind}.base_model_pp_plan", None, "be declared by the model's config class "
                           "(Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE do), or the base model be GPT-2's "
                           "wte/h/ln_f (the fallback)", "use hetero (data parallel) for this model")
     names = list(plan)
     lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
     if len(lists) != 1 or names.index(lists[0]) in (0, len(names) - 1) or len(names) - names.index(lists[0]) != 2:
-        raise field_error(f"{kind} config.base_model_pp_plan", names, "be embedding(s), one layer list, one final "
+        raise field_error(f"{kind}.base_model_pp_plan", names, "be embedding(s), one layer list, one final "
                           "norm (the causal-LM form)")
     i = names.index(lists[0])
     return BaseLayout(embeddings=tuple(names[:i]), layers=lists[0], norm=names[-1])

@@ -12,12 +12,12 @@ rank must see the same batches in the same order:
    into the plan's micro-batches, so ``drop_last=True`` is required when the
    dataset is not a multiple of the global batch.
 
-``batch_pair`` splits a batch into ``(inputs, labels)``.
+``batch_pair`` splits a batch into ``(inputs, labels)`` (a Hugging Face dict batch too).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from torch.utils.data import DataLoader
 
@@ -31,9 +31,21 @@ SAMPLER_KWARGS = {"num_replicas": 1, "rank": 0}
 
 
 def batch_pair(batch: Any, where: str) -> tuple[Any, Any]:
-    """``(inputs, labels)`` of a batch; a ``ConfigError`` naming ``where`` for anything else."""
+    """``(inputs, labels)`` of a batch; a ``ConfigError`` naming ``where`` for anything else.
+
+    A Hugging Face batch (a mapping with ``input_ids``, ``labels`` and optionally ``attention_mask``) gives
+    ``((input_ids, attention_mask), labels)``, or ``(input_ids, labels)`` without a mask: the runner cuts each
+    tensor of the inputs' tuple into the same micro-batches."""
+    if isinstance(batch, Mapping):
+        missing = [k for k in ("input_ids", "labels") if k not in batch]
+        if missing:
+            raise field_error(f"{where}[{missing[0]!r}]", None, "be given in a Hugging Face batch (a mapping of "
+                              "input_ids, attention_mask, labels; labels -100 where not counted)")
+        mask = batch.get("attention_mask")
+        return (batch["input_ids"] if mask is None else (batch["input_ids"], mask)), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise field_error(where, type(batch).__name__, "be (inputs, labels)")
+        raise field_error(where, type(batch).__name__, "be (inputs, labels) or a mapping of input_ids, "
+                          "attention_mask and labels")
     return batch[0], batch[1]
 
 

@@ -103,11 +103,14 @@ class TensorParallelPlan:
 
 
 def tensor_parallel_plan_of(layer: Any) -> TensorParallelPlan | None:
-    """The layer's ``tensor_parallel_plan()``, or None when it has none (it then runs replicated)."""
+    """The layer's ``tensor_parallel_plan()``, or None when it has none or it returns None (it then runs
+    replicated)."""
     method = getattr(layer, "tensor_parallel_plan", None)
     if method is None:
         return None
     plan = method()
+    if plan is None:
+        return None
     if not isinstance(plan, TensorParallelPlan):
         raise ConfigError(f"{type(layer).__name__}.tensor_parallel_plan() returned {type(plan).__name__}; "
                           "it must return a het_strategy.TensorParallelPlan")
