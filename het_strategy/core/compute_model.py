@@ -93,8 +93,23 @@ class LayerShape:
     hidden: int
     heads: int = 1
     ffn: int = 0
+    """The MLP's width (an MoE block: its shared expert's, 0 without one; the routed experts are priced apart)."""
     vocab: int = 0
     attention: AttentionKernel = AttentionKernel.fused
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0: ``heads``."""
+    head_dim: int = 0
+    """Width of one head; 0: ``hidden / heads``."""
+    gated: bool = False
+    """A gated MLP: gate and up projections (two ``ffn``-wide matmuls) and the activation times up."""
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim if self.head_dim else self.hidden
+
+    @property
+    def kv_width(self) -> int:
+        return self.q_width // self.heads * self.kv_heads if self.kv_heads else self.q_width
 
 
 @dataclass(frozen=True)
@@ -226,12 +241,18 @@ def _block_passes(shape: LayerShape, tokens: float, heads: float, seq_len: int, 
     3.25; backward 4.25): 10.5 forward, 14.5 backward.  The q/k/v and context layout copies: 4 ``h / tp``
     each way.  The MLP activation over ``ffn / tp``: 2 forward, 3 backward.  Materialized attention over the
     ``heads / tp x s x s`` scores: in 16-bit one fused scale-mask-softmax kernel (2; backward 3) and dropout
-    (2.25 both ways); in fp32 separate scale, mask and softmax kernels (6; backward 7) and dropout.
+    (2.25 both ways); in fp32 separate scale, mask and softmax kernels (6; backward 7) and dropout.  With
+    grouped-query attention the copies are of q's, k's, v's and the context's own widths; a gated MLP adds
+    the product of the activation and the up projection (3 forward, 5 backward, one kernel each way).
     """
     h, f = shape.hidden, shape.ffn / tp
-    fwd = tokens * (10.5 * h + 4 * h / tp + 2 * f)
-    bwd = tokens * (14.5 * h + 4 * h / tp + 3 * f)
+    copies = (2 * shape.q_width + 2 * shape.kv_width) / tp
+    fwd = tokens * (10.5 * h + copies + 2 * f)
+    bwd = tokens * (14.5 * h + copies + 3 * f)
     kernels_f, kernels_b = 9, 9
+    if shape.gated:
+        fwd, bwd = fwd + tokens * 3 * f, bwd + tokens * 5 * f
+        kernels_f, kernels_b = kernels_f + 1, kernels_b + 1
     if shape.attention == AttentionKernel.materialized:
         scores = micro_batch * heads * seq_len * seq_len
         softmax_f, softmax_b, kernels = (2.0, 3.0, 1) if element_bytes < 4 else (6.0, 7.0, 3)
@@ -245,9 +266,13 @@ def _block(shape: LayerShape, seq_len: int, micro_batch: int, tp: int, element_b
            cal: ComputeCalibration) -> tuple[float, float]:
     h, tokens = shape.hidden, micro_batch * seq_len
     heads = shape.heads / tp
-    head_dim = shape.hidden / shape.heads
+    head_dim = shape.head_dim or shape.hidden / shape.heads
+    q, kv, ffn = shape.q_width, shape.kv_width, shape.ffn / tp
+    matmuls = [((q + 2 * kv) / tp, h), (h, q / tp), (ffn, h), (h, ffn)]  # qkv, out, fc1 (gate), fc2 (down)
+    if shape.gated:
+        matmuls.append((ffn, h))  # the up projection
     fwd = bwd = 0.0
-    for n, k in ((3 * h / tp, h), (h, h / tp), (shape.ffn / tp, h), (h, shape.ffn / tp)):  # qkv, out, fc1, fc2
+    for n, k in matmuls:
         f, b = _linear(tokens, n, k, roof, cal)
         fwd, bwd = fwd + f, bwd + b
     batch = micro_batch * heads

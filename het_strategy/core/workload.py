@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from het_strategy.core.block_costs import (ACTIVATION_SAVES, BlockCode, NormKind, attention_flops, attention_params,
+                                          block_activation_bytes, embedding_activation_bytes, mlp_flops, mlp_params,
+                                          norm_activation_bytes, norm_params)
 from het_strategy.core.compute_model import AttentionKernel, LayerShape
 from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, as_dtype
 from het_strategy.core.plain_data import plain
@@ -75,10 +78,18 @@ class LayerCost:
     shape: LayerShape | None = None
     """The layer's kind and dimensions, for the roofline (``compute_model.py``); None (a profiled module's
     layer): priced by ``flops_per_sample`` at the device's sustained rate."""
+    tied_params: int = 0
+    """Of ``params``, those tied to an earlier layer's (the head's copy of tied input embeddings): the stage
+    holding this layer keeps and syncs them, the model's total counts them once."""
 
     @property
     def total_params(self) -> int:
         return self.params + (self.moe.num_experts * self.moe.params_per_expert if self.moe else 0)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: the dense part and its ``top_k`` experts."""
+        return self.params + (self.moe.top_k * self.moe.params_per_expert if self.moe else 0)
 
 
 @dataclass(frozen=True)
@@ -105,22 +116,39 @@ class WorkloadSpec:
 
     @property
     def total_params(self) -> int:
-        return sum(layer.total_params for layer in self.layers)
+        """The model's parameters, tied ones counted once (``sum(p.numel() for p in model.parameters())``)."""
+        return sum(layer.total_params - layer.tied_params for layer in self.layers)
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Parameters one token runs through: every dense parameter and the ``top_k`` experts of each MoE layer
+        (tied ones counted once); ``total_params`` for a dense model."""
+        return sum(layer.active_params - layer.tied_params for layer in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.moe for layer in self.layers)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a Plan records to check it is applied to the model it was made for."""
-        return {"name": self.name, "num_layers": self.num_layers, "total_params": self.total_params,
-                "seq_len": self.seq_len}
+        """What a Plan records to check it is applied to the model it was made for (``active_params_per_token``
+        for an MoE model only)."""
+        out: dict[str, Any] = {"name": self.name, "num_layers": self.num_layers, "total_params": self.total_params,
+                               "seq_len": self.seq_len}
+        if self.is_moe:
+            out["active_params_per_token"] = self.active_params_per_token
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "seq_len": self.seq_len, "dtype": self.dtype.value,
-                "layers": [{k: v for k, v in layer.__dict__.items() if k not in ("moe", "shape")}
+                "layers": [{k: v for k, v in layer.__dict__.items()
+                            if k not in ("moe", "shape") and not (k == "tied_params" and not v)}
                            | ({"moe": dict(layer.moe.__dict__)} if layer.moe else {}) for layer in self.layers]}
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """An analytic decoder-only transformer (GPT/OPT shape), optionally with MoE blocks."""
+    """An analytic decoder-only transformer (GPT/OPT shape by default; Llama, Qwen, Mistral, Mixtral shapes through
+    the fields below), optionally with MoE blocks."""
 
     name: str
     """Model name."""
@@ -129,7 +157,7 @@ class TransformerConfig:
     hidden_size: int
     """Model width h."""
     num_heads: int
-    """Attention heads."""
+    """Attention (query) heads."""
     seq_len: int
     """Tokens per sample."""
     vocab_size: int
@@ -141,83 +169,154 @@ class TransformerConfig:
     top_k: int = 2
     """Experts each token is routed to."""
     moe_every: int = 1
-    """Every n-th block is MoE (1 = all blocks, 2 = every other block)."""
+    """Every n-th block is MoE (1 = all blocks, 2 = every other block: block i when (i + 1) % n == 0)."""
     expert_ffn_hidden_size: int | None = None
     """Width of one expert's MLP; the MLP width (``ffn_hidden_size`` or 4h) when not given."""
     attention: AttentionKernel = AttentionKernel.fused
     """How attention runs, for the roofline: ``fused`` (torch's ``scaled_dot_product_attention``) or
     ``materialized`` (the scores written to memory: Megatron without flash attention)."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention; they divide ``num_heads``); ``num_heads`` when not given."""
+    head_dim: int | None = None
+    """Width of one attention head; hidden_size / num_heads when not given."""
+    gated_mlp: bool = False
+    """Three MLP matrices (gate, up, down: SwiGLU) instead of two (fc1, fc2); experts too."""
+    activation: str = "gelu"
+    """The MLP's activation, one of ``ACTIVATION_SAVES`` (what it keeps for backward)."""
+    norm: NormKind = NormKind.layernorm
+    """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only): two per block, one before the head."""
+    qkv_bias: bool = True
+    """The q, k and v projections have biases."""
+    out_bias: bool = True
+    """The attention's output projection has a bias."""
+    mlp_bias: bool = True
+    """The MLP's (and experts') matrices have biases."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's queries and keys (Qwen3)."""
+    rotary: bool = False
+    """Rotary position embeddings applied to queries and keys."""
+    num_positions: int | None = None
+    """Rows of the embedding's learned position table; ``seq_len`` when not given, 0 for none (rotary models)."""
+    tie_embeddings: bool = False
+    """The head's matrix is the input embedding's (held by both stages, counted once in the model's total)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the MoE blocks' shared expert (every token, scaled by a sigmoid gate: Qwen2-MoE); 0: none."""
+    dense_blocks: tuple[int, ...] = ()
+    """Blocks that stay dense MLP blocks whatever ``moe_every`` says (transformers' ``mlp_only_layers``)."""
+    dropout: bool = False
+    """Residual and embedding dropout run in training (``implementation: transformers``; Megatron's count always
+    holds its dropout masks)."""
+    implementation: BlockCode = BlockCode.megatron
+    """Whose code the saved activations are counted for (``BlockCode``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", require_option(AttentionKernel, self.attention, "model.attention"))
+        object.__setattr__(self, "norm", require_option(NormKind, self.norm, "model.norm"))
+        object.__setattr__(self, "implementation",
+                           require_option(BlockCode, self.implementation, "model.implementation"))
         for f in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size"):
             require_int(getattr(self, f), f"model.{f}", minimum=1)
-        if self.ffn_hidden_size is not None:
-            require_int(self.ffn_hidden_size, "model.ffn_hidden_size", minimum=1)
-        if self.hidden_size % self.num_heads:
+        for f in ("ffn_hidden_size", "num_kv_heads", "head_dim", "expert_ffn_hidden_size"):
+            if getattr(self, f) is not None:
+                require_int(getattr(self, f), f"model.{f}", minimum=1)
+        for f in ("num_experts", "shared_expert_ffn_hidden_size"):
+            require_int(getattr(self, f), f"model.{f}", minimum=0)
+        if self.num_positions is not None:
+            require_int(self.num_positions, "model.num_positions", minimum=0)
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise field_error("model.hidden_size", self.hidden_size,
-                              f"be divisible by model.num_heads ({self.num_heads})")
-        require_int(self.num_experts, "model.num_experts", minimum=0)
+                              f"be divisible by model.num_heads ({self.num_heads})", "or set model.head_dim")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise field_error("model.num_kv_heads", self.num_kv_heads,
+                              f"divide model.num_heads ({self.num_heads}): each key/value head serves a group")
+        if self.activation not in ACTIVATION_SAVES:
+            raise field_error("model.activation", self.activation, f"be one of {', '.join(ACTIVATION_SAVES)}")
         if self.num_experts:
             require_int(self.top_k, "model.top_k", minimum=1)
             require_int(self.moe_every, "model.moe_every", minimum=1)
             if self.top_k > self.num_experts:
                 raise field_error("model.top_k", self.top_k, f"be <= model.num_experts ({self.num_experts})")
-        if self.expert_ffn_hidden_size is not None:
-            require_int(self.expert_ffn_hidden_size, "model.expert_ffn_hidden_size", minimum=1)
+        object.__setattr__(self, "dense_blocks", tuple(self.dense_blocks))
+        for i, block in enumerate(self.dense_blocks):
+            require_int(block, f"model.dense_blocks[{i}]")
+            if block >= self.num_layers:
+                raise field_error(f"model.dense_blocks[{i}]", block, f"be < model.num_layers ({self.num_layers})")
+
+    @property
+    def q_width(self) -> int:
+        """Width of the queries, num_heads x head_dim."""
+        return self.num_heads * self.head_dim if self.head_dim is not None else self.hidden_size
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values), num_kv_heads x head_dim."""
+        return self.q_width // self.num_heads * (self.num_kv_heads or self.num_heads)
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` is an MoE block."""
+        return self.num_experts > 0 and (i + 1) % self.moe_every == 0 and i not in self.dense_blocks
 
 
 def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16) -> WorkloadSpec:
     """Per-layer costs of an analytic transformer.
 
-    FLOPs count multiply-adds as 2 (QKV, scores, scores x V, output projection,
-    MLP; LM head 2·s·h·V).  Activation bytes per block follow Korthikanti et al.
-    (2022): s·h·(34 + 5·a·s/h) bytes in a 16-bit dtype without recomputation, of
-    which 10·s·h stay whole on every tensor-parallel rank (their eq. 2).  The
-    5·a·s² bytes are the attention scores' softmax output, dropout mask and
-    dropout output, which only ``attention: materialized`` writes; ``fused``
-    attention (torch's ``scaled_dot_product_attention``) keeps the s·h-sized
-    tensors and its fp32 log-sum-exp, 4·a·s bytes, instead.  The head keeps its
-    logits in fp32 twice: the upcast logits and the loss's softmax.
+    FLOPs count multiply-adds as 2: q, k and v (GQA: k and v at ``num_kv_heads`` width), scores, scores x V,
+    output projection, the MLP's 2 or 3 matrices (gated), the router and the experts a token is routed to; LM
+    head 2·s·h·V.  Parameters: the matrices, their biases where the model has them, the norms (``norm``), q/k
+    norms, the router, the shared expert and its gate, the position table; a tied head counts its matrix in
+    ``LayerCost.tied_params``.  Activation bytes per block: ``block_activation_bytes`` (Megatron's count, or what
+    transformers' code keeps); the head keeps its fp32 logits (``_head_cost``).
     """
     dtype = as_dtype(dtype, "model.dtype")
-    s, h, a, v = cfg.seq_len, cfg.hidden_size, cfg.num_heads, cfg.vocab_size
+    b = DTYPE_BYTES[dtype]
+    s, h = cfg.seq_len, cfg.hidden_size
+    boundary = s * h * b
+    attn_shape = dict(hidden=h, heads=cfg.num_heads, vocab=cfg.vocab_size, attention=cfg.attention,
+                      kv_heads=cfg.num_kv_heads or 0, head_dim=cfg.head_dim or 0, gated=cfg.gated_mlp)
+    positions = s if cfg.num_positions is None else cfg.num_positions
+    layers = [LayerCost("embedding", 2 * s * h, cfg.vocab_size * h + positions * h, embedding_activation_bytes(cfg, b),
+                        boundary, shape=LayerShape("embedding", **attn_shape))]
     f = cfg.ffn_hidden_size or 4 * h
-    fe = cfg.expert_ffn_hidden_size or f
-    scale = DTYPE_BYTES[dtype] / 2
-    boundary = s * h * DTYPE_BYTES[dtype]
-    attn_flops = 2 * s * 4 * h * h + 4 * s * s * h
-    mlp_flops = 4 * s * h * f
-    attn_params = 4 * h * h + 4 * h + 4 * h  # qkv + out (with bias) + two layernorms
-    mlp_params = 2 * h * f + f + h
-    if cfg.attention == AttentionKernel.materialized:
-        block_act = (s * h * 34 + 5 * a * s * s) * scale
-    else:  # the scores stay on chip; the kernel saves its fp32 log-sum-exp per head and token
-        block_act = s * h * 34 * scale + 4 * a * s
-    whole = s * h * 10 * scale  # layer-norm inputs and dropout masks: whole on every tp rank
-    block_shape = LayerShape("block", h, a, f, v, cfg.attention)
-    layers = [LayerCost("embedding", 2 * s * h, v * h + s * h, s * h * DTYPE_BYTES[dtype], boundary,
-                        shape=LayerShape("embedding", h, a, 0, v, cfg.attention))]
     for i in range(cfg.num_layers):
-        is_moe = cfg.num_experts > 0 and (i % cfg.moe_every == cfg.moe_every - 1)
-        if is_moe:
-            moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.top_k, params_per_expert=2 * h * fe + fe + h,
-                          flops_per_token_per_expert=4 * h * fe)
-            router_flops = 2 * s * h * cfg.num_experts
-            layers.append(LayerCost(f"block{i}", attn_flops + router_flops, attn_params + h * cfg.num_experts,
-                                    block_act + s * h * cfg.top_k * DTYPE_BYTES[dtype], boundary, moe, whole,
-                                    shape=LayerShape("block", h, a, 0, v, cfg.attention)))  # experts: priced apart
+        if cfg.is_moe_block(i):
+            fe, fs = cfg.expert_ffn_hidden_size or f, cfg.shared_expert_ffn_hidden_size
+            moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.top_k, params_per_expert=mlp_params(cfg, fe),
+                          flops_per_token_per_expert=mlp_flops(cfg, 1, fe))
+            flops = attention_flops(cfg) + 2 * s * h * cfg.num_experts  # + the router
+            params = attention_params(cfg) + h * cfg.num_experts
+            if fs:  # the shared expert and its gate (a sigmoid of one h x 1 projection)
+                flops, params = flops + mlp_flops(cfg, s, fs) + 2 * s * h, params + mlp_params(cfg, fs) + h
+            act, whole = block_activation_bytes(cfg, b, moe=True)
+            layers.append(LayerCost(f"block{i}", flops, params, act, boundary, moe, whole,  # experts: priced apart
+                                    shape=LayerShape("block", ffn=fs, **attn_shape)))
         else:
-            layers.append(LayerCost(f"block{i}", attn_flops + mlp_flops, attn_params + mlp_params, block_act,
-                                    boundary, tp_replicated_activation_bytes=whole, shape=block_shape))
-    # logits are kept in fp32 for the loss, twice (the upcast logits and the softmax the loss keeps)
-    layers.append(LayerCost("head", 2 * s * h * v, v * h + 2 * h, 2 * s * v * 4 + s * h * DTYPE_BYTES[dtype], s * 4,
-                            shape=LayerShape("head", h, a, 0, v, cfg.attention)))
+            act, whole = block_activation_bytes(cfg, b, moe=False)
+            layers.append(LayerCost(f"block{i}", attention_flops(cfg) + mlp_flops(cfg, s, f),
+                                    attention_params(cfg) + mlp_params(cfg, f), act, boundary,
+                                    tp_replicated_activation_bytes=whole, shape=LayerShape("block", ffn=f, **attn_shape)))
+    layers.append(_head_cost(cfg, b, LayerShape("head", **attn_shape)))
     return WorkloadSpec(name=cfg.name, layers=tuple(layers), seq_len=s, dtype=dtype)
 
 
+def _head_cost(cfg: TransformerConfig, b: int, shape: LayerShape) -> LayerCost:
+    """The final norm and the LM head.  Megatron: the logits kept in fp32 twice (the upcast logits and the
+    softmax the loss keeps) and the head's input; transformers: the norm's tensors (``norm_activation_bytes``), the
+    head's input and the loss's fp32 log-softmax (the upcast is not kept)."""
+    s, h, v = cfg.seq_len, cfg.hidden_size, cfg.vocab_size
+    params = v * h + norm_params(cfg)
+    if cfg.implementation == BlockCode.megatron:
+        act = 2 * s * v * 4 + s * h * b
+    else:
+        act = s * (norm_activation_bytes(cfg, b) + h * b + v * 4)
+    return LayerCost("head", 2 * s * h * v, params, act, s * 4, shape=shape,
+                     tied_params=v * h if cfg.tie_embeddings else 0)
+
+
 MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "ffn_hidden_size",
-              "num_experts", "top_k", "moe_every", "expert_ffn_hidden_size", "attention", "kind", "description"}
+              "num_experts", "top_k", "moe_every", "expert_ffn_hidden_size", "attention", "kind", "description",
+              "num_kv_heads", "head_dim", "gated_mlp", "activation", "norm", "qkv_bias", "out_bias", "mlp_bias",
+              "qk_norm", "rotary", "num_positions", "tie_embeddings", "shared_expert_ffn_hidden_size", "dense_blocks",
+              "dropout", "implementation"}
 """The keys a model mapping (a model YAML file) may hold."""
 
 
