@@ -17,13 +17,13 @@ from typing import Any, Callable
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
 
-__all__ = ["hf_model_of", "pipeline_of", "module_workload", "check_tied_stages"]
+__all__ = ["hf_model_of", "pipeline_layers_of", "pipeline_of", "module_workload", "check_tied_stages"]
 
 
 def hf_model_of(module: Any) -> Any:
     """The one ``PreTrainedModel`` direct child of ``module``, or None (also when transformers is not imported:
     then no module can hold one)."""
-    if "transformers" not in sys.modules:
+    if "transformers" not in sys.modules or not callable(getattr(module, "named_children", None)):
         return None
     from transformers import PreTrainedModel
 
@@ -34,23 +34,32 @@ def hf_model_of(module: Any) -> Any:
     return found[0][1] if found else None
 
 
+def pipeline_layers_of(module: Any) -> list[Any] | None:
+    """``module.pipeline_layers()``, else the units of the Hugging Face causal LM it holds; None when neither."""
+    if callable(getattr(module, "pipeline_layers", None)):
+        return list(module.pipeline_layers())
+    model = hf_model_of(module)
+    if model is None:
+        return None
+    from het_strategy.hf.pipeline_units import hf_pipeline_units
+
+    return hf_pipeline_units(model)
+
+
 def pipeline_of(module: Any) -> tuple[list[Any], Callable[[Any, Any], Any]] | None:
-    """``(layers, loss)`` of ``module``: its ``pipeline_layers()`` and ``pipeline_loss``, else those of the Hugging
-    Face causal LM it holds; None when it has neither."""
+    """``(layers, loss)`` of ``module``: its ``pipeline_layers()`` and ``pipeline_loss`` (both, or None), else
+    those of the Hugging Face causal LM it holds (its units and ``CausalLMLoss``); None when it has neither."""
     own = [callable(getattr(module, hook, None)) for hook in ("pipeline_layers", "pipeline_loss")]
     if any(own):
-        if not all(own):
-            missing = "pipeline_loss" if own[0] else "pipeline_layers"
-            raise field_error(f"LightningModule.{missing}", None, "be defined with the other hook "
-                              "(see docs/guide/hetero-deepspeed.md)")
-        return list(module.pipeline_layers()), module.pipeline_loss
+        return (list(module.pipeline_layers()), module.pipeline_loss) if all(own) else None
     model = hf_model_of(module)
     if model is None:
         return None
     from het_strategy.hf.causal_lm_loss import CausalLMLoss
-    from het_strategy.hf.pipeline_units import hf_pipeline_units
 
-    return hf_pipeline_units(model), CausalLMLoss(model)
+    layers = pipeline_layers_of(module)
+    assert layers is not None  # the module holds a Hugging Face model
+    return layers, CausalLMLoss(model)
 
 
 def module_workload(module: Any, seq_len: int | None, dtype: str) -> Any:

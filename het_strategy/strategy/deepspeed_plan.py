@@ -10,6 +10,8 @@
    then the plan is checked against the launched world (one process per device the plan uses).
 4. ``stage_padding(module)``: on an emulated cluster, what ``PlanRunner`` pads each stage with; with
    ``emulation=False`` the emulated speeds are dropped at construction.
+A LightningModule holding a Hugging Face model needs no ``workload=``: ``use_module`` takes it from the model's config
+at ``seq_len`` tokens (``hf.lightning_adapter.module_workload``).
 """
 
 from __future__ import annotations
@@ -58,11 +60,18 @@ class DeepSpeedPlanHolder:
         planner_mode: with ``plan=None``: the planners searched (``PlanMode``).
         max_tp: with ``plan=None``: the largest tensor-parallel degree the planner may use (``TP_DEGREES``).
         emulation: honour the cluster's emulated speeds (plan with them, pad each stage to them).
+        seq_len: the sequence length a Hugging Face model the LightningModule holds is planned and priced at (its
+            workload then comes from its config at setup, ``hf.lightning_adapter.module_workload``).
     """
 
     def __init__(self, cluster: ClusterSpec, plan: Any = None, *, zero_stage: ZeroStage | None = None,
                  workload: Any = None, global_batch_size: int | None = None,
-                 planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True) -> None:
+                 planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True,
+                 seq_len: int | None = None) -> None:
+        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+            raise field_error("seq_len", seq_len, "be an integer >= 1 (tokens per sample) or None")
+        self.seq_len = seq_len
+        """The sequence length a Hugging Face model is planned and priced at (None: not given)."""
         if isinstance(max_tp, bool) or max_tp not in TP_DEGREES:
             raise field_error("max_tp", max_tp, f"be {alternatives(TP_DEGREES)} (the largest tensor-parallel degree "
                               "planned)")
@@ -86,9 +95,10 @@ class DeepSpeedPlanHolder:
         """The dtype the run trains in (``use_precision``; fp32 until a Trainer attaches its precision)."""
         loaded = load_plan_source(plan)
         if loaded is None:
-            if self.workload is None:
+            if self.workload is None and seq_len is None:
                 raise field_error("workload", None, "be given when plan is None (the planner prices its layers)",
-                                  "pass workload= (a WorkloadSpec, a shipped model name or mapping) or plan=")
+                                  "pass workload= (a WorkloadSpec, a shipped model name or mapping), plan=, or "
+                                  "seq_len= for a LightningModule holding a Hugging Face model")
             if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
                 raise field_error("global_batch_size", global_batch_size, "be an integer >= 1 when plan is None")
             self.settings = TrainSettings(global_batch_size=global_batch_size, dtype="fp32",
@@ -118,19 +128,29 @@ class DeepSpeedPlanHolder:
         plan.check_cluster(self.cluster)
         raise_first(runtime_problems(plan, Runtime.deepspeed, world_size))
 
+    def use_module(self, module: Any) -> None:
+        """Without a workload given: that of the Hugging Face model ``module`` holds, at ``seq_len``."""
+        from het_strategy.hf.lightning_adapter import module_workload
+
+        if self.workload is None:
+            self.workload = module_workload(module, self.seq_len, "fp32")
+        if self.workload is None and self.plan is None:
+            raise field_error("workload", None, f"be given when plan is None ({type(module).__name__} holds no "
+                              "Hugging Face model to take it from)", "pass workload= or plan=")
+
     def limit_tp_to(self, module: Any) -> str | None:
-        """Plan with tp = 1 when none of ``module.pipeline_layers()`` has a ``tensor_parallel_plan()`` (only when
-        planning with ``max_tp`` > 1); returns the reason to log, or None when nothing changed."""
+        """Plan with tp = 1 when none of the module's pipeline layers (``hf.lightning_adapter.pipeline_layers_of``) has a
+        ``tensor_parallel_plan()`` (only when planning with ``max_tp`` > 1); returns the reason to log, or None when
+        nothing changed."""
+        from het_strategy.hf.lightning_adapter import pipeline_layers_of
         from het_strategy.tensor_parallel.tp_plan import tensor_parallel_plan_of
 
-        if self.settings is None or self.settings.max_tp == 1 or not callable(getattr(module, "pipeline_layers",
-                                                                                      None)):
-            return None
-        if any(tensor_parallel_plan_of(layer) is not None for layer in module.pipeline_layers()):
+        layers = pipeline_layers_of(module) if self.settings is not None and self.settings.max_tp > 1 else None
+        if layers is None or any(tensor_parallel_plan_of(layer) is not None for layer in layers):
             return None
         asked = self.settings.max_tp
         self.settings = dataclasses.replace(self.settings, max_tp=1)
-        return (f"max_tp={asked} is not used: none of {type(module).__name__}.pipeline_layers() has a "
+        return (f"max_tp={asked} is not used: none of {type(module).__name__}'s pipeline layers has a "
                 "tensor_parallel_plan() (het_strategy.TensorParallelPlan), so the plan keeps tp = 1")
 
     def use_precision(self, precision: Any) -> None:
@@ -164,7 +184,7 @@ class DeepSpeedPlanHolder:
         from het_strategy.planning import PlanRequest, plan
 
         settings, workload = self.settings, self.workload
-        assert settings is not None and workload is not None  # invariant: with no plan given, __init__ set both
+        assert settings is not None and workload is not None  # with no plan given: __init__ set both, or use_module the workload
 
         def search() -> tuple[str, str]:
             result = plan(self.cluster, workload, settings, PlanRequest(mode=self.planner_mode,
@@ -197,6 +217,11 @@ class DeepSpeedPlanHolder:
             return None, None
         if self.workload is not None:
             return self.cluster, self.workload
+        from het_strategy.hf.lightning_adapter import module_workload
+
+        hf = module_workload(module, self.seq_len, "fp32")
+        if hf is not None:
+            return self.cluster, hf
         if not callable(getattr(module, "workload_config", None)):
             raise field_error("workload", None, "be given for an emulated cluster (it prices each stage), or the "
                               "LightningModule must define workload_config()", "pass workload= to the strategy")

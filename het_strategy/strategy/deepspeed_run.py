@@ -10,7 +10,8 @@ search broadcast at setup), ``GlobalBatches`` (every rank loads the whole global
 ``setup_optimizers``), ``deepspeed_checkpoint`` (checkpoint directories carrying the plan), ``RunLifecycle``.
 
 The LightningModule gives ``pipeline_layers()`` (the whole model as an ordered list of modules it owns),
-``pipeline_loss(outputs, labels)`` and one optimizer over ``self.parameters()``; ``training_step`` and
+``pipeline_loss(outputs, labels)`` and one optimizer over ``self.parameters()``, or holds a Hugging Face causal LM
+that gives them (``hf.lightning_adapter``); ``training_step`` and
 ``validation_step`` must exist but are not called.  The user guide (docs/guide/hetero-deepspeed.md) says what is
 supported and what is refused.
 """
@@ -29,6 +30,7 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.log import rank_zero_info
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
+from het_strategy.hf.lightning_adapter import check_tied_stages, pipeline_of
 from het_strategy.planning.request import PlanMode
 from het_strategy.strategy.deepspeed_checkpoint import load_plan_checkpoint, save_plan_checkpoint
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
@@ -57,6 +59,8 @@ class DeepSpeedRun(StrategyRun):
             stage at tp > 1 splits the layers that have a ``tensor_parallel_plan()``.
         emulation: honour the cluster's ``emulated_speed``s (plan with them, pad each stage to its device's time);
             ``False`` drops them.
+        seq_len: the tokens per sample a Hugging Face model the LightningModule holds is planned and priced at (its
+            workload then comes from its config; ``workload=`` not needed).
         heartbeat_timeout_s: a rank without a heartbeat for this long is gone: the others end, naming it in one
             line; ``None``: off.  Each collective's timeout is Lightning's ``timeout=``.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``, ...).
@@ -66,7 +70,8 @@ class DeepSpeedRun(StrategyRun):
                  zero_stage: ZeroStage | None = None, gradient_clipping: float = 0.0, *,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
                  planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True,
-                 heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S, **ddp_kwargs: Any) -> None:
+                 seq_len: int | None = None, heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S,
+                 **ddp_kwargs: Any) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError("HeteroDeepSpeedStrategy needs DeepSpeed, which is not installed: "
                               "pip install 'het_strategy[deepspeed]'")
@@ -78,7 +83,7 @@ class DeepSpeedRun(StrategyRun):
         # bad input fails here, in the user's script, before any rank starts
         self.plans = DeepSpeedPlanHolder(load_cluster(cluster), plan, zero_stage=zero_stage, workload=workload,
                                          global_batch_size=global_batch_size, planner_mode=planner_mode,
-                                         max_tp=max_tp, emulation=emulation)
+                                         max_tp=max_tp, emulation=emulation, seq_len=seq_len)
         """The cluster, the workload and the Plan of the run."""
         self.batches = GlobalBatches()
         """The loaders' check and the training loader's position."""
@@ -146,6 +151,7 @@ class DeepSpeedRun(StrategyRun):
         self.lifecycle.start(rank, world, self.cluster.devices)
         planning = self.plans.plan is None
         if planning:
+            self.plans.use_module(strategy.lightning_module)
             why = self.plans.limit_tp_to(strategy.lightning_module)
             if why is not None:
                 rank_zero_info(rank, "hetero_deepspeed: %s", why)
@@ -187,7 +193,9 @@ class DeepSpeedRun(StrategyRun):
         module = strategy.lightning_module
         optimizer = strategy.optimizers[0]
         cluster, workload = self.plans.stage_padding(module)
-        self.runner = PlanRunner(self.plan, list(module.pipeline_layers()), module.pipeline_loss,
+        layers, loss = pipeline_of(module)
+        check_tied_stages(self.plan, layers)
+        self.runner = PlanRunner(self.plan, layers, loss,
                                  lambda params: _keep_only(optimizer, params), gradient_clipping=self.gradient_clipping,
                                  emulated_cluster=cluster, workload=workload)
 
@@ -311,9 +319,10 @@ def _check_module(trainer: Any) -> None:
     if trainer.accumulate_grad_batches != 1:
         raise field_error("Trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
                           "be 1 (the plan's micro-batches are the accumulation)")
-    for hook in ("pipeline_layers", "pipeline_loss"):
-        if not callable(getattr(module, hook, None)):
-            raise field_error(f"LightningModule.{hook}", None, "be defined (see docs/guide/hetero-deepspeed.md)")
+    if pipeline_of(module) is None:
+        hook = next(h for h in ("pipeline_layers", "pipeline_loss") if not callable(getattr(module, h, None)))
+        raise field_error(f"LightningModule.{hook}", None, "be defined, or the module hold a Hugging Face causal LM "
+                          "(see docs/guide/hetero-deepspeed.md)")
 
 
 def _keep_only(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:

@@ -36,11 +36,10 @@ def batch_pair(batch: Any, where: str) -> tuple[Any, Any]:
     A Hugging Face batch (a mapping with ``input_ids``, ``labels`` and optionally ``attention_mask``) gives
     ``((input_ids, attention_mask), labels)``, or ``(input_ids, labels)`` without a mask: the runner cuts each
     tensor of the inputs' tuple into the same micro-batches."""
-    if isinstance(batch, Mapping):
-        missing = [k for k in ("input_ids", "labels") if k not in batch]
-        if missing:
-            raise field_error(f"{where}[{missing[0]!r}]", None, "be given in a Hugging Face batch (a mapping of "
-                              "input_ids, attention_mask, labels; labels -100 where not counted)")
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        if "labels" not in batch:
+            raise field_error(f"{where}['labels']", None, "be given in a Hugging Face batch (a mapping of input_ids, "
+                              "attention_mask, labels; labels -100 where not counted)")
         mask = batch.get("attention_mask")
         return (batch["input_ids"] if mask is None else (batch["input_ids"], mask)), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
