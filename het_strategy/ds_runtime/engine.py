@@ -86,16 +86,22 @@ def check_runnable(plan: Plan, world_size: int | None = None) -> ReplicaLayout:
     return replica_layout(plan)
 
 
+def _times(loss: torch.Tensor, weight: Any, tokens: Any) -> torch.Tensor:
+    """``loss * weight``; by tokens, ``tokens.weighted`` (a micro-batch without a counted token adds 0, not nan)."""
+    return loss * weight if tokens is None else tokens.weighted(loss, weight)
+
+
 class _MicroWeightedLoss:
     """``loss_fn(outputs, y) * w`` with labels ``(y, w)``: the micro-batch's own weight rides with its labels."""
 
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], tokens: Any = None) -> None:
         self.loss_fn = loss_fn
+        self.tokens = tokens
         self.__name__ = f"weighted_{getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
 
     def __call__(self, outputs: Any, labels: tuple[Any, torch.Tensor]) -> torch.Tensor:
         y, w = labels
-        return self.loss_fn(outputs, y) * w
+        return _times(self.loss_fn(outputs, y), w, self.tokens)
 
 
 def _rows(batch: Any, start: int, stop: int) -> Any:
@@ -119,7 +125,9 @@ class PlanRunner:
 
     ``layers``: the whole model as an ordered list of ``nn.Module`` or
     ``deepspeed.pipe.LayerSpec`` (identical on every rank); ``loss_fn(outputs,
-    labels)`` a mean over the micro-batch; ``optimizer_factory(params)`` builds
+    labels)`` a mean over the micro-batch (over its counted label tokens when
+    ``loss_tokens``, a ``LossTokens``, is given: each micro-batch is then weighted
+    by its tokens, not its samples); ``optimizer_factory(params)`` builds
     the optimizer over this rank's parameters.  ``settings`` defaults to the
     plan's own batch, dtype and ZeRO stage.  ``ds_config_overrides`` are merged
     into the emitted ds_config last (top-level keys).
@@ -152,7 +160,11 @@ class PlanRunner:
        inside its labels, ``(y_k, w_k)``, and the loss is ``loss_fn(out, y_k) *
        w_k``: the averaged gradient is ``(1/dp) sum_r (1/gas_r) sum_k w_k dL_k =
        (1/B) sum_i dl_i``, the global-batch mean.  A per-micro-batch weight (not
-       one per rank) keeps a short last micro-batch exact.
+       one per rank) keeps a short last micro-batch exact.  With ``loss_tokens``
+       (``L_k`` a mean over its ``t_k`` counted label tokens:
+       ``strategy.loss_tokens.LossTokens``) ``m_k`` and ``B`` are ``t_k`` and the global
+       batch's count ``T``, counted from the global batch every rank loads (no
+       collective): ``w_k = dp * gas_r * t_k / T``, the mean over all ``T`` tokens.
     4. Collectives.  At ZeRO 0/1 DeepSpeed reduces gradients once per step, at the
        accumulation boundary, so replicas with different ``gas_r`` still meet in
        the same collectives in the same order; ZeRO 2/3 reduce on every
@@ -164,11 +176,11 @@ class PlanRunner:
        the wrong size.  The module is built with ``dynamic_shape=True`` (shape
        metadata is sent with every micro-batch: one small message per transfer).
     6. Loss.  The last stage's ``train_batch`` value is ``(1/dp) sum_r (1/gas_r)
-       sum_k w_k L_k = (1/B) sum_r sum_k m_k L_k``, the global-batch mean.
+       sum_k w_k L_k = (1/B) sum_r sum_k m_k L_k``, the global-batch mean (tokens: ``t_k``, ``T``).
        DeepSpeed broadcasts it to the other stages as fp32; ``train_step``
        re-broadcasts the last stage's value in float64 so every rank returns the
        same, unrounded number.  Pure DP: ``sum_k m_k L_k`` is summed over ranks
-       and divided by ``B``.
+       and divided by ``B`` (tokens: ``sum_k t_k L_k`` by ``T``).
     7. Clipping.  DeepSpeed 0.19's fp32 ZeRO-0 pipeline engine clips by stage 0's
        gradient norm only, so for that combination DeepSpeed's clipping is off
        and the engine clips by the global norm after its reduction
@@ -180,7 +192,7 @@ class PlanRunner:
                  settings: TrainSettings | None = None, *, gradient_clipping: float = 0.0,
                  activation_checkpoint_interval: int = 0, ds_config_overrides: dict[str, Any] | None = None,
                  timeout_s: float = 300.0, emulated_cluster: "ClusterSpec | None" = None,
-                 workload: "WorkloadSpec | None" = None) -> None:
+                 workload: "WorkloadSpec | None" = None, loss_tokens: Any = None) -> None:
         import deepspeed
         import deepspeed.comm as ds_dist
 
@@ -199,6 +211,8 @@ class PlanRunner:
         self.assignment = rank_layout(plan)[self.rank]
         self.batch = rank_batches(plan)[self.rank]
         self.loss_fn = loss_fn
+        self.loss_tokens = loss_tokens
+        """How the labels' counted tokens are counted (``LossTokens``); None: micro-batches weighted by samples."""
         p = self.assignment.pipeline
         self.num_stages = len(plan.pipelines[p].stages)
         self.sample_start = sum(q.samples for q in plan.pipelines[:p])
@@ -217,7 +231,7 @@ class PlanRunner:
             cfg["zero_allow_untested_optimizer"] = True  # the caller's optimizer is a choice, not a mistake
         cfg.update(ds_config_overrides or {})
         self.ds_config = cfg
-        weighted = _MicroWeightedLoss(loss_fn)
+        weighted = _MicroWeightedLoss(loss_fn, loss_tokens)
 
         if self.layout.per_replica:
             from het_strategy.ds_runtime.replica_engine import build_replica_engine
@@ -279,18 +293,27 @@ class PlanRunner:
         """Run through a pipeline engine (every replica of an asymmetric plan is one, even a one-stage one)."""
         return self.num_stages > 1 or self.reducer is not None
 
-    def _micro_batches(self, inputs: Any, labels: torch.Tensor, where: str) -> list[tuple[Any, Any, int, float]]:
-        """This rank's ``(x_k, y_k, m_k, w_k)``, cut from the global batch (invariant 2)."""
+    def _micro_batches(self, inputs: Any, labels: torch.Tensor, where: str
+                       ) -> tuple[list[tuple[Any, Any, int, float]], int]:
+        """This rank's ``(x_k, y_k, n_k, w_k)``, cut from the global batch (invariant 2), and the global batch's
+        count ``N``: ``n_k`` and ``N`` are samples, or counted label tokens (invariant 3)."""
         B = self.plan.global_batch_size
         for name, b in (("inputs", inputs), ("labels", labels)):
             if _num_rows(b) != B:
                 raise field_error(f"{where}.{name}.shape[0]", _num_rows(b),
                                   f"equal the plan's global_batch_size ({B}): every rank gets the whole batch")
+        tokens = self.loss_tokens
+        total = B if tokens is None else tokens.count(labels)  # every rank holds the whole batch: no collective
+        scale = self.plan.num_pipelines * len(self.batch.micro_batch_sizes)  # dp * gas_r
         out, k = [], self.sample_start
         for m, w in zip(self.batch.micro_batch_sizes, self.batch.micro_loss_weights):
-            out.append((_rows(inputs, k, k + m), labels[k:k + m], m, w))
+            x, y, n = _rows(inputs, k, k + m), labels[k:k + m], m
+            if tokens is not None:
+                n = tokens.count(y)
+                w = scale * n / total if total else 0.0
+            out.append((x, y, n, w))
             k += m
-        return out
+        return out, total
 
     def _weight(self, w: float, like: torch.Tensor) -> torch.Tensor:
         """The micro-batch's loss weight in the labels' dtype (integer labels: the layers' dtype), at least fp32
@@ -348,37 +371,37 @@ class PlanRunner:
                           group=eng.grid.get_pipe_parallel_group())
         return float(t.item())
 
-    def _dp_mean(self, local_sum: torch.Tensor) -> float:
-        """``sum over ranks of sum_k m_k L_k`` / B (pure DP: every rank is one replica)."""
+    def _dp_mean(self, local_sum: torch.Tensor, total: int) -> float:
+        """``sum over ranks of sum_k n_k L_k`` / N (pure DP: every rank is one replica; samples or tokens)."""
         import deepspeed.comm as ds_dist
 
         t = local_sum.detach().to(torch.float64).reshape(1).to(self.engine.device)
         ds_dist.all_reduce(t)
-        return float(t.item()) / self.plan.global_batch_size
+        return float(t.item()) / total if total else float("nan")
 
     # -- steps --------------------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns the global-batch mean loss (same on every rank)."""
-        micro = self._micro_batches(inputs, labels, "train_step")
+        micro, count = self._micro_batches(inputs, labels, "train_step")
         eng = self.engine
         if self.is_pipeline:
             eng.train_batch(data_iter=iter(self._pipe_data(micro)))
             return self._from_last_stage(eng.agg_train_loss if eng.is_last_stage() else None)
         eng.train()
         total = torch.zeros((), dtype=torch.float64)
-        for x, y, m, w in micro:
+        for x, y, n, w in micro:
             x = self._compute_inputs(x)
             out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
             loss = self.loss_fn(out, y.to(eng.device))
-            eng.backward(loss * w)  # DeepSpeed divides by gas_r; the allreduce averages over replicas
+            eng.backward(_times(loss, w, self.loss_tokens))  # DeepSpeed divides by gas_r; the allreduce averages
             eng.step()              # steps the optimizer at the rank's own accumulation boundary only
-            total += m * loss.detach().double().cpu()
-        return self._dp_mean(total)
+            total += _times(loss.detach().double().cpu(), n, self.loss_tokens)
+        return self._dp_mean(total, count)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, labels: torch.Tensor) -> float:
         """The global-batch mean loss without a step (``eval_batch`` for pipelines)."""
-        micro = self._micro_batches(inputs, labels, "eval_step")
+        micro, count = self._micro_batches(inputs, labels, "eval_step")
         eng = self.engine
         if self.is_pipeline:
             # eval_batch averages over its num_micro_batches (here gas_r) and over replicas: the same
@@ -388,13 +411,13 @@ class PlanRunner:
         eng.eval()
         total = torch.zeros((), dtype=torch.float64)
         try:
-            for x, y, m, _ in micro:
+            for x, y, n, _ in micro:
                 x = self._compute_inputs(x)
                 out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
-                total += m * self.loss_fn(out, y.to(eng.device)).double().cpu()
+                total += _times(self.loss_fn(out, y.to(eng.device)).double().cpu(), n, self.loss_tokens)
         finally:
             eng.train()
-        return self._dp_mean(total)
+        return self._dp_mean(total, count)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_dir(self, path: str | Path, replica: int | None = None) -> Path:
