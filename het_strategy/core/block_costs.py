@@ -124,9 +124,10 @@ def _transformers_block_bytes(cfg: _Config, b: int, moe: bool) -> tuple[float, f
     """What transformers' decoder layer keeps per sample in training (each storage once), ``fused`` attention:
 
     1. each norm: ``norm_activation_bytes``, and its output (the input of q/k/v, of the MLP and the router);
-    2. q and k as the attention gets them (GPT-2: views of one qkv output), v; rotary embeddings also keep the
-       projections and their rotated halves (2 more of q's and k's width); q/k norms their fp32 inputs and
-       normalised tensors; sdpa its output (the output projection's input) and its fp32 log-sum-exp per head;
+    2. q and k as the attention gets them (GPT-2: views of one qkv output), v (rotary embeddings keep nothing
+       per token: their cos and sin need no gradient, so the products keep only those, shared by all layers);
+       q/k norms their fp32 inputs, rstd and normalised tensors; sdpa its output (the output projection's
+       input) and its fp32 log-sum-exp per head;
     3. the MLP: its down projection's input and what the activation keeps (``ACTIVATION_SAVES``; gated: also
        the up projection and the activation's output), per expert per routed token plus the routed input and
        the expert's output; the router's fp32 probabilities; a shared expert's MLP and its gated output;
@@ -136,10 +137,8 @@ def _transformers_block_bytes(cfg: _Config, b: int, moe: bool) -> tuple[float, f
     s, h, q, kv = cfg.seq_len, cfg.hidden_size, cfg.q_width, cfg.kv_width
     norms = 2 * (norm_activation_bytes(cfg, b) + h * b)
     attn = (q + 2 * kv) * b + q * b + 4 * cfg.num_heads
-    if cfg.rotary:
-        attn += 2 * (q + kv) * b
-    if cfg.qk_norm:
-        attn += (4 + b) * (q + kv)
+    if cfg.qk_norm:  # each norm's fp32 input, its rstd per head and its normalised tensor
+        attn += (4 + b) * (q + kv) + 4 * (cfg.num_heads + (cfg.num_kv_heads or cfg.num_heads))
     masks = 2 * h if cfg.dropout else 0
     if not moe:
         mlp = _mlp_activation_bytes(cfg, cfg.ffn_hidden_size or 4 * h, b)

@@ -40,6 +40,7 @@ __all__ = [
     "transformer_config",
     "load_workload",
     "MODEL_KEYS",
+    "HF_SOURCE_KEYS",
 ]
 
 @dataclass(frozen=True)
@@ -320,21 +321,52 @@ MODEL_KEYS = {"name", "num_layers", "hidden_size", "num_heads", "seq_len", "voca
 """The keys a model mapping (a model YAML file) may hold."""
 
 
-def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec,
-                  dtype: Dtype | str = Dtype.bf16) -> WorkloadSpec:
-    """A workload from a shipped model name, a YAML path, a mapping, or a WorkloadSpec.
+HF_SOURCE_KEYS = {"name", "hf_config", "seq_len"}
+"""The keys of a mapping naming a Hugging Face config (``{"hf_config": "path/config.json", "seq_len": 4096}``):
+``het-plan model=<config.json> model.seq_len=4096`` composes one."""
 
-    A file is read with ``files.read_yaml_file`` (one ConfigError naming ``model`` for a file that cannot be
-    read or parsed), and an error in its content names the file.
+
+def load_workload(source: str | Path | Mapping[str, Any] | WorkloadSpec,
+                  dtype: Dtype | str = Dtype.bf16, seq_len: int | None = None) -> WorkloadSpec:
+    """A workload from a shipped model name, a YAML path, a mapping, a Hugging Face config, or a WorkloadSpec.
+
+    A Hugging Face config is a ``config.json`` path, a model directory holding one, a config mapping (with a
+    ``model_type``: ``model.config.to_dict()``) or ``{"hf_config": <one of those>, "seq_len": N, "name": ...}``
+    (``HF_SOURCE_KEYS``); it is planned at ``seq_len`` tokens per sample (the argument, else the mapping's,
+    else ``hf_fields.DEFAULT_SEQ_LEN`` or ``max_position_embeddings`` where smaller).  A model file is read
+    with ``files.read_yaml_file`` (one ConfigError naming ``model`` for a file that cannot be read or parsed),
+    and an error in its content names the file.
     """
     if isinstance(source, WorkloadSpec):
         return source
     dtype = as_dtype(dtype, "model.dtype")  # before any file is read: a bad dtype is no error in the file
+    hf = _hf_model_mapping(source, seq_len)
+    if hf is not None:
+        return transformer_workload(transformer_config(hf), dtype=dtype)
     if isinstance(source, Mapping):
         return transformer_workload(transformer_config(source), dtype=dtype)
     path, raw = read_yaml_file(config_file("model", source), "model", "model YAML file")
     with naming_file(path, "model file"):
         return transformer_workload(transformer_config({"name": path.stem, **raw}), dtype=dtype)
+
+
+def _hf_model_mapping(source: str | Path | Mapping[str, Any], seq_len: int | None) -> dict[str, Any] | None:
+    """The model mapping of a Hugging Face config ``source`` names (``load_workload``), or None for another."""
+    from het_strategy.core.hf_fields import hf_config_path, read_hf_config
+
+    name = None
+    if isinstance(source, Mapping) and "hf_config" in source:
+        check_keys(source, HF_SOURCE_KEYS, "model")
+        name, config = source.get("name"), source["hf_config"]
+        seq_len = seq_len if seq_len is not None else source.get("seq_len")
+    elif isinstance(source, Mapping) and "model_type" in source:
+        config = source
+    elif not isinstance(source, Mapping) and (hf_config_path(source) is not None or Path(source).is_dir()):
+        config = source
+    else:
+        return None
+    mapping = read_hf_config(config if isinstance(config, Mapping) else str(config)).model_mapping(seq_len)
+    return mapping | ({"name": str(name)} if name else {})
 
 
 def transformer_config(source: Mapping[str, Any]) -> TransformerConfig:
