@@ -10,7 +10,9 @@ A tiny Llama (``CONFIG``: 4 layers, hidden 32, GQA 4:2, float64) is cut by ``hf_
 - ``asym``: replica 0 one device (3 samples as 2 + 1), replica 1 two stages ``[0, 2) [2, 6)`` (3 samples);
 - ``tp``: a tp-2 stage ``[0, 4)`` sending to a tp-1 stage ``[4, 6)``, micro-batches 4 + 2.
 
-``padded``: rows of different lengths, right-padded (``attention_mask`` 0, ``labels`` -100 there).  Each rank writes
+``padded``: rows of different lengths, right-padded (``attention_mask`` 0, ``labels`` -100 there); each micro-batch's
+loss is weighted by its counted tokens (``strategy.loss_tokens.LossTokens``), so the step is the single process's mean
+over the global batch's tokens.  Each rank writes
 ``OUT_DIR/rank{r}.json``: per case the losses, and the largest difference of each of its parameters (its tp shard)
 from the single-process Hugging Face model trained on the same batch (``reference``).
 """
@@ -101,6 +103,7 @@ def run_case(case: str, padded: bool, ref_losses, ref_params) -> dict:
     from het_strategy.hf.causal_lm_loss import CausalLMLoss
     from het_strategy.hf.pipeline_units import hf_pipeline_units
     from het_strategy.strategy.global_batches import batch_pair
+    from het_strategy.strategy.loss_tokens import LossTokens
     from het_strategy.tensor_parallel.layers import shard_of
 
     m = model("fp32" if case in FLOAT32 else "fp64")
@@ -109,7 +112,7 @@ def run_case(case: str, padded: bool, ref_losses, ref_params) -> dict:
     specs = [u.tensor_parallel_plan().shard_specs() if getattr(u, "tensor_parallel_plan", lambda: None)() else {}
              for u in units]
     runner = PlanRunner(plan(case), units, CausalLMLoss(m), lambda params: torch.optim.AdamW(params, lr=LR),
-                        timeout_s=120)
+                        timeout_s=120, loss_tokens=LossTokens(shifted=True))
     inputs, labels = batch_pair(batch(padded), "batch")
     losses = [runner.train_step(inputs, labels) for _ in range(STEPS)]
     group = runner.layout.group_of(runner.rank)
