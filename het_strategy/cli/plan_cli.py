@@ -7,6 +7,7 @@ Usage (every field of ``configs/plan.yaml`` can be overridden Hydra-style; docs/
     het-plan planner.objective=cost planner.min_throughput=200   # least $/iteration at >= 200 samples/s
     het-plan score=plan.json                               # score a given plan, no search
     het-plan model=my_models.py:make_net model_input.shape=[4,1,28,28]   # your own nn.Module
+    het-plan model=./Meta-Llama-3-8B/config.json model.seq_len=4096   # a Hugging Face config (or its directory)
     het-plan --cfg                                         # print the composed config and stop
 
 Steps of one run:
@@ -14,7 +15,8 @@ Steps of one run:
 1. compose the config (Hydra's compose API: no output folders, no change of cwd) against the structured schema
    ``cli/plan_config.HetPlanConfig``, checked while Hydra composes and on construction;
 2. build the ClusterSpec and the WorkloadSpec (``model=<python path>``: that model's profile, written next to the
-   plan as ``<plan>.model.json``), and the measured profile ``planner.profile`` names;
+   plan as ``<plan>.model.json``; ``model=<config.json or directory>``: a Hugging Face config at ``model.seq_len``
+   tokens, ``hf_fields.DEFAULT_SEQ_LEN`` when not given), and the measured profile ``planner.profile`` names;
 3. ``planning.plan`` — or, with ``score=<file>``, that plan checked against this cluster and model and
    ``planning.rescore``d with the same cost model;
 4. print the table; write ``output.dir/output.plan`` atomically and, when asked, the DeepSpeed files and the picture.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -72,6 +75,9 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
   model=<module:function>       your own nn.Module (package.module:function or file.py:function), profiled;
                                 model_input.shape=[4,1,28,28] model_input.dtype=float32 unless the
                                 function returns (module, sample_input)
+  model=<config.json|model dir> a Hugging Face causal LM's config (llama, mistral, qwen2, qwen3, mixtral,
+                                qwen2_moe, qwen3_moe, gpt2), read as JSON; model.seq_len=N tokens per sample
+                                (default {{seq_len}}, at most the model's max_position_embeddings)
   model=<file.model.json>       a model profiled before (written beside a plan, or by
                                 benchmarks/gpu_calibration.py): its layers, and its measured times for the
                                 device type it was measured on
@@ -107,18 +113,52 @@ def compose_plan_config(overrides: Sequence[str] = ()) -> DictConfig:
     ``cfg.model = {name, profile_file}`` (Hydra would look for a group option).
     """
     overrides = [str(o) for o in overrides]
-    models = [o.partition("=")[2] for o in overrides if _is_model_factory(o) or _is_profile_file(o)]
-    rest = [o for o in overrides if not _is_model_factory(o) and not _is_profile_file(o)]
+    special = [o for o in overrides if _is_model_factory(o) or _is_profile_file(o) or _is_hf_config(o)]
+    rest = [o for o in overrides if o not in special]
+    hf = special and _is_hf_config(special[-1])  # the last model= given wins, as with any override
+    seq_len = _hf_seq_len(rest) if hf else None
+    if hf:
+        rest = [o for o in rest if o.partition("=")[0].lstrip("+~") != "model.seq_len"]
     from het_strategy.cli.plan_config import register_plan_schema
 
     register_plan_schema()  # the structured schema plan.yaml's defaults list starts with
     cfg = compose_config(CONFIG_NAME, rest)
-    if models:  # the last one given wins, as with any override
-        value = models[-1]
+    if special:
+        value = special[-1].partition("=")[2]
         with open_dict(cfg):
-            cfg["model"] = ({"name": Path(value).name[:-len(PROFILE_SUFFIX)], "profile_file": value}
-                            if value.endswith(PROFILE_SUFFIX) else {"name": value.rpartition(":")[2], "factory": value})
+            if hf:
+                cfg["model"] = {"name": None, "hf_config": value, "seq_len": seq_len}
+            elif value.endswith(PROFILE_SUFFIX):
+                cfg["model"] = {"name": Path(value).name[:-len(PROFILE_SUFFIX)], "profile_file": value}
+            else:
+                cfg["model"] = {"name": value.rpartition(":")[2], "factory": value}
     return cfg
+
+
+def _is_hf_config(override: str) -> bool:
+    """``model=<config.json>`` or ``model=<directory>`` (a Hugging Face model's config or its directory)."""
+    from het_strategy.core.hf_fields import hf_config_path
+
+    key, sep, value = override.partition("=")
+    return bool(sep) and key == "model" and (os.path.isdir(Path(value).expanduser())
+                                             or hf_config_path(value) is not None)
+
+
+def _hf_seq_len(overrides: Sequence[str]) -> int | None:
+    """``model.seq_len=N`` among ``overrides`` (the last one), for ``model=<config.json>``; any other
+    ``model.<key>`` is refused: the config's own fields describe the model."""
+    seq_len = None
+    for o in overrides:
+        key, _, value = o.partition("=")
+        key = key.lstrip("+~")
+        if key == "model.seq_len":
+            if not re.fullmatch(r"\d+", value.strip()):
+                raise field_error("model.seq_len", value, "be a whole number of tokens per sample")
+            seq_len = int(value)
+        elif key.startswith("model."):
+            raise field_error(key, value, "not be set with model=<config.json>: the config's own fields describe "
+                              "the model", "only model.seq_len is set here; edit the config for the rest")
+    return seq_len
 
 
 def _is_profile_file(override: str) -> bool:
@@ -203,12 +243,28 @@ def plan_or_score(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanSco
 
             print(low_communication_report(result, cluster))
         else:
+            hf_line = _hf_model_line(cfg, workload)
+            if hf_line:
+                print(hf_line)
             print(plan_table(chosen, score, cluster))
             if line:
                 print(line)
         if written:
             print("\nwrote " + ", ".join(str(p) for p in written))
     return chosen, score
+
+
+def _hf_model_line(cfg: DictConfig, workload: "WorkloadSpec") -> str | None:
+    """One line above the table for ``model=<config.json>``: the config, its parameters and the sequence length
+    planned (None for another model)."""
+    node = cfg.get("model")
+    source = node.get("hf_config") if isinstance(node, (DictConfig, dict)) else None
+    if source is None:
+        return None
+    active = f", {workload.active_params_per_token / 1e9:.2f} B active per token" if workload.is_moe else ""
+    given = "model.seq_len" if node.get("seq_len") is not None else "the default; set model.seq_len=N"
+    return (f"model: {workload.name} from {source}: {workload.total_params / 1e9:.2f} B parameters{active}, "
+            f"{workload.num_layers - 2} decoder layers; seq_len {workload.seq_len} tokens ({given})")
 
 
 def _output_settings(out: "PlanOutputConfig") -> dict[str, Any]:
@@ -294,8 +350,10 @@ def _write_outputs(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec", set
 
 
 def _usage() -> str:
+    from het_strategy.core.hf_fields import DEFAULT_SEQ_LEN
+
     return _USAGE.format(clusters=", ".join(shipped_names("cluster")) or "-",
-                         models=", ".join(shipped_names("model")) or "-")
+                         models=", ".join(shipped_names("model")) or "-", seq_len=DEFAULT_SEQ_LEN)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
