@@ -36,6 +36,7 @@ from het_strategy.strategy.deepspeed_checkpoint import load_plan_checkpoint, sav
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
 from het_strategy.strategy.liveness import HEARTBEAT_TIMEOUT_S
+from het_strategy.strategy.loss_tokens import LossWeighting, check_weighting, resolve_weighting
 from het_strategy.strategy.strategy_run import Parent, StrategyRun
 
 __all__ = ["DeepSpeedRun"]
@@ -59,6 +60,9 @@ class DeepSpeedRun(StrategyRun):
             stage at tp > 1 splits the layers that have a ``tensor_parallel_plan()``.
         emulation: honour the cluster's ``emulated_speed``s (plan with them, pad each stage to its device's time);
             ``False`` drops them.
+        loss_weighting: what each micro-batch's loss is weighted by (``strategy.loss_tokens.LossWeighting``):
+            ``"samples"``, ``"tokens"`` (its counted label tokens: exact for padded batches) or ``"auto"`` (tokens
+            for a Hugging Face causal LM, whose pipeline loss shifts its labels; samples otherwise).
         seq_len: the tokens per sample a Hugging Face model the LightningModule holds is planned and priced at (its
             workload then comes from its config; ``workload=`` not needed).
         heartbeat_timeout_s: a rank without a heartbeat for this long is gone: the others end, naming it in one
@@ -70,7 +74,8 @@ class DeepSpeedRun(StrategyRun):
                  zero_stage: ZeroStage | None = None, gradient_clipping: float = 0.0, *,
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
                  planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True,
-                 seq_len: int | None = None, heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S,
+                 seq_len: int | None = None, loss_weighting: LossWeighting | str = LossWeighting.auto,
+                 heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S,
                  **ddp_kwargs: Any) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError("HeteroDeepSpeedStrategy needs DeepSpeed, which is not installed: "
@@ -89,6 +94,8 @@ class DeepSpeedRun(StrategyRun):
         """The loaders' check and the training loader's position."""
         self.gradient_clipping = float(gradient_clipping)
         """The largest global gradient norm (0 = off)."""
+        self.loss_weighting = check_weighting(loss_weighting)
+        """The ``loss_weighting`` option as given (``auto`` is resolved when the runner is built)."""
         super().__init__(heartbeat_timeout_s, ddp_kwargs)
         self.runner: Any = None
         """This rank's ``PlanRunner`` (built in ``setup_optimizers``); ``runner.named_parameters()``: this rank's
@@ -195,9 +202,11 @@ class DeepSpeedRun(StrategyRun):
         cluster, workload = self.plans.stage_padding(module)
         layers, loss = pipeline_of(module)
         check_tied_stages(self.plan, layers)
+        tokens = resolve_weighting(self.loss_weighting, causal_lm=bool(getattr(loss, "shifts_labels", False)),
+                                   rank=strategy.global_rank, runtime="hetero_deepspeed")
         self.runner = PlanRunner(self.plan, layers, loss,
                                  lambda params: _keep_only(optimizer, params), gradient_clipping=self.gradient_clipping,
-                                 emulated_cluster=cluster, workload=workload)
+                                 emulated_cluster=cluster, workload=workload, loss_tokens=tokens)
 
     def _running(self) -> Any:
         """The plan's runner, built in ``setup``."""
