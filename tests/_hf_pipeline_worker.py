@@ -8,7 +8,9 @@ A tiny Llama (``CONFIG``: 4 layers, hidden 32, GQA 4:2, float64) is cut by ``hf_
 - ``aligned``: one replica of three stages ``[0, 2) [2, 4) [4, 6)`` on DeepSpeed's own grid, micro-batches 4 + 2,
   in float32 (DeepSpeed's grid reduces no float64 gradient: "unsupported grad type"), so to float32's rounding;
 - ``asym``: replica 0 one device (3 samples as 2 + 1), replica 1 two stages ``[0, 2) [2, 6)`` (3 samples);
-- ``tp``: a tp-2 stage ``[0, 4)`` sending to a tp-1 stage ``[4, 6)``, micro-batches 4 + 2.
+- ``tp``: a tp-2 stage ``[0, 4)`` sending to a tp-1 stage ``[4, 6)``, micro-batches 4 + 2;
+- ``qwen3_tp``: the same plan for a tiny Qwen3 (per-head q/k norms: replicated, their gradients summed over the
+  tp group).
 
 ``padded``: rows of different lengths, right-padded (``attention_mask`` 0, ``labels`` -100 there); each micro-batch's
 loss is weighted by its counted tokens (``strategy.loss_tokens.LossTokens``), so the step is the single process's mean
@@ -37,12 +39,13 @@ FLOAT32 = ("aligned",)
 """The cases run in float32 (the others in float64)."""
 
 
-def model(dtype: str = "fp64"):
+def model(dtype: str = "fp64", family: str = "llama"):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    extra = {"head_dim": 8} if family == "qwen3" else {}
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **CONFIG, **extra))
     return m.float() if dtype == "fp32" else m.double()
 
 
@@ -58,13 +61,13 @@ def batch(padded: bool) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def reference(padded: bool, dtype: str = "fp64"):
+def reference(padded: bool, dtype: str = "fp64", family: str = "llama"):
     """Losses and parameters (by Hugging Face name) of one process: the model's own forward, the mean next-token
     cross-entropy over every counted token of the batch (ForCausalLMLoss, in float64)."""
     import torch
     import torch.nn.functional as F
 
-    m = model(dtype)
+    m = model(dtype, family)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     b = batch(padded)
     losses = []
@@ -79,6 +82,10 @@ def reference(padded: bool, dtype: str = "fp64"):
     return losses, {n: q.detach().clone() for n, q in m.state_dict().items()}
 
 
+def _family(case: str) -> str:
+    return "qwen3" if case.startswith("qwen3") else "llama"
+
+
 def plan(case: str):
     from het_strategy.core.plan import Pipeline, Plan, Stage
 
@@ -88,7 +95,7 @@ def plan(case: str):
     elif case == "asym":
         pipes = [Pipeline((Stage(("a",), (0, 6)),), micro_batch_size=2, samples=3),
                  Pipeline((Stage(("b",), (0, 2)), Stage(("c",), (2, 6))), micro_batch_size=2, samples=3)]
-    elif case == "tp":
+    elif case in ("tp", "qwen3_tp"):
         pipes = [Pipeline((Stage(("a", "b"), (0, 4)), Stage(("c",), (4, 6))), micro_batch_size=4, samples=BATCH)]
     else:
         raise SystemExit(f"unknown case {case}")
@@ -106,7 +113,7 @@ def run_case(case: str, padded: bool, ref_losses, ref_params) -> dict:
     from het_strategy.strategy.loss_tokens import LossTokens
     from het_strategy.tensor_parallel.layers import shard_of
 
-    m = model("fp32" if case in FLOAT32 else "fp64")
+    m = model("fp32" if case in FLOAT32 else "fp64", _family(case))
     units = hf_pipeline_units(m)
     names = [u.hf_names() for u in units]
     specs = [u.tensor_parallel_plan().shard_specs() if getattr(u, "tensor_parallel_plan", lambda: None)() else {}
@@ -134,8 +141,13 @@ def main() -> None:
     torch.set_num_threads(1)
     cases, out = sys.argv[1].split(","), sys.argv[2]
     padded = len(sys.argv) > 3 and sys.argv[3] == "padded"
-    refs = {dtype: reference(padded, dtype) for dtype in ("fp32", "fp64")}
-    result = {case: run_case(case, padded, *refs["fp32" if case in FLOAT32 else "fp64"]) for case in cases}
+    refs = {}
+    for case in cases:
+        key = ("fp32" if case in FLOAT32 else "fp64", _family(case))
+        if key not in refs:
+            refs[key] = reference(padded, *key)
+    result = {case: run_case(case, padded, *refs["fp32" if case in FLOAT32 else "fp64", _family(case)])
+              for case in cases}
     import deepspeed.comm as dist
 
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
