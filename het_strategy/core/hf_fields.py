@@ -121,6 +121,10 @@ class HFModelConfig:
 
 
 _REQUIRED = object()
+_ALIASES = {"num_experts": "num_local_experts", "num_local_experts": "num_experts", "n_embd": "hidden_size",
+            "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
+"""The other name a config class's ``attribute_map`` gives a field (Qwen3-MoE's ``to_dict()`` writes
+``num_local_experts``, its published config.json ``num_experts``): read where the first name is absent."""
 
 
 class _Fields:
@@ -129,8 +133,13 @@ class _Fields:
     def __init__(self, raw: Mapping[str, Any]) -> None:
         self.raw = raw
 
+    def get(self, key: str, default: Any = None) -> Any:
+        if self.raw.get(key) is None and key in _ALIASES and self.raw.get(_ALIASES[key]) is not None:
+            return self.raw[_ALIASES[key]]
+        return self.raw.get(key, default)
+
     def int(self, key: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
-        value = self.raw.get(key)
+        value = self.get(key)
         if value is None:
             if default is _REQUIRED:
                 raise field_error(f"model.{key}", None, "be given (an integer; the config's model_type "
