@@ -4,10 +4,11 @@ A section of ``benchmarks/hf_models.py`` (``run()`` returns its RESULT keys); it
 ``python benchmarks/_hf_training.py``.
 
 1. Exactness: ``tests/_hf_pipeline_worker.py`` on 3 gloo ranks trains a tiny Llama (4 layers, hidden 32, GQA 4:2)
-   3 AdamW steps per case, each against the single-process Hugging Face model on the same batch: an asymmetric
-   pipeline and a tp-2 stage sending to a tp-1 stage in float64 (``exact_max_diff``: the worst loss or parameter
-   difference over them), an aligned pipeline on DeepSpeed's own grid in float32 (DeepSpeed's grid reduces no
-   float64 gradient; shown, not in ``exact_max_diff``), and with ``--padded`` variable-length, right-padded rows.
+   3 AdamW steps per case on padded variable-length rows (each micro-batch weighted by its counted tokens;
+   ``--unpadded``: full rows), each against the single-process Hugging Face model on the same batch: an asymmetric
+   pipeline, a tp-2 stage sending to a tp-1 stage, the same for a tiny Qwen3 (per-head norms), in float64
+   (``exact_max_diff``: the worst loss or parameter difference over them), and an aligned pipeline on DeepSpeed's own
+   grid in float32 (DeepSpeed's grid reduces no float64 gradient; shown, not in ``exact_max_diff``).
 2. Speed: a Llama-shaped model (8 layers, hidden 128, GQA 8:2 = 4:1, SwiGLU, byte vocabulary), its units run by
    ``PlanRunner`` on two emulated devices of speeds 1 and 0.4 (each stage's compute padded to its device's time,
    ``emulation.stage_padding``; sends and reductions real gloo).  The planner's 2-stage pipeline for the model's
@@ -60,7 +61,7 @@ def exactness(padded: bool) -> dict[str, dict[str, float]]:
     worker = REPO / "tests" / "_hf_pipeline_worker.py"
     with tempfile.TemporaryDirectory(prefix="het_hf_exact_") as tmp:
         out = Path(tmp)
-        args = ["aligned,asym,tp", str(out)] + (["padded"] if padded else [])
+        args = ["aligned,asym,tp,qwen3_tp", str(out)] + (["padded"] if padded else [])
         _ranks([sys.executable, str(worker), *args], 3, out, 600)
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     rows = {}
@@ -132,15 +133,15 @@ def _describe(plan: Any) -> str:
     return " -> ".join(f"{s.devices[0]}[{s.layers[0]}, {s.layers[1]})" for s in plan.pipelines[0].stages)
 
 
-def run(steps: int = 4, warmup: int = 2, batch: int = 32, micro: int = 4, padded: bool = False) -> dict[str, str]:
+def run(steps: int = 4, warmup: int = 2, batch: int = 32, micro: int = 4, padded: bool = True) -> dict[str, str]:
     """Both parts; prints the tables; returns ``exact_max_diff``, ``ratio`` and ``model_error``."""
     exact = exactness(padded)
-    print(f"exact training: tiny Llama (4 layers, hidden 32, GQA 4:2), 3 ranks, 3 AdamW steps, "
+    print(f"exact training: tiny Llama / Qwen3 (4 layers, hidden 32, GQA 4:2), 3 ranks, 3 AdamW steps, "
           f"{'padded variable-length' if padded else 'unpadded'} batches, against the single-process HF model")
-    print(f"  {'case':<8} {'dtype':<8} {'loss diff':>10} {'param diff':>11}")
+    print(f"  {'case':<9} {'dtype':<8} {'loss diff':>10} {'param diff':>11}")
     for case, row in exact.items():
         dtype = "float32" if case == "aligned" else "float64"
-        print(f"  {case:<8} {dtype:<8} {row['loss']:10.2e} {row['params']:11.2e}")
+        print(f"  {case:<9} {dtype:<8} {row['loss']:10.2e} {row['params']:11.2e}")
     exact_max = max(max(r.values()) for c, r in exact.items() if c != "aligned")
     rows = speed(steps, warmup, batch, micro)
     print(f"speed: Llama-shaped 8 layers (hidden 128, GQA 4:1, SwiGLU; 10 units), seq {SEQ_LEN}, global batch {batch} "
@@ -196,12 +197,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--padded", action="store_true", help="variable-length, padded rows in the exactness part")
+    ap.add_argument("--unpadded", action="store_true", help="full rows in the exactness part (default: padded)")
     args = ap.parse_args()
     if args.worker:
         _worker(args.worker)
         return
-    result = run(args.steps, args.warmup, args.batch, args.micro, args.padded)
+    result = run(args.steps, args.warmup, args.batch, args.micro, not args.unpadded)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
 
