@@ -9,7 +9,8 @@ A tiny Llama (``CONFIG``: 4 layers, hidden 32, GQA 4:2, float64) is cut by ``hf_
   in float32 (DeepSpeed's grid reduces no float64 gradient: "unsupported grad type"), so to float32's rounding;
 - ``asym``: replica 0 one device (3 samples as 2 + 1), replica 1 two stages ``[0, 2) [2, 6)`` (3 samples);
 - ``tp``: a tp-2 stage ``[0, 4)`` sending to a tp-1 stage ``[4, 6)``, micro-batches 4 + 2;
-- ``qwen3_tp``: the same plan for a tiny Qwen3 (per-head q/k norms: replicated, their gradients summed over the
+- ``dp``: three one-stage replicas taking 3, 2 and 1 samples (DeepSpeed's data parallelism, float32);
+- ``qwen3_tp``: the same plan as ``tp`` for a tiny Qwen3 (per-head q/k norms: replicated, their gradients summed over the
   tp group).
 
 ``padded``: rows of different lengths, right-padded (``attention_mask`` 0, ``labels`` -100 there); each micro-batch's
@@ -35,7 +36,7 @@ LENGTHS = (8, 5, 8, 3, 6, 7)
 """Tokens of each row in the padded case (the rest is padding)."""
 
 
-FLOAT32 = ("aligned",)
+FLOAT32 = ("aligned", "dp")
 """The cases run in float32 (the others in float64)."""
 
 
@@ -95,6 +96,9 @@ def plan(case: str):
     elif case == "asym":
         pipes = [Pipeline((Stage(("a",), (0, 6)),), micro_batch_size=2, samples=3),
                  Pipeline((Stage(("b",), (0, 2)), Stage(("c",), (2, 6))), micro_batch_size=2, samples=3)]
+    elif case == "dp":
+        pipes = [Pipeline((Stage((d,), (0, 6)),), micro_batch_size=m, samples=n)
+                 for d, m, n in (("a", 2, 3), ("b", 1, 2), ("c", 1, 1))]
     elif case in ("tp", "qwen3_tp"):
         pipes = [Pipeline((Stage(("a", "b"), (0, 4)), Stage(("c",), (4, 6))), micro_batch_size=4, samples=BATCH)]
     else:

@@ -3,7 +3,7 @@
 The multiprocess case trains a tiny Llama (GQA 4:2) on 3 gloo ranks through ``PlanRunner``: an asymmetric pipeline
 and a tp-2 stage (of a Llama, and of a Qwen3 with its per-head norms) in float64, each equal to the single-process Hugging Face model (losses and parameters to 1e-10,
 3 AdamW steps, padded variable-length rows, losses weighted by counted tokens), and an aligned one on DeepSpeed's
-own grid in float32 (which that grid needs), to 1e-4.  The others need no processes: the units chained give the model's logits and
+own grid in float32 (which that grid needs), to 1e-4, and as three data-parallel replicas of uneven shares.  The others need no processes: the units chained give the model's logits and
 its loss, their names are the model's, and the refusals are one line each.
 """
 
@@ -133,8 +133,8 @@ def test_aligned_asymmetric_and_tp_pipelines_on_padded_batches_equal_the_single_
 
     pytest.importorskip("deepspeed")
     # padded rows of 8, 5, 8, 3, 6, 7 tokens: each micro-batch's loss weighted by its counted tokens
-    ranks = run_ds_ranks(WORKER, 3, ["aligned,asym,tp,qwen3_tp", "padded"], tmp_path, TIMEOUT_S)
-    for case in ("aligned", "asym", "tp", "qwen3_tp"):
+    ranks = run_ds_ranks(WORKER, 3, ["dp,aligned,asym,tp,qwen3_tp", "padded"], tmp_path, TIMEOUT_S)
+    for case in ("aligned", "dp", "asym", "tp", "qwen3_tp"):
         ref = ranks[0][case]["ref_losses"]
         assert ref[-1] < ref[0]
         tol = 1e-4 if case in worker.FLOAT32 else 1e-10  # float32: AdamW divides by small second moments

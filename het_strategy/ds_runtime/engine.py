@@ -114,6 +114,12 @@ def _num_rows(batch: Any) -> int:
     return int((batch[0] if isinstance(batch, (tuple, list)) else batch).shape[0])
 
 
+def _one_input(x: Any) -> Any:
+    """What the first layer is called with off a pipeline: a tuple of inputs whole, as a pipeline stage passes it (a
+    one-tensor tuple as its tensor)."""
+    return x[0] if isinstance(x, tuple) and len(x) == 1 else x
+
+
 def _to(batch: Any, device: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return tuple(t.to(device) for t in batch)
@@ -391,7 +397,7 @@ class PlanRunner:
         total = torch.zeros((), dtype=torch.float64)
         for x, y, n, w in micro:
             x = self._compute_inputs(x)
-            out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
+            out = eng(_one_input(_to(x, eng.device)))
             loss = self.loss_fn(out, y.to(eng.device))
             eng.backward(_times(loss, w, self.loss_tokens))  # DeepSpeed divides by gas_r; the allreduce averages
             eng.step()              # steps the optimizer at the rank's own accumulation boundary only
@@ -413,7 +419,7 @@ class PlanRunner:
         try:
             for x, y, n, _ in micro:
                 x = self._compute_inputs(x)
-                out = eng(*_to(x, eng.device)) if isinstance(x, tuple) else eng(_to(x, eng.device))
+                out = eng(_one_input(_to(x, eng.device)))
                 total += _times(self.loss_fn(out, y.to(eng.device)).double().cpu(), n, self.loss_tokens)
         finally:
             eng.train()
