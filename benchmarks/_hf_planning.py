@@ -15,7 +15,8 @@ A section of ``benchmarks/hf_models.py`` (``run()`` returns its RESULT keys); it
    against what autograd saves inside that layer in training mode (``saved_tensors_hooks``; each storage once,
    parameters and storages an earlier layer saved left out), bf16 and fp32, worst relative error over layers.
 4. ``plan_8b_s`` and ``plan_moe_s``: wall time of ``het-plan model=<config.json> cluster=sailor_a100_v100_32_96``
-   for Llama-3-8B and Mixtral-8x7B (model.seq_len 2048), in this process, the best of two runs.
+   (compose, plan, write plan.json) for Llama-3-8B and Mixtral-8x7B (model.seq_len 2048; Mixtral with activation
+   checkpointing, without which no plan fits), in this process, the best of two runs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ PUBLISHED = ROOT / "het_strategy" / "reference" / "data" / "hf_configs"
 SMALL = ROOT / "tests" / "data" / "hf"
 _FAMILY_SMALL = ("llama_tiny", "llama_tied_tiny", "mistral_tiny", "qwen2_tiny", "qwen3_tiny", "mixtral_tiny",
                  "qwen2_moe_tiny", "qwen3_moe_tiny", "gpt2_tiny")
+
+_MOE_SETTINGS = ("settings.activation_checkpointing=true",)
+"""Mixtral-8x7B fits the 32 A100-40GB of sailor_a100_v100_32_96 only with activation checkpointing (or ZeRO-3)."""
 
 __all__ = ["run", "reference_counts", "measured_flops_per_token", "saved_bytes_per_layer"]
 
@@ -170,18 +174,21 @@ def _flops_and_act_rows(seq_len: int = 64) -> tuple[list[str], float, float]:
     return rows, worst_f, worst_a
 
 
-def _plan_seconds(config: str) -> float:
+def _plan_seconds(config: str, *extra: str) -> tuple[float, str]:
+    """Best of two wall times of het-plan's compose + plan + write, and the plan's step time and shape."""
     from het_strategy.cli.plan_cli import compose_plan_config, plan_or_score
 
-    best = float("inf")
+    best, shape = float("inf"), ""
     with tempfile.TemporaryDirectory() as out:
         for _ in range(2):
             start = time.perf_counter()
             cfg = compose_plan_config([f"model={PUBLISHED / config}", "cluster=sailor_a100_v100_32_96",
-                                       "model.seq_len=2048", f"output.dir={out}"])
-            plan_or_score(cfg, echo=False)
+                                       "model.seq_len=2048", f"output.dir={out}", *extra])
+            plan, score = plan_or_score(cfg, echo=False)
             best = min(best, time.perf_counter() - start)
-    return best
+            shape = (f"{plan.num_pipelines} pipeline(s) of {len(plan.pipelines[0].stages)} stages, "
+                     f"{score.step_time_s:.2f} s/step")
+    return best, shape
 
 
 def run() -> dict[str, str]:
@@ -192,9 +199,11 @@ def run() -> dict[str, str]:
     rows, flops_err, act_err = _flops_and_act_rows()
     print("forward FLOPs per token (FlopCounterMode) and bytes saved per decoder layer (saved_tensors_hooks), "
           "64 tokens:", *rows, sep="\n")
-    plan_8b, plan_moe = _plan_seconds("llama3_8b.json"), _plan_seconds("mixtral_8x7b.json")
-    print(f"het-plan model=<config.json> cluster=sailor_a100_v100_32_96: Llama-3-8B {plan_8b:.2f} s, "
-          f"Mixtral-8x7B {plan_moe:.2f} s")
+    (plan_8b, shape_8b), (plan_moe, shape_moe) = (_plan_seconds("llama3_8b.json"),
+                                                  _plan_seconds("mixtral_8x7b.json", *_MOE_SETTINGS))
+    print(f"het-plan model=<config.json> cluster=sailor_a100_v100_32_96 model.seq_len=2048:\n"
+          f"  Llama-3-8B    {plan_8b:6.2f} s  ({shape_8b})\n"
+          f"  Mixtral-8x7B  {plan_moe:6.2f} s  ({' '.join(_MOE_SETTINGS)}: {shape_moe})")
     return {"params_exact": f"{params_err:.1e}", "flops_worst_err": f"{flops_err:.4f}",
             "act_worst_err": f"{act_err:.4f}", "plan_8b_s": f"{plan_8b:.2f}", "plan_moe_s": f"{plan_moe:.2f}"}
 

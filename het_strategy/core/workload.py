@@ -2,8 +2,10 @@
 
 Two sources fill the same ``WorkloadSpec``:
 
-* ``transformer_workload`` — an analytic decoder-only transformer (optionally
-  MoE), giving per-layer forward FLOPs, parameter and activation bytes;
+* ``transformer_workload`` — an analytic decoder-only transformer (GPT blocks, or modern ones: grouped-query
+  attention, gated MLPs, RMSNorm, tied heads, MoE with shared experts; ``core/block_costs.py``), giving
+  per-layer forward FLOPs, parameter and activation bytes, from a model YAML or a Hugging Face config.json
+  (``load_workload``; ``core/hf_fields.py`` reads the config);
 * ``het_strategy.profiling.module_profile.profile_module`` — a real ``nn.Module`` and a sample
   batch, FLOPs counted by ``torch.utils.flop_counter``.
 
