@@ -147,3 +147,19 @@ def test_aligned_asymmetric_and_tp_pipelines_on_padded_batches_equal_the_single_
         # every parameter checked somewhere
         assert covered == set(worker.reference(True, family=worker._family(case))[1]), case
     assert [r["tp"]["tp"] for r in ranks] == [2, 2, 1]
+
+
+def test_planning_an_hf_module_takes_its_workload_from_its_config_and_a_tp_its_kv_heads_divide():
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder
+
+    cluster = load_cluster(str(Path(__file__).parents[1] / "examples" / "clusters" / "hf_mixed.yaml"))
+    with pytest.raises(ConfigError, match="seq_len= for a LightningModule holding a Hugging Face model"):
+        DeepSpeedPlanHolder(cluster, None, global_batch_size=8)
+    holder = DeepSpeedPlanHolder(cluster, None, global_batch_size=8, max_tp=4, seq_len=16)
+    module = torch.nn.Module()
+    module.model = _model("llama")
+    holder.use_module(module)
+    assert holder.workload.num_layers == 4  # embedding, 2 decoder layers, head
+    why = holder.limit_tp_to(module)
+    assert holder.settings.max_tp == 2 and why.startswith("max_tp=4 is lowered to 2") and "num_key_value_heads (2)" in why

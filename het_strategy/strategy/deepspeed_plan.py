@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.dtypes import Dtype, precision_dtype
-from het_strategy.core.errors import alternatives, field_error
+from het_strategy.core.errors import ConfigError, alternatives, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import DEEPSPEED_PRECISIONS, Runtime, raise_first, runtime_problems
 from het_strategy.core.train_settings import TP_DEGREES, ZERO_STAGES, TrainSettings
@@ -140,18 +140,32 @@ class DeepSpeedPlanHolder:
 
     def limit_tp_to(self, module: Any) -> str | None:
         """Plan with tp = 1 when none of the module's pipeline layers (``hf.lightning_adapter.pipeline_layers_of``) has a
-        ``tensor_parallel_plan()`` (only when planning with ``max_tp`` > 1); returns the reason to log, or None when
-        nothing changed."""
+        ``tensor_parallel_plan()``, else with the largest degree up to ``max_tp`` their plans split (a GQA model's kv
+        heads, say); only when planning with ``max_tp`` > 1.  Returns the reason to log, or None when nothing
+        changed."""
         from het_strategy.hf.lightning_adapter import pipeline_layers_of
-        from het_strategy.tensor_parallel.tp_plan import tensor_parallel_plan_of
+        from het_strategy.tensor_parallel.tp_plan import check_layers, tensor_parallel_plan_of
 
         layers = pipeline_layers_of(module) if self.settings is not None and self.settings.max_tp > 1 else None
-        if layers is None or any(tensor_parallel_plan_of(layer) is not None for layer in layers):
+        if layers is None:
             return None
         asked = self.settings.max_tp
-        self.settings = dataclasses.replace(self.settings, max_tp=1)
-        return (f"max_tp={asked} is not used: none of {type(module).__name__}'s pipeline layers has a "
-                "tensor_parallel_plan() (het_strategy.TensorParallelPlan), so the plan keeps tp = 1")
+        if not any(tensor_parallel_plan_of(layer) is not None for layer in layers):
+            self.settings = dataclasses.replace(self.settings, max_tp=1)
+            return (f"max_tp={asked} is not used: none of {type(module).__name__}'s pipeline layers has a "
+                    "tensor_parallel_plan() (het_strategy.TensorParallelPlan), so the plan keeps tp = 1")
+        why = ""
+        for tp in sorted((t for t in TP_DEGREES if t <= asked), reverse=True):
+            try:
+                check_layers(layers, 0, tp, tp, "max_tp")
+            except ConfigError as err:
+                why = why or str(err)
+                continue
+            if tp == asked:
+                return None
+            self.settings = dataclasses.replace(self.settings, max_tp=tp)
+            return f"max_tp={asked} is lowered to {tp}: {why}"
+        return None
 
     def use_precision(self, precision: Any) -> None:
         """Train in Lightning's ``precision`` (``DEEPSPEED_PRECISIONS``): a given plan must be in its dtype; without
