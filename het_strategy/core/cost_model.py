@@ -222,7 +222,7 @@ class CostModel:
 
     def stage_param_count(self, start: int, stop: int, experts_held: dict[int, int] | None = None) -> float:
         """Parameters a stage holds: dense part + all experts, or only the experts placed on it."""
-        dense = self._params[stop] - self._params[start]
+        dense = self._params[stop] - self._params[start] - self.workload.tied_within(start, stop)  # tied: held once
         expert = 0.0
         for layer in range(start, stop):
             moe = self.workload.layers[layer].moe
@@ -246,7 +246,9 @@ class CostModel:
     def post_matrix(self, device: DeviceSpec, tp: int, dp: int, route: SyncRoute) -> np.ndarray:
         """Gradient sync + optimizer update of every range [i, j) on ``device``, as an (L+1)^2 array."""
         P = np.asarray(self._params)
-        grad_bytes = (P[None, :] - P[:, None]) / tp * self.settings.grad_bytes
+        held = P[None, :] - P[:, None]
+        held[0] -= self.workload.tied_prefix  # a stage holding the embedding and a tied head syncs the matrix once
+        grad_bytes = held / tp * self.settings.grad_bytes
         sync = self.allreduce_s(grad_bytes, dp, route)
         _, upd = self._layer_compute_prefix(device, tp, 1)
         U = np.asarray(upd) / self.settings.zero_shards(dp).optimizer
@@ -432,7 +434,8 @@ class CostModel:
     def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, route: SyncRoute) -> float:
         """Gradient allreduce of a stage's dense parameters among ``dp`` replicas: each device its ``1/tp``
         shard, in ``settings.grad_dtype`` (fp32 unless set: mixed precision keeps fp32 gradients)."""
-        grad_bytes = (self._params[stop] - self._params[start]) / tp * self.settings.grad_bytes
+        grad_bytes = (self._params[stop] - self._params[start] - self.workload.tied_within(start, stop)) / tp \
+            * self.settings.grad_bytes
         return self.allreduce_s(grad_bytes, dp, route)
 
 

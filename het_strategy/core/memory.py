@@ -73,6 +73,7 @@ class MemoryModel:
         layers = workload.layers
         scale = settings.param_bytes / DTYPE_BYTES[workload.dtype]  # activations in the training dtype
         self._params = _prefix([layer.total_params for layer in layers])
+        self._tied = workload.tied_prefix
         self._act = _prefix([layer.activation_bytes_per_sample * scale for layer in layers])
         self._whole = _prefix([layer.tp_replicated_activation_bytes * scale for layer in layers])
         self._ckpt = _prefix([layer.output_bytes_per_sample * scale for layer in layers])
@@ -113,7 +114,9 @@ class MemoryModel:
         """``stage_bytes`` of every range ``[i, j)`` at once (every expert held), as an (L+1)^2 array."""
         s = self.settings
         P = np.asarray(self._params)
-        state = (P[None, :] - P[:, None]) / tp * s.state_bytes_per_param(dp)
+        held = P[None, :] - P[:, None]
+        held[0] -= self._tied  # a stage holding the embedding and a tied head keeps the matrix once
+        state = held / tp * s.state_bytes_per_param(dp)
         if s.activation_checkpointing:
             C = np.asarray(self._ckpt)
             acts = (C[None, :] - C[:, None]) / tp * micro_batch * in_flight

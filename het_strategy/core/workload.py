@@ -82,8 +82,9 @@ class LayerCost:
     """The layer's kind and dimensions, for the roofline (``compute_model.py``); None (a profiled module's
     layer): priced by ``flops_per_sample`` at the device's sustained rate."""
     tied_params: int = 0
-    """Of ``params``, those tied to an earlier layer's (the head's copy of tied input embeddings): the stage
-    holding this layer keeps and syncs them, the model's total counts them once."""
+    """Of ``params``, those tied to the first layer's (the head's copy of tied input embeddings): a stage holding
+    this layer and not the first keeps and syncs them, one holding both keeps them once, and the model's total
+    counts them once (``WorkloadSpec.tied_within``)."""
 
     @property
     def total_params(self) -> int:
@@ -127,6 +128,19 @@ class WorkloadSpec:
         """Parameters one token runs through: every dense parameter and the ``top_k`` experts of each MoE layer
         (tied ones counted once); ``total_params`` for a dense model."""
         return sum(layer.active_params - layer.tied_params for layer in self.layers)
+
+    @property
+    def tied_prefix(self) -> list[int]:
+        """``tied_prefix[j]``: the tied copies among layers [0, j), which a stage holding [0, j) keeps once (their
+        source, the embedding, is layer 0); a range not starting at 0 holds its copies."""
+        out = [0]
+        for layer in self.layers:
+            out.append(out[-1] + layer.tied_params)
+        return out
+
+    def tied_within(self, start: int, stop: int) -> int:
+        """Parameters of layers [start, stop) a stage holding them keeps only once (``tied_prefix``)."""
+        return self.tied_prefix[stop] if start == 0 else 0
 
     @property
     def is_moe(self) -> bool:
