@@ -186,3 +186,20 @@ def test_het_plan_refuses_in_one_line(extra: list[str], message: str, capsys: py
     assert main([f"model={SMALL / 'llama_tiny.json'}", "cluster=local_cpu4_mixed", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_tied_matrix_is_held_once_by_a_stage_with_the_embedding_and_by_the_heads_stage_alone() -> None:
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.cluster import load_cluster
+    from het_strategy.core.train_settings import TrainSettings
+
+    tied, untied = (hf_workload(_raw("llama3_2_1b", PUBLISHED) | {"tie_word_embeddings": t}, 512) for t in (True, False))
+    matrix = 128256 * 2048
+    assert untied.total_params - tied.total_params == matrix
+    cm = CostModel(load_cluster("local_cpu4_mixed"), tied, TrainSettings(global_batch_size=8))
+    L = tied.num_layers
+    assert cm.stage_param_count(0, L) == tied.total_params  # one stage: the matrix once
+    assert cm.stage_param_count(L - 1, L) == tied.layers[-1].params  # the head's stage holds its copy
+    whole = cm.memory_matrix(1, 1, 1, 1)
+    assert whole[0, L] == cm.stage_memory_bytes(0, L, 1, 1, 1, 1)
+    assert whole[1, L] == cm.stage_memory_bytes(1, L, 1, 1, 1, 1)
