@@ -125,6 +125,8 @@ def test_a_model_without_pp_plan_or_fallback_and_a_bad_batch_are_refused_in_one_
         hf_pipeline_units(m)
     with pytest.raises(ConfigError, match=r"batch\['labels'\]. is null"):
         batch_pair({"input_ids": torch.zeros(2, 3)}, "batch")
+    with pytest.raises(ConfigError, match=r"batch\['position_ids'\]. is 'given'; it must be left out"):
+        batch_pair({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3), "position_ids": 0}, "batch")
 
 
 @pytest.mark.multiprocess

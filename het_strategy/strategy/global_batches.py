@@ -40,6 +40,9 @@ def batch_pair(batch: Any, where: str) -> tuple[Any, Any]:
         if "labels" not in batch:
             raise field_error(f"{where}['labels']", None, "be given in a Hugging Face batch (a mapping of input_ids, "
                               "attention_mask, labels; labels -100 where not counted)")
+        if "position_ids" in batch:
+            raise field_error(f"{where}['position_ids']", "given", "be left out: the pipeline's units number each row "
+                              "0 .. T-1, as the model does without them (packed sequences are not supported)")
         mask = batch.get("attention_mask")
         return (batch["input_ids"] if mask is None else (batch["input_ids"], mask)), batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
