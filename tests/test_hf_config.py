@@ -203,3 +203,15 @@ def test_a_tied_matrix_is_held_once_by_a_stage_with_the_embedding_and_by_the_hea
     whole = cm.memory_matrix(1, 1, 1, 1)
     assert whole[0, L] == cm.stage_memory_bytes(0, L, 1, 1, 1, 1)
     assert whole[1, L] == cm.stage_memory_bytes(1, L, 1, 1, 1, 1)
+
+
+def test_planning_a_config_json_imports_no_torch_and_no_transformers(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from het_strategy.cli.plan_cli import main; "
+            f"rc = main(['model={SMALL / 'qwen2_moe_tiny.json'}', 'cluster=local_cpu4_mixed', 'model.seq_len=32', "
+            f"'settings.global_batch_size=8', 'output.dir={tmp_path}']); "
+            "assert rc == 0; assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'loaded'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
