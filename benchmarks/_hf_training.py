@@ -174,7 +174,8 @@ def _worker(spec_path: str) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SPEED_CONFIG))
     runner = PlanRunner(plan, hf_pipeline_units(model), CausalLMLoss(model),
-                        lambda params: torch.optim.AdamW(params, lr=1e-3), emulated_cluster=load_cluster(spec["cluster"]),
+                        lambda params: torch.optim.AdamW(params, lr=1e-3),
+                        emulated_cluster=load_cluster(spec["cluster"]),
                         workload=hf_workload(model.config.to_dict(), SEQ_LEN, dtype="fp32"), timeout_s=120)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, SPEED_CONFIG["vocab_size"], (plan.global_batch_size, SEQ_LEN), generator=g)

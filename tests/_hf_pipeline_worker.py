@@ -10,8 +10,8 @@ A tiny Llama (``CONFIG``: 4 layers, hidden 32, GQA 4:2, float64) is cut by ``hf_
 - ``asym``: replica 0 one device (3 samples as 2 + 1), replica 1 two stages ``[0, 2) [2, 6)`` (3 samples);
 - ``tp``: a tp-2 stage ``[0, 4)`` sending to a tp-1 stage ``[4, 6)``, micro-batches 4 + 2;
 - ``dp``: three one-stage replicas taking 3, 2 and 1 samples (DeepSpeed's data parallelism, float32);
-- ``qwen3_tp``: the same plan as ``tp`` for a tiny Qwen3 (per-head q/k norms: replicated, their gradients summed over the
-  tp group).
+- ``qwen3_tp``: the same plan as ``tp`` for a tiny Qwen3 (per-head q/k norms: replicated, their gradients summed
+  over the tp group).
 
 ``padded``: rows of different lengths, right-padded (``attention_mask`` 0, ``labels`` -100 there); each micro-batch's
 loss is weighted by its counted tokens (``strategy.loss_tokens.LossTokens``), so the step is the single process's mean

@@ -1,10 +1,12 @@
 """Hugging Face causal LMs on the DeepSpeed runtime, cut by their own pp and tp plans (``het_strategy.hf``).
 
-The multiprocess case trains a tiny Llama (GQA 4:2) on 3 gloo ranks through ``PlanRunner``: an asymmetric pipeline
-and a tp-2 stage (of a Llama, and of a Qwen3 with its per-head norms) in float64, each equal to the single-process Hugging Face model (losses and parameters to 1e-10,
-3 AdamW steps, padded variable-length rows, losses weighted by counted tokens), and an aligned one on DeepSpeed's
-own grid in float32 (which that grid needs), to 1e-4, and as three data-parallel replicas of uneven shares.  The others need no processes: the units chained give the model's logits and
-its loss, their names are the model's, and the refusals are one line each.
+The multiprocess case trains a tiny Llama (GQA 4:2) on 3 gloo ranks through ``PlanRunner`` on padded
+variable-length rows, each micro-batch's loss weighted by its counted tokens: an asymmetric pipeline and a tp-2
+stage (of the Llama, and of a Qwen3 with its per-head norms) in float64, each equal to the single-process Hugging
+Face model (losses and parameters to 1e-10, 3 AdamW steps), and an aligned pipeline and three uneven
+data-parallel replicas on DeepSpeed's own grid in float32 (which that grid needs), to 1e-4.  The others need no
+processes: the units chained give the model's logits and loss, their names are the model's, the refusals are one
+line each, and planning takes the model's workload from its config.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ TIMEOUT_S = 300
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
 FAMILIES = {"llama": SMALL, "qwen2": SMALL, "qwen3": dict(SMALL, head_dim=8),
-            "mistral": dict(SMALL, sliding_window=4), "mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
+            "mistral": dict(SMALL, sliding_window=4),
+            "mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
             "qwen3_moe": dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8),
             "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)}
 """One tiny config per family with a pp plan, and GPT-2 (the ``transformer.h`` fallback)."""
@@ -103,7 +106,8 @@ def test_gpt2_is_cut_by_the_fallback_and_tp_is_refused_tied_embeddings_keep_one_
     from het_strategy.core.plan import Pipeline, Plan, Stage
 
     units = hf_pipeline_units(_model("gpt2"))
-    assert units[0].hf_names() == {"token.weight": "transformer.wte.weight", "position.weight": "transformer.wpe.weight"}
+    assert units[0].hf_names() == {"token.weight": "transformer.wte.weight",
+                                   "position.weight": "transformer.wpe.weight"}
     with pytest.raises(ConfigError, match="none of them has a tensor_parallel_plan"):
         check_layers(units, 0, 2, 2, "plan.pipelines[0].stages[0].tp")
 
@@ -164,4 +168,5 @@ def test_planning_an_hf_module_takes_its_workload_from_its_config_and_a_tp_its_k
     holder.use_module(module)
     assert holder.workload.num_layers == 4  # embedding, 2 decoder layers, head
     why = holder.limit_tp_to(module)
-    assert holder.settings.max_tp == 2 and why.startswith("max_tp=4 is lowered to 2") and "num_key_value_heads (2)" in why
+    assert holder.settings.max_tp == 2 and why.startswith("max_tp=4 is lowered to 2")
+    assert "num_key_value_heads (2)" in why

@@ -1,4 +1,4 @@
-"""The pipeline a LightningModule gives ``hetero_deepspeed``: its own hooks, or those of the Hugging Face model it holds.
+"""The pipeline a LightningModule gives ``hetero_deepspeed``: its own hooks, or its Hugging Face model's.
 
 A LightningModule that defines ``pipeline_layers()`` and ``pipeline_loss`` gives them (``pipeline_of``).  One that
 defines neither and holds one ``PreTrainedModel`` causal LM as a direct child (``self.model = LlamaForCausalLM(...)``)

@@ -139,10 +139,10 @@ class DeepSpeedPlanHolder:
                               "Hugging Face model to take it from)", "pass workload= or plan=")
 
     def limit_tp_to(self, module: Any) -> str | None:
-        """Plan with tp = 1 when none of the module's pipeline layers (``hf.lightning_adapter.pipeline_layers_of``) has a
-        ``tensor_parallel_plan()``, else with the largest degree up to ``max_tp`` their plans split (a GQA model's kv
-        heads, say); only when planning with ``max_tp`` > 1.  Returns the reason to log, or None when nothing
-        changed."""
+        """Plan with tp = 1 when none of the module's pipeline layers (``hf.lightning_adapter.pipeline_layers_of``)
+        has a ``tensor_parallel_plan()``, else with the largest degree up to ``max_tp`` their plans split (a GQA
+        model's kv heads, say); only when planning with ``max_tp`` > 1.  Returns the reason to log, or None when
+        nothing changed."""
         from het_strategy.hf.lightning_adapter import pipeline_layers_of
         from het_strategy.tensor_parallel.tp_plan import check_layers, tensor_parallel_plan_of
 
@@ -198,7 +198,8 @@ class DeepSpeedPlanHolder:
         from het_strategy.planning import PlanRequest, plan
 
         settings, workload = self.settings, self.workload
-        assert settings is not None and workload is not None  # with no plan given: __init__ set both, or use_module the workload
+        # with no plan given: __init__ set both (or use_module the workload)
+        assert settings is not None and workload is not None
 
         def search() -> tuple[str, str]:
             result = plan(self.cluster, workload, settings, PlanRequest(mode=self.planner_mode,
