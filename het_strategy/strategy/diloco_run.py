@@ -9,9 +9,11 @@ and exchanges parameters between the groups every H steps instead of gradients e
 2. **Groups** (``environment_ready`` / ``teardown``, ``diloco/groups.py``): one per node by default; each group's
    DDP reduces over the group only (``ddp_process_group``), so no inner step crosses the slow link.
 3. **Inner steps**: the user's optimizer; a faster group takes more samples per step, so every group ends its H
-   steps together; each rank's loss is weighted so its group's DDP average is the group's mean (``loss_weight``).
+   steps together; each rank's loss is weighted so its group's DDP average is the group's mean (``loss_weight``:
+   by samples, or by counted label tokens under ``loss_weighting="tokens"``).
 4. **Outer step** (``after_optimizer_step``, ``diloco/outer_loop.py``): every H inner steps the groups'
-   pseudo-gradients are averaged (weighted by samples) through the plan's codec and the outer optimizer steps.
+   pseudo-gradients are averaged (weighted by their samples, or tokens) through the plan's codec and the outer
+   optimizer steps.
 5. **Lightning**: validation and the checkpoint's ``state_dict`` hold the outer parameters; the checkpoint adds
    every group's own state (``diloco/group_state.py``), and resume is exact.
 """
@@ -41,6 +43,7 @@ from het_strategy.planning.strategy_plans import check_given_plan, data_parallel
 from het_strategy.strategy.diloco_options import PLANNED, DiLoCoOptions
 from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.strategy.hetero_run import HeteroRun
+from het_strategy.strategy.loss_tokens import summed_count
 
 __all__ = ["DiLoCoExtension", "diloco_run"]
 
@@ -121,16 +124,13 @@ class DiLoCoExtension(DataParallelExtension):
         self.plan = plan
 
     @override
-    def loss_weight(self, counts: tuple[int, int], world: int, device: Any) -> float:
-        """This rank's samples over its group's mean (the group's DDP then averages to the group's mean loss);
-        the group's samples are added to the round."""
+    def loss_weight(self, counts: tuple[int, int | None], world: int, device: Any) -> float:
+        """This rank's count (samples, or counted tokens) over its group's mean (the group's DDP then averages to
+        the group's mean loss); the group's count is added to the round's, which weights its pseudo-gradient."""
         local, groups = counts[0], self._require_groups()
-        total = torch.tensor([local], dtype=torch.int64, device=device)
-        if len(groups.members) > 1:
-            dist.all_reduce(total, group=groups.group)
-        group_samples = int(total.item())
-        self._pending_samples += group_samples
-        return local * len(groups.members) / group_samples if group_samples else 0.0
+        group_count = summed_count(local, device, groups.group) if len(groups.members) > 1 else local
+        self._pending_samples += group_count
+        return local * len(groups.members) / group_count if group_count else 0.0
 
     @override
     def ddp_process_group(self) -> Any:

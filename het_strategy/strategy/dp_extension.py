@@ -16,6 +16,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import Runtime
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.strategy_plans import data_parallel_plan
+from het_strategy.strategy.loss_tokens import summed_count
 
 __all__ = ["DataParallelExtension"]
 
@@ -37,10 +38,15 @@ class DataParallelExtension:
     def plan_ready(self, plan: Plan) -> None:
         """``plan`` is the training plan every rank runs from now on (searched, given or restored)."""
 
-    def loss_weight(self, counts: tuple[int, int], world: int, device: Any) -> float:
-        """What a rank's mean loss is multiplied by, ``counts`` = (its samples, every rank's): ``n_r x world / N``,
-        so DDP's average over the ranks is the mean loss over the whole global batch."""
+    def loss_weight(self, counts: tuple[int, int | None], world: int, device: Any) -> float:
+        """What a rank's mean loss is multiplied by, ``counts`` = (its count, every rank's): ``n_r x world / N``,
+        so DDP's average over the ranks is the mean loss over the whole global batch.
+
+        The count is the loss's unit (``loss_tokens.LossWeighting``): samples (every rank's known from the
+        split), or counted label tokens, every rank's None until summed here (a collective)."""
         local, total = counts
+        if total is None:
+            total = summed_count(local, device)
         return local * world / total if total else 0.0
 
     def ddp_process_group(self) -> Any:
