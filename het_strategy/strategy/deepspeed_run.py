@@ -65,6 +65,9 @@ class DeepSpeedRun(StrategyRun):
             for a Hugging Face causal LM, whose pipeline loss shifts its labels; samples otherwise).
         seq_len: the tokens per sample a Hugging Face model the LightningModule holds is planned and priced at (its
             workload then comes from its config; ``workload=`` not needed).
+        pretrained: a local ``save_pretrained`` directory that Hugging Face model starts from: each rank loads only
+            the layers the plan gives it (``hf.checkpoints.load_rank_units``), in ``setup``; build the model with
+            ``hf.checkpoints.empty_causal_lm(dir)`` (on the meta device) so no rank holds the whole model.
         heartbeat_timeout_s: a rank without a heartbeat for this long is gone: the others end, naming it in one
             line; ``None``: off.  Each collective's timeout is Lightning's ``timeout=``.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``timeout``, ...).
@@ -75,7 +78,7 @@ class DeepSpeedRun(StrategyRun):
                  workload: str | Path | dict | WorkloadSpec | None = None, global_batch_size: int | None = None,
                  planner_mode: PlanMode | str = PlanMode.auto, max_tp: int = 8, emulation: bool = True,
                  seq_len: int | None = None, loss_weighting: LossWeighting | str = LossWeighting.auto,
-                 heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S,
+                 heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S, pretrained: str | Path | None = None,
                  **ddp_kwargs: Any) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ImportError("HeteroDeepSpeedStrategy needs DeepSpeed, which is not installed: "
@@ -94,6 +97,12 @@ class DeepSpeedRun(StrategyRun):
         """The loaders' check and the training loader's position."""
         self.gradient_clipping = float(gradient_clipping)
         """The largest global gradient norm (0 = off)."""
+        if pretrained is not None:
+            from het_strategy.hf.checkpoint_files import PretrainedDirectory
+
+            PretrainedDirectory(pretrained, "pretrained")  # a directory without config or weights is refused here
+        self.pretrained = None if pretrained is None else Path(pretrained)
+        """The ``save_pretrained`` directory the Hugging Face model starts from (None: as the module built it)."""
         self.loss_weighting = check_weighting(loss_weighting)
         """The ``loss_weighting`` option as given (``auto`` is resolved when the runner is built)."""
         super().__init__(heartbeat_timeout_s, ddp_kwargs)
@@ -183,6 +192,12 @@ class DeepSpeedRun(StrategyRun):
                               "(hetero_deepspeed has no test/predict, and validate needs the trained engine)")
         self.plans.use_precision(strategy.precision_plugin.precision)  # set when the Trainer attached it; re-checked
         _check_module(trainer)
+        if self.pretrained is not None:  # before Lightning moves the module: the other ranks' layers are released
+            from het_strategy.ds_runtime.replicas import replica_layout
+            from het_strategy.hf.checkpoints import load_rank_units
+
+            layers = replica_layout(self.plan).layers_of(strategy.global_rank)
+            load_rank_units(strategy.lightning_module, self.pretrained, layers)
         parent(trainer)
 
     @override

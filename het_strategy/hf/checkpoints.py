@@ -1,0 +1,182 @@
+"""Start a plan from a Hugging Face ``save_pretrained`` directory: each rank reads only its own layers.
+
+1. ``empty_causal_lm(dir)`` builds the directory's causal LM on the meta device (no weights in memory; its
+   rotary tables, buffers that no file holds, computed on the CPU).
+2. ``load_units(units, dir)`` materializes the given pipeline units (``hf.pipeline_units``) on the CPU and loads
+   each tensor by its Hugging Face name (``unit.hf_names()``).  A tensor-parallel shard (a parameter carrying
+   ``tensor_parallel.layers.SOURCE``) reads only its own slice of the stored tensor (``get_slice``): dim 0
+   chunks for a column-parallel linear, dim 1 for a row-parallel one.  A tied head (``tie_word_embeddings``)
+   reads the embedding matrix: one tensor, shared by both units, is read once from the first of its names
+   stored.
+3. ``load_rank_units(module, dir, (start, stop))`` does this for the layers the plan gives a rank (the
+   ``hetero_deepspeed`` strategy calls it in ``setup`` when given ``pretrained=dir``) and releases the rest
+   (``release_unheld``: a meta tensor becomes an empty one, so Lightning can move the module to its device).
+
+The directory's config must match the model's in every field that shapes the weights (``check_config``); a
+tensor of another shape, or one the directory lacks, is refused naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from het_strategy.core.errors import field_error
+from het_strategy.hf.checkpoint_files import PretrainedDirectory, check_config
+
+__all__ = ["empty_causal_lm", "load_units", "load_rank_units", "release_unheld", "held_bytes"]
+
+
+def empty_causal_lm(directory: str | Path, field: str = "pretrained") -> Any:
+    """The causal LM of ``directory``'s ``config.json``, its parameters on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    PretrainedDirectory(directory, field)  # refuse a directory without a config or weights before building
+    config = AutoConfig.from_pretrained(str(directory))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _compute_buffers(model, config)
+    return model
+
+
+def _compute_buffers(model: nn.Module, config: Any) -> None:
+    """Rebuild on the CPU each submodule holding a non-persistent meta buffer (the rotary tables: computed from the
+    config, in no file), keeping its other state."""
+    for name, sub in list(model.named_modules()):
+        keep = set(sub.state_dict(keep_vars=True))
+        meta = [n for n, b in sub.named_buffers(recurse=False) if b.is_meta and n not in keep]
+        if not meta:
+            continue
+        try:
+            with torch.device("cpu"):
+                fresh = type(sub)(config=config)
+        except TypeError:
+            raise field_error(f"{name}.{meta[0]}", "on the meta device", "be computable from the config (a "
+                              "module built as type(module)(config=config))") from None
+        for n in meta:
+            setattr(sub, n, dict(fresh.named_buffers(recurse=False))[n])
+
+
+def _materialize(units: Sequence[nn.Module]) -> None:
+    """Every meta parameter and buffer of ``units`` becomes an uninitialized CPU tensor; one shared by several
+    modules (a tied matrix) stays one tensor, and a tensor-parallel shard keeps its link to its whole parameter."""
+    from het_strategy.tensor_parallel.layers import SOURCE
+
+    made: dict[int, torch.Tensor] = {}
+    for unit in units:
+        for module in unit.modules():
+            for name, q in list(module.named_parameters(recurse=False)):
+                if q.is_meta:
+                    if id(q) not in made:
+                        made[id(q)] = nn.Parameter(torch.empty_like(q, device="cpu"), requires_grad=q.requires_grad)
+                        if hasattr(q, SOURCE):
+                            setattr(made[id(q)], SOURCE, getattr(q, SOURCE))
+                    setattr(module, name, made[id(q)])
+            for name, b in list(module.named_buffers(recurse=False)):
+                if b.is_meta:
+                    made.setdefault(id(b), torch.empty_like(b, device="cpu"))
+                    setattr(module, name, made[id(b)])
+
+
+def _shard_ranges(unit: nn.Module, key: str, stored: tuple[int, ...], local: tuple[int, ...], tp_rank: int
+                  ) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """``(dim, ranges)`` of tp rank ``tp_rank``'s shard ``key`` (shape ``local``) of a stored tensor ``stored``:
+    each fused projection cut into equal parts, as ``tensor_parallel.layers.shard_of`` cuts it."""
+    plan = unit.tensor_parallel_plan() if callable(getattr(unit, "tensor_parallel_plan", None)) else None
+    spec = plan.shard_specs().get(key) if plan is not None else None
+    if spec is None:
+        raise field_error(f"{type(unit).__name__}.{key}", local, "be a tensor-parallel shard of a linear the "
+                          "unit's tensor_parallel_plan() splits")
+    n = stored[spec.dim] // spec.fused
+    per = local[spec.dim] // spec.fused
+    return spec.dim, tuple((f * n + tp_rank * per, f * n + (tp_rank + 1) * per) for f in range(spec.fused))
+
+
+@torch.no_grad()
+def load_units(units: Sequence[nn.Module], directory: str | Path | PretrainedDirectory, *, tp_rank: int = 0
+               ) -> dict[str, str]:
+    """Materialize ``units`` on the CPU and load each tensor of their ``state_dict()`` from ``directory`` by its
+    Hugging Face name; returns ``{hf name: unit key}`` of what was read.  ``tp_rank``: the tensor-parallel rank of
+    units already split (their shards read only their slice)."""
+    from het_strategy.tensor_parallel.layers import SOURCE
+
+    files = directory if isinstance(directory, PretrainedDirectory) else PretrainedDirectory(directory)
+    _materialize(units)
+    names: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for unit in units:
+        hf = unit.hf_names()
+        for key, t in unit.state_dict(keep_vars=True).items():
+            names.setdefault(id(t), []).append((unit, key, hf[key]))
+            tensors[id(t)] = t
+    read: dict[str, str] = {}
+    for ident, where in names.items():
+        stored = [w for w in where if w[2] in files.files]
+        if not stored:
+            raise field_error(files.field, str(files.path), f"hold tensor `{where[0][2]}` (its weights have "
+                              f"{len(files.files)} tensors, none of that name)")
+        unit, key, name = stored[0]
+        t, shape = tensors[ident], files.shape(name)
+        if hasattr(t, SOURCE) and tuple(t.shape) != shape:
+            dim, ranges = _shard_ranges(unit, key, shape, tuple(t.shape), tp_rank)
+            value = files.read(name, dim, ranges)
+        else:
+            value = files.read(name)
+        if tuple(value.shape) != tuple(t.shape):
+            raise field_error(f"{files.path}:{name}", tuple(value.shape), f"have the model's shape "
+                              f"{tuple(t.shape)}", "build the model from this directory's config")
+        t.copy_(value)
+        read[name] = key
+    files.close()
+    return read
+
+
+def release_unheld(model: nn.Module) -> int:
+    """Replace every meta parameter and buffer of ``model`` (the layers another rank holds) by an empty CPU tensor of
+    its dtype, so moving the module to a device moves nothing of them; returns how many were replaced."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, q in list(module.named_parameters(recurse=False)):
+            if q.is_meta:
+                made.setdefault(id(q), nn.Parameter(torch.empty(0, dtype=q.dtype), requires_grad=q.requires_grad))
+                setattr(module, name, made[id(q)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_meta:
+                made.setdefault(id(b), torch.empty(0, dtype=b.dtype))
+                setattr(module, name, made[id(b)])
+    return len(made)
+
+
+def held_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of each parameter of ``model`` that holds memory (not meta, not released), by its name."""
+    return {n: q.numel() * q.element_size() for n, q in model.named_parameters()
+            if not q.is_meta and q.numel() > 0}
+
+
+def load_rank_units(module: Any, directory: str | Path, layers: tuple[int, int], field: str = "pretrained"
+                    ) -> None:
+    """Load pipeline units ``[start, stop)`` (``layers``: this rank's, from the plan) of the Hugging Face model
+    ``module`` holds (or ``module`` itself) from ``directory``, and release the others.
+
+    A tensor-parallel stage loads its layers whole here: the runtime then cuts each rank's shard.
+    """
+    from transformers import PreTrainedModel
+
+    from het_strategy.hf.lightning_adapter import hf_model_of
+    from het_strategy.hf.pipeline_units import hf_pipeline_units
+
+    model = module if isinstance(module, PreTrainedModel) else hf_model_of(module)
+    if model is None:
+        raise field_error(field, str(directory), f"be given only for a LightningModule holding a Hugging Face "
+                          f"causal LM ({type(module).__name__} holds none)")
+    files = PretrainedDirectory(directory, field)
+    check_config(files, model.config.to_dict())
+    units = hf_pipeline_units(model)
+    start, stop = layers
+    if not 0 <= start < stop <= len(units):
+        raise field_error("plan.model.num_layers", stop, f"index the model's {len(units)} pipeline units")
+    load_units(units[start:stop], files)
+    release_unheld(model)

@@ -1,0 +1,136 @@
+"""One rank of the Hugging Face checkpoint round trip: ``python _hf_checkpoint_worker.py SOURCE OUT_DIR STEPS``.
+
+Started once per rank (``emulation.local_ranks.run_script_ranks``: Lightning sees ``LOCAL_RANK`` and launches
+nothing).  A LightningModule holds ``empty_causal_lm(SOURCE)`` (a tiny Llama on the meta device);
+``HeteroDeepSpeedStrategy(pretrained=SOURCE)`` with a 2-stage fp32 pipeline (``PLAN``) loads on each rank only its
+own units, then ``Trainer.fit`` trains ``STEPS`` AdamW steps.  Then: the run's validation loss on ``val_batch()``
+(``PlanRunner.eval_step``); ``trainer.save_checkpoint(OUT_DIR/ckpt)`` (with its per-layer files);
+``save_hf_checkpoint(trainer, OUT_DIR/hf)`` (gathered per layer to rank 0); every rank reloads ``OUT_DIR/hf`` with
+``from_pretrained`` and compares its parameters and the validation loss.  Each rank writes ``OUT_DIR/rank{r}.json``:
+the parameters it materialized after the load (name -> bytes), the first batch's ``input_ids``, its losses, the
+run's and the reloaded model's validation loss, and the largest difference of its trained parameters from the reloaded ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+"""The tiny Llama: 4 decoder layers (6 pipeline units), GQA 4:2, untied head."""
+BATCH = 4
+SEQ = 8
+LR = 1e-2
+
+
+def write_source(path: str) -> None:
+    """A seeded tiny Llama saved with ``save_pretrained`` at ``path`` (the run's starting point)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)).save_pretrained(path)
+
+
+def plan():
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    stages = (Stage(("cpu0",), (0, 3)), Stage(("cpu1",), (3, 6)))
+    return Plan(cluster="local", cluster_devices=("cpu0", "cpu1"), model={"name": "tiny_llama", "num_layers": 6},
+                global_batch_size=BATCH, dtype="fp32", mode="manual", zero_stage=0,
+                pipelines=(Pipeline(stages, micro_batch_size=2, samples=BATCH),))
+
+
+def batches(n: int, seed: int) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return out
+
+
+def val_batch() -> dict:
+    return batches(1, seed=7)[0]
+
+
+def main() -> None:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    import het_strategy  # noqa: F401
+    from het_strategy import HeteroDeepSpeedStrategy
+    from het_strategy.hf.checkpoint_export import save_hf_checkpoint
+    from het_strategy.hf.checkpoints import empty_causal_lm, held_bytes
+    from het_strategy.strategy.global_batches import batch_pair
+
+    torch.set_num_threads(1)
+    source, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    class Holds(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = empty_causal_lm(source)
+
+        def training_step(self, batch, batch_idx):
+            raise AssertionError("not called under hetero_deepspeed")
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.held: dict[str, int] = {}
+            self.first: list = []
+
+        def on_train_start(self, trainer, module) -> None:
+            self.held = held_bytes(module.model)
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if not self.first:
+                self.first = batch["input_ids"].tolist()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(trainer.strategy.run.last_loss))
+
+    cluster = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": "cpu0", "type": "CPU"},
+                                                                        {"name": "cpu1", "type": "CPU"}]}]}
+    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan(), pretrained=source)
+    record = Record()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[record])
+    module = Holds()
+    rows = [{k: v[i] for k, v in b.items()} for b in batches(steps, seed=1) for i in range(BATCH)]
+    trainer.fit(module, DataLoader(rows, batch_size=BATCH))
+    runner = strategy.run.runner
+    val = val_batch()
+    run_val = runner.eval_step(*batch_pair(val, "validation batch"))
+    trainer.save_checkpoint(os.path.join(out, "ckpt"))
+    save_hf_checkpoint(trainer, os.path.join(out, "hf"))
+    reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf")).eval()
+    with torch.no_grad():
+        reload_val = float(reloaded(**val).loss)
+    ref = reloaded.state_dict()
+    units = {int(n): m for n, m in runner.engine.module.named_children() if n.isdigit()}
+    diffs = {}
+    for name, value in runner.named_parameters().items():
+        layer, _, local = name.partition(".")
+        hf = units[int(layer)].hf_names()[local]
+        diffs[hf] = float((value - ref[hf]).abs().max())
+    result = {"held": record.held, "first_batch": record.first, "losses": record.losses, "run_val": run_val,
+              "reload_val": reload_val,
+              "param_diffs": diffs, "layers": list(runner.layout.layers_of(runner.rank))}
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
