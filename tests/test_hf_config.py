@@ -215,3 +215,13 @@ def test_planning_a_config_json_imports_no_torch_and_no_transformers(tmp_path: P
             "assert rc == 0; assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'loaded'")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_model_yaml_describes_a_modern_block_with_the_same_keys() -> None:
+    mapping = read_hf_config(SMALL / "qwen2_moe_tiny.json").model_mapping(32)
+    assert load_workload(mapping).layers == hf_workload(SMALL / "qwen2_moe_tiny.json", 32).layers
+    for key, value, rule in (("norm", "batchnorm", "be one of"), ("num_kv_heads", 3, "divide model.num_heads (4)"),
+                             ("dense_blocks", [9], "be < model.num_layers (4)")):
+        with pytest.raises(ConfigError) as err:
+            load_workload(mapping | {key: value})
+        assert err.value.field.startswith(f"model.{key}") and rule in str(err.value)
