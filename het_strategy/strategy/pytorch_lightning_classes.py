@@ -176,7 +176,7 @@ class HeteroStrategyPL(RunStrategyPL):
     """``strategy="hetero"``: uneven data parallelism planned for a heterogeneous cluster.
 
     Takes ``HeteroRun``'s arguments (``cluster``, ``plan``, ``workload``, ``global_batch_size``, ``compression``,
-    ...; the rest go to Lightning's ``DDPStrategy``).
+    ``loss_weighting``, ...; the rest go to Lightning's ``DDPStrategy``).
     """
 
     strategy_name = "hetero"
@@ -215,7 +215,7 @@ class HeteroDeepSpeedStrategyPL(RunStrategyPL):
 class HeteroDiLoCoStrategyPL(RunStrategyPL):
     """``strategy="hetero_diloco"``: DiLoCo across groups of uneven data parallelism.
 
-    Takes ``diloco_run``'s arguments (``DiLoCoOptions``' and ``HeteroRun``'s).
+    Takes ``diloco_run``'s arguments (``DiLoCoOptions``' and ``HeteroRun``'s, ``loss_weighting`` among them).
     """
 
     strategy_name = "hetero_diloco"
