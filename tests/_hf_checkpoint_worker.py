@@ -1,14 +1,16 @@
-"""One rank of the Hugging Face checkpoint round trip: ``python _hf_checkpoint_worker.py SOURCE OUT_DIR STEPS``.
+"""One rank of the Hugging Face checkpoint round trip: ``python _hf_checkpoint_worker.py SOURCE OUT STEPS [CASES]``.
 
 Started once per rank (``emulation.local_ranks.run_script_ranks``: Lightning sees ``LOCAL_RANK`` and launches
-nothing).  A LightningModule holds ``empty_causal_lm(SOURCE)`` (a tiny Llama on the meta device);
-``HeteroDeepSpeedStrategy(pretrained=SOURCE)`` with a 2-stage fp32 pipeline (``PLAN``) loads on each rank only its
-own units, then ``Trainer.fit`` trains ``STEPS`` AdamW steps.  Then: the run's validation loss on ``val_batch()``
-(``PlanRunner.eval_step``); ``trainer.save_checkpoint(OUT_DIR/ckpt)`` (with its per-layer files);
-``save_hf_checkpoint(trainer, OUT_DIR/hf)`` (gathered per layer to rank 0); every rank reloads ``OUT_DIR/hf`` with
-``from_pretrained`` and compares its parameters and the validation loss.  Each rank writes ``OUT_DIR/rank{r}.json``:
-the parameters it materialized after the load (name -> bytes), the first batch's ``input_ids``, its losses, the
-run's and the reloaded model's validation loss, and the largest difference of its trained parameters from the reloaded ones.
+nothing), 2 ranks.  Per case of ``CASES`` (comma-separated, default ``pipe``): a LightningModule holds
+``empty_causal_lm(SOURCE)`` (a tiny Llama on the meta device); ``HeteroDeepSpeedStrategy(pretrained=SOURCE)`` runs
+the case's fp32 plan (``plan``: ``pipe``, 2 stages; ``tp``, one tp-2 stage), each rank loading only its own units,
+and ``Trainer.fit`` trains ``STEPS`` AdamW steps.  Then: the run's validation loss on ``val_batch()``
+(``PlanRunner.eval_step``); for ``pipe`` ``trainer.save_checkpoint(OUT/pipe/ckpt)`` (with its per-layer files);
+``save_hf_checkpoint(trainer, OUT/<case>/hf)`` (gathered per layer to rank 0, tp shards joined); every rank
+reloads it with ``from_pretrained``.  Each rank writes ``OUT/rank{r}.json``, per case: the parameters it
+materialized after the load (name -> bytes), the first batch's ``input_ids``, its losses, the run's and the
+reloaded model's validation loss, the largest difference of each trained parameter (shard) from the reloaded one
+and how many are tp shards.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ def write_source(path: str) -> None:
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)).save_pretrained(path)
 
 
-def plan():
+def plan(case: str = "pipe"):
+    """``pipe``: stages [0, 3) on cpu0 and [3, 6) on cpu1; ``tp``: one tp-2 stage [0, 6) over both."""
     from het_strategy.core.plan import Pipeline, Plan, Stage
 
-    stages = (Stage(("cpu0",), (0, 3)), Stage(("cpu1",), (3, 6)))
+    stages = ((Stage(("cpu0",), (0, 3)), Stage(("cpu1",), (3, 6))) if case == "pipe"
+              else (Stage(("cpu0", "cpu1"), (0, 6)),))
     return Plan(cluster="local", cluster_devices=("cpu0", "cpu1"), model={"name": "tiny_llama", "num_layers": 6},
                 global_batch_size=BATCH, dtype="fp32", mode="manual", zero_stage=0,
                 pipelines=(Pipeline(stages, micro_batch_size=2, samples=BATCH),))
@@ -58,7 +62,36 @@ def val_batch() -> dict:
     return batches(1, seed=7)[0]
 
 
-def main() -> None:
+def _diffs(runner, reloaded) -> dict[str, float]:
+    """The largest difference of each of this rank's trained parameters (a tp shard: from its slice) from the
+    reloaded model's, by Hugging Face name."""
+    from het_strategy.tensor_parallel.layers import SOURCE, shard_of
+
+    ref = reloaded.state_dict()
+    group = runner.layout.group_of(runner.rank)
+    units = {int(n): m for n, m in runner.engine.module.named_children() if n.isdigit()}
+    diffs = {}
+    for layer, unit in units.items():
+        plan = unit.tensor_parallel_plan() if callable(getattr(unit, "tensor_parallel_plan", None)) else None
+        specs = plan.shard_specs() if plan is not None else {}
+        for local, value in unit.named_parameters():
+            hf = unit.hf_names()[local]
+            want = ref[hf]
+            if hasattr(value, SOURCE):
+                want = shard_of(want, specs[local], len(group), group.index(runner.rank))
+            diffs[hf] = float((value.detach() - want).abs().max())
+    return diffs
+
+
+def _shards(runner) -> int:
+    """How many of this rank's parameters are tensor-parallel shards."""
+    from het_strategy.tensor_parallel.layers import SOURCE
+
+    return sum(hasattr(q, SOURCE) for q in runner.engine.module.parameters())
+
+
+def run_case(case: str, source: str, out: str, steps: int) -> dict:
+    """Fit ``case``'s plan from ``source``, save it back under ``out/<case>``, reload and compare."""
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -69,9 +102,6 @@ def main() -> None:
     from het_strategy.hf.checkpoint_export import save_hf_checkpoint
     from het_strategy.hf.checkpoints import empty_causal_lm, held_bytes
     from het_strategy.strategy.global_batches import batch_pair
-
-    torch.set_num_threads(1)
-    source, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
     class Holds(pl.LightningModule):
         def __init__(self) -> None:
@@ -102,33 +132,38 @@ def main() -> None:
 
     cluster = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": "cpu0", "type": "CPU"},
                                                                         {"name": "cpu1", "type": "CPU"}]}]}
-    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan(), pretrained=source)
+    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan(case), pretrained=source)
     record = Record()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[record])
-    module = Holds()
     rows = [{k: v[i] for k, v in b.items()} for b in batches(steps, seed=1) for i in range(BATCH)]
-    trainer.fit(module, DataLoader(rows, batch_size=BATCH))
+    trainer.fit(Holds(), DataLoader(rows, batch_size=BATCH))
     runner = strategy.run.runner
     val = val_batch()
     run_val = runner.eval_step(*batch_pair(val, "validation batch"))
-    trainer.save_checkpoint(os.path.join(out, "ckpt"))
-    save_hf_checkpoint(trainer, os.path.join(out, "hf"))
-    reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf")).eval()
+    where = os.path.join(out, case)
+    if case == "pipe":
+        trainer.save_checkpoint(os.path.join(where, "ckpt"))
+    save_hf_checkpoint(trainer, os.path.join(where, "hf"))
+    reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf")).eval()
     with torch.no_grad():
         reload_val = float(reloaded(**val).loss)
-    ref = reloaded.state_dict()
-    units = {int(n): m for n, m in runner.engine.module.named_children() if n.isdigit()}
-    diffs = {}
-    for name, value in runner.named_parameters().items():
-        layer, _, local = name.partition(".")
-        hf = units[int(layer)].hf_names()[local]
-        diffs[hf] = float((value - ref[hf]).abs().max())
-    result = {"held": record.held, "first_batch": record.first, "losses": record.losses, "run_val": run_val,
-              "reload_val": reload_val,
-              "param_diffs": diffs, "layers": list(runner.layout.layers_of(runner.rank))}
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+    return {"held": record.held, "first_batch": record.first, "losses": record.losses, "run_val": run_val,
+            "reload_val": reload_val, "param_diffs": _diffs(runner, reloaded),
+            "layers": list(runner.layout.layers_of(runner.rank)), "shards": _shards(runner)}
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    source, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cases = sys.argv[4].split(",") if len(sys.argv) > 4 else ["pipe"]
+    result = {case: run_case(case, source, out, steps) for case in cases}
+    import torch.distributed as dist
+
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
 
 

@@ -180,29 +180,32 @@ def test_a_directory_without_config_or_weights_and_a_mismatched_config_are_refus
 
 @pytest.mark.multiprocess
 def test_fit_from_a_pretrained_directory_saves_back_what_from_pretrained_reloads(tmp_path):
-    """Each rank loads only its stage from the directory, trains, and the gathered directory reloads the run."""
+    """Each rank loads only its stage from the directory, trains, and the gathered directory reloads the run: a
+    2-stage pipeline, and one tp-2 stage (its shards joined by the writer)."""
     from _ds_launch import run_ds_ranks
 
     from het_strategy.ds_runtime.layer_export import layer_checkpoint_to_hf
 
     pytest.importorskip("deepspeed")
     worker.write_source(str(tmp_path / "source"))
-    ranks = run_ds_ranks(WORKER, 2, [str(tmp_path / "source"), "2"], tmp_path, 240)
+    ranks = run_ds_ranks(WORKER, 2, [str(tmp_path / "source"), "2", "pipe,tp"], tmp_path, 300)
     source = AutoModelForCausalLM.from_pretrained(tmp_path / "source")
     for (start, stop), r in zip(STAGES, ranks):
-        assert r["layers"] == [start, stop]
-        assert set(r["held"]) == _unit_names(source, start, stop)  # only its own stage was ever materialized
-    ids = torch.tensor(ranks[0]["first_batch"])
-    with torch.no_grad():  # the run started from the directory's weights
-        first = float(source(input_ids=ids, labels=ids).loss)
-    assert ranks[0]["losses"][0] == pytest.approx(first, abs=1e-5)
-    assert ranks[0]["losses"][-1] < first
-    for r in ranks:
-        assert abs(r["reload_val"] - r["run_val"]) <= 1e-6
-        assert max(r["param_diffs"].values()) == 0.0
-    assert set(ranks[0]["param_diffs"]) | set(ranks[1]["param_diffs"]) == set(source.state_dict())
+        assert r["pipe"]["layers"] == [start, stop]
+        assert set(r["pipe"]["held"]) == _unit_names(source, start, stop)  # only its own stage was materialized
+        assert (r["pipe"]["shards"], r["tp"]["shards"]) == (0, 4 * 7 + 1)  # q k v o gate up down per layer, head
+    for case in ("pipe", "tp"):
+        ids = torch.tensor(ranks[0][case]["first_batch"])
+        with torch.no_grad():  # the run started from the directory's weights
+            first = float(source(input_ids=ids, labels=ids).loss)
+        assert ranks[0][case]["losses"][0] == pytest.approx(first, abs=1e-5)
+        assert ranks[0][case]["losses"][-1] < first
+        for r in ranks:
+            assert abs(r[case]["reload_val"] - r[case]["run_val"]) <= 1e-6
+            assert max(r[case]["param_diffs"].values()) == 0.0, case
+        assert set(ranks[0][case]["param_diffs"]) | set(ranks[1][case]["param_diffs"]) == set(source.state_dict())
     # the run's own per-layer checkpoint, converted without a run, is the same model
-    layer_checkpoint_to_hf(tmp_path / "ckpt", tmp_path / "source", tmp_path / "converted")
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    layer_checkpoint_to_hf(tmp_path / "pipe" / "ckpt", tmp_path / "source", tmp_path / "converted")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "pipe" / "hf").state_dict()
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").state_dict()
     assert all(torch.equal(saved[k], converted[k]) for k in saved)
