@@ -50,7 +50,7 @@ from het_strategy.strategy.expert_placer import ExpertPlacer, ExpertRun, Placeme
 from het_strategy.strategy.liveness import HEARTBEAT_TIMEOUT_S
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
 from het_strategy.strategy.loss_tokens import LossTokens, LossWeighting, batch_labels, check_weighting, \
-    has_ignored_labels, resolve_weighting, summed_count
+    has_ignored_labels, holds_causal_lm, resolve_weighting, summed_count
 from het_strategy.strategy.per_device_scaling import PER_DEVICE
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.rank_context import RankContext
@@ -262,10 +262,8 @@ class HeteroRun(StrategyRun):
         # the experts are placed before DDP wraps the model and the optimizer is built
         self.placer.place(strategy.lightning_module, self.plans.require_cluster(), ctx.dtype, ctx.rank, ctx.world)
         if not self._weighting_resolved:
-            from het_strategy.hf.lightning_adapter import hf_model_of
-
             self.loss_tokens = resolve_weighting(self.loss_weighting, rank=ctx.rank, runtime=self.extension.runtime,
-                                                 causal_lm=hf_model_of(strategy.lightning_module) is not None)
+                                                 causal_lm=holds_causal_lm(strategy.lightning_module))
             self._weighting_resolved = True
         parent(trainer)
         attach_callbacks(self, trainer, ctx.rank, self.rebalance, self.telemetry, self._saved_callback_states)

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from het_strategy.core.errors import field_error, require_option
+from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.log import rank_zero_info
 from het_strategy.hf.causal_lm_loss import IGNORE_INDEX
 
 __all__ = ["LossWeighting", "LossTokens", "check_weighting", "resolve_weighting", "batch_labels", "has_ignored_labels",
-           "summed_count"]
+           "holds_causal_lm", "summed_count"]
 
 
 class LossWeighting(StrEnum):
@@ -91,6 +91,19 @@ def resolve_weighting(option: LossWeighting | str, *, causal_lm: bool, rank: int
                    " (auto)" if given is LossWeighting.auto else "",
                    f"counted tokens ({counted})" if chosen is LossWeighting.tokens else "samples")
     return LossTokens(shifted=causal_lm) if chosen is LossWeighting.tokens else None
+
+
+def holds_causal_lm(module: Any) -> bool:
+    """Whether ``module`` holds one Hugging Face causal LM as a direct child (``hf.lightning_adapter.hf_model_of``,
+    its ``loss_type`` ``ForCausalLM``: its loss shifts its labels).  Several models (a teacher and a student): no,
+    ``auto`` does not guess which loss is trained."""
+    from het_strategy.hf.lightning_adapter import hf_model_of
+
+    try:
+        model = hf_model_of(module)
+    except ConfigError:
+        return False
+    return model is not None and getattr(model, "loss_type", None) == "ForCausalLM"
 
 
 def batch_labels(batch: Any) -> torch.Tensor | None:
