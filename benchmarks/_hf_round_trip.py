@@ -12,8 +12,9 @@ and one tp-2 stage.  The run's validation loss (``PlanRunner.eval_step`` on a he
 with that of the directory ``save_hf_checkpoint`` writes (gathered per layer to rank 0, tp shards joined),
 reloaded by ``AutoModelForCausalLM.from_pretrained`` and run by transformers itself.  ``reload_diff``: the largest
 |reloaded - run| of the pipeline over its ranks (the issue's bound: 1e-6); ``reload_diff_tp``: the same for the
-tp-2 stage, whose sharded forward rounds differently from one process's (its parameters reload bit for bit).  The pipeline's own per-layer checkpoint,
-converted without a run (``ds_runtime.layer_export.layer_checkpoint_to_hf``), is checked to be the same model.
+tp-2 stage, whose sharded forward may round differently from one process's (its parameters reload bit for bit).
+The pipeline's own per-layer checkpoint, converted without a run (``ds_runtime.layer_export``), is checked to be
+the same model.
 """
 
 from __future__ import annotations
