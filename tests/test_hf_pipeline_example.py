@@ -1,5 +1,5 @@
 """``examples/hf_llama_pipeline.py`` runs as its docstring says (reduced): a Hugging Face Llama held by a
-LightningModule, cut by its own pp and tp plans on the emulated mixed cluster, one tp-2 stage."""
+LightningModule, cut by its own pp and tp plans on the emulated mixed cluster, one tp-2 stage, saved back."""
 
 from __future__ import annotations
 
@@ -23,3 +23,6 @@ def test_a_hugging_face_llama_trains_as_a_pipeline_with_a_tp_2_stage() -> None:
     assert shards == {0: "32", 1: "32", 2: ""}  # the tp-2 stage's two ranks hold half the query heads each
     first, last = float(found[0][3]), float(found[0][4])
     assert first == pytest.approx(5.55, abs=0.1) and last < first  # ln 256 = 5.55 at chance
+    saved = re.search(r"from_pretrained reloads (\d+) parameters of (\d+), the trained embedding (\w+)", out)
+    assert saved and saved.group(1) == saved.group(2), out[-2000:]  # every tensor written back whole
+    assert saved.group(3) == "exactly"
