@@ -12,10 +12,10 @@ from tests._example_runner import run_example
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def test_a_hugging_face_llama_trains_as_a_pipeline_with_a_tp_2_stage() -> None:
+def test_a_hugging_face_llama_trains_as_a_pipeline_with_a_tp_2_stage(tmp_path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("deepspeed")
-    out = run_example("hf_llama_pipeline.py", "--steps", "3")
+    out = run_example("hf_llama_pipeline.py", "--steps", "3", "--save", str(tmp_path / "trained"))
     found = re.findall(r"rank (\d): (layer 0 q_proj \((\d+), 64\) of \(64, 64\)|no decoder layer 0); train loss "
                        r"([0-9.]+) -> ([0-9.]+) in 3 steps", out)
     assert len(found) == 3, out[-2000:]
