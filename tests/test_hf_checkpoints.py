@@ -97,6 +97,22 @@ def test_a_model_loaded_whole_computes_the_sources_logits_and_ties_its_head(tmp_
     assert torch.equal(model(x).logits, source(x).logits)
 
 
+def test_moe_experts_round_trip_by_the_models_names_and_transformers_layout_is_named(tmp_path):
+    torch.manual_seed(0)
+    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "mixtral", **{**TINY, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    save_units(hf_pipeline_units(moe), moe.config, tmp_path / "ours")  # fused experts, by the model's names
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").state_dict()
+    assert all(torch.equal(back[k], v) for k, v in moe.state_dict().items())
+    model = empty_causal_lm(tmp_path / "ours")
+    load_rank_units(model, tmp_path / "ours", (1, 3))  # decoder layer 0 and 1, experts whole
+    assert set(held_bytes(model)) == _unit_names(moe, 1, 3)
+    moe.save_pretrained(tmp_path / "theirs")  # transformers writes one tensor per expert
+    with pytest.raises(ConfigError, match=r"under the model's own name \(it keeps transformers' checkpoint layout "
+                       r"of mixtral"):
+        load_rank_units(empty_causal_lm(tmp_path / "theirs"), tmp_path / "theirs", (1, 3))
+
+
 def test_tp2_shards_read_only_their_slices(tmp_path):
     from het_strategy.tensor_parallel.layers import SOURCE, parallelize_layer, shard_of
 

@@ -13,7 +13,9 @@
    (``release_unheld``: a meta tensor becomes an empty one, so Lightning can move the module to its device).
 
 The directory's config must match the model's in every field that shapes the weights (``check_config``); a
-tensor of another shape, or one the directory lacks, is refused naming it.
+tensor of another shape, or one the directory lacks, is refused naming it.  Tensors are read by the model's own
+names: a directory in the layout transformers converts on load (``save_pretrained`` of Mixtral or Qwen-MoE keeps
+one tensor per expert) is refused in one line saying so; the writers here keep the model's names.
 """
 
 from __future__ import annotations
@@ -116,8 +118,7 @@ def load_units(units: Sequence[nn.Module], directory: str | Path | PretrainedDir
     for ident, where in names.items():
         stored = [w for w in where if w[2] in files.files]
         if not stored:
-            raise field_error(files.field, str(files.path), f"hold tensor `{where[0][2]}` (its weights have "
-                              f"{len(files.files)} tensors, none of that name)")
+            raise _missing(files, where[0][2])
         unit, key, name = stored[0]
         t, shape = tensors[ident], files.shape(name)
         if hasattr(t, SOURCE) and tuple(t.shape) != shape:
@@ -132,6 +133,21 @@ def load_units(units: Sequence[nn.Module], directory: str | Path | PretrainedDir
         read[name] = key
     files.close()
     return read
+
+
+def _missing(files: PretrainedDirectory, name: str) -> Exception:
+    """The refusal of a directory without tensor ``name``: where transformers converts the checkpoint's layout on
+    load (MoE experts kept one tensor per expert), it says so."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    model_type = files.config.get("model_type")
+    if model_type and get_checkpoint_conversion_mapping(model_type):
+        return field_error(files.field, str(files.path), f"hold tensor `{name}` under the model's own name (it "
+                           f"keeps transformers' checkpoint layout of {model_type}, which from_pretrained converts "
+                           "on load)", "write it once with hf.checkpoint_export.save_units, which keeps the "
+                           "model's names")
+    return field_error(files.field, str(files.path), f"hold tensor `{name}` (its weights have {len(files.files)} "
+                       "tensors, none of that name)")
 
 
 def release_unheld(model: nn.Module) -> int:
