@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from het_strategy.core.errors import field_error
+from het_strategy.core.log import rank_zero_info
 from het_strategy.hf.checkpoint_files import DirectoryWriter
 
 __all__ = ["WRITER_RANK", "save_units", "save_pretrained_from_runner", "save_hf_checkpoint", "write_layer_values",
@@ -140,6 +141,8 @@ def save_pretrained_from_runner(runner: Any, config: Any, directory: str | Path)
                 dist.send_object_list([mine], dst=WRITER_RANK)
         if writer is not None:
             writer.finish(config)
+            rank_zero_info(rank, "saved %s: %d tensors, %.1f MB, one safetensors file per pipeline unit", directory,
+                           len(writer.weight_map), writer.total_size / 1e6)
     except BaseException:
         if writer is not None:
             writer.abort()

@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from het_strategy.core.cluster import ClusterSpec, load_cluster
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.core.log import rank_zero_info
+from het_strategy.core.log import rank_debug, rank_zero_info
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.hf.lightning_adapter import check_tied_stages, pipeline_of
@@ -198,6 +198,8 @@ class DeepSpeedRun(StrategyRun):
 
             layers = replica_layout(self.plan).layers_of(strategy.global_rank)
             load_rank_units(strategy.lightning_module, self.pretrained, layers)
+            rank_debug(strategy.global_rank, "hetero_deepspeed: pipeline units [%d, %d) loaded from %s", *layers,
+                       self.pretrained)
         parent(trainer)
 
     @override
