@@ -86,7 +86,7 @@ def test_each_stage_materializes_only_its_own_tensors(tmp_path, sharded):
     assert seen == set(want)
 
 
-def test_a_model_loaded_whole_computes_the_sources_logits_and_ties_its_head(tmp_path):
+def test_a_model_loaded_whole_computes_the_sources_logits_and_a_tied_head_reads_the_embedding(tmp_path):
     source = _model(tie_word_embeddings=True)
     source.save_pretrained(tmp_path / "src")
     model = empty_causal_lm(tmp_path / "src")
@@ -95,6 +95,10 @@ def test_a_model_loaded_whole_computes_the_sources_logits_and_ties_its_head(tmp_
     assert model.lm_head.weight is model.model.embed_tokens.weight
     x = torch.randint(0, TINY["vocab_size"], (2, 5))
     assert torch.equal(model(x).logits, source(x).logits)
+    head_only = empty_causal_lm(tmp_path / "src")
+    load_rank_units(head_only, tmp_path / "src", (5, 6))  # a head on a stage of its own reads the embedding's name
+    assert set(held_bytes(head_only)) == {"lm_head.weight", "model.norm.weight"}
+    assert torch.equal(head_only.lm_head.weight, source.model.embed_tokens.weight)
 
 
 def test_moe_experts_round_trip_by_the_models_names_and_transformers_layout_is_named(tmp_path):

@@ -7,7 +7,7 @@
    ``tensor_parallel.layers.SOURCE``) reads only its own slice of the stored tensor (``get_slice``): dim 0
    chunks for a column-parallel linear, dim 1 for a row-parallel one.  A tied head (``tie_word_embeddings``)
    reads the embedding matrix: one tensor, shared by both units, is read once from the first of its names
-   stored.
+   stored, and a head on a stage of its own reads the embedding's name (``tied_aliases``).
 3. ``load_rank_units(module, dir, (start, stop))`` does this for the layers the plan gives a rank (the
    ``hetero_deepspeed`` strategy calls it in ``setup`` when given ``pretrained=dir``) and releases the rest
    (``release_unheld``: a meta tensor becomes an empty one, so Lightning can move the module to its device).
@@ -29,7 +29,7 @@ from torch import nn
 from het_strategy.core.errors import field_error
 from het_strategy.hf.checkpoint_files import PretrainedDirectory, check_config
 
-__all__ = ["empty_causal_lm", "load_units", "load_rank_units", "release_unheld", "held_bytes"]
+__all__ = ["empty_causal_lm", "load_units", "load_rank_units", "tied_aliases", "release_unheld", "held_bytes"]
 
 
 def empty_causal_lm(directory: str | Path, field: str = "pretrained") -> Any:
@@ -98,11 +98,12 @@ def _shard_ranges(unit: nn.Module, key: str, stored: tuple[int, ...], local: tup
 
 
 @torch.no_grad()
-def load_units(units: Sequence[nn.Module], directory: str | Path | PretrainedDirectory, *, tp_rank: int = 0
-               ) -> dict[str, str]:
+def load_units(units: Sequence[nn.Module], directory: str | Path | PretrainedDirectory, *, tp_rank: int = 0,
+               aliases: dict[str, str] | None = None) -> dict[str, str]:
     """Materialize ``units`` on the CPU and load each tensor of their ``state_dict()`` from ``directory`` by its
     Hugging Face name; returns ``{hf name: unit key}`` of what was read.  ``tp_rank``: the tensor-parallel rank of
-    units already split (their shards read only their slice)."""
+    units already split (their shards read only their slice).  ``aliases``: a name -> the stored name read in its
+    place when the directory lacks it (a tied head -> the embedding, ``tied_aliases``)."""
     from het_strategy.tensor_parallel.layers import SOURCE
 
     files = directory if isinstance(directory, PretrainedDirectory) else PretrainedDirectory(directory)
@@ -117,6 +118,7 @@ def load_units(units: Sequence[nn.Module], directory: str | Path | PretrainedDir
     read: dict[str, str] = {}
     for ident, where in names.items():
         stored = [w for w in where if w[2] in files.files]
+        stored += [(u, k, (aliases or {})[n]) for u, k, n in where if (aliases or {}).get(n) in files.files]
         if not stored:
             raise _missing(files, where[0][2])
         unit, key, name = stored[0]
@@ -148,6 +150,18 @@ def _missing(files: PretrainedDirectory, name: str) -> Exception:
                            "model's names")
     return field_error(files.field, str(files.path), f"hold tensor `{name}` (its weights have {len(files.files)} "
                        "tensors, none of that name)")
+
+
+def tied_aliases(model: Any) -> dict[str, str]:
+    """``{the output embedding's weight: the input embedding's}`` by name when the model ties them
+    (``tie_word_embeddings``), else empty: a head on a stage of its own reads the embedding matrix."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    where = {id(m): name for name, m in model.named_modules()}
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or id(out) not in where or id(inp) not in where:
+        return {}
+    return {f"{where[id(out)]}.weight": f"{where[id(inp)]}.weight"}
 
 
 def release_unheld(model: nn.Module) -> int:
@@ -194,5 +208,5 @@ def load_rank_units(module: Any, directory: str | Path, layers: tuple[int, int],
     start, stop = layers
     if not 0 <= start < stop <= len(units):
         raise field_error("plan.model.num_layers", stop, f"index the model's {len(units)} pipeline units")
-    load_units(units[start:stop], files)
+    load_units(units[start:stop], files, aliases=tied_aliases(model))
     release_unheld(model)
