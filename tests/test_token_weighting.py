@@ -127,7 +127,7 @@ def _single_process(module: TextModule, data: PaddedText, steps: list[list[int]]
 
 
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 @pytest.mark.multiprocess
