@@ -22,7 +22,7 @@ import _hf_pipeline_worker as worker  # noqa: E402  (tests/ is on sys.path under
 
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.hf.causal_lm_loss import CausalLMLoss  # noqa: E402
-from het_strategy.hf.lightning_adapter import check_tied_stages, hf_model_of, pipeline_of  # noqa: E402
+from het_strategy.hf.lightning_adapter import hf_model_of, pipeline_of  # noqa: E402
 from het_strategy.hf.pipeline_units import hf_pipeline_units  # noqa: E402
 from het_strategy.strategy.global_batches import batch_pair  # noqa: E402
 from het_strategy.tensor_parallel.tp_plan import check_layers  # noqa: E402
@@ -102,8 +102,12 @@ def test_a_module_with_two_hf_models_is_refused_and_one_gets_the_models_pipeline
     assert len(layers) == 4 and isinstance(loss, CausalLMLoss)
 
 
-def test_gpt2_is_cut_by_the_fallback_and_tp_is_refused_tied_embeddings_keep_one_stage():
+def test_gpt2_is_cut_by_the_fallback_and_tp_is_refused_tied_embeddings_split_at_tp_1_only():
+    from dataclasses import replace
+
     from het_strategy.core.plan import Pipeline, Plan, Stage
+    from het_strategy.ds_runtime.replicas import replica_layout
+    from het_strategy.ds_runtime.tied_weights import check_tied_layout, tied_parameters
 
     units = hf_pipeline_units(_model("gpt2"))
     assert units[0].hf_names() == {"token.weight": "transformer.wte.weight",
@@ -111,15 +115,21 @@ def test_gpt2_is_cut_by_the_fallback_and_tp_is_refused_tied_embeddings_keep_one_
     with pytest.raises(ConfigError, match="none of them has a tensor_parallel_plan"):
         check_layers(units, 0, 2, 2, "plan.pipelines[0].stages[0].tp")
 
-    def plan(*cuts):
-        stages = tuple(Stage((f"d{i}",), (a, b)) for i, (a, b) in enumerate(zip((0, *cuts), (*cuts, 4))))
-        return Plan(cluster="local", cluster_devices=tuple(s.devices[0] for s in stages), model={"name": "g",
+    def plan(*cuts, tp=1):
+        stages = tuple(Stage(tuple(f"d{i}.{t}" for t in range(tp if i else 1)), (a, b))
+                       for i, (a, b) in enumerate(zip((0, *cuts), (*cuts, 4))))
+        return Plan(cluster="local", cluster_devices=tuple(d for s in stages for d in s.devices), model={"name": "g",
                     "num_layers": 4}, global_batch_size=2, dtype="fp32", mode="manual", zero_stage=0,
                     pipelines=(Pipeline(stages, micro_batch_size=1, samples=2),))
 
-    check_tied_stages(plan(), units)
-    with pytest.raises(ConfigError, match=r"stages. is \[\[0, 2\], \[2, 4\]\]; it must hold layers 0 and 3"):
-        check_tied_stages(plan(2), units)
+    def check_tied_stages(p):
+        check_tied_layout(replace(replica_layout(p), tied=tied_parameters(units)))
+
+    assert tied_parameters(units) == ((0, "token.weight"), (3, "lm_head.weight"))
+    check_tied_stages(plan())
+    check_tied_stages(plan(2))  # a copy of the tied matrix on each stage (tests/test_hf_tied.py)
+    with pytest.raises(ConfigError, match=r"stages\[1\].tp. is 2; it must be 1 on a stage holding the tied"):
+        check_tied_stages(plan(2, tp=2))
 
 
 def test_a_model_without_pp_plan_or_fallback_and_a_bad_batch_are_refused_in_one_line():

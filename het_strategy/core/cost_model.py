@@ -425,7 +425,22 @@ class CostModel:
                 for d in stage.devices:
                     out[d] = (self.stage_sync_s(start, stop, stage.tp, dp, bw),
                               self.stage_update_s(self.cluster.device(d), stage.tp, start, stop, dp))
+            tied = self.tied_sync_s(pipe)
+            for d in (*pipe.stages[0].devices, *pipe.stages[-1].devices) if tied else ():
+                out[d] = (out[d][0] + tied, out[d][1])
         return out
+
+    def tied_sync_s(self, pipe: Pipeline) -> float:
+        """The tied matrix's gradient allreduce between a pipeline's first and last stage, when it puts the tied
+        embedding and head on different stages (each holds a copy, ``ds_runtime.tied_weights``): a ring of two,
+        the first and last stage's lead devices, before the data-parallel sync; 0 otherwise."""
+        tied = self.workload.layers[-1].tied_params
+        if not tied or len(pipe.stages) < 2:
+            return 0.0
+        a, b = pipe.stages[0].devices[0], pipe.stages[-1].devices[0]
+        nodes = tuple(sorted({self.cluster.device(a).node, self.cluster.device(b).node}))
+        route = SyncRoute(members=2, nodes=nodes, flows=(1,) * len(nodes))
+        return float(self.network.ring_allreduce_s(tied * self.settings.grad_bytes, route))
 
     def ring_bandwidths(self, structure: list[tuple[tuple[str, ...], ...]]) -> list[list[SyncRoute]]:
         """Per pipeline, per stage: its gradient ring's route and its send's sharing (``network.routes``)."""

@@ -25,9 +25,11 @@ __all__ = ["clip_by_global_norm", "clip_gradients", "clipping_pipeline_engine"]
 
 @torch.no_grad()
 def clip_by_global_norm(module: torch.nn.Module, max_norm: float, group: Any) -> float:
-    """Clip this stage's gradients by the norm over ``group``'s stages; returns that norm (before clipping)."""
-    grads = [q.grad for q in module.parameters() if q.grad is not None]
-    return clip_gradients(grads, [True] * len(grads), max_norm, group)
+    """Clip this stage's gradients by the norm over ``group``'s stages; returns that norm (before clipping).  A tied
+    copy DeepSpeed marks ``ds_pipe_replicated`` (the last stage's, ``tied_weights``) is counted on its first stage."""
+    params = [q for q in module.parameters() if q.grad is not None]
+    return clip_gradients([q.grad for q in params], [not getattr(q, "ds_pipe_replicated", False) for q in params],
+                          max_norm, group)
 
 
 @torch.no_grad()

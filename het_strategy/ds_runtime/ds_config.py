@@ -430,6 +430,39 @@ def _hetero_class() -> type:
             stage_id = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
+        def _index_tied_modules(self) -> dict[str, Any]:
+            # DeepSpeed's TiedLayerSpec groups, then those of a parameter the first and last layer share
+            # (tied embeddings: ``tied_weights``); the last stage's copy counts once in the norms, as DeepSpeed's
+            from het_strategy.ds_runtime.tied_weights import tied_comms, tied_parameters
+
+            comms = super()._index_tied_modules()
+            object.__setattr__(self, "het_tied", tied_comms(self, tied_parameters(self._layer_specs)))
+            for comm in self.het_tied:
+                if self.global_rank != comm["ranks"][0]:
+                    for q in comm["params"]:
+                        q.ds_pipe_replicated = True
+            return comms
+
+        def get_tied_weights_and_groups(self) -> list[tuple[Any, Any]]:
+            return [*super().get_tied_weights_and_groups(),
+                    *((q, comm["group"]) for comm in self.het_tied for q in comm["params"])]
+
+        def allreduce_tied_weight_gradients(self) -> None:
+            import deepspeed.comm as dist
+
+            super().allreduce_tied_weight_gradients()
+            for comm in self.het_tied:
+                for q in comm["params"]:
+                    dist.all_reduce(q.grad, group=comm["group"])
+
+        def _synchronize_tied_weights(self) -> None:
+            import deepspeed.comm as dist
+
+            super()._synchronize_tied_weights()
+            for comm in getattr(self, "het_tied", ()):
+                for q in comm["params"]:
+                    dist.broadcast(q.data, src=comm["ranks"][0], group=comm["group"])
+
     _module_class = HeteroPipelineModule
     return HeteroPipelineModule
 

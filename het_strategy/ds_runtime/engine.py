@@ -37,6 +37,7 @@ from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.ds_config import deepspeed_config, rank_batches, rank_layout
 from het_strategy.ds_runtime.replicas import ReplicaLayout, replica_layout
+from het_strategy.ds_runtime.tied_weights import tied_layout
 from het_strategy.profiling.torch_device import TORCH_DTYPES
 
 __all__ = ["init_deepspeed_distributed", "check_runnable", "PlanRunner"]
@@ -152,7 +153,10 @@ class PlanRunner:
        over the ranks holding it (``holder_reduction``), every layer broadcast
        from replica 0's holder at the start, then split for each tp rank
        (``tensor_parallel``); stages of any tp pass partitioned activations
-       (``stage_exchange``).
+       (``stage_exchange``).  A matrix the first and the last layer share
+       (tied embeddings) on two stages is a copy on each, equal at the start,
+       its gradient summed between the copies after each backward
+       (``tied_weights``: DeepSpeed's tied-weight groups, or one holder set).
     2. Data.  Pipeline ``p`` takes the contiguous slice ``[sum(samples[:p]),
        +samples[p])`` and cuts it into ``rank_batches(plan)[rank]
        .micro_batch_sizes``.  Its first stage (inputs) and last stage (labels)
@@ -213,6 +217,7 @@ class PlanRunner:
             raise field_error("layers", f"{len(layers)} layers", f"be the plan's {self.layout.num_layers} layers "
                               "in order (its stage boundaries index this list)",
                               "plan for this model's layers (e.g. CharGPT.pipeline_layers(): blocks + 2)")
+        self.layout = tied_layout(self.layout, layers)  # tied embeddings: a copy per stage, gradients summed
         self.plan = plan
         self.assignment = rank_layout(plan)[self.rank]
         self.batch = rank_batches(plan)[self.rank]

@@ -70,7 +70,8 @@ class GradientPart:
 def holder_parts(layout: ReplicaLayout, rank: int, module: torch.nn.Module,
                  specs: dict[int, dict[str, Any]]) -> list[tuple[tuple[int, ...], list[GradientPart]]]:
     """This rank's parts per holder set, in ``holder_sets`` order (a set's parts in layer, parameter, unit order:
-    the same sequence on every holder)."""
+    the same sequence on every holder).  A tied copy is in ``tied_holders``: a rank holding the first and last
+    layer holds the matrix once, under the first layer's name (``named_parameters`` lists a shared one once)."""
     group = layout.group_of(rank)
     tp, tp_rank = len(group), group.index(rank)
     by_set: dict[tuple[int, ...], list[GradientPart]] = {}
@@ -83,6 +84,9 @@ def holder_parts(layout: ReplicaLayout, rank: int, module: torch.nn.Module,
                 for k in range(here):
                     hs = layout.unit_holders(layer, tp_rank * here + k)
                     by_set.setdefault(hs, []).append(GradientPart(q, spec, here, k, 1.0, True))
+            elif layout.is_tied(layer, name):  # a copy of the tied matrix: counted in the norm on the first stage
+                by_set.setdefault(layout.tied_holders, []).append(
+                    GradientPart(q, None, 1, 0, 1.0 / tp, tp_rank == 0 and layer == 0))
             else:
                 by_set.setdefault(layout.layer_holders(layer), []).append(
                     GradientPart(q, None, 1, 0, 1.0 / tp, tp_rank == 0))

@@ -35,7 +35,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
 
-from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, holder_parts, layer_parameters, loss_scale
+from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, holder_parts, loss_scale
 from het_strategy.ds_runtime.holder_sharding import HolderSetSharding
 from het_strategy.ds_runtime.replicas import ReplicaLayout
 from het_strategy.ds_runtime.stage_exchange import StageLink, recv_grads, recv_tensors, send_grads, send_tensors
@@ -86,14 +86,11 @@ class PlanGroups:
 def broadcast_from_first_replica(layout: ReplicaLayout, rank: int, groups: PlanGroups,
                                  module: torch.nn.Module) -> None:
     """Every layer's whole parameters from its holder in replica 0 to every rank holding it (before any split),
-    so all replicas start equal."""
+    so all replicas start equal; a tied matrix from replica 0's first stage to every copy."""
     import deepspeed.comm as dist
 
-    by_layer = layer_parameters(module)
-    for hs, layers in layout.layers_by_holders(rank):
-        params = [q for layer in layers for _, q in by_layer.get(layer, [])]
-        if not params:
-            continue
+    for hs, parts in holder_parts(layout, rank, module, {}):
+        params = [part.param for part in parts]
         flat = torch.cat([q.detach().reshape(-1) for q in params])
         dist.broadcast(flat, src=hs[0], group=groups.holders[hs])
         k = 0

@@ -11,7 +11,7 @@ Gradients are reduced over *holder sets*, the ranks holding the same part of
 a parameter: a unit of a sharded parameter (``unit_holders``) or a whole
 replicated one (``layer_holders``); ``ReplicaLayout``'s docstring says which
 is which.  With tp = 1 everywhere both sets are the rank holding ``l`` in each
-replica.
+replica.  A tied matrix (tied embeddings, ``tied``) is one set: every rank holding the first or last layer.
 
 Invariant: sets with the same ranks share one process group and one flat
 allreduce; the groups are created once, in the order of ``holder_sets`` on
@@ -60,6 +60,9 @@ class ReplicaLayout:
     per_replica: bool
     """Each replica runs as its own pipeline (``core.runtime_rules.runs_per_replica``: asymmetric or tp > 1);
     otherwise DeepSpeed's own grid of stages x replicas runs the plan."""
+    tied: tuple[tuple[int, str], ...] = ()
+    """Parameters the first and the last layer share (tied embeddings), as ``(layer, name in the layer)``
+    (``tied_weights.tied_parameters``): reduced over ``tied_holders``, one copy per rank holding either layer."""
 
     @property
     def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
@@ -128,10 +131,24 @@ class ReplicaLayout:
         return tuple(self._group_holding(p, layer)[0] for p in range(self.num_replicas))
 
     @property
+    def tied_holders(self) -> tuple[int, ...]:
+        """Every rank holding the first or the last layer, replica by replica (each once: a rank holding both keeps
+        one copy): the holder set of the ``tied`` parameters (replica 0's first stage first: the broadcast source)."""
+        out: list[int] = []
+        for p in range(self.num_replicas):
+            for layer in (0, self.num_layers - 1):
+                out += [r for r in self._group_holding(p, layer) if r not in out]
+        return tuple(out)
+
+    def is_tied(self, layer: int, name: str) -> bool:
+        """``name`` of ``layer`` is a copy of the tied matrix."""
+        return (layer, name) in self.tied
+
+    @property
     def holder_sets(self) -> tuple[tuple[int, ...], ...]:
-        """Every distinct holder set (units and whole layers), in the one order every rank creates and reduces
-        them in."""
-        sets = set()
+        """Every distinct holder set (units, whole layers, the tied matrix), in the one order every rank creates and
+        reduces them in."""
+        sets = {self.tied_holders} if self.tied else set()
         for layer in range(self.num_layers):
             sets.add(self.layer_holders(layer))
             sets.update(self.unit_holders(layer, u) for u in range(self.units(layer)))

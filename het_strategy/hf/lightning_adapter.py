@@ -5,8 +5,9 @@ defines neither and holds one ``PreTrainedModel`` causal LM as a direct child (`
 gets them from the model: ``hf_pipeline_units(model)`` and ``CausalLMLoss(model)``, and its planner workload from the
 model's config (``module_workload``: ``core.hf_config.hf_workload``).  Two such children are refused in one line.
 
-With tied embeddings (``tie_word_embeddings``) the embedding and the head share one matrix: every replica must hold
-both in one stage (``check_tied_stages``), since a matrix on two stages would get two unrelated updates.
+With tied embeddings (``tie_word_embeddings``) the embedding and the head share one matrix.  A plan may put them on
+different stages: each holds a copy, their gradients summed after each backward (``ds_runtime.tied_weights``), so
+every copy takes the single process's update (``PlanRunner`` refuses only a tp > 1 stage holding either of them).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import sys
 from typing import Any, Callable
 
 from het_strategy.core.errors import field_error
-from het_strategy.core.plan import Plan
 
-__all__ = ["hf_model_of", "pipeline_layers_of", "pipeline_of", "module_workload", "check_tied_stages"]
+__all__ = ["hf_model_of", "pipeline_layers_of", "pipeline_of", "module_workload"]
 
 
 def hf_model_of(module: Any) -> Any:
@@ -76,16 +76,3 @@ def module_workload(module: Any, seq_len: int | None, dtype: str) -> Any:
 
     return hf_workload(model.config.to_dict(), seq_len, dtype=dtype)
 
-
-def check_tied_stages(plan: Plan, layers: list[Any]) -> None:
-    """Refuse a plan that puts the embedding and the head of a tied-embedding model on different stages."""
-    first, last = layers[0], layers[-1]
-    shared = {id(q) for q in first.parameters()} & {id(q) for q in last.parameters()}
-    if not shared:
-        return
-    for p, pipe in enumerate(plan.pipelines):
-        holder = [i for i, stage in enumerate(pipe.stages) if stage.layers[0] == 0]
-        if not pipe.stages[holder[0]].layers[1] == len(layers):
-            raise field_error(f"plan.pipelines[{p}].stages", [list(s.layers) for s in pipe.stages],
-                              f"hold layers 0 and {len(layers) - 1} (the tied embedding and head) in one stage",
-                              "re-plan with one stage per replica, or untie the embeddings")
