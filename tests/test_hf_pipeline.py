@@ -102,6 +102,18 @@ def test_a_module_with_two_hf_models_is_refused_and_one_gets_the_models_pipeline
     assert len(layers) == 4 and isinstance(loss, CausalLMLoss)
 
 
+@pytest.mark.parametrize("kind, note", [("mixtral", "the 4 experts of each MoE layer of MixtralForCausalLM stay "
+                                                     "whole in their stage"),
+                                         ("qwen3_moe", "the 4 experts"), ("llama", None)])
+def test_an_moe_models_experts_are_said_to_stay_whole_in_their_stage(kind, note):
+    from het_strategy.hf.lightning_adapter import expert_layout_note
+
+    one = torch.nn.Module()
+    one.model = _model(kind)
+    got = expert_layout_note(one)
+    assert got == note if note is None else got.startswith(note)
+
+
 def test_gpt2_is_cut_by_the_fallback_and_tp_is_refused_tied_embeddings_split_at_tp_1_only():
     from dataclasses import replace
 

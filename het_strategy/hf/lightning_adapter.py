@@ -4,6 +4,7 @@ A LightningModule that defines ``pipeline_layers()`` and ``pipeline_loss`` gives
 defines neither and holds one ``PreTrainedModel`` causal LM as a direct child (``self.model = LlamaForCausalLM(...)``)
 gets them from the model: ``hf_pipeline_units(model)`` and ``CausalLMLoss(model)``, and its planner workload from the
 model's config (``module_workload``: ``core.hf_config.hf_workload``).  Two such children are refused in one line.
+An MoE model's experts stay whole in their stage (``expert_layout_note`` says so once).
 
 With tied embeddings (``tie_word_embeddings``) the embedding and the head share one matrix.  A plan may put them on
 different stages: each holds a copy, their gradients summed after each backward (``ds_runtime.tied_weights``), so
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 from het_strategy.core.errors import field_error
 
-__all__ = ["hf_model_of", "pipeline_layers_of", "pipeline_of", "module_workload"]
+__all__ = ["hf_model_of", "pipeline_layers_of", "pipeline_of", "module_workload", "expert_layout_note"]
 
 
 def hf_model_of(module: Any) -> Any:
@@ -76,3 +77,18 @@ def module_workload(module: Any, seq_len: int | None, dtype: str) -> Any:
 
     return hf_workload(model.config.to_dict(), seq_len, dtype=dtype)
 
+
+
+def expert_layout_note(module: Any) -> str | None:
+    """One line for an MoE Hugging Face model ``module`` holds: its experts stay whole in each pipeline stage
+    (transformers keeps a layer's experts as fused ``[experts, ...]`` tensors, which the uneven expert placement of
+    ``het_strategy.moe`` does not split); None for a dense model or a module of its own."""
+    model = hf_model_of(module)
+    if model is None or callable(getattr(module, "pipeline_layers", None)):
+        return None
+    experts = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None) or 0
+    if not experts:
+        return None
+    return (f"the {experts} experts of each MoE layer of {type(model).__name__} stay whole in their stage: "
+            "transformers keeps them as fused tensors, which uneven expert placement (het_strategy.moe) does not "
+            "split, so the plan places layers, not experts")

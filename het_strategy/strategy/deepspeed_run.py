@@ -30,7 +30,7 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.log import rank_debug, rank_zero_info
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
-from het_strategy.hf.lightning_adapter import pipeline_of
+from het_strategy.hf.lightning_adapter import expert_layout_note, pipeline_of
 from het_strategy.planning.request import PlanMode
 from het_strategy.strategy.deepspeed_checkpoint import load_plan_checkpoint, save_plan_checkpoint
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
@@ -218,6 +218,9 @@ class DeepSpeedRun(StrategyRun):
         optimizer = strategy.optimizers[0]
         cluster, workload = self.plans.stage_padding(module)
         layers, loss = pipeline_of(module)
+        note = expert_layout_note(module)
+        if note is not None:
+            rank_zero_info(strategy.global_rank, "hetero_deepspeed: %s", note)
         tokens = resolve_weighting(self.loss_weighting, causal_lm=bool(getattr(loss, "shifts_labels", False)),
                                    rank=strategy.global_rank, runtime="hetero_deepspeed")
         self.runner = PlanRunner(self.plan, layers, loss,
