@@ -78,12 +78,14 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
   model=<config.json|model dir> a Hugging Face causal LM's config (llama, mistral, qwen2, qwen3, mixtral,
                                 qwen2_moe, qwen3_moe, gpt2), read as JSON; model.seq_len=N tokens per sample
                                 (default {{seq_len}}, at most the model's max_position_embeddings)
+                                planner.profile=measured: built from the config (random init) and timed per
+                                layer here at settings.micro_batch_sizes (model_input.repeats passes)
   model=<file.model.json>       a model profiled before (written beside a plan, or by
                                 benchmarks/gpu_calibration.py): its layers, and its measured times for the
                                 device type it was measured on
   settings.global_batch_size=N  settings.dtype=bf16|fp16|fp32   settings.zero_stage=0..3
   settings.max_tp=1|2|4|8       settings.micro_batch_sizes=[1,2,4,8]   settings.activation_checkpointing=true
-  planner.mode=auto|dp|pipeline|hybrid|low_communication   planner.profile=null|sailor
+  planner.mode=auto|dp|pipeline|hybrid|low_communication   planner.profile=null|sailor|measured
   planner.runtime=any|deepspeed|hetero|hetero_diloco
   planner.objective=time|cost   planner.budget_per_hour=USD   planner.min_throughput=samples/s
                                 cost: least $/iteration (idle devices not rented); budget: cap on the used
@@ -175,8 +177,8 @@ def _is_model_factory(override: str) -> bool:
 def _requested_profile(request: "PlanRequest", workload: "WorkloadSpec",
                        measured: "MeasuredProfile | None") -> "MeasuredProfile | None":
     """The profile the planner prices with: ``planner.profile=sailor`` loads Sailor's (the planning core reads no
-    reference data), else the model's own, if any."""
-    if request.profile is None:
+    reference data), else the model's own or the one measured here (``planner.profile=measured``), if any."""
+    if request.profile is None or request.profile == "measured":
         return measured
     from het_strategy.reference.sailor_profiles import request_profile
 
@@ -202,11 +204,13 @@ def plan_or_score(cfg: DictConfig, *, echo: bool = True) -> "tuple[Plan, PlanSco
     saved = _saved_profile(cfg, settings)
     if made is None and saved is None:
         workload, measured = workload_from_cfg(cfg, dtype=settings.dtype), None
+        if request.profile == "measured":
+            measured = _hf_measured_profile(cfg, workload, settings, typed.model_input)
     else:
         if request.profile is not None:
             raise field_error("planner.profile", str(request.profile), "be null with model=<python path> or "
                               "model=<file.model.json> (the model's own profile prices it; planner.profile names "
-                              "Sailor's profiles of shipped models)")
+                              "Sailor's profiles of shipped models, or measured: a Hugging Face config timed here)")
         if saved is not None:
             workload, measured = saved.workload, saved.profile
         else:
@@ -265,6 +269,27 @@ def _hf_model_line(cfg: DictConfig, workload: "WorkloadSpec") -> str | None:
     given = "model.seq_len" if node.get("seq_len") is not None else "the default; set model.seq_len=N"
     return (f"model: {workload.name} from {source}: {workload.total_params / 1e9:.2f} B parameters{active}, "
             f"{workload.num_layers - 2} decoder layers; seq_len {workload.seq_len} tokens ({given})")
+
+
+def _hf_measured_profile(cfg: DictConfig, workload: "WorkloadSpec", settings: "TrainSettings",
+                         model_input: "ModelInputConfig") -> "MeasuredProfile":
+    """``planner.profile=measured``: the Hugging Face model of ``model=<config.json>`` built here and timed per
+    layer at ``settings.micro_batch_sizes`` and the workload's seq_len (``hf.layer_profile``), filed under this
+    machine's device type (or ``model_input.measured_type``); ``model_input.repeats`` timed passes."""
+    node = cfg.get("model")
+    source = node.get("hf_config") if isinstance(node, (DictConfig, dict)) else None
+    if source is None:
+        raise field_error("planner.profile", "measured", "go with model=<config.json or model directory> (the "
+                          "Hugging Face model it builds is timed here)", "model=<file.py:function> is always "
+                          "profiled; for a model YAML use planner.profile=null or sailor")
+    if str(settings.dtype) not in ("fp32", "fp16", "bf16"):
+        raise field_error("settings.dtype", str(settings.dtype), "be fp32, fp16 or bf16 with planner.profile="
+                          "measured (the dtype the model is built and timed in)")
+    from het_strategy.hf.layer_profile import profile_hf_model
+
+    return profile_hf_model(str(source), workload.seq_len, settings.micro_batch_sizes, dtype=str(settings.dtype),
+                            repeats=model_input.repeats, device_type=model_input.measured_type,
+                            field="model").profile
 
 
 def _output_settings(out: "PlanOutputConfig") -> dict[str, Any]:

@@ -68,6 +68,9 @@ class ProfileSource(StrEnum):
 
     sailor = "sailor"
     """Sailor's published profiles of the models it measured (OPT-350, ...)."""
+    measured = "measured"
+    """Times measured here from the model itself: ``model=<config.json>`` built from its config (random init) and
+    timed per pipeline unit on this machine's device (``hf/layer_profile.py``), filed under its device type."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class PlanRequest:
     min_throughput: Optional[float] = None
     """Samples/s the plan must reach; null: no floor."""
     profile: Optional[ProfileSource] = None
-    """null: datasheet figures | sailor: Sailor's measured per-layer times of the model."""
+    """null: datasheet figures | sailor: Sailor's measured per-layer times of the model | measured: the Hugging
+    Face model of ``model=<config.json>`` timed per layer on this machine's device."""
     outer_sync: OuterSyncBudget = field(default_factory=OuterSyncBudget)
     """mode low_communication: the largest H, the exchange's share of a round, the codecs, groups and split."""
 
@@ -106,7 +110,8 @@ class PlanRequest:
             "time: the fastest plan; cost: the least USD per iteration, idle devices not rented"))
         if self.profile is not None:
             convert(self, "profile", require_option(ProfileSource, self.profile, "planner.profile",
-                                                    "Sailor's measured per-layer times; null: datasheet figures"))
+                                                    "sailor: Sailor's measured per-layer times; measured: the "
+                                                    "model timed here; null: datasheet figures"))
         for key, unit in (("budget_per_hour", "USD per hour for the plan's used devices"),
                           ("min_throughput", "samples/s")):
             value = getattr(self, key)
