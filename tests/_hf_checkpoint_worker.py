@@ -3,12 +3,14 @@
 Started once per rank (``emulation.local_ranks.run_script_ranks``: Lightning sees ``LOCAL_RANK`` and launches
 nothing), 2 ranks.  Per case of ``CASES`` (comma-separated, default ``pipe``): a LightningModule holds
 ``empty_causal_lm(SOURCE)`` (a tiny Llama on the meta device); ``HeteroDeepSpeedStrategy(pretrained=SOURCE)`` runs
-the case's fp32 plan (``plan``: ``pipe``, 2 stages; ``tp``, one tp-2 stage), each rank loading only its own units,
-and ``Trainer.fit`` trains ``STEPS`` AdamW steps.  Then: the run's validation loss on ``val_batch()``
+the case's fp32 plan (``plan``: ``pipe``, 2 stages; ``tp``, one tp-2 stage), each rank loading only its own units
+(at tp 2, only its shards of them), and ``Trainer.fit`` trains ``STEPS`` AdamW steps.  Case ``tp_whole``: the tp-2
+plan from the model loaded whole by ``from_pretrained``, without ``pretrained=`` (the runtime splits it).  Then: the run's validation loss on ``val_batch()``
 (``PlanRunner.eval_step``); for ``pipe`` ``trainer.save_checkpoint(OUT/pipe/ckpt)`` (with its per-layer files);
 ``save_hf_checkpoint(trainer, OUT/<case>/hf)`` (gathered per layer to rank 0, tp shards joined); every rank
 reloads it with ``from_pretrained``.  Each rank writes ``OUT/rank{r}.json``, per case: the parameters it
-materialized after the load (name -> bytes), the first batch's ``input_ids``, its losses, the run's and the
+materialized after the load (name -> bytes), the bytes it read from SOURCE, the bytes of its tp shards and of
+the whole parameters they were cut from, the first batch's ``input_ids``, its losses, the run's and the
 reloaded model's validation loss, the largest difference of each trained parameter (shard) from the reloaded one
 and how many are tp shards.
 """
@@ -36,7 +38,7 @@ def write_source(path: str) -> None:
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)).save_pretrained(path)
 
 
-def plan(case: str = "pipe"):
+def plan(case: str = "pipe"):  # tp_whole: as tp
     """``pipe``: stages [0, 3) on cpu0 and [3, 6) on cpu1; ``tp``: one tp-2 stage [0, 6) over both."""
     from het_strategy.core.plan import Pipeline, Plan, Stage
 
@@ -92,6 +94,15 @@ def _shards(runner) -> int:
     return sum(hasattr(q, SOURCE) for q in runner.engine.module.parameters())
 
 
+def _shard_bytes(runner) -> dict[str, int]:
+    """Bytes of this rank's tp shards, and of the whole parameters they were cut from (still referenced)."""
+    from het_strategy.tensor_parallel.layers import SOURCE
+
+    shards = [q for q in runner.engine.module.parameters() if hasattr(q, SOURCE)]
+    return {"shard_bytes": sum(q.numel() * q.element_size() for q in shards),
+            "source_bytes": sum(getattr(q, SOURCE).numel() * getattr(q, SOURCE).element_size() for q in shards)}
+
+
 def run_case(case: str, source: str, out: str, steps: int) -> dict:
     """Fit ``case``'s plan from ``source``, save it back under ``out/<case>``, reload and compare."""
     import lightning.pytorch as pl
@@ -108,7 +119,8 @@ def run_case(case: str, source: str, out: str, steps: int) -> dict:
     class Holds(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = empty_causal_lm(source)
+            self.model = (AutoModelForCausalLM.from_pretrained(source) if case == "tp_whole"
+                          else empty_causal_lm(source))
 
         def training_step(self, batch, batch_idx):
             raise AssertionError("not called under hetero_deepspeed")
@@ -134,7 +146,8 @@ def run_case(case: str, source: str, out: str, steps: int) -> dict:
 
     cluster = {"name": "local", "nodes": [{"name": "local", "devices": [{"name": "cpu0", "type": "CPU"},
                                                                         {"name": "cpu1", "type": "CPU"}]}]}
-    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan(case), pretrained=source)
+    strategy = HeteroDeepSpeedStrategy(cluster=cluster, plan=plan(case),
+                                       pretrained=None if case == "tp_whole" else source)
     record = Record()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -151,7 +164,9 @@ def run_case(case: str, source: str, out: str, steps: int) -> dict:
     reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf")).eval()
     with torch.no_grad():
         reload_val = float(reloaded(**val).loss)
-    return {"held": record.held, "first_batch": record.first, "losses": record.losses, "run_val": run_val,
+    read = strategy.run.pretrained_load
+    return {"held": record.held, "read": None if read is None else read.bytes_read, **_shard_bytes(runner),
+            "first_batch": record.first, "losses": record.losses, "run_val": run_val,
             "reload_val": reload_val, "param_diffs": _diffs(runner, reloaded),
             "layers": list(runner.layout.layers_of(runner.rank)), "shards": _shards(runner)}
 

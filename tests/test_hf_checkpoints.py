@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from het_strategy.core.errors import ConfigError  # noqa: E402
 from het_strategy.hf.checkpoint_export import save_units, write_layer_values  # noqa: E402
 from het_strategy.hf.checkpoints import (empty_causal_lm, held_bytes, load_rank_units, load_units,  # noqa: E402
-                                         release_unheld)
+                                         release_unheld, split_tensors)
 from het_strategy.hf.pipeline_units import hf_pipeline_units  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -143,6 +143,36 @@ def test_tp2_shards_read_only_their_slices(tmp_path):
         assert checked == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
 
 
+def test_a_tp_stage_reads_its_shards_after_the_split_and_a_tied_head_cuts_the_embedding_read_whole(tmp_path):
+    from het_strategy.tensor_parallel.layers import SOURCE, parallelize_layer, shard_of
+
+    source = _model(tie_word_embeddings=True)
+    source.save_pretrained(tmp_path / "src")
+    want = source.state_dict()
+    model = empty_causal_lm(tmp_path / "src")
+    units = hf_pipeline_units(model)
+    load = load_rank_units(model, tmp_path / "src", (0, 6), split=True)
+    cut = split_tensors(units)
+    assert all(t.numel() == 0 for t in cut.values()) and (5, "lm_head.weight") not in cut  # tied: read whole
+    stage = torch.nn.ModuleDict({str(i): u for i, u in enumerate(units)})  # as the runtime's pipeline module
+    load.prepare(stage)
+    assert all(units[i].get_parameter(k).is_meta for i, k in cut)
+    for unit in units[1:]:
+        parallelize_layer(unit, unit.tensor_parallel_plan(), None, 2, 1)  # the runtime's split: meta shards
+    load.load(stage, tp_rank=1)
+    for unit in units[1:]:
+        specs, names = unit.tensor_parallel_plan().shard_specs(), unit.hf_names()
+        for key, t in unit.state_dict(keep_vars=True).items():
+            whole = want[names[key]]
+            assert torch.equal(t, shard_of(whole, specs[key], 2, 1) if hasattr(t, SOURCE) else whole), key
+            if hasattr(t, SOURCE) and key != "lm_head.weight":
+                assert getattr(t, SOURCE).numel() == 0  # the optimizer's (empty) parameter, not a whole copy
+    assert getattr(units[5].get_parameter("lm_head.weight"), SOURCE) is model.model.embed_tokens.weight
+    matrices = [t.numel() * 4 for k, t in want.items() if t.dim() == 2 and k != "lm_head.weight"]  # tied: once
+    assert load.bytes_read == sum(t.numel() * 4 for t in want.values() if t.dim() == 1) + matrices[0] + sum(
+        matrices[1:]) // 2  # the norms and the (tied) embedding whole, half of every other matrix
+
+
 def _layer_checkpoint(path: Path, values: list[dict[str, torch.Tensor]]) -> None:
     """A per-layer checkpoint directory as ``ds_runtime.layer_state`` writes it (values only, no optimizer)."""
     layers = path / "layers"
@@ -208,12 +238,22 @@ def test_fit_from_a_pretrained_directory_saves_back_what_from_pretrained_reloads
 
     pytest.importorskip("deepspeed")
     worker.write_source(str(tmp_path / "source"))
-    ranks = run_ds_ranks(WORKER, 2, [str(tmp_path / "source"), "2", "pipe,tp"], tmp_path, 300)
+    ranks = run_ds_ranks(WORKER, 2, [str(tmp_path / "source"), "2", "pipe,tp,tp_whole"], tmp_path, 300)
     source = AutoModelForCausalLM.from_pretrained(tmp_path / "source")
     for (start, stop), r in zip(STAGES, ranks):
         assert r["pipe"]["layers"] == [start, stop]
         assert set(r["pipe"]["held"]) == _unit_names(source, start, stop)  # only its own stage was materialized
         assert (r["pipe"]["shards"], r["tp"]["shards"]) == (0, 4 * 7 + 1)  # q k v o gate up down per layer, head
+    cut = sum(t.numel() * 4 for t in split_tensors(hf_pipeline_units(source)).values())
+    whole = sum(t.numel() * 4 for t in source.state_dict().values())
+    for r in ranks:  # each tp rank read, and holds, only its half of each tensor the tp plan cuts
+        assert (r["tp"]["read"], r["tp"]["shard_bytes"], r["tp"]["source_bytes"]) == (whole - cut // 2, cut // 2, 0)
+        assert (r["tp_whole"]["shard_bytes"], r["tp_whole"]["source_bytes"]) == (cut // 2, cut)  # the whole kept
+    for r in ranks:  # reading the shards is the same run as splitting the whole model
+        assert r["tp"]["losses"] == r["tp_whole"]["losses"]
+    by_shards = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "hf").state_dict()
+    by_whole = AutoModelForCausalLM.from_pretrained(tmp_path / "tp_whole" / "hf").state_dict()
+    assert all(torch.equal(by_shards[k], by_whole[k]) for k in by_whole)
     for case in ("pipe", "tp"):
         ids = torch.tensor(ranks[0][case]["first_batch"])
         with torch.no_grad():  # the run started from the directory's weights

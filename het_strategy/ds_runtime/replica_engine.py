@@ -350,8 +350,8 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
                          optimizer_factory: Callable[..., torch.optim.Optimizer], ds_config: dict[str, Any], *,
                          gradient_clipping: float, activation_checkpoint_interval: int = 0,
                          holder_state: Literal["sharded", "whole"] | None = None,
-                         compute_dtype: torch.dtype | None = None, loss_scaling: bool = False
-                         ) -> tuple[Any, Any, Any, HolderSetSharding | None]:
+                         compute_dtype: torch.dtype | None = None, loss_scaling: bool = False,
+                         load_layers: Any = None) -> tuple[Any, Any, Any, HolderSetSharding | None]:
     """``(engine, module, reducer, sharding)`` for this rank; every rank of the world calls it once, in step.
     ``gradient_clipping``: the largest global norm the runtime's reducer or sharding clips to, 0 where it does not
     clip (off, or DeepSpeed clips: ``core.runtime_rules.clipping_owner``).
@@ -359,7 +359,10 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
     sharding, else None), ``"sharded"`` within the holder sets (ZeRO 1) or ``"whole"`` on each holder; the
     layers then run in ``compute_dtype`` (bf16 or fp16; None: as built), cast here since DeepSpeed runs them
     plain, and the stage casts what it receives to it.  ``loss_scaling``: DeepSpeed's dynamic loss scaler (some
-    rank of the plan computes in fp16).
+    rank of the plan computes in fp16).  ``load_layers``: every rank reads its layers from files (the same values
+    on every replica, so nothing is broadcast from the first): ``load_layers.prepare(module)`` before the split
+    (the tensors the split cuts, on the meta device), ``load_layers.load(module, tp_rank)`` after it (each shard
+    read alone; ``hf.checkpoints.ShardLoad``).
 
     Loss weights are those of ``rank_batches`` with ``dp = replicas``: DeepSpeed
     divides each micro-batch loss by the rank's own accumulation count, the
@@ -383,8 +386,13 @@ def build_replica_engine(layout: ReplicaLayout, rank: int, layers: Sequence[Any]
     grid = ReplicaGrid(layout, rank, groups)
     module = ReplicaPipelineModule(list(layers), layout.layers_of(rank), grid, loss_fn=loss_fn,
                              activation_checkpoint_interval=activation_checkpoint_interval, dynamic_shape=True)
-    broadcast_from_first_replica(layout, rank, groups, module)
+    if load_layers is None:
+        broadcast_from_first_replica(layout, rank, groups, module)
+    else:
+        load_layers.prepare(module)
     specs = split_layers(layout, rank, groups, module, layers)
+    if load_layers is not None:
+        load_layers.load(module, layout.group_of(rank).index(rank))
     weights = None
     if holder_state is not None and compute_dtype is not None:
         # the fp32 masters are the sharding's chunks, taken from the weights as built (not as rounded by the cast,

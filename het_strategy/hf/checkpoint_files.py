@@ -47,6 +47,8 @@ class PretrainedDirectory:
         """The directory's ``config.json``."""
         self.files: dict[str, str] = self._weight_map()
         """Tensor name -> the safetensors file (in the directory) that holds it."""
+        self.bytes_read = 0
+        """Bytes of the tensors (or slices) ``read`` has returned."""
         self._open: dict[str, Any] = {}
 
     def _weight_map(self) -> dict[str, str]:
@@ -82,10 +84,13 @@ class PretrainedDirectory:
 
         handle = self._handle(name)
         if dim is None:
-            return handle.get_tensor(name)
-        part = handle.get_slice(name)
-        index = (slice(None),) * dim
-        return torch.cat([part[index + (slice(a, b),)] for a, b in ranges], dim=dim)
+            out = handle.get_tensor(name)
+        else:
+            part = handle.get_slice(name)
+            index = (slice(None),) * dim
+            out = torch.cat([part[index + (slice(a, b),)] for a, b in ranges], dim=dim)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
 
     def close(self) -> None:
         """Close the files opened for reading."""

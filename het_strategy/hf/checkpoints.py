@@ -11,6 +11,9 @@
 3. ``load_rank_units(module, dir, (start, stop))`` does this for the layers the plan gives a rank (the
    ``hetero_deepspeed`` strategy calls it in ``setup`` when given ``pretrained=dir``) and releases the rest
    (``release_unheld``: a meta tensor becomes an empty one, so Lightning can move the module to its device).
+   On a tensor-parallel stage (``split=True``) the tensors its tp plan cuts stay unread (empty): the returned
+   ``ShardLoad`` is the runtime's ``load_layers`` hook, which gives them their stored shape on the meta device
+   before the split (``prepare``) and reads each rank's shards after it (``load``).
 
 The directory's config must match the model's in every field that shapes the weights (``check_config``); a
 tensor of another shape, or one the directory lacks, is refused naming it.  Tensors are read by the model's own
@@ -29,7 +32,8 @@ from torch import nn
 from het_strategy.core.errors import field_error
 from het_strategy.hf.checkpoint_files import PretrainedDirectory, check_config
 
-__all__ = ["empty_causal_lm", "load_units", "load_rank_units", "tied_aliases", "release_unheld", "held_bytes"]
+__all__ = ["empty_causal_lm", "load_units", "load_rank_units", "tied_aliases", "release_unheld", "held_bytes",
+           "split_tensors", "ShardLoad"]
 
 
 def empty_causal_lm(directory: str | Path, field: str = "pretrained") -> Any:
@@ -62,16 +66,17 @@ def _compute_buffers(model: nn.Module, config: Any) -> None:
             setattr(sub, n, dict(fresh.named_buffers(recurse=False))[n])
 
 
-def _materialize(units: Sequence[nn.Module]) -> None:
-    """Every meta parameter and buffer of ``units`` becomes an uninitialized CPU tensor; one shared by several
-    modules (a tied matrix) stays one tensor, and a tensor-parallel shard keeps its link to its whole parameter."""
+def _materialize(units: Sequence[nn.Module], skip: frozenset[int] = frozenset()) -> None:
+    """Every meta parameter and buffer of ``units`` (but those whose id is in ``skip``) becomes an uninitialized CPU
+    tensor; one shared by several modules (a tied matrix) stays one tensor, and a tensor-parallel shard keeps its
+    link to its whole parameter."""
     from het_strategy.tensor_parallel.layers import SOURCE
 
     made: dict[int, torch.Tensor] = {}
     for unit in units:
         for module in unit.modules():
             for name, q in list(module.named_parameters(recurse=False)):
-                if q.is_meta:
+                if q.is_meta and id(q) not in skip:
                     if id(q) not in made:
                         made[id(q)] = nn.Parameter(torch.empty_like(q, device="cpu"), requires_grad=q.requires_grad)
                         if hasattr(q, SOURCE):
@@ -99,20 +104,26 @@ def _shard_ranges(unit: nn.Module, key: str, stored: tuple[int, ...], local: tup
 
 @torch.no_grad()
 def load_units(units: Sequence[nn.Module], directory: str | Path | PretrainedDirectory, *, tp_rank: int = 0,
-               aliases: dict[str, str] | None = None) -> dict[str, str]:
+               aliases: dict[str, str] | None = None, skip: frozenset[int] = frozenset(), only_meta: bool = False
+               ) -> dict[str, str]:
     """Materialize ``units`` on the CPU and load each tensor of their ``state_dict()`` from ``directory`` by its
     Hugging Face name; returns ``{hf name: unit key}`` of what was read.  ``tp_rank``: the tensor-parallel rank of
     units already split (their shards read only their slice).  ``aliases``: a name -> the stored name read in its
-    place when the directory lacks it (a tied head -> the embedding, ``tied_aliases``)."""
+    place when the directory lacks it (a tied head -> the embedding, ``tied_aliases``).  ``skip``: ids of tensors
+    left on the meta device, unread; ``only_meta``: read only the tensors still on the meta device."""
     from het_strategy.tensor_parallel.layers import SOURCE
 
     files = directory if isinstance(directory, PretrainedDirectory) else PretrainedDirectory(directory)
-    _materialize(units)
+    pending = ({(i, k) for i, u in enumerate(units) for k, t in u.state_dict(keep_vars=True).items() if t.is_meta}
+               if only_meta else None)
+    _materialize(units, skip)
     names: dict[int, list[tuple[nn.Module, str, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
-    for unit in units:
+    for i, unit in enumerate(units):
         hf = unit.hf_names()
         for key, t in unit.state_dict(keep_vars=True).items():
+            if id(t) in skip or (pending is not None and (i, key) not in pending):
+                continue
             names.setdefault(id(t), []).append((unit, key, hf[key]))
             tensors[id(t)] = t
     read: dict[str, str] = {}
@@ -186,12 +197,13 @@ def held_bytes(model: nn.Module) -> dict[str, int]:
             if not q.is_meta and q.numel() > 0}
 
 
-def load_rank_units(module: Any, directory: str | Path, layers: tuple[int, int], field: str = "pretrained"
-                    ) -> None:
+def load_rank_units(module: Any, directory: str | Path, layers: tuple[int, int], field: str = "pretrained", *,
+                    split: bool = False) -> "ShardLoad":
     """Load pipeline units ``[start, stop)`` (``layers``: this rank's, from the plan) of the Hugging Face model
     ``module`` holds (or ``module`` itself) from ``directory``, and release the others.
 
-    A tensor-parallel stage loads its layers whole here: the runtime then cuts each rank's shard.
+    ``split``: the units run on a tensor-parallel stage; the tensors their tp plans cut (``split_tensors``) are
+    released unread, for the returned ``ShardLoad`` to read as shards once the runtime has split the units.
     """
     from transformers import PreTrainedModel
 
@@ -208,5 +220,84 @@ def load_rank_units(module: Any, directory: str | Path, layers: tuple[int, int],
     start, stop = layers
     if not 0 <= start < stop <= len(units):
         raise field_error("plan.model.num_layers", stop, f"index the model's {len(units)} pipeline units")
-    load_units(units[start:stop], files, aliases=tied_aliases(model))
+    aliases = tied_aliases(model)
+    skip = frozenset(id(t) for t in split_tensors(units[start:stop]).values()) if split else frozenset()
+    load_units(units[start:stop], files, aliases=aliases, skip=skip)
     release_unheld(model)
+    return ShardLoad(files, aliases)
+
+
+def _tp_specs(unit: nn.Module) -> dict[str, Any]:
+    plan = unit.tensor_parallel_plan() if callable(getattr(unit, "tensor_parallel_plan", None)) else None
+    return plan.shard_specs() if plan is not None else {}
+
+
+def split_tensors(units: Sequence[nn.Module]) -> dict[tuple[int, str], torch.Tensor]:
+    """``{(unit index, key): tensor}`` of the tensors the units' tp plans cut, but those another key of the units
+    uses whole (a tied embedding beside a split head: read whole, the head's shard cut from it)."""
+    cut: dict[tuple[int, str], torch.Tensor] = {}
+    whole: set[int] = set()
+    for i, unit in enumerate(units):
+        specs = _tp_specs(unit)
+        for key, t in unit.state_dict(keep_vars=True).items():
+            if key in specs:
+                cut[(i, key)] = t
+            else:
+                whole.add(id(t))
+    return {k: t for k, t in cut.items() if id(t) not in whole}
+
+
+class ShardLoad:
+    """Reads a tensor-parallel stage's shards from a ``save_pretrained`` directory: the runtime's ``load_layers``
+    hook (``ds_runtime.replica_engine.build_replica_engine``), called on this rank's pipeline module.
+
+    ``prepare(module)`` before the split: each tensor its units' tp plans cut, left empty by ``load_rank_units``,
+    becomes a meta tensor of its stored shape (the file header's), so the split cuts meta shards.
+    ``load(module, tp_rank)`` after it: each meta shard is materialized and filled with its slice of the stored
+    tensor (``get_slice``), and keeps the empty tensor the optimizer was built over as its whole parameter (a
+    linear the model still holds beside its split, as a head's ``lm_head``, gets that empty tensor back too).
+    ``bytes_read``: the bytes this rank has read from the directory, its unsplit tensors included.
+    """
+
+    def __init__(self, files: PretrainedDirectory, aliases: dict[str, str]) -> None:
+        self.files = files
+        self.aliases = aliases
+        self._empty: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the directory's files so far (by this rank)."""
+        return self.files.bytes_read
+
+    @staticmethod
+    def _units(module: nn.Module) -> list[nn.Module]:
+        return [child for name, child in module.named_children() if name.isdigit() and hasattr(child, "hf_names")]
+
+    def prepare(self, module: nn.Module) -> None:
+        """Give the empty tensors the tp plans of ``module``'s units cut their stored shapes, on the meta device."""
+        units = self._units(module)
+        for (i, key), t in split_tensors(units).items():
+            if t.numel() > 0 or not isinstance(t, nn.Parameter):
+                continue  # read whole already (a stage at tp 1 never splits)
+            name = units[i].hf_names()[key]
+            name = name if name in self.files.files else self.aliases.get(name, name)
+            meta = nn.Parameter(torch.empty(self.files.shape(name), dtype=t.dtype, device="meta"),
+                                requires_grad=t.requires_grad)
+            owner, _, attr = key.rpartition(".")
+            holder = units[i].get_submodule(owner) if owner else units[i]
+            setattr(holder, attr, meta)
+            self._empty[id(meta)] = (holder, attr, t)
+
+    def load(self, module: nn.Module, tp_rank: int) -> None:
+        """Materialize and read the meta shards of ``module``'s units (split for tp rank ``tp_rank``)."""
+        from het_strategy.tensor_parallel.layers import SOURCE
+
+        units = self._units(module)
+        for q in module.parameters():
+            whole = getattr(q, SOURCE, None)
+            if whole is not None and id(whole) in self._empty:
+                setattr(q, SOURCE, self._empty[id(whole)][2])  # the optimizer's parameter, not the meta stand-in
+        for holder, attr, empty in self._empty.values():  # a module the model still holds (a head's lm_head)
+            setattr(holder, attr, empty)
+        self._empty.clear()
+        load_units(units, self.files, tp_rank=tp_rank, aliases=self.aliases, only_meta=True)
