@@ -202,7 +202,7 @@ class PlanRunner:
                  settings: TrainSettings | None = None, *, gradient_clipping: float = 0.0,
                  activation_checkpoint_interval: int = 0, ds_config_overrides: dict[str, Any] | None = None,
                  timeout_s: float = 300.0, emulated_cluster: "ClusterSpec | None" = None,
-                 workload: "WorkloadSpec | None" = None, loss_tokens: Any = None) -> None:
+                 workload: "WorkloadSpec | None" = None, loss_tokens: Any = None, load_layers: Any = None) -> None:
         import deepspeed
         import deepspeed.comm as ds_dist
 
@@ -252,7 +252,8 @@ class PlanRunner:
                 gradient_clipping=gradient_clipping if runtime_clips else 0.0,
                 activation_checkpoint_interval=activation_checkpoint_interval,
                 holder_state=("sharded" if plan.zero_stage == 1 else "whole") if holds_own_masters(plan) else None,
-                compute_dtype=self._rank_torch_dtype(), loss_scaling="fp16" in self._plan_dtypes())
+                compute_dtype=self._rank_torch_dtype(), loss_scaling="fp16" in self._plan_dtypes(),
+                load_layers=load_layers)
             self.optimizer = self.engine.optimizer
             self._emulate(emulated_cluster, workload)
             return

@@ -66,7 +66,8 @@ class DeepSpeedRun(StrategyRun):
         seq_len: the tokens per sample a Hugging Face model the LightningModule holds is planned and priced at (its
             workload then comes from its config; ``workload=`` not needed).
         pretrained: a local ``save_pretrained`` directory that Hugging Face model starts from: each rank loads only
-            the layers the plan gives it (``hf.checkpoints.load_rank_units``), in ``setup``; build the model with
+            the layers the plan gives it (``hf.checkpoints.load_rank_units``), in ``setup``, and a rank of a tp
+            stage only its shards of them (read once the runner has split the layers); build the model with
             ``hf.checkpoints.empty_causal_lm(dir)`` (on the meta device) so no rank holds the whole model.
         heartbeat_timeout_s: a rank without a heartbeat for this long is gone: the others end, naming it in one
             line; ``None``: off.  Each collective's timeout is Lightning's ``timeout=``.
@@ -103,6 +104,9 @@ class DeepSpeedRun(StrategyRun):
             PretrainedDirectory(pretrained, "pretrained")  # a directory without config or weights is refused here
         self.pretrained = None if pretrained is None else Path(pretrained)
         """The ``save_pretrained`` directory the Hugging Face model starts from (None: as the module built it)."""
+        self.pretrained_load: Any = None
+        """This rank's reads from ``pretrained`` (``hf.checkpoints.ShardLoad``: a tp stage's shards are read once the
+        runner has split its layers; ``bytes_read``), set in ``setup``; None without ``pretrained``."""
         self.loss_weighting = check_weighting(loss_weighting)
         """The ``loss_weighting`` option as given (``auto`` is resolved when the runner is built)."""
         super().__init__(heartbeat_timeout_s, ddp_kwargs)
@@ -196,8 +200,10 @@ class DeepSpeedRun(StrategyRun):
             from het_strategy.ds_runtime.replicas import replica_layout
             from het_strategy.hf.checkpoints import load_rank_units
 
-            layers = replica_layout(self.plan).layers_of(strategy.global_rank)
-            load_rank_units(strategy.lightning_module, self.pretrained, layers)
+            layout = replica_layout(self.plan)
+            layers = layout.layers_of(strategy.global_rank)
+            split = len(layout.group_of(strategy.global_rank)) > 1  # a tp stage: its shards read after the split
+            self.pretrained_load = load_rank_units(strategy.lightning_module, self.pretrained, layers, split=split)
             rank_debug(strategy.global_rank, "hetero_deepspeed: pipeline units [%d, %d) loaded from %s", *layers,
                        self.pretrained)
         parent(trainer)
@@ -225,7 +231,8 @@ class DeepSpeedRun(StrategyRun):
                                    rank=strategy.global_rank, runtime="hetero_deepspeed")
         self.runner = PlanRunner(self.plan, layers, loss,
                                  lambda params: _keep_only(optimizer, params), gradient_clipping=self.gradient_clipping,
-                                 emulated_cluster=cluster, workload=workload, loss_tokens=tokens)
+                                 emulated_cluster=cluster, workload=workload, loss_tokens=tokens,
+                                 load_layers=self.pretrained_load)
 
     def _running(self) -> Any:
         """The plan's runner, built in ``setup``."""
