@@ -1,10 +1,10 @@
 """Hugging Face causal LMs on the DeepSpeed runtime, cut by their own pp and tp plans (``het_strategy.hf``).
 
 The multiprocess case trains a tiny Llama (GQA 4:2) on 3 gloo ranks through ``PlanRunner`` on padded
-variable-length rows, each micro-batch's loss weighted by its counted tokens: an asymmetric pipeline and a tp-2
-stage (of the Llama, and of a Qwen3 with its per-head norms) in float64, each equal to the single-process Hugging
-Face model (losses and parameters to 1e-10, 3 AdamW steps), and an aligned pipeline and three uneven
-data-parallel replicas on DeepSpeed's own grid in float32 (which that grid needs), to 1e-4.  The others need no
+variable-length rows, each micro-batch's loss weighted by its counted tokens: an aligned pipeline, an asymmetric
+pipeline and a tp-2 stage (of the Llama, and of a Qwen3 with its per-head norms) in float64 (each run per replica),
+each equal to the single-process Hugging Face model (losses and parameters to 1e-10, 3 AdamW steps), and three
+uneven data-parallel replicas on DeepSpeed's own grid in float32 (which that grid needs), to 1e-4.  The others need no
 processes: the units chained give the model's logits and loss, their names are the model's, the refusals are one
 line each, and planning takes the model's workload from its config.
 """
@@ -175,6 +175,8 @@ def test_aligned_asymmetric_and_tp_pipelines_on_padded_batches_equal_the_single_
         # every parameter checked somewhere
         assert covered == set(worker.reference(True, family=worker._family(case))[1]), case
     assert [r["tp"]["tp"] for r in ranks] == [2, 2, 1]
+    # a float64 aligned pipeline runs per replica (DeepSpeed's grid reduces no float64 gradient); float32 on the grid
+    assert all(r["aligned"]["per_replica"] and not r["dp"]["per_replica"] for r in ranks)
 
 
 def test_planning_an_hf_module_takes_its_workload_from_its_config_and_a_tp_its_kv_heads_divide():

@@ -155,11 +155,30 @@ def test_one_rule_says_who_clips_and_the_config_follows_it():
     ([(0, 3, 6)] * 2, 1, "fp16", 0, "deepspeed"),    # fp16 at ZeRO 0 runs per replica
 ])
 def test_who_clips(bounds: list, tp: int, dtype: str, zero: int, owner: str) -> None:
+    plan = _plan(bounds, tp, dtype, zero)
+    assert runnable(plan, Runtime.deepspeed)
+    assert clipping_owner(plan) == owner
+
+
+def _plan(bounds: list, tp: int, dtype: str, zero: int) -> Plan:
     names = iter(f"d{i}" for i in range(64))
     pipes = tuple(Pipeline(tuple(Stage(tuple(next(names) for _ in range(tp)), (a, b)) for a, b in zip(bs, bs[1:])),
                            micro_batch_size=1, samples=2) for bs in bounds)
-    plan = Plan(cluster="gen", cluster_devices=tuple(f"d{i}" for i in range(64)),
+    return Plan(cluster="gen", cluster_devices=tuple(f"d{i}" for i in range(64)),
                 model={"name": "m", "num_layers": NUM_LAYERS}, global_batch_size=2 * len(pipes), pipelines=pipes,
                 zero_stage=zero, dtype=dtype, mode="manual")
-    assert runnable(plan, Runtime.deepspeed)
-    assert clipping_owner(plan) == owner
+
+
+def test_a_float64_model_runs_per_replica_at_zero_0_and_1_and_its_config_follows():
+    # DeepSpeed's grid reduces no float64 gradient: an fp32 plan of float64 parameters runs per replica
+    for bounds, zero in (([(0, 3, 6)] * 2, 0), ([(0, 6)] * 2, 0), ([(0, 3, 6)] * 2, 1)):
+        plan = _plan(bounds, 1, "fp32", zero)
+        assert runs_per_replica(plan, "float64")
+        assert not runs_per_replica(plan) and not runs_per_replica(plan, "float32")
+        s = TrainSettings(global_batch_size=plan.global_batch_size, dtype="fp32", zero_stage=zero)
+        cfg = deepspeed_config(plan, s, gradient_clipping=1.0, param_dtype="float64")
+        assert cfg["train_batch_size"] == 2 and cfg["zero_optimization"]["stage"] == 0  # its replica's own grid (dp 1)
+        assert clipping_owner(plan, "float64") is ClippingOwner.runtime and cfg["gradient_clipping"] == 0.0
+        assert holds_own_masters(plan, "float64") == (zero == 1)
+    assert check_runnable(_plan([(0, 6)] * 2, 1, "fp32", 0), param_dtype="float64").per_replica
+    assert not runs_per_replica(_plan([(0, 6)] * 2, 1, "fp32", 2), "float64")  # ZeRO 2: DeepSpeed's (it refuses)

@@ -15,7 +15,8 @@ the fp32 masters itself (``holds_own_masters``), who clips the gradients
 (``DEEPSPEED_PRECISIONS``).
 
 Invariants: a rule is a function of the plan alone (and the launched world size),
-so the planner and the runtime refuse exactly the same plans; each rule function's
+so the planner and the runtime refuse exactly the same plans (the path decisions
+also take the parameters' dtype, which a plan's ``fp32`` does not tell from float64); each rule function's
 docstring gives its rule and the reason, and the docs' "What a runtime runs"
 (``docs/how-it-works/runtimes.md``) lists them all by runtime.  Pure Python: the
 planning core reads this table without torch or DeepSpeed.
@@ -97,9 +98,10 @@ def has_tensor_parallel(plan: Plan) -> bool:
     return any(stage.tp > 1 for pipe in plan.pipelines for stage in pipe.stages)
 
 
-def runs_per_replica(plan: Plan) -> bool:
+def runs_per_replica(plan: Plan, param_dtype: str | None = None) -> bool:
     """The deepspeed runtime runs each replica as its own pipeline (``ds_runtime.replica_engine``); otherwise the
-    plan runs on DeepSpeed's own stage x replica grid.  Per replica:
+    plan runs on DeepSpeed's own stage x replica grid.  ``param_dtype``: the model's parameters' dtype as torch
+    names it without ``torch.`` (``"float64"``; None: the plan's dtype).  Per replica:
 
     * replicas with different stage boundaries (an asymmetric plan): DeepSpeed's grid has one set of boundaries;
     * a stage of tp > 1: the replica engine runs ``tensor_parallel``'s Megatron split;
@@ -107,14 +109,19 @@ def runs_per_replica(plan: Plan) -> bool:
       unscale the gradients by the loss scale at the step, but its ``engine.backward`` scales the loss only for
       ZeRO optimizers, so on DeepSpeed's own engine every update would be 1/loss-scale too small (measured: a
       3-step run moves the loss 1/13 as far as fp32's); the per-replica engine scales the loss itself;
-    * ``per_device``: DeepSpeed's engine takes one precision config (``holds_own_masters``)."""
+    * ``per_device``: DeepSpeed's engine takes one precision config (``holds_own_masters``);
+    * float64 parameters (an ``fp32`` plan) at ZeRO 0 and 1: DeepSpeed 0.19's grid reduces no float64 gradient
+      ("attempting to reduce an unsupported grad type: torch.float64": its accelerators' ``supported_dtypes``);
+      the holder sets reduce in the parameters' dtype, so a float64 run is exact (ZeRO 2 and 3 stay on the grid,
+      where DeepSpeed refuses it)."""
     return (not shares_boundaries(plan) or has_tensor_parallel(plan)
-            or (plan.dtype == "fp16" and plan.zero_stage == 0) or plan.dtype == "per_device")
+            or (plan.dtype == "fp16" and plan.zero_stage == 0) or plan.dtype == "per_device"
+            or (param_dtype == "float64" and plan.zero_stage <= 1))
 
 
-def holds_own_masters(plan: Plan) -> bool:
+def holds_own_masters(plan: Plan, param_dtype: str | None = None) -> bool:
     """The deepspeed runtime keeps the optimizer state (and in 16-bit dtypes the fp32 master weights) itself, in
-    ``ds_runtime.holder_sharding``; DeepSpeed's engine then runs plain.
+    ``ds_runtime.holder_sharding``; DeepSpeed's engine then runs plain (``param_dtype``: as ``runs_per_replica``).
 
     * A per-replica plan at ZeRO 1: sharded within each set of ranks holding the same parameters (in bf16 and
       fp16 the fp32 masters too; fp16 with DeepSpeed's dynamic loss scaler), since a replica's grid has no
@@ -123,7 +130,7 @@ def holds_own_masters(plan: Plan) -> bool:
       computes in its device's dtype, a stage casts what it receives to its own, gradients are reduced in fp32
       and one loss scale (DeepSpeed's dynamic scaler, kept in step on every rank by the one overflow decision)
       covers every backward."""
-    return runs_per_replica(plan) and (plan.zero_stage == 1 or plan.dtype == "per_device")
+    return runs_per_replica(plan, param_dtype) and (plan.zero_stage == 1 or plan.dtype == "per_device")
 
 
 class ClippingOwner(StrEnum):
@@ -136,8 +143,9 @@ class ClippingOwner(StrEnum):
     sharding, each shard counted once); DeepSpeed is given no clipping."""
 
 
-def clipping_owner(plan: Plan) -> ClippingOwner:
-    """Who clips ``plan``'s gradients by the global norm in the deepspeed runtime.
+def clipping_owner(plan: Plan, param_dtype: str | None = None) -> ClippingOwner:
+    """Who clips ``plan``'s gradients by the global norm in the deepspeed runtime (``param_dtype``: as
+    ``runs_per_replica``).
 
     * On DeepSpeed's own grid (``runs_per_replica`` false): DeepSpeed, except for an fp32 ZeRO-0 pipeline of
       several stages: DeepSpeed 0.19's engine clips that by stage 0's gradient norm only (``clip_grad_norm_``
@@ -149,11 +157,12 @@ def clipping_owner(plan: Plan) -> ClippingOwner:
       (DeepSpeed's plain ZeRO-0 pipeline engine would clip by stage 0's norm, as above), with tp > 1 (DeepSpeed's
       norm would count a replicated parameter once per tp rank) and where the runtime holds the masters
       (``holds_own_masters``: DeepSpeed runs plain)."""
-    if not runs_per_replica(plan):
+    if not runs_per_replica(plan, param_dtype):
         pipeline = len(plan.pipelines[0].stages) > 1
         return ClippingOwner.runtime if pipeline and plan.zero_stage == 0 and plan.dtype == Dtype.fp32 \
             else ClippingOwner.deepspeed
-    if plan.dtype in (Dtype.bf16, Dtype.fp16) and not holds_own_masters(plan) and not has_tensor_parallel(plan):
+    if plan.dtype in (Dtype.bf16, Dtype.fp16) and not holds_own_masters(plan, param_dtype) \
+            and not has_tensor_parallel(plan):
         return ClippingOwner.deepspeed
     return ClippingOwner.runtime
 
@@ -182,11 +191,11 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
     2. A plan with a multi-stage pipeline runs at ZeRO 0 or 1: DeepSpeed's pipeline engine asserts against
        ZeRO 2 and 3 (0.19's ``PipelineEngine.__init__``: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
        parallelism").  One-stage replicas (pure data parallelism) run at every ZeRO stage.
-    3. Asymmetric plans, plans with tp > 1, fp16 plans at ZeRO 0 and ``per_device`` plans run each replica as
-       its own pipeline (``runs_per_replica``), in every dtype at ZeRO 0 (the runtime reduces the gradients
-       DeepSpeed's optimizer steps on) and at ZeRO 1 (the runtime shards the optimizer state within the holder
-       sets: ``holds_own_masters``).  ZeRO 2 and 3 are refused: that sharding splits neither the gradients nor
-       the weights.
+    3. Asymmetric plans, plans with tp > 1, fp16 plans at ZeRO 0, ``per_device`` plans and float64 models at
+       ZeRO 0 and 1 run each replica as its own pipeline (``runs_per_replica``), in every dtype at ZeRO 0 (the
+       runtime reduces the gradients DeepSpeed's optimizer steps on) and at ZeRO 1 (the runtime shards the
+       optimizer state within the holder sets: ``holds_own_masters``).  ZeRO 2 and 3 are refused: that sharding
+       splits neither the gradients nor the weights.
     4. fp16 at ZeRO 0 runs per replica (rule 3; the reason: ``runs_per_replica``).
     5. At ZeRO 2 and 3 DeepSpeed reduces on every micro-step, so every replica runs the largest micro-batch
        count of any replica: a replica with fewer samples than that count cannot be cut into it.

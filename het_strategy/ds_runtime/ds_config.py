@@ -282,11 +282,11 @@ def _zero_optimization(plan: Plan, on_grid: bool, offload: bool | None, off_opti
     return zero
 
 
-def _mixed_precision(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+def _mixed_precision(plan: Plan, param_dtype: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ds_config's ``bf16`` and ``fp16`` sections: DeepSpeed's mixed precision, unless the runtime keeps the
     fp32 masters itself."""
     # ZeRO 1 run per replica, or per_device: the holder sets keep the fp32 masters and clip (DeepSpeed runs plain)
-    holder_sharded = holds_own_masters(plan)
+    holder_sharded = holds_own_masters(plan, param_dtype)
     bf16 = {"enabled": plan.dtype == "bf16" and not holder_sharded}
     fp16: dict[str, Any] = {"enabled": plan.dtype == "fp16" and not holder_sharded}
     if fp16["enabled"]:
@@ -296,8 +296,9 @@ def _mixed_precision(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | None" = None, *,
                      rank: int | None = None, gradient_clipping: float = 1.0, offload: bool | None = None,
-                     cost_model: "CostModel | None" = None) -> dict[str, Any]:
-    """The ds_config of one rank (rank 0 when ``rank`` is None).
+                     cost_model: "CostModel | None" = None, param_dtype: str | None = None) -> dict[str, Any]:
+    """The ds_config of one rank (rank 0 when ``rank`` is None); ``param_dtype``: the model's parameters' dtype
+    (``"float64"`` runs per replica: ``core.runtime_rules.runs_per_replica``; None: the plan's dtype).
 
     ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps`` are
     the rank's own; ``train_batch_size`` is ``micro * gas * dp_world`` so
@@ -330,8 +331,8 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     """
     _check_settings(plan, settings)
     raise_first(runtime_problems(plan, Runtime.deepspeed))
-    on_grid = not runs_per_replica(plan)  # DeepSpeed's own stage x replica grid runs it
-    deepspeed_clips = clipping_owner(plan) is ClippingOwner.deepspeed
+    on_grid = not runs_per_replica(plan, param_dtype)  # DeepSpeed's own stage x replica grid runs it
+    deepspeed_clips = clipping_owner(plan, param_dtype) is ClippingOwner.deepspeed
     if on_grid and not deepspeed_clips and gradient_clipping > 0 and rank in (None, 0):
         _warn_first_stage_clipping()
     rb = _rank_batch(plan, rank)
@@ -341,7 +342,7 @@ def deepspeed_config(plan: Plan, settings: "TrainSettings", score: "PlanScore | 
     dp = plan.num_pipelines if on_grid else 1
     off_optim, off_params = _offload_choice(plan, score, offload, cost_model)
     zero = _zero_optimization(plan, on_grid, offload, off_optim, off_params)
-    bf16, fp16 = _mixed_precision(plan)
+    bf16, fp16 = _mixed_precision(plan, param_dtype)
     cfg: dict[str, Any] = {
         "train_batch_size": micro * gas * dp,
         "train_micro_batch_size_per_gpu": micro,

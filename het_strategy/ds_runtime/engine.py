@@ -74,17 +74,37 @@ def init_deepspeed_distributed(timeout_s: float = 300.0) -> None:
                                timeout=timedelta(seconds=float(timeout_s)))
 
 
-def check_runnable(plan: Plan, world_size: int | None = None) -> ReplicaLayout:
+def check_runnable(plan: Plan, world_size: int | None = None, param_dtype: str | None = None) -> ReplicaLayout:
     """Refuse (``ConfigError``) a plan this runtime cannot run exactly; returns the plan's replica layout.
 
     The rules are the ``deepspeed`` table of ``core.runtime_rules`` (the one the
     planner's ``planner.runtime=deepspeed`` filter reads); ``world_size``, when
     given, must be the plan's device count.  Aligned plans (every replica the
     same boundaries) run on DeepSpeed's own grid; asymmetric ones on
-    ``replica_engine``.
+    ``replica_engine``, and so do float64 models (``param_dtype``, as
+    ``core.runtime_rules.runs_per_replica`` reads it).
     """
     raise_first(runtime_problems(plan, Runtime.deepspeed, world_size))
-    return replica_layout(plan)
+    return replica_layout(plan, param_dtype)
+
+
+def _param_dtype(layers: Sequence[Any]) -> str | None:
+    """The layers' parameters' dtype as torch names it without ``torch.`` (``"float64"``), from the first built
+    layer holding a floating-point parameter; None where none does (``LayerSpec``s are built later)."""
+    for layer in layers:
+        if isinstance(layer, torch.nn.Module):
+            first = next((q for q in layer.parameters() if q.is_floating_point()), None)
+            if first is not None:
+                return str(first.dtype).removeprefix("torch.")
+    return None
+
+
+def _holder_state(plan: Plan, param_dtype: str | None) -> str | None:
+    """What the holder sets keep of a per-replica plan's optimizer state (``core.runtime_rules.holds_own_masters``):
+    ``"sharded"`` at ZeRO 1, ``"whole"`` otherwise; None where DeepSpeed's optimizer keeps it."""
+    if not holds_own_masters(plan, param_dtype):
+        return None
+    return "sharded" if plan.zero_stage == 1 else "whole"
 
 
 def _times(loss: torch.Tensor, weight: Any, tokens: Any) -> torch.Tensor:
@@ -148,9 +168,11 @@ class PlanRunner:
        allreduces the same parameters; DeepSpeed broadcasts each stage's
        parameters from data-parallel rank 0 at ``initialize``, so replicas start
        equal.  Asymmetric plans (replicas of other lengths or boundaries, plan
-       order) and plans with tensor-parallel stages run each replica as its own
-       pipeline (``replica_engine``): every part of every gradient is reduced
-       over the ranks holding it (``holder_reduction``), every layer broadcast
+       order), plans with tensor-parallel stages and float64 models (the cases of
+       ``core.runtime_rules.runs_per_replica``; the layers' dtype read by
+       ``_param_dtype``) run each replica as its own pipeline
+       (``replica_engine``): every part of every gradient is reduced over the
+       ranks holding it (``holder_reduction``), every layer broadcast
        from replica 0's holder at the start, then split for each tp rank
        (``tensor_parallel``); stages of any tp pass partitioned activations
        (``stage_exchange``).  A matrix the first and the last layer share
@@ -210,9 +232,9 @@ class PlanRunner:
             settings = TrainSettings(global_batch_size=plan.global_batch_size, dtype=plan.dtype,
                                      zero_stage=plan.zero_stage)
         init_deepspeed_distributed(timeout_s)
-        self.rank = ds_dist.get_rank()
-        self.world_size = ds_dist.get_world_size()
-        self.layout = check_runnable(plan, self.world_size)
+        self.rank, self.world_size = ds_dist.get_rank(), ds_dist.get_world_size()
+        param_dtype = _param_dtype(layers)  # float64 runs per replica (core.runtime_rules.runs_per_replica)
+        self.layout = check_runnable(plan, self.world_size, param_dtype)
         if len(layers) != self.layout.num_layers:
             raise field_error("layers", f"{len(layers)} layers", f"be the plan's {self.layout.num_layers} layers "
                               "in order (its stage boundaries index this list)",
@@ -232,11 +254,11 @@ class PlanRunner:
         self.sharding = None
         """ZeRO-1 within the holder sets of a per-replica plan at ZeRO 1 (``holder_sharding``), else ``None``."""
 
-        runtime_clips = clipping_owner(plan) is ClippingOwner.runtime
+        runtime_clips = clipping_owner(plan, param_dtype) is ClippingOwner.runtime
         # on DeepSpeed's grid the runtime clips with its ClippingPipelineEngine (clipping.py), per replica with its
         # reducer or sharding (build_replica_engine)
         self.own_clipping = not self.layout.per_replica and runtime_clips and gradient_clipping > 0
-        cfg = deepspeed_config(plan, settings, rank=self.rank,
+        cfg = deepspeed_config(plan, settings, rank=self.rank, param_dtype=param_dtype,
                                gradient_clipping=0.0 if self.own_clipping else gradient_clipping)
         if plan.zero_stage > 0:
             cfg["zero_allow_untested_optimizer"] = True  # the caller's optimizer is a choice, not a mistake
@@ -251,7 +273,7 @@ class PlanRunner:
                 self.layout, self.rank, layers, weighted, optimizer_factory, cfg,
                 gradient_clipping=gradient_clipping if runtime_clips else 0.0,
                 activation_checkpoint_interval=activation_checkpoint_interval,
-                holder_state=("sharded" if plan.zero_stage == 1 else "whole") if holds_own_masters(plan) else None,
+                holder_state=_holder_state(plan, param_dtype),
                 compute_dtype=self._rank_torch_dtype(), loss_scaling="fp16" in self._plan_dtypes(),
                 load_layers=load_layers)
             self.optimizer = self.engine.optimizer

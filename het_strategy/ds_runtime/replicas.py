@@ -58,7 +58,7 @@ class ReplicaLayout:
     is_aligned: bool
     """Every replica has the same boundaries (``core.runtime_rules.shares_boundaries``)."""
     per_replica: bool
-    """Each replica runs as its own pipeline (``core.runtime_rules.runs_per_replica``: asymmetric or tp > 1);
+    """Each replica runs as its own pipeline (``core.runtime_rules.runs_per_replica``: asymmetric, tp > 1, ...);
     otherwise DeepSpeed's own grid of stages x replicas runs the plan."""
     tied: tuple[tuple[int, str], ...] = ()
     """Parameters the first and the last layer share (tied embeddings), as ``(layer, name in the layer)``
@@ -163,11 +163,12 @@ class ReplicaLayout:
         return [(hs, by_set[hs]) for hs in self.holder_sets if hs in by_set]
 
 
-def replica_layout(plan: Plan) -> ReplicaLayout:
-    """The plan's replicas on the global ranks of ``rank_layout`` (plan order unless on DeepSpeed's grid)."""
+def replica_layout(plan: Plan, param_dtype: str | None = None) -> ReplicaLayout:
+    """The plan's replicas on the global ranks of ``rank_layout`` (plan order unless on DeepSpeed's grid);
+    ``param_dtype``: the model's parameters' dtype (``core.runtime_rules.runs_per_replica``)."""
     groups: list[list[list[int]]] = [[[-1] * st.tp for st in p.stages] for p in plan.pipelines]
     for ra in rank_layout(plan):
         groups[ra.pipeline][ra.stage][ra.tp_rank] = ra.rank
     return ReplicaLayout(stage_groups=tuple(tuple(tuple(g) for g in p) for p in groups),
                          parts=tuple(tuple(p.boundaries()) for p in plan.pipelines),
-                         is_aligned=shares_boundaries(plan), per_replica=runs_per_replica(plan))
+                         is_aligned=shares_boundaries(plan), per_replica=runs_per_replica(plan, param_dtype))
