@@ -90,14 +90,14 @@ def profile_hf_model(config: str | Path | Mapping[str, Any] | nn.Module, seq_len
     sizes = _micro_batches(micro_batches)
     repeats = require_int(repeats, "repeats", minimum=1)
     if isinstance(config, nn.Module):
-        model, built = config, False
+        model = config
         workload = hf_workload(_model_config(model, field), seq_len, dtype)
     else:
         raw = _config_mapping(config, field)
         workload = hf_workload(config, seq_len, dtype)  # named as het-plan names it (the directory or file)
         target = _device(device)
         _check_fits(workload, dtype, target, field, config)
-        model, built = _build(raw, dtype, target), True
+        model = _build(raw, dtype, target)
     units = hf_pipeline_units(model)
     chain = _UnitChain(units, CausalLMLoss(model))
     where = next(model.parameters()).device
@@ -112,8 +112,6 @@ def profile_hf_model(config: str | Path | Mapping[str, Any] | nn.Module, seq_len
                                 dtype=dtype, repeats=repeats, warmup=warmup, device_type=device_type)
         times[mb] = result.profile.layer_times(result.device_type, 1, mb)
         found_type = result.device_type
-    if built:
-        del chain, units, model
     profile = MeasuredProfile(model=workload.name, times={(str(found_type), 1): times})
     profile.check_matches(workload)  # the profile's L + 2 layers are the workload's
     return HFProfile(workload=workload, profile=profile, device_type=str(found_type), device=str(where))
