@@ -8,7 +8,10 @@ A section of ``benchmarks/hf_models.py`` (``run()`` returns its RESULT keys); it
 ``save_pretrained`` is the LightningModule's model, built on the meta device (``hf.checkpoints.empty_causal_lm``);
 ``HeteroDeepSpeedStrategy(pretrained=dir)`` loads on each rank only the units its stage holds, and
 ``Trainer.fit`` trains ``STEPS`` AdamW steps in fp32, on two plans: a 2-stage pipeline (units [0, 3) and [3, 6))
-and one tp-2 stage.  The run's validation loss (``PlanRunner.eval_step`` on a held-out batch) is then compared
+and one tp-2 stage, each of whose ranks reads only its shards of the tensors the tp plan cuts (``get_slice``)
+and the others whole; ``tp_whole``: the same tp-2 plan from the model loaded whole (``from_pretrained``, no
+``pretrained=``), for comparison: the runtime splits it, each rank keeping the whole tensors its shards were cut
+from.  The run's validation loss (``PlanRunner.eval_step`` on a held-out batch) is then compared
 with that of the directory ``save_hf_checkpoint`` writes (gathered per layer to rank 0, tp shards joined),
 reloaded by ``AutoModelForCausalLM.from_pretrained`` and run by transformers itself.  ``reload_diff``: the largest
 |reloaded - run| of the pipeline over its ranks (the issue's bound: 1e-6); ``reload_diff_tp``: the same for the
@@ -32,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 STEPS = 4
-CASES = ("pipe", "tp")
+CASES = ("pipe", "tp", "tp_whole")
 _ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
 
@@ -76,6 +79,14 @@ def _source_val(out: Path) -> float:
         return float(AutoModelForCausalLM.from_pretrained(out / "source")(**worker.val_batch()).loss)
 
 
+def _loaded(r: dict) -> str:
+    """One rank's load: its tensors (of them tp shards) and the KiB read (the whole-load row: the KiB it holds, its
+    shards and the whole tensors they were cut from)."""
+    shards = f", {r['shards']} shards" if r["shards"] else ""
+    kib = (r["module_bytes"] + r["source_bytes"] if r["read"] is None else r["read"]) / 1024
+    return f"{r['tensors']}{shards} ({kib:.0f})"
+
+
 def run() -> dict[str, str]:
     """Print this section's table; return its RESULT keys."""
     print("Round trip through save_pretrained (benchmarks/_hf_round_trip.py)")
@@ -87,17 +98,20 @@ def run() -> dict[str, str]:
         files = sorted(p.name for p in (out / "pipe" / "hf").iterdir())
         same, before = _converted_equal(out), _source_val(out)
     print(f"tiny Llama (4 layers, hidden 32, GQA 4:2), fp32, {STEPS} AdamW steps per plan, 2 gloo ranks "
-          f"({seconds:.1f} s for both plans); validation loss of the source directory {before:.7f}:")
-    print(f"  {'plan':<22} {'tensors loaded per rank':<24} {'train loss':<17} {'run val':>10} {'reloaded val':>13} "
-          f"{'|diff|':>8} {'params':>8}")
+          f"({seconds:.1f} s for the {len(CASES)} plans); validation loss of the source directory {before:.7f}:")
+    total = sum(sum(r["pipe"]["held"].values()) for r in ranks)  # the stages hold the model once
+    print(f"  {'plan':<22} {'tensors (KiB) loaded per rank, of 39 (' + f'{total / 1024:.0f}' + ')':<42} "
+          f"{'train loss':<17} {'run val':>10} {'reloaded val':>13} {'|diff|':>8} {'params':>8}")
     diffs = {}
-    for case, label in zip(CASES, ("2 stages [0,3) [3,6)", "1 stage at tp 2")):
+    for case, label in zip(CASES, ("2 stages [0,3) [3,6)", "1 stage at tp 2", "tp 2, from the whole")):
         r0 = ranks[0][case]
-        held = " + ".join(str(len(ranks[r][case]["held"])) for r in range(2)) + " of 39"
+        held = " + ".join(_loaded(ranks[r][case]) for r in range(2))
         diffs[case] = max(abs(r[case]["reload_val"] - r[case]["run_val"]) for r in ranks)
         params = max(max(r[case]["param_diffs"].values()) for r in ranks)
-        print(f"  {label:<22} {held:<24} {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} {r0['run_val']:>10.7f} "
+        print(f"  {label:<22} {held:<42} {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} {r0['run_val']:>10.7f} "
               f"{r0['reload_val']:>13.7f} {diffs[case]:>8.1e} {params:>8.1e}")
+    print("  (loaded: this rank's tensors, N of them tp shards, and the KiB it read from the directory; the whole-load "
+          "row:\n  the KiB it holds, every tensor whole beside its shards)")
     print("  (params: the largest difference of a trained parameter, or tp shard, from the reloaded model's; the tp "
           "stage's\n  loss may differ by fp32 rounding: its sharded matmuls and all-reduce sum in another order "
           "than one process)")

@@ -95,11 +95,14 @@ def _shards(runner) -> int:
 
 
 def _shard_bytes(runner) -> dict[str, int]:
-    """Bytes of this rank's tp shards, and of the whole parameters they were cut from (still referenced)."""
+    """This rank's parameters (count, bytes), the bytes of its tp shards and of the whole parameters they were cut
+    from (still referenced)."""
     from het_strategy.tensor_parallel.layers import SOURCE
 
-    shards = [q for q in runner.engine.module.parameters() if hasattr(q, SOURCE)]
-    return {"shard_bytes": sum(q.numel() * q.element_size() for q in shards),
+    params = list(runner.engine.module.parameters())
+    shards = [q for q in params if hasattr(q, SOURCE)]
+    return {"tensors": len(params), "module_bytes": sum(q.numel() * q.element_size() for q in params),
+            "shard_bytes": sum(q.numel() * q.element_size() for q in shards),
             "source_bytes": sum(getattr(q, SOURCE).numel() * getattr(q, SOURCE).element_size() for q in shards)}
 
 
