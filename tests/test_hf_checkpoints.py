@@ -2,9 +2,11 @@
 ``ds_runtime.layer_export``): tiny Llama configs, models built from configs (nothing downloaded).
 
 Single process: the ``save_pretrained`` round trip of the writer, each pipeline stage's load materializing only its
-own tensors (from one file and from a sharded index), tp-2 shards reading their slices, the per-layer checkpoint
-conversion, and the refusals.  Multiprocess (2 gloo ranks, ``_hf_checkpoint_worker.py``): ``Trainer.fit`` on
-``hetero_deepspeed`` from a ``save_pretrained`` directory, saved back, reloaded by ``from_pretrained``.
+own tensors (from one file and from a sharded index), tp-2 shards reading their slices (``ShardLoad``: after the
+split), the per-layer checkpoint conversion, and the refusals.  Multiprocess (2 gloo ranks,
+``_hf_checkpoint_worker.py``): ``Trainer.fit`` on ``hetero_deepspeed`` from a ``save_pretrained`` directory, saved
+back, reloaded by ``from_pretrained``; a tp-2 stage's ranks reading only their shards, the same run as from the
+model loaded whole.
 """
 
 from __future__ import annotations
