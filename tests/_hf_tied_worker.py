@@ -4,8 +4,8 @@ A tiny Llama with ``tie_word_embeddings`` (2 layers, hidden 32: 4 pipeline units
 sharing one matrix) is trained ``STEPS`` steps with AdamW through ``PlanRunner`` on padded batches (each
 micro-batch weighted by its counted tokens), once per case of ``CASES``, on 3 gloo ranks:
 
-- ``aligned``: one replica of three stages ``[0, 1) [1, 3) [3, 4)`` on DeepSpeed's own grid (float32: its grid
-  reduces no float64 gradient), the tied copies on the first and last stage (DeepSpeed's tied-weight reduction);
+- ``aligned``: one replica of three stages ``[0, 1) [1, 3) [3, 4)`` on DeepSpeed's own grid (float32: a float64
+  model runs per replica), the tied copies on the first and last stage (DeepSpeed's tied-weight reduction);
 - ``asym``: replica 0 one device ``[0, 4)`` (one copy, the shared parameter), replica 1 two stages ``[0, 2)
   [2, 4)`` (a copy on each), float64: the tied matrix is one holder set of the three ranks.
 
