@@ -113,8 +113,8 @@ def test_content_errors_name_the_file(tmp_path: Path) -> None:
                                           rf"\(in cluster file {path}\)$"):
         load_cluster(path)
     model = tmp_path / "m.yaml"
-    model.write_text("num_layers: 2\nhidden_size: 64\nnum_heads: 4\nseq_len: 32\nvocab_size: 256\ndropout: 0.1\n")
-    with pytest.raises(ConfigError, match=rf"`model.dropout` is 0.1; .*\(in model file {model}\)$"):
+    model.write_text("num_layers: 2\nhidden_size: 64\nnum_heads: 4\nseq_len: 32\nvocab_size: 256\nrope_scale: 0.1\n")
+    with pytest.raises(ConfigError, match=rf"`model.rope_scale` is 0.1; .*\(in model file {model}\)$"):
         load_workload(model)
     with pytest.raises(ConfigError, match=r"`x` is 1; it must be > 2 \(in plan file p.json\)"):
         with naming_file("p.json", "plan file"):

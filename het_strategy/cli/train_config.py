@@ -80,7 +80,8 @@ def _require_seed(value: int, name: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """The ``model`` group: every field of ``core.workload.TransformerConfig``, so each is settable plainly."""
+    """The ``model`` group: the fields of ``core.workload.TransformerConfig`` the demo GPT builds (GPT blocks; the
+    keys of modern blocks, such as ``num_kv_heads`` or ``gated_mlp``, are for planning only), each settable plainly."""
 
     num_layers: int = MISSING
     """Transformer blocks."""

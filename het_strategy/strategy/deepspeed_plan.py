@@ -198,8 +198,7 @@ class DeepSpeedPlanHolder:
         from het_strategy.planning import PlanRequest, plan
 
         settings, workload = self.settings, self.workload
-        # with no plan given: __init__ set both (or use_module the workload)
-        assert settings is not None and workload is not None
+        assert settings is not None and workload is not None  # invariant: no plan given: set by __init__/use_module
 
         def search() -> tuple[str, str]:
             result = plan(self.cluster, workload, settings, PlanRequest(mode=self.planner_mode,
