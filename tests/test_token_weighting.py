@@ -210,30 +210,35 @@ DILOCO_SHARES = {"fast": 4, "b0": 3, "b1": 1}  # groups of 4 and 3 + 1 samples p
 
 @pytest.mark.multiprocess
 @_FORK
-def test_diloco_round_with_padded_batches_equals_its_reference(tmp_path: Path) -> None:
-    """One round (H = 3) of two groups, the second split 3 / 1: each group's inner steps are the mean over its
-    counted tokens, and the outer step averages the pseudo-gradients weighted by the groups' tokens (plain
-    averaging: outer lr 1, no momentum); the parameters equal that reference to 1e-10."""
+@pytest.mark.parametrize("hf", [False, True], ids=["char_gpt", "qwen2"])
+def test_diloco_round_with_padded_batches_equals_its_reference(tmp_path: Path, hf: bool) -> None:
+    """One round (H = 3) of two groups, the second split 3 / 1, for CharGPT and a Hugging Face Qwen2 (``auto``:
+    its shifted labels counted): each group's inner steps are the mean over its counted tokens, and the outer step
+    averages the pseudo-gradients weighted by the groups' tokens (plain averaging: outer lr 1, no momentum); the
+    parameters equal that reference to 1e-10."""
     torch.set_num_threads(1)
     plan = Plan(cluster="two_sites", cluster_devices=("fast", "b0", "b1"), model={"num_layers": 1},
                 global_batch_size=GLOBAL_BATCH, dtype="fp32", mode="manual",
                 pipelines=tuple(Pipeline((Stage((d,), (0, 1)),), n, n) for d, n in DILOCO_SHARES.items()),
                 outer_sync=OuterSync(STEPS, "none", (("fast",), ("b0", "b1"))))
-    data = PaddedText(hf=False)
-    model = TextModule(False, str(tmp_path))
+    if hf:
+        pytest.importorskip("transformers")
+    data = PaddedText(hf=hf)
+    model = TextModule(hf, str(tmp_path))
     groups = [copy.deepcopy(model), copy.deepcopy(model)]
     strategy = HeteroDiLoCoStrategy(cluster=TWO_SITES, plan=plan.save(tmp_path / "plan.json"), start_method="fork",
                                     verbose=False, timeout=timedelta(seconds=120), outer_lr=1.0, outer_momentum=0.0,
-                                    loss_weighting="tokens", global_batch_size=GLOBAL_BATCH)
+                                    loss_weighting="auto" if hf else "tokens", global_batch_size=GLOBAL_BATCH)
     float64_trainer(tmp_path, strategy, max_steps=STEPS).fit(model, DataLoader(data, batch_size=3))
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
-    counted = LossTokens(shifted=False)
+    counted = LossTokens(shifted=hf)  # a causal LM's own loss shifts its labels
     weights = []
     for g, ranks in enumerate([(0,), (1, 2)]):
         steps = [[i for r in ranks for i in rows[r][s]["indices"]] for s in range(STEPS)]
         assert [len(step) for step in steps] == [4] * STEPS
         _single_process(groups[g], data, steps)
-        weights.append(sum(counted.count(data.y[i]) for step in steps for i in step))
+        labels = torch.stack([data[i]["labels"] if hf else data.y[i] for step in steps for i in step])
+        weights.append(counted.count(labels))
     expected = copy.deepcopy(model)
     with torch.no_grad():
         for e, a, b in zip(expected.parameters(), *(m.parameters() for m in groups)):
