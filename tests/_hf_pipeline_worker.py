@@ -65,21 +65,27 @@ def batch(padded: bool) -> dict:
 def reference(padded: bool, dtype: str = "fp64", family: str = "llama"):
     """Losses and parameters (by Hugging Face name) of one process: the model's own forward, the mean next-token
     cross-entropy over every counted token of the batch (ForCausalLMLoss, in float64)."""
+    return train_one_process(model(dtype, family), batch(padded))
+
+
+def train_one_process(m, b, after_step=None):
+    """``STEPS`` AdamW steps of ``m`` on the batch ``b`` in one process (the mean next-token cross-entropy over
+    every counted token); ``after_step(m)`` after each.  Returns the losses and the parameters by name."""
     import torch
     import torch.nn.functional as F
 
-    m = model(dtype, family)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
-    b = batch(padded)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
         logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, CONFIG["vocab_size"]), b["labels"][:, 1:].reshape(-1),
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, m.config.vocab_size), b["labels"][:, 1:].reshape(-1),
                                ignore_index=-100)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+        if after_step is not None:
+            after_step(m)
     return losses, {n: q.detach().clone() for n, q in m.state_dict().items()}
 
 

@@ -39,23 +39,10 @@ def model(dtype: str):
 
 def reference(dtype: str):
     """Losses, the tied matrix after each step and the final parameters (by Hugging Face name) of one process."""
-    import torch
-    import torch.nn.functional as F
-
-    m = model(dtype)
-    opt = torch.optim.AdamW(m.parameters(), lr=base.LR)
-    b = base.batch(True)
-    losses, tied = [], []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, CONFIG["vocab_size"]), b["labels"][:, 1:].reshape(-1),
-                               ignore_index=-100)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        tied.append(m.lm_head.weight.detach().clone())
-    return losses, tied, {n: q.detach().clone() for n, q in m.state_dict().items()}
+    tied = []
+    losses, params = base.train_one_process(model(dtype), base.batch(True),
+                                            lambda m: tied.append(m.lm_head.weight.detach().clone()))
+    return losses, tied, params
 
 
 def plan(case: str):
