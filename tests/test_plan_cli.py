@@ -157,7 +157,7 @@ def test_plan_or_score_raises_config_error_for_bad_train_values():
         compose_plan_config([*SHIPPED, "settings.activation_checkpointing=maybe"])
     with pytest.raises(ConfigError, match="`planner.mode` is 'fast'; it must be one of auto, dp, pipeline, hybrid"):
         compose_plan_config([*SHIPPED, "planner.mode=fast"])
-    with pytest.raises(ConfigError, match="`planner.profile` is 'mine'; it must be one of sailor or null"):
+    with pytest.raises(ConfigError, match="`planner.profile` is 'mine'; it must be one of sailor, measured or null"):
         compose_plan_config([*SHIPPED, "planner.profile=mine"])
     with pytest.raises(ConfigError, match=r"`train[.\w]*` is .*; it must not be there: .*settings"):
         compose_plan_config([*SHIPPED, "train.dtype=fp32"])  # the section is `settings`
