@@ -38,7 +38,7 @@ from het_strategy.compression import CompressionState, WireBytes, compression_co
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.dtypes import precision_dtype
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.core.log import logger, rank_debug, rank_zero_warning
+from het_strategy.core.log import logger, rank_debug
 from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.strategy import checkpoint as ckpt
@@ -49,8 +49,7 @@ from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.strategy.expert_placer import ExpertPlacer, ExpertRun, PlacementOption, check_resumable
 from het_strategy.strategy.liveness import HEARTBEAT_TIMEOUT_S
 from het_strategy.strategy.loaders import BatchSplitter, LoaderMode, batch_index, is_split
-from het_strategy.strategy.loss_tokens import LossTokens, LossWeighting, batch_labels, check_weighting, \
-    has_ignored_labels, holds_causal_lm, resolve_weighting, summed_count
+from het_strategy.strategy.loss_tokens import LossWeighting, RankLossCounts
 from het_strategy.strategy.per_device_scaling import PER_DEVICE
 from het_strategy.strategy.plan_holder import PlanHolder
 from het_strategy.strategy.rank_context import RankContext
@@ -115,13 +114,8 @@ class HeteroRun(StrategyRun):
         workload_spec = check_workload_source(workload)  # setup builds it again in the run's dtype
         plan = check_plan_source(plan, cluster, workload_spec, self.extension.runtime)
         check_options(cluster, global_batch_size, emulation, profile_input, probe, telemetry)
-        self.loss_weighting = check_weighting(loss_weighting)
-        """The ``loss_weighting`` option as given (``auto`` is resolved at setup)."""
-        self.loss_tokens: LossTokens | None = None
-        """How the labels' tokens are counted when each rank's loss is weighted by them (from setup), else None."""
-        self._weighting_resolved = False
-        self._labels_checked = False
-        self._tokens: tuple[int, int | None] | None = None
+        self.loss_counts = RankLossCounts(loss_weighting, self.extension.runtime)
+        """What this rank's loss is weighted by in each batch: its samples or its counted tokens."""
         self.extension.check_sources(cluster, plan)
         for key in ("ddp_comm_hook", "ddp_comm_state"):
             if key in ddp_kwargs:
@@ -261,10 +255,7 @@ class HeteroRun(StrategyRun):
         ctx = self.rank_context()
         # the experts are placed before DDP wraps the model and the optimizer is built
         self.placer.place(strategy.lightning_module, self.plans.require_cluster(), ctx.dtype, ctx.rank, ctx.world)
-        if not self._weighting_resolved:
-            self.loss_tokens = resolve_weighting(self.loss_weighting, rank=ctx.rank, runtime=self.extension.runtime,
-                                                 causal_lm=holds_causal_lm(strategy.lightning_module))
-            self._weighting_resolved = True
+        self.loss_counts.resolve(strategy.lightning_module, ctx.rank)
         parent(trainer)
         attach_callbacks(self, trainer, ctx.rank, self.rebalance, self.telemetry, self._saved_callback_states)
         self.extension.setup_done(strategy, trainer)
@@ -405,7 +396,7 @@ class HeteroRun(StrategyRun):
         batch = args[0] if args else kwargs.get("batch")
         counts = self.batches.begin_batch(trainer.train_dataloader, batch_idx, batch=batch, training=True,
                                           device=strategy.root_device)
-        self._count_tokens(batch, counts, strategy.global_rank)
+        self.loss_counts.begin_batch(batch, counts, strategy.global_rank)
         self.pacing.begin(batch_idx, None if counts is None else counts[0], trainer.global_step)
         self._in_step = True
         try:
@@ -417,7 +408,7 @@ class HeteroRun(StrategyRun):
     def _eval_step(self, loaders: Any, parent: Parent, args: tuple, kwargs: dict) -> Any:
         dataloader_idx = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
         counts = self.batches.begin_batch(loaders, batch_index(args, kwargs), dataloader_idx)
-        self._count_tokens(args[0] if args else kwargs.get("batch"), counts, None)  # labels optional there
+        self.loss_counts.begin_batch(args[0] if args else kwargs.get("batch"), counts, None)  # labels optional there
         self._in_step = True
         try:
             return parent(*args, **kwargs)
@@ -437,45 +428,13 @@ class HeteroRun(StrategyRun):
         if strategy.lightning_module.trainer.training:
             self.pacing.finish_padding(self.batches.local_samples)
 
-    def _count_tokens(self, batch: Any, counts: tuple[int, int] | None, training_rank: int | None) -> None:
-        """This batch's counted label tokens (not summed yet) when losses are weighted by tokens (a filler's: 0);
-        an evaluation batch without labels is weighted by its samples.
-
-        ``training_rank`` (a training batch's rank): a samples-weighted run whose first training batch's labels
-        carry ``-100`` is told once that its update is exact only if every rank holds as many counted tokens."""
-        self._tokens = None
-        if self.loss_tokens is None:
-            if training_rank is not None and not self._labels_checked:
-                self._labels_checked = True
-                if has_ignored_labels(batch):
-                    rank_zero_warning(training_rank, "hetero: the labels carry -100 (tokens no loss counts) and "
-                                      "each rank's loss is weighted by its samples: the update is the single-process "
-                                      "one only if every rank's batch holds as many counted tokens; for a loss "
-                                      "averaged over tokens pass loss_weighting='tokens'")
-            return
-        if counts is not None and (training_rank is not None or batch_labels(batch) is not None):
-            self._tokens = (self.loss_tokens.of_batch(batch, "training batch") if counts[0] else 0, None)
-
-    def _loss_counts(self, device: Any, summed: bool) -> tuple[int, int | None] | None:
-        """(this rank's, every rank's) count the current batch's loss is weighted by: its samples, or its counted
-        tokens, every rank's summed when ``summed`` (one small all-reduce per batch: a collective), else None
-        until the extension sums it."""
-        if self.loss_tokens is None or self._tokens is None:
-            return self.batches.counts
-        local, total = self._tokens
-        if summed and total is None:
-            total = summed_count(local, device)
-            self._tokens = (local, total)
-        return local, total
-
     @override
     def backward(self, strategy: Any, parent: Parent, closure_loss: Any, optimizer: Any, *args: Any,
                  **kwargs: Any) -> Any:
-        counts = self._loss_counts(strategy.root_device, summed=False)
+        counts = self.loss_counts.counts(self.batches.counts, strategy.root_device, summed=False)
         if counts is not None:
             weight = self.extension.loss_weight(counts, strategy.world_size, strategy.root_device)
-            closure_loss = closure_loss * weight if self.loss_tokens is None else LossTokens.weighted(closure_loss,
-                                                                                                      weight)
+            closure_loss = self.loss_counts.weighted(closure_loss, weight)
         out = parent(closure_loss, optimizer, *args, **kwargs)
         self._finish_padding(strategy)  # when DDP skipped the sync (accumulation), no hook padded it
         samples = self.batches.local_samples
@@ -503,7 +462,8 @@ class HeteroRun(StrategyRun):
         try:
             weighted = (self._in_step and group is None and isinstance(tensor, torch.Tensor)
                         and torch.is_floating_point(tensor) and _is_mean(reduce_op))
-            counts = self._loss_counts(strategy.root_device, summed=True) if weighted else None
+            counts = self.loss_counts.counts(self.batches.counts, strategy.root_device, summed=True) if weighted \
+                else None
             if counts is not None:
                 local, total = counts
                 summed = parent(tensor * local, group=group, reduce_op="sum")

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.core.errors import ConfigError, field_error, require_option
-from het_strategy.core.log import rank_zero_info
+from het_strategy.core.log import rank_zero_info, rank_zero_warning
 from het_strategy.hf.causal_lm_loss import IGNORE_INDEX
 
-__all__ = ["LossWeighting", "LossTokens", "check_weighting", "resolve_weighting", "batch_labels", "has_ignored_labels",
-           "holds_causal_lm", "summed_count"]
+__all__ = ["LossWeighting", "LossTokens", "RankLossCounts", "check_weighting", "resolve_weighting", "batch_labels",
+           "has_ignored_labels", "holds_causal_lm", "summed_count"]
 
 
 class LossWeighting(StrEnum):
@@ -129,3 +129,63 @@ def summed_count(local: int, device: Any, group: Any = None) -> int:
     value = torch.tensor([local], dtype=torch.int64, device=device)
     dist.all_reduce(value, group=group)
     return int(value.item())
+
+
+class RankLossCounts:
+    """A data-parallel rank's count its current batch's loss is weighted by: its samples (the loader's), or its
+    counted label tokens, every rank's summed once per batch (``hetero``'s ``loss_weighting``).
+
+    ``resolve`` once at setup; ``begin_batch`` at each step; ``counts`` where the loss is weighted (before
+    backward, unsummed: the extension sums over its group) or a mean is reduced (summed over the world)."""
+
+    def __init__(self, option: LossWeighting | str, runtime: str) -> None:
+        self.option = check_weighting(option)
+        """The ``loss_weighting`` option as given (``auto`` is resolved at setup)."""
+        self.runtime = runtime
+        self.tokens: LossTokens | None = None
+        """How the labels' tokens are counted when losses are weighted by them (from ``resolve``), else None."""
+        self._resolved = False
+        self._labels_checked = False
+        self._current: tuple[int, int | None] | None = None
+
+    def resolve(self, module: Any, rank: int) -> None:
+        """Decide the weighting for ``module`` (once: a later setup keeps it)."""
+        if not self._resolved:
+            self.tokens = resolve_weighting(self.option, rank=rank, runtime=self.runtime,
+                                            causal_lm=holds_causal_lm(module))
+            self._resolved = True
+
+    def begin_batch(self, batch: Any, samples: tuple[int, int] | None, training_rank: int | None) -> None:
+        """This batch's counted label tokens (not summed yet) when losses are weighted by tokens (a filler's: 0);
+        an evaluation batch without labels is weighted by its samples.
+
+        ``training_rank`` (a training batch's rank): a samples-weighted run whose first training batch's labels
+        carry ``-100`` is told once that its update is exact only if every rank holds as many counted tokens."""
+        self._current = None
+        if self.tokens is None:
+            if training_rank is not None and not self._labels_checked:
+                self._labels_checked = True
+                if has_ignored_labels(batch):
+                    rank_zero_warning(training_rank, f"{self.runtime}: the labels carry -100 (tokens no loss counts) "
+                                      "and each rank's loss is weighted by its samples: the update is the "
+                                      "single-process one only if every rank's batch holds as many counted tokens; "
+                                      "for a loss averaged over tokens pass loss_weighting='tokens'")
+            return
+        if samples is not None and (training_rank is not None or batch_labels(batch) is not None):
+            self._current = (self.tokens.of_batch(batch, "training batch") if samples[0] else 0, None)
+
+    def counts(self, samples: tuple[int, int] | None, device: Any, summed: bool) -> tuple[int, int | None] | None:
+        """(this rank's, every rank's) count: ``samples`` (the loader's), or the counted tokens, every rank's
+        summed when ``summed`` (one small all-reduce per batch: a collective), else None until the extension sums
+        it."""
+        if self.tokens is None or self._current is None:
+            return samples
+        local, total = self._current
+        if summed and total is None:
+            total = summed_count(local, device)
+            self._current = (local, total)
+        return local, total
+
+    def weighted(self, loss: torch.Tensor, weight: Any) -> torch.Tensor:
+        """``loss`` times its weight (``LossTokens.weighted`` under token weighting)."""
+        return loss * weight if self.tokens is None else LossTokens.weighted(loss, weight)
