@@ -188,7 +188,7 @@ def test_no_import_circle_at_module_or_function_level() -> None:
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-LAYERS = ("cli", "strategy", "callbacks", "ds_runtime", "hf", "diloco", "compression", "emulation", "profiling",
+LAYERS = ("cli", "strategy", "callbacks", "ds_runtime", "fsdp", "hf", "diloco", "compression", "emulation", "profiling",
           "report", "demo", "tensor_parallel", "moe", "reference", "planning", "core")
 """The folders in the docs' "How it works" order: each imports only folders after it (or itself)."""
 

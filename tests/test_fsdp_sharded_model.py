@@ -1,0 +1,92 @@
+"""``shard_model`` on 3 gloo ranks, float64: shards by memory (4/7, 2/7, 1/7, or one rank holding nothing),
+shares by speed (4, 4, 2 of a batch of 10), 5 steps equal one process's to 1e-10, with prefetch on and off,
+activation checkpointing, micro-batches and Adam; the full state dict is the reference's ``state_dict()``."""
+
+from __future__ import annotations
+
+import _fsdp_worker as worker
+import pytest
+import torch
+from torch import nn
+
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.shard_sizes import shard_sizes
+from het_strategy.emulation.local_ranks import run_local_ranks
+from het_strategy.fsdp import FLAT_SHARD, ROOT_UNIT, shard_model
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict[str, torch.Tensor]]:
+    # computed before the ranks fork: they inherit the optimizers' lazily imported modules
+    return {opt: worker.reference(opt) for opt in ("sgd", "adam")}
+
+
+def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((got[k] - ref[k]).abs().max()) for k in ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("opt, fractions, prefetch, checkpoint, micro_batches", [
+    ("sgd", worker.FRACTIONS, True, False, 1),
+    ("sgd", worker.FRACTIONS, False, False, 1),
+    ("adam", worker.FRACTIONS, True, True, 2),
+    ("sgd", [0.5, 0.5, 0.0], True, True, 1),
+], ids=["sgd-prefetch", "sgd-no-prefetch", "adam-checkpoint-micro2", "sgd-empty-rank"])
+def test_sharded_training_equals_one_process(references, opt, fractions, prefetch, checkpoint,
+                                             micro_batches) -> None:
+    ref = references[opt]
+    got = run_local_ranks(worker.train, WORLD, opt, fractions, prefetch, checkpoint, micro_batches, timeout_s=60)
+    for rank, r in enumerate(got):
+        full = r["full_everywhere"]
+        assert list(full) == list(ref)  # the original names, in state_dict order
+        assert all(full[k].shape == ref[k].shape and full[k].dtype == ref[k].dtype for k in ref)
+        assert _max_diff(full, ref) < 1e-10, rank
+        # only the shards are parameters, cut by the planner's rule
+        assert r["names"] == [FLAT_SHARD] + [f"blocks.{i}.{FLAT_SHARD}" for i in range(3)]
+        assert r["shard_numels"] == [r["sizes"][u][rank] for u in [ROOT_UNIT, "blocks.0", "blocks.1", "blocks.2"]]
+        assert r["sizes"]["blocks.0"] == shard_sizes(2 * 8 * 16 + 16 + 8, fractions)
+        assert r["sizes"][ROOT_UNIT] == shard_sizes(5 * 8 + 8 + 8 * 2 + 2, fractions)
+        # between forward and backward: the root and (prefetch) the backward's first block are gathered
+        held = r["held_after_forward"]
+        assert held[ROOT_UNIT] > 0 and held["blocks.0"] == held["blocks.1"] == 0
+        assert (held["blocks.2"] > 0) == prefetch
+        assert all(v == 0 for v in r["held_after_eval"].values())
+        assert all(state == "free" for state in r["states"].values())
+        passes = worker.STEPS * micro_batches
+        # per pass 7 gathers (root, 3 blocks forward, 3 backward); the 6 of blocks prefetched; the eval pass 4 (3)
+        assert r["num_gathers"] == 7 * passes + 4
+        assert r["num_prefetched"] == (6 * passes + 3 if prefetch else 0)
+        assert r["comm_wait_s"] > 0
+        # 3 block forwards per pass, recomputed in the backward when checkpointed; 3 more for the eval pass
+        assert r["block_forward_calls"] == 3 * passes * (2 if checkpoint else 1) + 3
+    assert got[0]["full_rank0"].keys() == ref.keys() and _max_diff(got[0]["full_rank0"], ref) < 1e-10
+    assert got[1]["full_rank0"] == {} and got[2]["full_rank0"] == {}
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+        self.b.weight = self.a.weight
+
+
+def _shard_one(model: nn.Module, units) -> None:
+    shard_model(model, units, [1.0], 0, 1)
+
+
+@pytest.mark.parametrize("units, message", [
+    (["nope"], "`shard_model.units[0]` is 'nope'; it must name a submodule"),
+    (["blocks", "blocks.0"], "`shard_model.units[1]` is 'blocks.0'; it must be distinct from and not nested"),
+    ([""], "`shard_model.units[0]` is ''; it must be a block below the top module"),
+])
+def test_bad_units_name_the_field_and_rule(units, message) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _shard_one(worker.build_model(), units)
+
+
+def test_a_parameter_tied_across_units_is_refused() -> None:
+    with pytest.raises(ConfigError, match="not share a parameter between two units"):
+        _shard_one(_Tied(), ["a", "b"])
