@@ -55,10 +55,10 @@ class MLP(nn.Module):
         return self.head(h)
 
 
-def build_model() -> MLP:
-    """The same float64 initial model in every process."""
+def build_model(dtype: torch.dtype = torch.float64) -> MLP:
+    """The same initial model (float64 unless told) in every process."""
     torch.manual_seed(0)
-    return MLP().double()
+    return MLP().to(dtype)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,14 +73,14 @@ def optimizer_for(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def reference(opt: str) -> dict[str, torch.Tensor]:
+def reference(opt: str, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     """One process, the whole batch, ``STEPS`` steps: the state dict the sharded run must reach."""
-    model = build_model()
+    model = build_model(dtype)
     optimizer = optimizer_for(opt, model.parameters())
     for step in range(STEPS):
         x, y = batch(step)
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -110,13 +110,22 @@ def collectives(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
 
 
 def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: bool, checkpoint: bool,
-          micro_batches: int) -> dict:
-    """``STEPS`` sharded steps on this rank's share (in ``micro_batches`` pieces each), then the full state dict
-    (every rank's and rank 0's form) and what the run saw."""
+          micro_batches: int, model_dtype: torch.dtype = torch.float64,
+          param_dtypes: list[torch.dtype] | None = None) -> dict:
+    """``STEPS`` sharded steps on this rank's share (in ``micro_batches`` pieces each; computing in
+    ``param_dtypes[rank]`` when given), then the full state dict (every rank's and rank 0's form) and what the run
+    saw."""
     Block.forward_calls = 0  # the forked parent's own count (its reference runs) does not belong here
-    model = build_model()
+    model = build_model(model_dtype)
+    compute = param_dtypes[rank] if param_dtypes else model_dtype
     sharded = shard_model(model, list(model.blocks), fractions, rank, world, prefetch=prefetch,
-                          checkpoint_activations=checkpoint)
+                          checkpoint_activations=checkpoint, param_dtype=param_dtypes[rank] if param_dtypes else None)
+    seen: dict[str, torch.dtype] = {}
+
+    def see(module: nn.Module, args: tuple) -> None:  # the weight a layer of a block computes with
+        seen.setdefault("weight", module.weight.dtype)
+
+    model.blocks[0].fc1.register_forward_pre_hook(see)
     names = [name for name, _ in model.named_parameters()]
     optimizer = optimizer_for(opt, model.parameters())
     start = sum(SHARES[:rank])
@@ -127,15 +136,21 @@ def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: boo
         x, y = x[start:start + rows], y[start:start + rows]
         optimizer.zero_grad()
         for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-            loss = nn.functional.mse_loss(sharded(xm), ym) * (xm.shape[0] * world / N)
+            out = sharded(xm.to(compute)).to(model_dtype)
+            loss = nn.functional.mse_loss(out, ym.to(model_dtype)) * (xm.shape[0] * world / N)
             if not held_after_forward:  # which units hold gathered memory between forward and backward
                 held_after_forward = {u.name: u.full.untyped_storage().nbytes() for u in sharded.units}
             loss.backward()
+        grad_dtypes = {str(p.grad.dtype) for p in model.parameters()}
         optimizer.step()
     with torch.no_grad():
-        sharded(batch(0)[0])
+        sharded(batch(0)[0].to(compute))
     held_after_eval = {u.name: u.full.untyped_storage().nbytes() for u in sharded.units}
     return {
+        "compute_dtype": str(seen["weight"]),
+        "shard_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "grad_dtypes": sorted(grad_dtypes),
+        "wire_dtypes": sorted({(str(u.gather_dtype), str(u.reduce_dtype)) for u in sharded.units}),
         "held_after_forward": held_after_forward,
         "held_after_eval": held_after_eval,
         "block_forward_calls": Block.forward_calls,

@@ -90,3 +90,24 @@ def test_bad_units_name_the_field_and_rule(units, message) -> None:
 def test_a_parameter_tied_across_units_is_refused() -> None:
     with pytest.raises(ConfigError, match="not share a parameter between two units"):
         _shard_one(_Tied(), ["a", "b"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model_dtype, param_dtypes, wire, tolerance", [
+    # per-device precision: rank 0 computes in float32, the others in float64: gathered in the master dtype
+    (torch.float64, [torch.float32, torch.float64, torch.float64], ("torch.float64", "torch.float64"), 1e-6),
+    # every rank in bf16: gathered in bf16, reduced in fp32, fp32 master shards
+    (torch.float32, [torch.bfloat16] * 3, ("torch.bfloat16", "torch.float32"), 1e-2),
+], ids=["per-device-fp32-fp64", "bf16-everywhere"])
+def test_mixed_precision_computes_in_each_ranks_dtype_and_keeps_master_shards(model_dtype, param_dtypes, wire,
+                                                                              tolerance) -> None:
+    ref = worker.reference("sgd", model_dtype)
+    got = run_local_ranks(worker.train, WORLD, "sgd", worker.FRACTIONS, True, False, 1, model_dtype, param_dtypes,
+                          timeout_s=60)
+    for rank, r in enumerate(got):
+        assert r["compute_dtype"] == str(param_dtypes[rank])
+        assert r["shard_dtypes"] == r["grad_dtypes"] == [str(model_dtype)]
+        assert r["wire_dtypes"] == [wire]
+    full = got[0]["full_rank0"]
+    assert all(full[k].dtype == model_dtype for k in ref)
+    assert 0 < _max_diff(full, ref) < tolerance  # the lower precision is visible, and only as rounding

@@ -28,7 +28,7 @@ from het_strategy.core.errors import field_error
 from het_strategy.core.shard_sizes import shard_offsets, shard_sizes
 from het_strategy.fsdp.uneven_collectives import all_gather_uneven, reduce_scatter_uneven
 
-__all__ = ["FlatUnit", "FLAT_SHARD", "ROOT_UNIT", "UnitState"]
+__all__ = ["FlatUnit", "FLAT_SHARD", "ROOT_UNIT", "UnitState", "agree_dtypes"]
 
 FLAT_SHARD = "flat_shard"
 """The attribute under which each unit's shard is registered on the unit's module."""
@@ -45,6 +45,10 @@ class UnitState:
     """An all-gather into ``full`` is in flight (``pending``); wait before reading."""
     GATHERED = "gathered"
     """``full`` holds the current values in the compute dtype."""
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes a unit may hold or compute in, by their code on the wire (``agree_dtypes``)."""
 
 
 def _master_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -98,9 +102,13 @@ class FlatUnit:
         """The original parameters' dtype (what ``full_state_dict`` returns)."""
         self.master_dtype = _master_dtype(self.dtype)
         self.param_dtype = param_dtype or self.dtype
-        """The compute dtype: what the unit is gathered in and its forward and backward run in."""
+        """The compute dtype: what this rank's forward and backward of the unit run in."""
+        self.gather_dtype = self.param_dtype
+        """The all-gather's dtype: the compute dtype where every rank computes in the same (``agree_dtypes``),
+        else the master dtype (each rank casts after the gather)."""
         self.reduce_dtype = torch.promote_types(reduce_dtype, self.param_dtype)
-        """The gradient reduction's dtype: ``reduce_dtype``, or the compute dtype where that is wider."""
+        """The gradient reduction's dtype: ``reduce_dtype``, or the widest compute dtype of any rank where that is
+        wider (``agree_dtypes``)."""
         self.shapes: list[torch.Size] = [p.shape for p in originals]
         self.numels = [p.numel() for p in originals]
         self.numel = sum(self.numels)
@@ -124,6 +132,7 @@ class FlatUnit:
         self.pending: Any = None
         """The in-flight gather's work handle (``GATHERING``)."""
         self._send: torch.Tensor | None = None  # the cast shard an in-flight gather reads: alive until its wait
+        self._wire: torch.Tensor | None = None  # what the in-flight gather writes (``full`` itself, or a cast)
         for owner, attr, _ in self._slots:  # the originals leave the modules; only the shard is a parameter
             delattr(owner, attr)
             setattr(owner, attr, torch.empty(0, dtype=self.param_dtype, device=device))
@@ -136,21 +145,24 @@ class FlatUnit:
         storage = self.full.untyped_storage()
         if storage.nbytes() != self._bytes:
             storage.resize_(self._bytes)
-        self._send = self.shard.detach().to(self.param_dtype)
+        self._send = self.shard.detach().to(self.gather_dtype)
         # .data: the write does not bump the version autograd checks on the tensors saved from ``full``'s views
-        result = all_gather_uneven(self._send, self.sizes, self.group, async_op=async_op, out=self.full.data)
-        if async_op:
-            self.pending = result[1]
-            self.state = UnitState.GATHERING
-        else:
-            self._send = None
-            self.state = UnitState.GATHERED
+        out = self.full.data if self.gather_dtype == self.param_dtype else None
+        result = all_gather_uneven(self._send, self.sizes, self.group, async_op=async_op, out=out)
+        self.pending = result[1] if async_op else None
+        self._wire = result[0] if async_op else result
+        self.state = UnitState.GATHERING
+        if not async_op:
+            self.wait_gather()
 
     def wait_gather(self) -> None:
         """Block until the in-flight gather has landed in ``full``."""
         if self.state == UnitState.GATHERING:
-            self.pending.wait()
-            self.pending, self._send = None, None
+            if self.pending is not None:
+                self.pending.wait()
+            if self._wire.data_ptr() != self.full.data_ptr():  # gathered in another dtype: cast into place
+                self.full.data.copy_(self._wire)
+            self.pending, self._send, self._wire = None, None, None
             self.state = UnitState.GATHERED
 
     def use_views(self) -> None:
@@ -188,3 +200,34 @@ class FlatUnit:
         in the original dtype (a collective)."""
         flat = all_gather_uneven(self.shard.detach(), self.sizes, self.group)
         return [piece.view(shape).to(self.dtype) for piece, shape in zip(flat.split(self.numels), self.shapes)]
+
+
+def agree_dtypes(units: Sequence[FlatUnit], reduce_dtype: torch.dtype, group: Any = None) -> None:
+    """Give every unit a gather and a reduction dtype that every rank of ``group`` shares (a collective).
+
+    Ranks may compute in different dtypes (per-device precision: bf16 on one, fp32 on another), but a collective
+    moves one dtype: each unit is gathered in the common compute dtype where all ranks agree, else in the master
+    dtype, and reduced in the widest of ``reduce_dtype`` and every rank's compute dtype.  Master dtypes must
+    agree (every rank's optimizer steps the same numbers)."""
+    if not units:
+        return
+    for unit in units:
+        for dtype in (unit.param_dtype, unit.master_dtype):
+            if dtype not in _DTYPES:
+                raise field_error(f"shard_model.units[{unit.name}].dtype", str(dtype),
+                                  f"be one of {', '.join(str(d) for d in _DTYPES)}")
+    mine = torch.tensor([_DTYPES.index(d) for u in units for d in (u.param_dtype, u.master_dtype)],
+                        dtype=torch.int64, device=units[0].shard.device)
+    world = units[0].world
+    every = all_gather_uneven(mine, [mine.numel()] * world, group).view(world, len(units), 2)
+    for i, unit in enumerate(units):
+        params = {_DTYPES[int(c)] for c in every[:, i, 0]}
+        masters = {_DTYPES[int(c)] for c in every[:, i, 1]}
+        if len(masters) > 1:
+            raise field_error(f"shard_model.units[{unit.name}].dtype", sorted(str(d) for d in masters),
+                              "be the same master dtype on every rank (float64 parameters on all or none)")
+        unit.gather_dtype = unit.param_dtype if len(params) == 1 else unit.master_dtype
+        widest = reduce_dtype
+        for dtype in params:
+            widest = torch.promote_types(widest, dtype)
+        unit.reduce_dtype = widest

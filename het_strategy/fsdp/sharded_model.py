@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import rank_debug
-from het_strategy.fsdp.flat_unit import ROOT_UNIT, FlatUnit, UnitState
+from het_strategy.fsdp.flat_unit import ROOT_UNIT, FlatUnit, UnitState, agree_dtypes
 
 __all__ = ["ShardedModel", "shard_model"]
 
@@ -270,9 +270,10 @@ def shard_model(module: nn.Module, units: Sequence[nn.Module | str], fractions: 
 
     ``units``: the blocks (submodules, or their dotted names), in forward order; the parameters outside them form
     the root unit.  ``fractions``: one per rank of ``group``, summing to 1 (``core.shard_sizes``).  ``rank`` /
-    ``world``: this rank's rank in ``group`` and the group's size.  ``param_dtype``: the dtype units are gathered
-    and computed in (default: the parameters' own); shards are float32 (float64 for float64 parameters).
-    ``reduce_dtype``: the gradients' reduction dtype (the compute dtype where that is wider).
+    ``world``: this rank's rank in ``group`` and the group's size.  ``param_dtype``: the dtype this rank computes the
+    units in (default: the parameters' own; it may differ between ranks: per-device precision); shards are float32
+    (float64 for float64 parameters).  ``reduce_dtype``: the gradients' reduction dtype (the widest rank's compute
+    dtype where that is wider; ``flat_unit.agree_dtypes``).
     ``checkpoint_activations``: recompute each block's forward in its backward.  ``sync_module_states``: start
     from rank 0's values (one broadcast per unit) rather than from each rank's own, which must then be equal.
 
@@ -290,6 +291,7 @@ def shard_model(module: nn.Module, units: Sequence[nn.Module | str], fractions: 
 
     blocks = [unit(path, block, slots) for path, block, slots in zip(paths, block_modules, block_slots)]
     root = unit(ROOT_UNIT, module, root_slots) if root_slots else None
+    agree_dtypes(([root] if root is not None else []) + blocks, reduce_dtype, group)
     if checkpoint_activations:
         for block in block_modules:
             block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
