@@ -73,7 +73,7 @@ def optimizer_for(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def reference(opt: str, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+def reference(opt: str, dtype: torch.dtype = torch.float64, clip: float | None = None) -> dict[str, torch.Tensor]:
     """One process, the whole batch, ``STEPS`` steps: the state dict the sharded run must reach."""
     model = build_model(dtype)
     optimizer = optimizer_for(opt, model.parameters())
@@ -81,6 +81,8 @@ def reference(opt: str, dtype: torch.dtype = torch.float64) -> dict[str, torch.T
         x, y = batch(step)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -111,7 +113,7 @@ def collectives(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
 
 def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: bool, checkpoint: bool,
           micro_batches: int, model_dtype: torch.dtype = torch.float64,
-          param_dtypes: list[torch.dtype] | None = None) -> dict:
+          param_dtypes: list[torch.dtype] | None = None, clip: float | None = None) -> dict:
     """``STEPS`` sharded steps on this rank's share (in ``micro_batches`` pieces each; computing in
     ``param_dtypes[rank]`` when given), then the full state dict (every rank's and rank 0's form) and what the run
     saw."""
@@ -131,6 +133,7 @@ def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: boo
     start = sum(SHARES[:rank])
     rows = SHARES[rank]
     held_after_forward = {}
+    norms: list[float] = []
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x[start:start + rows], y[start:start + rows]
@@ -142,12 +145,15 @@ def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: boo
                 held_after_forward = {u.name: u.full.untyped_storage().nbytes() for u in sharded.units}
             loss.backward()
         grad_dtypes = {str(p.grad.dtype) for p in model.parameters()}
+        if clip is not None:
+            norms.append(float(sharded.clip_grad_norm_(clip)))
         optimizer.step()
     with torch.no_grad():
         sharded(batch(0)[0].to(compute))
     held_after_eval = {u.name: u.full.untyped_storage().nbytes() for u in sharded.units}
     return {
         "compute_dtype": str(seen["weight"]),
+        "norms": norms,
         "shard_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "grad_dtypes": sorted(grad_dtypes),
         "wire_dtypes": sorted({(str(u.gather_dtype), str(u.reduce_dtype)) for u in sharded.units}),

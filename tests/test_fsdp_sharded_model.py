@@ -17,10 +17,14 @@ from het_strategy.fsdp import FLAT_SHARD, ROOT_UNIT, shard_model
 WORLD = 3
 
 
+CLIP = 0.05
+"""A gradient norm the steps exceed (so clipping changes them)."""
+
+
 @pytest.fixture(scope="module")
-def references() -> dict[str, dict[str, torch.Tensor]]:
+def references() -> dict[tuple[str, float | None], dict[str, torch.Tensor]]:
     # computed before the ranks fork: they inherit the optimizers' lazily imported modules
-    return {opt: worker.reference(opt) for opt in ("sgd", "adam")}
+    return {(opt, clip): worker.reference(opt, clip=clip) for opt in ("sgd", "adam") for clip in (None, CLIP)}
 
 
 def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -28,16 +32,17 @@ def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("opt, fractions, prefetch, checkpoint, micro_batches", [
-    ("sgd", worker.FRACTIONS, True, False, 1),
-    ("sgd", worker.FRACTIONS, False, False, 1),
-    ("adam", worker.FRACTIONS, True, True, 2),
-    ("sgd", [0.5, 0.5, 0.0], True, True, 1),
-], ids=["sgd-prefetch", "sgd-no-prefetch", "adam-checkpoint-micro2", "sgd-empty-rank"])
-def test_sharded_training_equals_one_process(references, opt, fractions, prefetch, checkpoint,
-                                             micro_batches) -> None:
-    ref = references[opt]
-    got = run_local_ranks(worker.train, WORLD, opt, fractions, prefetch, checkpoint, micro_batches, timeout_s=60)
+@pytest.mark.parametrize("opt, fractions, prefetch, checkpoint, micro_batches, clip", [
+    ("sgd", worker.FRACTIONS, True, False, 1, None),
+    ("sgd", worker.FRACTIONS, False, False, 1, None),
+    ("adam", worker.FRACTIONS, True, True, 2, None),
+    ("sgd", [0.5, 0.5, 0.0], True, True, 1, CLIP),
+], ids=["sgd-prefetch", "sgd-no-prefetch", "adam-checkpoint-micro2", "sgd-empty-rank-clipped"])
+def test_sharded_training_equals_one_process(references, opt, fractions, prefetch, checkpoint, micro_batches,
+                                             clip) -> None:
+    ref = references[opt, clip]
+    got = run_local_ranks(worker.train, WORLD, opt, fractions, prefetch, checkpoint, micro_batches, torch.float64,
+                          None, clip, timeout_s=60)
     for rank, r in enumerate(got):
         full = r["full_everywhere"]
         assert list(full) == list(ref)  # the original names, in state_dict order
@@ -59,6 +64,8 @@ def test_sharded_training_equals_one_process(references, opt, fractions, prefetc
         assert r["num_gathers"] == 7 * passes + 4
         assert r["num_prefetched"] == (6 * passes + 3 if prefetch else 0)
         assert r["comm_wait_s"] > 0
+        if clip is not None:  # the whole model's norm, the same on every rank, above the bound at every step
+            assert r["norms"] == got[0]["norms"] and min(r["norms"]) > clip
         # 3 block forwards per pass, recomputed in the backward when checkpointed; 3 more for the eval pass
         assert r["block_forward_calls"] == 3 * passes * (2 if checkpoint else 1) + 3
     assert got[0]["full_rank0"].keys() == ref.keys() and _max_diff(got[0]["full_rank0"], ref) < 1e-10

@@ -175,6 +175,31 @@ class ShardedModel:
             unit.reduce_gradient()
         unit.free()
 
+    # -- the step ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every shard's gradient so that the whole model's gradient norm is at most ``max_norm`` (as
+        ``torch.nn.utils.clip_grad_norm_`` on the unsharded model); returns that norm (before clipping).  A
+        collective: every element of the model lies in exactly one rank's shard, so the norm is one all-reduce of
+        the shards' ``norm_type``-th powers (or of their maxima, for the infinity norm)."""
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        device = self.units[0].shard.device
+        dtype = self.units[0].master_dtype
+        p = float(norm_type)
+        local = torch.zeros((), dtype=dtype, device=device)
+        for grad in grads:
+            if grad.numel():
+                part = grad.detach().abs().max() if p == float("inf") else grad.detach().abs().pow(p).sum()
+                local = torch.maximum(local, part.to(dtype)) if p == float("inf") else local + part.to(dtype)
+        with self._blocked():
+            op = torch.distributed.ReduceOp.MAX if p == float("inf") else torch.distributed.ReduceOp.SUM
+            torch.distributed.all_reduce(local, op=op, group=self.group)
+        total = local if p == float("inf") else local.pow(1.0 / p)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
     # -- export ------------------------------------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The original module's ``state_dict()``: the same names, shapes and dtypes (parameters gathered from
