@@ -136,3 +136,93 @@ def flat_load(fractions: list[float], ckpt: str, rank: int, port: int, cache_dir
                 "lrs": [g["lr"] for g in opt.param_groups]}
 
     _run(body, rank, len(fractions), port, out_dir)
+
+
+# -- a model sharded by het_strategy.fsdp.shard_model ---------------------------------------------------------
+WIDTH = 6
+ROWS = 12
+"""The global batch's rows, split among the ranks by their shares."""
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = torch.nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _Net(torch.nn.Module):
+    """Root parameters (``inp``, ``head``) around two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, WIDTH)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.head = torch.nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _sharded_net(seed: int, fractions: list[float], rank: int) -> tuple[Any, torch.nn.Module]:
+    from het_strategy.fsdp.sharded_model import shard_model
+
+    torch.manual_seed(seed)
+    net = _Net().double()
+    return shard_model(net, list(net.blocks), fractions, rank, len(fractions)), net
+
+
+def _train_step(sharded: Any, opt: torch.optim.Optimizer, step: int, rank: int, shares: list[int]) -> None:
+    """One step on this rank's rows of the global batch, its loss weighted by ``n_r * world / N`` (the reduced
+    gradient is then the whole batch's mean)."""
+    g = torch.Generator().manual_seed(500 + step)
+    x, y = torch.randn(ROWS, 4, generator=g, dtype=torch.float64), torch.randn(ROWS, 3, generator=g, dtype=torch.float64)
+    start, rows = sum(shares[:rank]), shares[rank]
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(sharded(x[start:start + rows]), y[start:start + rows])
+    (loss * (rows * len(shares) / ROWS)).backward()
+    opt.step()
+
+
+def _full_state(sharded: Any) -> dict[str, list[float]]:
+    return {k: v.flatten().tolist() for k, v in sharded.full_state_dict(rank0_only=False).items()}
+
+
+def model_save(fractions: list[float], shares: list[int], steps: int, ckpt: str, rank: int, port: int,
+               cache_dir: str, out_dir: str) -> None:
+    """``steps`` Adam steps of the sharded ``_Net``, save, one more step; the full state at the save and after."""
+
+    def body(rank: int) -> dict[str, Any]:
+        sharded, net = _sharded_net(0, fractions, rank)
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        for step in range(steps):
+            _train_step(sharded, opt, step, rank, shares)
+        save_sharded(sharded, opt, ckpt, extra={"global_step": steps})
+        saved = _full_state(sharded)
+        _train_step(sharded, opt, steps, rank, shares)
+        return {"saved": saved, "after": _full_state(sharded)}
+
+    _run(body, rank, len(fractions), port, out_dir)
+
+
+def model_load(fractions: list[float], shares: list[int], ckpt: str, rank: int, port: int, cache_dir: str,
+               out_dir: str) -> None:
+    """Another initial ``_Net`` (seed 1) sharded by ``fractions``, an Adam with another learning rate, load, one
+    step; the full state after the load and after the step."""
+
+    def body(rank: int) -> dict[str, Any]:
+        sharded, net = _sharded_net(1, fractions, rank)
+        opt = torch.optim.Adam(net.parameters(), lr=0.5)
+        extra = load_sharded(sharded, opt, ckpt)
+        loaded = _full_state(sharded)
+        _train_step(sharded, opt, extra["global_step"], rank, shares)
+        return {"loaded": loaded, "after": _full_state(sharded), "extra": extra,
+                "sizes": {u.name: u.sizes for u in sharded.units}}
+
+    _run(body, rank, len(fractions), port, out_dir)

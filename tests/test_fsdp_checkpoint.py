@@ -22,6 +22,15 @@ SAVE_FRACTIONS = [4 / 7, 2 / 7, 1 / 7]
 TIMEOUT_S = 60
 
 
+@pytest.fixture(scope="module")
+def optimizer_imported() -> None:
+    """One Adam step here: its first step imports torch._dynamo (a second or more), which the forked ranks then
+    inherit instead of each importing it."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.ones(1)
+    torch.optim.Adam([param]).step()
+
+
 def _full(ranks: list[dict[str, Any]], phase: str) -> dict[str, dict[str, Any]]:
     """Per unit: the flat parameter and each optimizer state tensor put together from the ranks' pieces (by
     offset), and the scalar states (which every rank must hold alike)."""
@@ -48,6 +57,7 @@ def _sizes(fractions: list[float]) -> dict[str, list[int]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the ranks are forked (no torch import each)")
+@pytest.mark.usefixtures("optimizer_imported")
 @pytest.mark.parametrize("load_fractions, async_save", [([1 / 2, 1 / 2], False), ([0.0, 1 / 3, 2 / 3], True)],
                          ids=["3-to-2-ranks", "3-to-3-ranks-async"])
 def test_a_checkpoint_of_three_uneven_ranks_loads_into_another_layout_and_takes_the_same_next_step(
@@ -136,3 +146,28 @@ def test_units_that_differ_from_the_checkpoints_are_refused(tmp_path: Path) -> N
     stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     with pytest.raises(ConfigError, match=r"`optimizer.param_groups\[0\].params\[0\]` is \(3,\); it must be one of"):
         save_sharded(model, stray, tmp_path / "other")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the ranks are forked (no torch import each)")
+@pytest.mark.usefixtures("optimizer_imported")
+def test_a_sharded_model_saved_by_three_ranks_takes_the_same_next_update_on_two(tmp_path: Path) -> None:
+    """``shard_model``'s float64 model, 5 Adam steps on 3 ranks (shards 4:2:1, batch shares 5:5:2), saved; loaded
+    into 2 ranks (shards and shares 1:1) over another initial model and learning rate: the full state dict is the
+    saved one exactly, and one more step on each side gives the same parameters to 1e-12."""
+    ckpt = str(tmp_path / "ckpt")
+    (tmp_path / "save").mkdir()
+    (tmp_path / "load").mkdir()
+    saved = run_spawned_ranks(functools.partial(worker.model_save, SAVE_FRACTIONS, [5, 5, 2], 5, ckpt), 3,
+                              tmp_path / "save", TIMEOUT_S, start_method="fork")
+    loaded = run_spawned_ranks(functools.partial(worker.model_load, [1 / 2, 1 / 2], [6, 6], ckpt), 2,
+                               tmp_path / "load", TIMEOUT_S, start_method="fork")
+    assert loaded[0]["sizes"]["blocks.0"] == [81, 81]  # 6*12+12 + 12*6+6 elements, cut 1:1 (saved: 4:2:1)
+    assert loaded[0]["extra"] == {"global_step": 5}
+    for r in loaded:
+        assert r["loaded"] == saved[0]["saved"]
+    before, a, b = saved[0]["saved"], saved[0]["after"], loaded[0]["after"]
+    assert set(a) == set(b) == set(before)
+    diff = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
+    moved = max(abs(x - y) for name in a for x, y in zip(a[name], before[name]))
+    assert diff <= 1e-12 < moved, (diff, moved)

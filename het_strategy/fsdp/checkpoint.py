@@ -8,8 +8,8 @@ What the checkpoint holds (one DCP key each):
 - ``optim.<unit>.<state>``: each optimizer state tensor with the shard's shape (Adam's ``exp_avg`` and
   ``exp_avg_sq``, SGD's ``momentum_buffer``) as a global 1-D tensor in the same chunks; a 0-dim tensor (Adam's
   ``step``) or a Python value, the same on every rank, once.
-- ``optim.param_groups`` (the hyperparameters, each group's parameters named by unit), ``extra`` (the caller's
-  plain dict: the plan, the loop's counters) and ``layout`` (the units' sizes at save time, for messages): once.
+- ``optim.param_groups`` (the hyperparameters, each group's parameters named by unit) and ``extra`` (the
+  caller's plain dict: the plan, the loop's counters): once.
 
 Loading asks DCP, per unit, for the chunk the *current* layout gives this rank; DCP's resharding reads the
 overlapping pieces of whichever saved chunks cover it. So a checkpoint written by 3 ranks with sizes 4:2:1 loads
@@ -57,7 +57,7 @@ __all__ = ["save_sharded", "load_sharded"]
 _METADATA = ".metadata"
 """The file DCP's FileSystemWriter writes last (renamed from a temporary); its presence marks a finished save."""
 
-_MODEL, _OPTIM, _GROUPS, _EXTRA, _LAYOUT = "model.", "optim.", "optim.param_groups", "extra", "layout"
+_MODEL, _OPTIM, _GROUPS, _EXTRA = "model.", "optim.", "optim.param_groups", "extra"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,18 +189,20 @@ def _optimizer_state(sharded_model: Any, optimizer: torch.optim.Optimizer,
     return state, sharded
 
 
-_ASYNC_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-"""One gloo group per set of ranks for async saves: their collectives run in DCP's background thread, beside the
-training's on the model's group, and two threads must never share one group (the ranks could pair up different
-collectives)."""
+_ASYNC_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
+"""(default group, ranks) -> the gloo group of those ranks for async saves: their collectives run in DCP's
+background thread beside the training's on the model's group, and two threads must never share one group (the
+ranks could pair up different collectives).  Keyed by the default group object itself (held here), so a process
+group initialised again after ``destroy_process_group`` gets groups of its own."""
 
 
 def _async_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    if ranks not in _ASYNC_GROUPS:
+    world = dist.group.WORLD
+    key = (world, tuple(dist.get_process_group_ranks(group or world)))
+    if key not in _ASYNC_GROUPS:
         # new_group is collective over the default group: every rank reaches it in its first async save
-        _ASYNC_GROUPS[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
-    return _ASYNC_GROUPS[ranks]
+        _ASYNC_GROUPS[key] = dist.new_group(ranks=list(key[1]), backend="gloo")
+    return _ASYNC_GROUPS[key]
 
 
 def save_sharded(sharded_model: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
@@ -226,8 +228,6 @@ def save_sharded(sharded_model: Any, optimizer: torch.optim.Optimizer | None, pa
         state.update(optim_state)
         chunks.update(optim_chunks)
     state[_EXTRA] = dict(extra or {})
-    state[_LAYOUT] = {unit.name: {"numel": int(unit.numel), "sizes": [int(s) for s in unit.sizes]}
-                      for unit in sharded_model.units}
     if rank == 0:
         # before any data is written: a save that stops half way must not pair new data with an old .metadata
         (path / _METADATA).unlink(missing_ok=True)
