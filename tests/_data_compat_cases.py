@@ -42,6 +42,16 @@ class TaggedLoader(DataLoader):
         return f"tagged:{self.tag}"
 
 
+class FeatureLoader(DataLoader):
+    """A DataLoader subclass with a required argument it only checks and never stores (Lightning rebuilds such a
+    class from the arguments it recorded)."""
+
+    def __init__(self, dataset: Any, num_features: int, **kwargs: Any) -> None:
+        if num_features != 4:
+            raise ValueError(f"num_features {num_features}")
+        super().__init__(dataset, **kwargs)
+
+
 class LengthBuckets(BatchSampler):
     """A bucketing batch sampler: each batch's indices ordered by a (fake) sequence length, longest first."""
 
@@ -57,18 +67,44 @@ class FixedFour(BatchSampler):
         super().__init__(sampler, 4, drop_last)
 
 
+def _parts(batch: Any) -> list[Any]:
+    """The (x, y, index) batches in ``batch`` (a combined loader's dict or list of them; None: exhausted)."""
+    parts = list(batch.values()) if isinstance(batch, dict) else (
+        list(batch) if isinstance(batch, (list, tuple)) and isinstance(batch[0], (list, tuple, type(None)))
+        else [batch])
+    return [p for p in parts if p is not None]
+
+
 def _indices(batch: Any) -> list[int]:
-    if isinstance(batch, dict):
-        return [i for part in batch.values() for i in part[2].tolist()]
-    if isinstance(batch, (list, tuple)) and isinstance(batch[0], (list, tuple)):
-        return [i for part in batch for i in part[2].tolist()]
-    return batch[2].tolist()
+    return [i for part in _parts(batch) for i in part[2].tolist()]
 
 
 def _xy(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = list(batch.values()) if isinstance(batch, dict) else (
-        list(batch) if isinstance(batch[0], (list, tuple)) else [batch])
+    parts = _parts(batch)
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+EVAL_CASES = ("val_shuffle", "val_overfit", "combined_sequential", "combined_eval_max_size_cycle",
+              "combined_eval_max_size", "combined_eval_min_size", "subclass_unstored", "uneven_val")
+"""The cases that also record their evaluation (samplers, samples per rank, synced metrics) and run
+``trainer.test`` after ``fit``."""
+
+
+def sampler_attributes(loader: Any) -> dict[str, Any]:
+    """What a user reads of a loader's sampler (the batch sampler's sampler for a custom batch sampler)."""
+    sampler = loader.sampler
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    if type(loader.batch_sampler) is not BatchSampler and inner is not None:
+        sampler = inner
+    return {"class": type(sampler).__name__, **{name: getattr(sampler, name, None)
+                                                for name in ("shuffle", "seed", "num_replicas", "rank",
+                                                             "drop_last")}}
+
+
+def _eval_loaders(loaders: Any) -> list[Any]:
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
 
 
 def _combined(pl: Any, mode: str) -> Any:
@@ -120,6 +156,8 @@ def make_module(case: str, out_dir: str, pl: Any) -> Any:
                 return DataLoader(Subset(data, list(range(start, start + 4 * share))), batch_size=share)
             if case == "subclass":
                 return TaggedLoader(data, tag="mine", batch_size=4)
+            if case == "subclass_unstored":
+                return FeatureLoader(data, 4, batch_size=4)
             if case == "bucketing":
                 return DataLoader(data, batch_sampler=LengthBuckets(torch.utils.data.SequentialSampler(data), 4,
                                                                     drop_last=False))
@@ -130,11 +168,45 @@ def make_module(case: str, out_dir: str, pl: Any) -> Any:
             return DataLoader(data, batch_size=4)
 
         def val_dataloader(self) -> Any:
-            return _combined(pl, "sequential") if case == "combined_sequential" else []
+            if case == "combined_sequential":
+                return _combined(pl, "sequential")
+            if case.startswith("combined_eval_"):
+                return _combined(pl, case.removeprefix("combined_eval_"))
+            if case in ("val_shuffle", "val_overfit"):
+                return DataLoader(IndexedData(N, seed=2), batch_size=4, shuffle=True)
+            if case == "subclass_unstored":
+                return FeatureLoader(IndexedData(N, seed=2), 4, batch_size=4)
+            if case == "uneven_val":
+                return DataLoader(IndexedData(N, seed=2), batch_size=4)
+            return []
+
+        def test_dataloader(self) -> Any:
+            return self.val_dataloader()
+
+        def _eval_step(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+            x, y = _xy(batch)
+            loss = (self.net(x).squeeze(-1) - y).pow(2).mean()
+            self.log(f"{stage}_loss", loss, sync_dist=True, batch_size=len(y))
+            self.val_rows.append({"stage": stage, "epoch": self.current_epoch, "loader": dataloader_idx,
+                                  "step": batch_idx, "indices": _indices(batch), "shape": list(x.shape)})
 
         def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-            self.val_rows.append({"epoch": self.current_epoch, "loader": dataloader_idx, "step": batch_idx,
-                                  "indices": batch[2].tolist(), "shape": list(batch[0].shape)})
+            self._eval_step("val", batch, batch_idx, dataloader_idx)
+
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self._eval_step("test", batch, batch_idx, dataloader_idx)
+
+        def _eval_end(self, stage: str, loaders: Any) -> None:
+            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(stage)}
+            self.info.setdefault(f"{stage}_metrics", []).append(metrics)
+            self.info[f"{stage}_samplers"] = [sampler_attributes(dl) for dl in _eval_loaders(loaders)]
+
+        def on_validation_epoch_end(self) -> None:
+            self._eval_end("val", self.trainer.val_dataloaders)
+
+        def on_test_epoch_end(self) -> None:
+            self._eval_end("test", self.trainer.test_dataloaders)
+            self._write("test")
 
         def on_train_start(self) -> None:
             loader = self.trainer.train_dataloader
@@ -142,9 +214,13 @@ def make_module(case: str, out_dir: str, pl: Any) -> Any:
             self.info["describe"] = loader.describe() if isinstance(loader, TaggedLoader) else None
 
         def on_train_end(self) -> None:
+            self._write("rank")
+
+        def _write(self, prefix: str) -> None:
+            """``rank<r>.json`` after fit; ``test<r>.json`` after ``trainer.test`` (its own launch of the ranks)."""
             params = [p.detach().flatten().tolist() for p in self.net.parameters()]
             out = {"rows": self.rows, "val_rows": self.val_rows, "params": params, "info": self.info}
-            Path(out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(out))
+            Path(out_dir, f"{prefix}{self.global_rank}.json").write_text(json.dumps(out))
 
     return Recorded()
 
@@ -181,7 +257,7 @@ def run_case(case: str, strategy: str, out: Path, package: str = "lightning",
                                   enable_checkpointing=False, num_sanity_val_steps=0)
     if case in ("own_shards", "planned_shards", "uneven_shards"):
         kwargs["use_distributed_sampler"] = False
-    if case == "overfit_batches":
+    if case in ("overfit_batches", "val_overfit"):
         kwargs["overfit_batches"] = 2
     if case == "limit_train_batches":
         kwargs["limit_train_batches"] = 3
@@ -190,4 +266,9 @@ def run_case(case: str, strategy: str, out: Path, package: str = "lightning",
     module = make_module(case, str(out), pl)
     datamodule = make_datamodule(pl) if case == "datamodule" else None
     trainer.fit(module, datamodule=datamodule)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    if case in EVAL_CASES:
+        trainer.test(module, verbose=False)
+        for r, record in enumerate(records):
+            record["test"] = json.loads((out / f"test{r}.json").read_text())
+    return records

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests._data_compat_cases import N, run_case  # noqa: E402
+from tests._data_compat_cases import EVAL_CASES, N, run_case  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("fresh_master_port"),
               pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (Lightning's fork launcher)")]
@@ -91,23 +91,96 @@ def test_lightning_data_loading_examples_train_as_under_ddp(case, tmp_path, monk
     _same_training(ddp, hetero)
 
 
+def _same_evaluation(ddp: list[dict], hetero: list[dict]) -> None:
+    """Each rank's evaluation as under DDP: its loaders' samplers (class, shuffle, seed, replicas, rank,
+    drop_last), the samples it evaluated in each step, and the synced metrics of every validation and test."""
+    for mine, theirs in zip(hetero, ddp):
+        for record_mine, record_theirs in ((mine, theirs), (mine["test"], theirs["test"])):
+            assert record_mine["val_rows"] == record_theirs["val_rows"]
+            for stage in ("val", "test"):
+                assert record_mine["info"].get(f"{stage}_samplers") == record_theirs["info"].get(f"{stage}_samplers")
+                got, want = record_mine["info"].get(f"{stage}_metrics"), record_theirs["info"].get(f"{stage}_metrics")
+                assert (got is None) == (want is None)
+                for a, b in zip(got or [], want or []):
+                    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-12) for k in a)
+        assert mine["test"]["info"]["test_samplers"]  # trainer.test ran and recorded its loaders
+
+
+def _evaluated(ranks: list[dict], stage: str = "val") -> dict[tuple[int, int], list[int]]:
+    """(epoch, loader) -> the sorted samples every rank evaluated in it."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for record in ranks:
+        for row in (record if stage == "val" else record["test"])["val_rows"]:
+            if row["stage"] == stage:
+                out.setdefault((row["epoch"], row["loader"]), []).extend(row["indices"])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_a_validation_loader_keeps_its_shuffle_as_under_ddp(tmp_path, monkeypatch) -> None:
+    """``val_dataloader(shuffle=True)``: DDP's ``DistributedSampler`` with ``shuffle=True`` on every rank, the same
+    samples per rank and the same ``sync_dist`` loss."""
+    ddp, hetero = _both("val_shuffle", tmp_path, monkeypatch)
+    _same_evaluation(ddp, hetero)
+    assert [r["info"]["val_samplers"][0]["shuffle"] for r in hetero] == [True, True]
+    assert [r["info"]["val_samplers"][0]["rank"] for r in hetero] == [0, 1]
+    _same_training(ddp, hetero)
+
+
+def test_overfit_batches_evaluate_on_ddp_samplers_without_shuffling(tmp_path, monkeypatch) -> None:
+    """``overfit_batches=2`` with a shuffled validation loader: Lightning turns the shuffle off and gives it a
+    distributed sampler, under ``hetero`` as under ``ddp``."""
+    ddp, hetero = _both("val_overfit", tmp_path, monkeypatch)
+    _same_evaluation(ddp, hetero)
+    assert {(s["class"], s["shuffle"]) for r in hetero for s in r["info"]["val_samplers"]} == {
+        ("DistributedSampler", False)}
+    _same_training(ddp, hetero)
+
+
+@pytest.mark.parametrize("mode", ["max_size_cycle", "max_size", "min_size"])
+def test_a_combined_loader_evaluates_with_a_distributed_sampler_per_loader(mode, tmp_path, monkeypatch) -> None:
+    """``CombinedLoader`` in validation and test: each of its loaders gets DDP's distributed sampler (rank r of
+    2), so the ranks evaluate disjoint halves, and the synced losses are DDP's."""
+    ddp, hetero = _both(f"combined_eval_{mode}", tmp_path, monkeypatch)
+    _same_evaluation(ddp, hetero)
+    for rank, record in enumerate(hetero):
+        assert [(s["class"], s["rank"], s["num_replicas"]) for s in record["info"]["val_samplers"]] == [
+            ("DistributedSampler", rank, 2)] * 2
+
+
+def test_a_dataloader_subclass_with_an_unstored_argument_is_rebuilt_from_its_call(tmp_path, monkeypatch) -> None:
+    """``FeatureLoader(data, 4, batch_size=4)`` only checks ``num_features`` and keeps no attribute of it: its
+    training loader is built again from the call Lightning made (the same class), and it trains and evaluates as
+    under DDP."""
+    ddp, hetero = _both("subclass_unstored", tmp_path, monkeypatch)
+    _same_training(ddp, hetero)
+    _same_evaluation(ddp, hetero)
+
+
+def test_evaluation_under_uneven_training_shares_is_ddp_s(tmp_path, monkeypatch) -> None:
+    """Training shares 6 : 2 (speeds 3 : 1): validation still splits evenly as DDP does, each validation sample is
+    evaluated exactly once across the ranks, and the synced validation loss equals DDP's (the update is exact)."""
+    from het_strategy.emulation.local_ranks import free_port
+    from tests._data_compat_cases import FAST_SLOW_CLUSTER
+
+    ddp = run_case("uneven_val", "ddp", tmp_path / "ddp")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    hetero = run_case("uneven_val", "hetero", tmp_path / "hetero", cluster=FAST_SLOW_CLUSTER)
+    assert {tuple(row["shape"]) for row in hetero[0]["rows"]} == {(6, 4)}  # the uneven training split
+    _same_evaluation(ddp, hetero)
+    assert _evaluated(hetero) == {(e, 0): list(range(N)) for e in (0, 1)}
+    assert _evaluated(hetero, "test") == {(0, 0): list(range(N))}
+
+
 def test_a_sequential_combined_loader_validates_every_sample_once(tmp_path, monkeypatch) -> None:
     """``CombinedLoader(mode="sequential")`` (evaluation only in Lightning): each loader's samples over all ranks
     once per validation, as DDP's are (its sizes are multiples of the world, so DDP repeats none)."""
     ddp, hetero = _both("combined_sequential", tmp_path, monkeypatch)
-
-    def seen(ranks: list[dict]) -> dict[tuple[int, int], list[int]]:
-        out: dict[tuple[int, int], list[int]] = {}
-        for record in ranks:
-            for row in record["val_rows"]:
-                out.setdefault((row["epoch"], row["loader"]), []).extend(row["indices"])
-        return {k: sorted(v) for k, v in out.items()}
-
-    assert seen(hetero) == seen(ddp) == {(e, 0): list(range(N)) for e in (0, 1)} | {
+    _same_evaluation(ddp, hetero)
+    assert _evaluated(hetero) == {(e, 0): list(range(N)) for e in (0, 1)} | {
         (e, 1): list(range(N // 2)) for e in (0, 1)}
 
 
-@pytest.mark.parametrize("case", ["own_shards", "subclass", "bucketing"])
+@pytest.mark.parametrize("case", ["own_shards", "subclass", "bucketing", "subclass_unstored", "val_shuffle"])
 def test_the_same_holds_on_pytorch_lightning(case, tmp_path, monkeypatch) -> None:
     pytest.importorskip("pytorch_lightning")
     from het_strategy.emulation.local_ranks import free_port
@@ -116,6 +189,8 @@ def test_the_same_holds_on_pytorch_lightning(case, tmp_path, monkeypatch) -> Non
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     hetero = run_case(case, "hetero", tmp_path / "hetero", package="pytorch_lightning")
     _same_training(ddp, hetero)
+    if case in EVAL_CASES:
+        _same_evaluation(ddp, hetero)
     if case == "subclass":
         assert all(r["info"]["describe"] == "tagged:mine" for r in hetero)
 

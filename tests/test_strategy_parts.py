@@ -94,8 +94,8 @@ def test_the_plan_holder_estimates_the_workload_from_the_module() -> None:
 # -- BatchSplitter --------------------------------------------------------------------------------------
 def test_the_splitter_takes_the_global_batch_from_the_option_or_the_loader() -> None:
     loader = DataLoader(list(range(40)), batch_size=5)
-    assert BatchSplitter(12).global_batch(loader, True, 2) == 12
-    assert BatchSplitter(12).global_batch(loader, False, 2) == 10  # evaluation: batch_size x world
+    assert BatchSplitter(12).global_batch(loader, 2) == 12
+    assert BatchSplitter().global_batch(loader, 2) == 10  # batch_size x world
     with pytest.raises(ConfigError, match="DataLoader.batch_size"):
         loader_mode(DataLoader(list(range(4)), batch_size=None))
 

@@ -32,6 +32,7 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.hf.lightning_adapter import expert_layout_note, pipeline_of
 from het_strategy.planning.request import PlanMode
+from het_strategy.strategy.constructor_args import RECORDING
 from het_strategy.strategy.deepspeed_checkpoint import load_plan_checkpoint, save_plan_checkpoint
 from het_strategy.strategy.deepspeed_plan import DeepSpeedPlanHolder, ZeroStage
 from het_strategy.strategy.global_batches import SAMPLER_KWARGS, GlobalBatches, batch_pair
@@ -243,13 +244,16 @@ class DeepSpeedRun(StrategyRun):
 
     @override
     def distributed_sampler_kwargs(self, strategy: Any, parent: dict[str, Any]) -> dict[str, Any]:
-        """Replaces DDPStrategy's: every rank iterates the whole dataset in one order (PlanRunner slices)."""
+        """Replaces DDPStrategy's: every rank iterates the whole dataset in one order (PlanRunner slices).  The
+        loader Lightning builds next records its constructor's arguments (``constructor_args``)."""
+        RECORDING.open()
         return dict(SAMPLER_KWARGS)
 
     @override
     def process_dataloader(self, strategy: Any, parent: Parent, dataloader: Any) -> Any:
         """Check the global batch; the training loader becomes one whose position a checkpoint saves mid-epoch."""
         dataloader = parent(dataloader)
+        RECORDING.close()
         if self.plan is None:  # before the ranks are launched: every rank will load the whole global batch
             return dataloader
         training = getattr(strategy.lightning_module.trainer.state.stage, "value", None) in ("train", None)

@@ -4,8 +4,9 @@
 
 1. **Cluster and plan** (``PlanHolder``): the cluster is loaded or probed at setup; when the training loader
    arrives rank 0 plans the uneven split of the global batch and broadcasts it; ``apply_plan`` switches plans.
-2. **Batches** (``BatchSplitter``): every loader Lightning gave a distributed sampler is rebuilt so rank r gets
-   ``shares[r]`` samples of every global batch; a loader Lightning left alone runs as given.
+2. **Batches** (``BatchSplitter``): the training loader Lightning gave a distributed sampler is rebuilt so rank r
+   gets ``shares[r]`` samples of every global batch; one Lightning left alone runs as given; evaluation loaders
+   are Lightning's DDP loaders, unchanged.
 3. **Exact update**: each rank's loss is weighted (``DataParallelExtension.loss_weight``) by its samples, or its
    counted label tokens (``loss_weighting``, ``loss_tokens.py``), so DDP's average is the gradient of the mean loss
    over the whole global batch; ``sync_dist`` logging in a step is weighted the same way.
@@ -290,41 +291,46 @@ class HeteroRun(StrategyRun):
 
     @override
     def process_dataloader(self, strategy: Any, parent: Parent, dataloader: Any) -> Any:
-        """Every loader Lightning gave a distributed sampler is split by the plan's shares (``loaders.py``).
+        """The training loader Lightning gave a distributed sampler is split by the plan's shares (``loaders.py``).
 
-        A loader Lightning left alone (``use_distributed_sampler=False``, the user's ``DistributedSampler``)
-        runs as given on each rank, as under DDP.  Before the ranks are launched (``estimated_stepping_batches``
-        called outside ``fit``) a loader is split evenly: its length, the steps of an epoch, is the same for
-        any shares.
+        A training loader Lightning left alone (``use_distributed_sampler=False``, the user's
+        ``DistributedSampler``) runs as given on each rank, as under DDP.  Before the ranks are launched
+        (``estimated_stepping_batches`` called outside ``fit``) it is split evenly: its length, the steps of an
+        epoch, is the same for any shares.
+
+        Evaluation loaders (validation, sanity check, test, predict) stay as Lightning's DDP makes them: its
+        ``DistributedSampler`` (the user's ``shuffle``, ``drop_last``, ``overfit_batches``, ``limit_*_batches``;
+        each loader of a ``CombinedLoader``), equal shares on every rank.  Evaluation has no backward and no
+        gradient sync, so the speed-weighted split matters less there than the samplers' attributes and the
+        ``sync_dist`` metrics being DDP's.
         """
         dataloader = parent(dataloader)
         module = strategy.lightning_module
         state = module.trainer.state
         stage = state.stage.value if state.stage is not None else ""
-        if not isinstance(dataloader, DataLoader) or stage == "predict" or is_split(dataloader):
-            self.batches.forget_injection()
-            return dataloader  # prediction keeps Lightning's sampler; ours is already split
-        mode = self.batches.mode(dataloader)
         training = stage in ("train", "")  # no stage: the fit loop's data set up outside fit
+        if not isinstance(dataloader, DataLoader) or not training or is_split(dataloader):
+            self.batches.forget_injection()
+            return dataloader  # evaluation keeps DDP's sampler; ours is already split
+        mode = self.batches.mode(dataloader)
         launched = dist.is_available() and dist.is_initialized()
         if mode is LoaderMode.AS_IS:
-            if training and launched:
+            if launched:
                 self._keep_as_is(strategy, dataloader)
             return dataloader
         if not launched:
             world = strategy.world_size
-            global_batch = self.batches.global_batch(dataloader, training, world)
+            global_batch = self.batches.global_batch(dataloader, world)
             return self.batches.split(dataloader, mode, global_batch, split_by_shares(global_batch, [1] * world),
                                       0, 1, None)
         ctx = self.rank_context()
-        global_batch = self.batches.global_batch(dataloader, training, ctx.world)
-        if training and self.plans.ensure_plan(module, dataloader, global_batch, ctx, strategy.batch_to_device,
-                                               self.restored):
+        global_batch = self.batches.global_batch(dataloader, ctx.world)
+        if self.plans.ensure_plan(module, dataloader, global_batch, ctx, strategy.batch_to_device, self.restored):
             self._planned(strategy)
-        shares = self.plans.shares_for(module, dataloader, global_batch, ctx, self.batches.train_shares())
-        next_step = (lambda: self.pacing.clock.step + 1) if training else None
-        loader = self.batches.split(dataloader, mode, global_batch, shares, ctx.rank, ctx.world, next_step)
-        rank_debug(ctx.rank, "%s loader split (%s): global batch %d, shares %s", stage, mode.value, global_batch,
+        shares = self.plans.shares_for(global_batch, ctx.world, self.batches.train_shares())
+        loader = self.batches.split(dataloader, mode, global_batch, shares, ctx.rank, ctx.world,
+                                    lambda: self.pacing.clock.step + 1)
+        rank_debug(ctx.rank, "training loader split (%s): global batch %d, shares %s", mode.value, global_batch,
                    shares)
         return loader
 

@@ -2,11 +2,14 @@
 
 Lightning's DDP re-instantiates the user's ``DataLoader`` class (and a custom
 ``BatchSampler`` class) with a distributed sampler, so a subclass keeps its
-methods, attributes and ``isinstance``.  The hetero strategy does the same with
-its own samplers, the way Lightning reads the constructor's arguments: every
-parameter of the class's ``__init__`` is taken from the instance attribute of
-the same name, the values the strategy sets override them, and a required
-parameter that no attribute holds is refused in one line naming it.
+methods, attributes and ``isinstance``.  The hetero strategies do the same with
+their own samplers, from the arguments the loader was built with: the call
+recorded while Lightning built it (``constructor_args``), its sampling arguments
+replaced by name.  A loader whose call was not recorded (made outside Lightning)
+is built the way Lightning builds such a loader: every parameter of the class's
+``__init__`` is taken from the instance attribute of the same name, the values
+the strategy sets override them, and a required parameter that no attribute
+holds is refused in one line naming it.
 
 ``bind_position`` makes a rebuilt loader resumable through Lightning's
 ``state_dict``/``load_state_dict`` interface without changing its class.
@@ -20,6 +23,7 @@ from typing import Any, Callable
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from het_strategy.core.errors import field_error
+from het_strategy.strategy.constructor_args import called_again
 
 __all__ = ["rebuild_loader", "rebuild_batch_sampler", "fixed_batch_size", "bind_position"]
 
@@ -32,11 +36,13 @@ _SAMPLING = {"batch_size": 1, "shuffle": False, "sampler": None, "drop_last": Fa
 
 def rebuild_loader(dataloader: DataLoader, batch_sampler: Sampler[list[int]]) -> DataLoader:
     """``dataloader``'s own class, drawing its batches from ``batch_sampler``."""
+    sampling = dict(_SAMPLING, batch_sampler=batch_sampler)
     values: dict[str, Any] = {name: getattr(dataloader, name) for name in _LOADER_FIELDS}
     if dataloader.num_workers > 0:
         values["prefetch_factor"] = dataloader.prefetch_factor
-    values.update(_SAMPLING, batch_sampler=batch_sampler)
-    return _reinstantiated(dataloader, DataLoader, values, "DataLoader", required=("dataset", "batch_sampler"))
+    values.update(sampling)
+    return _reinstantiated(dataloader, DataLoader, values, "DataLoader", required=("dataset", "batch_sampler"),
+                           replaced=sampling)
 
 
 def fixed_batch_size(batch_sampler: Any) -> int | None:
@@ -91,8 +97,15 @@ def _takes_kwargs(params: Any) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _reinstantiated(obj: Any, base: type, values: dict[str, Any], field: str, required: tuple[str, ...]) -> Any:
-    """``type(obj)`` built again: ``values`` plus, for its own ``__init__`` parameters, the attributes of ``obj``.
+def _refused_arguments(field: str, cls: type, refused: list[str]) -> Exception:
+    return field_error(field, cls.__name__, f"accept the arguments {refused} in its __init__ (or **kwargs), "
+                      "so the hetero strategy can build it again around each rank's share")
+
+
+def _reinstantiated(obj: Any, base: type, values: dict[str, Any], field: str, required: tuple[str, ...],
+                    replaced: dict[str, Any] | None = None) -> Any:
+    """``type(obj)`` built again: its recorded call with ``replaced`` (default ``values``) in place of those
+    arguments, or, unrecorded, ``values`` plus, for its own ``__init__`` parameters, the attributes of ``obj``.
 
     ``required`` are the ``values`` its ``__init__`` must accept (the others are dropped when it has no such
     parameter: they are the base class's defaults).
@@ -100,6 +113,12 @@ def _reinstantiated(obj: Any, base: type, values: dict[str, Any], field: str, re
     cls = type(obj)
     if cls is base:
         return cls(**values)
+    again = called_again(obj, values if replaced is None else replaced, required)
+    if again is not None:
+        built, refused = again
+        if refused:
+            raise _refused_arguments(field, cls, refused)
+        return built
     params = inspect.signature(cls.__init__).parameters
     own = [p for name, p in params.items() if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     kwargs = {p.name: getattr(obj, p.name) for p in own if p.name not in values and hasattr(obj, p.name)}
@@ -107,13 +126,14 @@ def _reinstantiated(obj: Any, base: type, values: dict[str, Any], field: str, re
     if missing:
         raise field_error(field, cls.__name__, f"keep its __init__ arguments {missing} as attributes of the same "
                           "name, so the hetero strategy can build it again around each rank's share (as Lightning "
-                          "does to add its distributed sampler)")
+                          "does to add its distributed sampler to a loader made outside its *_dataloader hooks)",
+                          "or let Lightning hand the loader over (from a *_dataloader hook or trainer.fit's "
+                          "dataloaders): its call is then recorded")
     if _takes_kwargs(params):
         kwargs.update(values)
     else:
         kwargs.update({k: v for k, v in values.items() if k in params})
         refused = sorted(k for k in values if k not in params and k in required)
         if refused:
-            raise field_error(field, cls.__name__, f"accept the arguments {refused} in its __init__ (or **kwargs), "
-                              "so the hetero strategy can build it again around each rank's share")
+            raise _refused_arguments(field, cls, refused)
     return cls(**kwargs)

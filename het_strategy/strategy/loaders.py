@@ -1,9 +1,11 @@
-"""How the ``hetero`` strategy hands each rank its part of every loader: ``BatchSplitter``.
+"""How the ``hetero`` strategy hands each rank its part of the training loader: ``BatchSplitter``.
 
 Lightning's DDP adds a distributed sampler to every loader (unless
 ``Trainer(use_distributed_sampler=False)``) and builds the loader again around
-it.  The hetero strategy replaces what Lightning added by its planned split;
-what Lightning left alone stays the user's.  Three modes (``LoaderMode``):
+it.  For the training loader the hetero strategy replaces what Lightning added
+by its planned split; what Lightning left alone stays the user's, and the
+evaluation loaders stay exactly as Lightning's DDP made them (equal shares,
+its ``DistributedSampler``).  Three modes (``LoaderMode``) for the training loader:
 
 - ``split`` — the default batch sampler: the loader, in its own class, draws
   from a ``HeteroBatchSampler`` that gives this rank ``shares[r]`` samples of
@@ -35,6 +37,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.log import logger
 from het_strategy.profiling.batch_contents import batch_length
+from het_strategy.strategy.constructor_args import RECORDING
 from het_strategy.strategy.loader_rebuild import bind_position, fixed_batch_size, rebuild_batch_sampler, rebuild_loader
 from het_strategy.strategy.sampler import GlobalOrder, HeteroBatchSampler, order_fingerprint
 from het_strategy.strategy.user_batches import EqualSteps, RankShard, whole_batch_shares
@@ -179,7 +182,7 @@ def batch_index(args: tuple, kwargs: dict) -> int:
 
 
 class BatchSplitter:
-    """Gives each rank its part of every loader and follows the current batch's sample counts.
+    """Gives each rank its part of the training loader and follows the current batch's sample counts.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks for the training loader; None takes
@@ -193,7 +196,7 @@ class BatchSplitter:
         self.train_mode: LoaderMode | None = None
         """How the training loader was given to this rank (once it was)."""
         self.counts: tuple[int, int] | None = None
-        """(this rank's samples, all ranks') of the current batch; None when not known (evaluation as is)."""
+        """(this rank's samples, all ranks') of the current batch; None when not known (an evaluation batch)."""
         self._lightning_injects = False
 
     # -- which loaders are ours to split -------------------------------------------------------------
@@ -202,23 +205,27 @@ class BatchSplitter:
 
         Lightning asks the strategy's ``distributed_sampler_kwargs`` only then: a loader it hands over without
         having asked keeps the user's own sampling (``use_distributed_sampler=False``, the user's
-        ``DistributedSampler``), as under DDP.
+        ``DistributedSampler``), as under DDP.  The loader Lightning builds next records its constructor's
+        arguments (``constructor_args``), so it can be built again around this rank's share.
         """
         self._lightning_injects = True
+        RECORDING.open()
 
     def mode(self, dataloader: DataLoader) -> LoaderMode:
         """How ``dataloader``, just handed over by Lightning, is given to this rank."""
+        RECORDING.close()
         injected, self._lightning_injects = self._lightning_injects, False
         return loader_mode(dataloader) if injected else LoaderMode.AS_IS
 
     def forget_injection(self) -> None:
-        """A loader the strategy does not touch (prediction, already split) was handed over."""
+        """A loader the strategy does not touch (evaluation, already split) was handed over."""
+        RECORDING.close()
         self._lightning_injects = False
 
     # -- split and user_batches ---------------------------------------------------------------------
-    def global_batch(self, dataloader: DataLoader, training: bool, world: int) -> int:
-        """The global batch ``dataloader`` is split into."""
-        if training and self.global_batch_size is not None:
+    def global_batch(self, dataloader: DataLoader, world: int) -> int:
+        """The global batch the training ``dataloader`` is split into."""
+        if self.global_batch_size is not None:
             return self.global_batch_size
         batch_size = rank_batch_size(dataloader)
         if batch_size is None:
@@ -228,7 +235,8 @@ class BatchSplitter:
 
     def split(self, dataloader: DataLoader, mode: LoaderMode, global_batch: int, shares: list[int], rank: int,
               world: int, next_step: Callable[[], int] | None) -> DataLoader:
-        """``dataloader`` split by ``shares``; with ``next_step`` (the training loader) it is the one followed.
+        """The training ``dataloader`` split by ``shares``; with ``next_step`` (once the ranks run) it is the one
+        followed.
 
         A collective when the loader has a user sampler (every rank checks it draws the same order) or a user
         batch sampler (every rank runs as many batches as the longest); ``world == 1`` means no other rank

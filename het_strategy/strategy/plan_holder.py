@@ -71,7 +71,6 @@ class PlanHolder:
         self.workload: WorkloadSpec | None = None
         self.profile: MeasuredProfile | None = None
         """The measured per-block times when the model was profiled (``profile_input``)."""
-        self._eval_plan: Plan | None = None
 
     # -- cluster ----------------------------------------------------------------------------------
     def resolve_cluster(self, ctx: RankContext, present: list[str] | None = None) -> ClusterSpec:
@@ -144,37 +143,18 @@ class PlanHolder:
 
         return Plan.from_dict(decided_on_rank_zero(ctx.rank, ctx.world, decide))
 
-    def shares_for(self, module: nn.Module, dataloader: DataLoader, global_batch: int, ctx: RankContext,
-                   train_shares: list[int] | None) -> list[int]:
-        """The training shares (``train_shares``: the training loader's, when it is split), scaled to an evaluation
-        loader's global batch when it differs.
-
-        Before any training plan exists (the sanity check, ``trainer.validate``)
-        an evaluation loader gets its own plan for its global batch.
-        """
-        cluster = self.require_cluster()
-        if self.plan is not None:
-            shares = self.current_shares(train_shares)
-        elif self.plan_source is not None:  # a given plan, checked, then scaled
-            workload = self.workload or self.resolve_workload(module, dataloader, ctx.dtype)
-            checked = self.planner(cluster, workload, self.plan_source.global_batch_size, ctx.dtype,
-                                   self.plan_source, None)
-            shares = shares_in_rank_order(checked, cluster)
-        else:
-            if self._eval_plan is None or self._eval_plan.global_batch_size != global_batch:
-                # before training (sanity check, trainer.validate): the model's costs from its size; the
-                # training plan profiles the model when asked (not possible here, under inference mode)
-                self._eval_plan = self.broadcast_plan(global_batch, self.resolve_workload(module, dataloader,
-                                                                                          ctx.dtype), ctx)
-            shares = shares_in_rank_order(self._eval_plan, cluster)
+    # -- live changes -----------------------------------------------------------------------------
+    def shares_for(self, global_batch: int, world: int, train_shares: list[int] | None) -> list[int]:
+        """The training shares (``current_shares``) scaled to a training loader's ``global_batch`` when it differs
+        (the second loader of a combined training loader)."""
+        shares = self.current_shares(train_shares)
         if sum(shares) == global_batch:
             return shares
-        if global_batch < ctx.world:
+        if global_batch < world:
             raise field_error("global batch", global_batch,
-                              f"be >= the number of ranks ({ctx.world}) so the shares can cover it")
+                              f"be >= the number of ranks ({world}) so the shares can cover it")
         return split_by_shares(global_batch, shares)
 
-    # -- live changes -----------------------------------------------------------------------------
     def current_shares(self, train_shares: list[int] | None) -> list[int]:
         """Samples per rank of a full training global batch, in rank order: ``train_shares`` (the split training
         loader's), else the plan's."""

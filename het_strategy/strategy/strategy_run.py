@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.plan import Plan
+from het_strategy.strategy.constructor_args import RECORDING
 from het_strategy.strategy.lifecycle import RunLifecycle
 
 __all__ = ["StrategyRun", "LightningStrategy"]
@@ -91,6 +92,8 @@ class StrategyRun:
         self.lifecycle.failed(exception)
 
     def teardown(self, strategy: Any, parent: Parent) -> None:
+        """Lightning's, after the lifecycle stops (and any constructor recording a failed rebuild left open)."""
+        RECORDING.close()
         self.lifecycle.stop()
         parent()
 
