@@ -331,6 +331,9 @@ class CostModel:
         Step time = max over pipelines of their 1F1B time (``pipeline_cost``) + max over devices of (gradient
         sync + optimizer update), the update memory-bound.
         """
+        if plan.shards:  # fully sharded data parallelism (hetero_fsdp): core/fsdp_cost.py prices it
+            from het_strategy.core.fsdp_cost import FsdpCost
+            return FsdpCost(self).score(plan)
         token = plan.compression.get("inter_node")
         if token is not None and token != self.settings.inter_node_compression:
             return self.with_compression(token).score(plan)

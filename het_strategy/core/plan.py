@@ -124,6 +124,10 @@ class Plan:
     outer_sync: OuterSync | None = None
     """Low-communication training (``strategy="hetero_diloco"``): the groups, the inner steps between outer
     steps and the outer exchange's codec; None for a plan synchronised every step (optional)."""
+    shards: dict[str, float] = field(default_factory=dict)
+    """Fully sharded data parallelism (``strategy="hetero_fsdp"``, mode ``fsdp``): each used device's fraction of
+    every flat parameter (``core/shard_sizes.py`` cuts the pieces), summing to 1; empty for other plans
+    (optional)."""
 
     def __post_init__(self) -> None:
         self.pipelines = tuple(self.pipelines)
@@ -170,6 +174,38 @@ class Plan:
             raise field_error("plan.zero_stage", self.zero_stage, f"be {alternatives(ZERO_STAGES)}")
         if self.outer_sync is not None:
             self.outer_sync.check_covers(self.used_devices)
+        self._check_shards()
+
+    def _check_shards(self) -> None:
+        """``shards``: a fraction in [0, 1] per used device of a pure data-parallel plan, summing to 1."""
+        raw = plain(self.shards)
+        if not isinstance(raw, Mapping):
+            raise field_error("plan.shards", raw, "be a mapping device name -> fraction of every flat parameter")
+        shards: dict[str, float] = {}
+        for name, value in raw.items():
+            where = f"plan.shards.{name}"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not 0.0 <= value <= 1.0:
+                raise field_error(where, value, "be a fraction in [0, 1] (of every flat parameter)")
+            shards[str(name)] = float(value)
+        self.shards = shards
+        if not shards:
+            return
+        if not self.is_pure_dp:
+            raise field_error("plan.shards", _few(list(shards)), "be empty for a plan with pipeline stages "
+                              "(sharded data parallelism runs one single-device stage per rank)")
+        used = self.used_devices
+        missing = [d for d in used if d not in shards]
+        if missing:
+            raise field_error(f"plan.shards.{missing[0]}", None, "be given: every used device keeps a fraction of "
+                              "every flat parameter (0 for none)")
+        extra = [d for d in shards if d not in set(used)]
+        if extra:
+            raise field_error(f"plan.shards.{extra[0]}", shards[extra[0]], "name a device the plan uses")
+        total = math.fsum(shards.values())
+        if abs(total - 1.0) > 1e-9:
+            raise field_error("plan.shards", {d: round(v, 6) for d, v in shards.items()},
+                              f"sum to 1 (within 1e-9); it sums to {total!r}")
 
     def _check_device_dtypes(self) -> None:
         self.device_dtypes = {str(k): as_element_dtype(v, f"plan.device_dtypes.{k}")
@@ -276,6 +312,8 @@ class Plan:
             out["compression"] = dict(self.compression)
         if self.outer_sync is not None:
             out["outer_sync"] = self.outer_sync.to_dict()
+        if self.shards:
+            out["shards"] = dict(self.shards)
         return out
 
     def to_json(self) -> str:
@@ -318,6 +356,7 @@ class Plan:
                 idle_reasons=_idle_reasons(raw.get("idle_reasons")),
                 compression=_compression(raw.get("compression")),
                 outer_sync=None if raw.get("outer_sync") is None else OuterSync.from_dict(raw["outer_sync"]),
+                shards=raw.get("shards") or {},
             )
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
             if isinstance(exc, ConfigError):
@@ -371,7 +410,7 @@ def _device_difference(planned: list[str], actual: list[str]) -> str:
 
 _PLAN_KEYS = {"schema_version", "cluster", "cluster_devices", "model", "global_batch_size", "mode", "dtype",
               "device_dtypes", "zero_stage", "pipelines", "rank_shares", "experts", "predicted", "idle_reasons",
-              "compression", "outer_sync"}
+              "compression", "outer_sync", "shards"}
 _PIPELINE_KEYS = {"micro_batch_size", "num_micro_batches", "samples", "stages"}
 _STAGE_KEYS = {"devices", "layers", "tp"}
 

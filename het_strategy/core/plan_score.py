@@ -57,6 +57,9 @@ class PlanScore:
     device that sets the step); not in ``to_dict``: the plan JSON keeps the plan-level figures."""
     device_update_s: dict[str, float] = field(default_factory=dict)
     """Per used device: its optimizer update, seconds (as ``device_sync_s``)."""
+    memory_parts: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per used device of an fsdp plan: its peak bytes by part (shard, gathered, activations, framework;
+    ``core/fsdp_cost.py``); empty for other plans; not in ``to_dict``."""
 
     @property
     def fits(self) -> bool:

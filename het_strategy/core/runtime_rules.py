@@ -54,6 +54,8 @@ class Runtime(StrEnum):
     """The ``hetero`` strategy: pure data parallelism with uneven shares."""
     hetero_diloco = "hetero_diloco"
     """The ``hetero_diloco`` strategy: groups of uneven data parallelism that exchange parameters every H steps."""
+    hetero_fsdp = "hetero_fsdp"
+    """The ``hetero_fsdp`` strategy: fully sharded data parallelism, shares by speed and shards by memory."""
 
 
 def as_runtime(value: Any, field: str = "planner.runtime") -> Runtime:
@@ -204,9 +206,11 @@ def _deepspeed(plan: Plan, world_size: int | None) -> list[Problem]:
        (``holds_own_masters``), since DeepSpeed's engine takes one precision config; a tensor-parallel group
        computes in one dtype (``_tp_group_dtypes``).
 
-    And no ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``.
+    And no ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``; no ``plan.shards``: a fully
+    sharded plan runs on ``hetero_fsdp``.
     """
     out: list[Problem] = _tp_degrees(plan) + _no_outer_sync(plan, "hetero_deepspeed")
+    out += _no_shards(plan, "hetero_deepspeed")
     out += _tp_group_dtypes(plan)
     zero = plan.zero_stage
     if zero >= 2 and any(len(pipe.stages) > 1 for pipe in plan.pipelines):
@@ -286,11 +290,19 @@ def _no_outer_sync(plan: Plan, runtime: str) -> list[Problem]:
                     "run it with strategy=hetero_diloco, or plan without planner.mode=low_communication")]
 
 
+def _no_shards(plan: Plan, runtime: str) -> list[Problem]:
+    if not plan.shards:
+        return []
+    return [Problem("plan.shards", dict(plan.shards), f"be absent for {runtime}, which keeps whole parameters on "
+                    "every replica (a plan with shards runs on hetero_fsdp)",
+                    "run it with strategy=hetero_fsdp, or plan without planner.mode=fsdp")]
+
+
 def _hetero_diloco(plan: Plan, world_size: int | None) -> list[Problem]:
     """``hetero_diloco`` (DiLoCo over groups of uneven data parallelism): as ``hetero`` rule 1, pure data
     parallelism, each group's replicas one device each; and a ``plan.outer_sync`` (its groups cover the used
-    devices: ``Plan`` checks that when it is built)."""
-    out = _data_parallel(plan)
+    devices: ``Plan`` checks that when it is built); no ``plan.shards``."""
+    out = _data_parallel(plan) + _no_shards(plan, "hetero_diloco")
     if plan.outer_sync is None:
         out.append(Problem("plan.outer_sync", None, "be given (hetero_diloco runs low-communication plans: groups, "
                            "inner steps and the outer codec)", "plan with `het-plan planner.mode=low_communication`"))
@@ -303,22 +315,56 @@ def _hetero(plan: Plan, world_size: int | None) -> list[Problem]:
     1. Every pipeline is one stage of one device (a pure data-parallel plan); pipeline plans run on
        ``hetero_deepspeed``.  Every dtype runs, ``per_device`` too (the ``PerDevicePrecision`` plugin).
     2. No ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``.
+    3. No ``plan.shards``: a fully sharded plan runs on ``hetero_fsdp`` (DDP keeps a whole replica per rank).
     """
-    return _data_parallel(plan) + _no_outer_sync(plan, "hetero")
+    return _data_parallel(plan) + _no_outer_sync(plan, "hetero") + _no_shards(plan, "hetero")
 
 
-def _data_parallel(plan: Plan) -> list[Problem]:
+def _hetero_fsdp(plan: Plan, world_size: int | None) -> list[Problem]:
+    """``hetero_fsdp`` (fully sharded data parallelism: shares by speed, shards by memory).
+
+    1. As ``hetero`` rule 1: every pipeline is one stage of one device (each rank computes its share of the
+       batch on the whole model, gathered unit by unit).
+    2. A ``plan.shards``: each used device's fraction of every flat parameter (``Plan`` checks that it names
+       every used device and sums to 1; ``core/shard_sizes.py`` cuts the pieces).
+    3. Every device of ``plan.cluster_devices`` is used: every launched rank holds a piece of every unit and
+       takes part in each unit's all-gathers and reduce-scatters (a fraction may be 0; a share may not).
+    4. ``plan.zero_stage`` 0: the runtime shards parameters, gradients and optimizer state itself, by
+       ``plan.shards`` (``zero_stage`` is DeepSpeed's).
+    5. No ``plan.outer_sync``: a low-communication plan runs on ``hetero_diloco``.
+    6. With ``world_size`` given: one process per device the plan uses.
+    """
+    out = _data_parallel(plan, "hetero_fsdp") + _no_outer_sync(plan, "hetero_fsdp")
+    if not plan.shards:
+        out.append(Problem("plan.shards", None, "be given (hetero_fsdp runs fully sharded plans: each rank's "
+                           "fraction of every flat parameter)", "plan with `het-plan planner.mode=fsdp`"))
+    idle = [d for d in plan.cluster_devices if d not in set(plan.used_devices)]
+    if idle:
+        out.append(Problem("plan.cluster_devices", idle, "all be used (every hetero_fsdp rank takes part in "
+                           "every unit's all-gather and reduce-scatter)", "re-plan with planner.mode=fsdp"))
+    if plan.zero_stage != 0:
+        out.append(Problem("plan.zero_stage", plan.zero_stage, "be 0 (hetero_fsdp shards parameters, gradients and "
+                           "optimizer state itself, by plan.shards)", "re-plan with planner.mode=fsdp"))
+    if world_size is not None and world_size != len(plan.used_devices):
+        out.append(Problem("WORLD_SIZE", world_size, f"equal the plan's device count ({len(plan.used_devices)})",
+                           "start one process per device the plan uses"))
+    return out
+
+
+def _data_parallel(plan: Plan, strategy: str = "hetero") -> list[Problem]:
     out: list[Problem] = []
+    mode = "fsdp" if strategy == "hetero_fsdp" else "dp"
     for p, pipe in enumerate(plan.pipelines):
         if len(pipe.stages) != 1:
             out.append(Problem(f"plan.pipelines[{p}].stages", len(pipe.stages),
-                               "be 1 stage (the hetero strategy runs pure data-parallel plans)",
-                               "plan with mode dp, or run pipeline plans on hetero_deepspeed"))
+                               f"be 1 stage (the {strategy} strategy runs pure data-parallel plans)",
+                               f"plan with mode {mode}, or run pipeline plans on hetero_deepspeed"))
         elif pipe.stages[0].tp != 1:
             out.append(Problem(f"plan.pipelines[{p}].stages[0].tp", pipe.stages[0].tp,
-                               "be 1 (the hetero strategy runs pure data-parallel plans)", "plan with mode dp"))
+                               f"be 1 (the {strategy} strategy runs pure data-parallel plans)",
+                               f"plan with mode {mode}"))
     return out
 
 
 _RULES = {Runtime.any: _no_rules, Runtime.deepspeed: _deepspeed, Runtime.hetero: _hetero,
-          Runtime.hetero_diloco: _hetero_diloco}
+          Runtime.hetero_diloco: _hetero_diloco, Runtime.hetero_fsdp: _hetero_fsdp}

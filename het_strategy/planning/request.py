@@ -32,13 +32,16 @@ class PlanMode(StrEnum):
     """Which planners search (``planning/search.py``)."""
 
     auto = "auto"
-    """The best of dp, pipeline and hybrid by the cost model."""
+    """The best of dp, pipeline, hybrid and fsdp by the cost model."""
     dp = "dp"
     """Uneven data parallelism: one single-device stage per replica."""
     pipeline = "pipeline"
     """One pipeline through every device."""
     hybrid = "hybrid"
     """Pipelines x stages x tensor parallelism x micro-batches."""
+    fsdp = "fsdp"
+    """Fully sharded data parallelism: shares by speed, each rank's shard of every parameter by its free memory
+    (``fsdp``); runs on ``hetero_fsdp``."""
     low_communication = "low_communication"
     """Groups (default: nodes) of uneven data parallelism exchanging every H steps (``low_communication``), shown
     beside the synchronous plan with joint compression; runs on ``hetero_diloco``."""
@@ -78,11 +81,11 @@ class PlanRequest:
     """One planning request: the ``planner`` section (defaults: the fastest plan of any mode, any runtime)."""
 
     mode: PlanMode = PlanMode.auto
-    """auto | dp | pipeline | hybrid | low_communication: the planners searched."""
+    """auto | dp | pipeline | hybrid | fsdp | low_communication: the planners searched."""
     runtime: Runtime = Runtime("any")
-    """any | deepspeed | hetero | hetero_diloco: only plans that runtime runs (the slowdown against the
-    unconstrained best is reported); hetero_diloco runs low_communication plans (mode auto becomes
-    low_communication)."""
+    """any | deepspeed | hetero | hetero_diloco | hetero_fsdp: only plans that runtime runs (the slowdown against
+    the unconstrained best is reported); hetero_diloco runs low_communication plans (mode auto becomes
+    low_communication), hetero_fsdp fsdp plans (mode auto becomes fsdp)."""
     compression: CompressionPlanning = CompressionPlanning.none
     """none | joint: placement and inter-node compression planned together (mode dp or auto, runtime any)."""
     objective: Objective = Objective.time
@@ -127,6 +130,7 @@ class PlanRequest:
             raise field_error("planner.outer_sync", self.outer_sync, "be a mapping of max_inner_steps, "
                               "max_sync_overhead, codecs, groups and split")
         self._check_low_communication()
+        self._check_fsdp()
         if self.compression == CompressionPlanning.joint and self.mode != PlanMode.low_communication and (
                 self.mode not in (PlanMode.dp, PlanMode.auto) or self.runtime != "any"):
             raise field_error("planner.compression", "joint", "go with planner.mode=dp (or auto) and "
@@ -157,6 +161,19 @@ class PlanRequest:
             raise field_error(f"planner.{key}", str(getattr(self, key)), "stay at its default (objective time, no "
                               "budget_per_hour or min_throughput) with planner.mode=low_communication, which plans "
                               "the whole cluster")
+
+    def _check_fsdp(self) -> None:
+        """``runtime=hetero_fsdp`` goes with mode fsdp (auto is read as it); mode fsdp with runtime any or
+        hetero_fsdp."""
+        if self.runtime == Runtime.hetero_fsdp:
+            if self.mode == PlanMode.auto:
+                object.__setattr__(self, "mode", PlanMode.fsdp)
+            elif self.mode != PlanMode.fsdp:
+                raise field_error("planner.runtime", "hetero_fsdp", f"go with planner.mode=fsdp (or auto), not "
+                                  f"{self.mode}: hetero_fsdp runs fully sharded plans")
+        if self.mode == PlanMode.fsdp and self.runtime not in (Runtime.any, Runtime.hetero_fsdp):
+            raise field_error("planner.mode", "fsdp", f"go with planner.runtime=any or hetero_fsdp (not "
+                              f"{self.runtime}): only hetero_fsdp runs fully sharded plans")
 
     @property
     def searches_sub_clusters(self) -> bool:

@@ -1,8 +1,9 @@
 """Plans a runtime can execute: ``planner.runtime`` and the price of the constraint.
 
 ``runtime="any"`` is the unconstrained search.  ``runtime="deepspeed"`` keeps
-the plans ``hetero_deepspeed`` runs and ``runtime="hetero"`` the pure
-data-parallel plans of the ``hetero`` strategy; what each runtime runs is the
+the plans ``hetero_deepspeed`` runs, ``runtime="hetero"`` the pure
+data-parallel plans of the ``hetero`` strategy and ``runtime="hetero_fsdp"``
+the fully sharded plans of mode ``fsdp``; what each runtime runs is the
 rule table of ``het_strategy.core.runtime_rules`` (``runtime_problems``), the
 same table the runtimes check a plan against, so the planner keeps exactly
 the plans they accept.
@@ -15,8 +16,9 @@ run (ZeRO >= 1, not fp32) is then represented by the aligned searches (one
 pipeline over every device, one-stage replicas), so an aligned multi-pipeline
 plan may be missed there.
 
-``search_runtime`` returns the best runnable plan and the unconstrained
-best, so the caller can say how much slower (by the cost model) the runnable
+A runtime other than ``hetero_fsdp`` is compared with the best of the
+modes without fsdp (it can run no fsdp plan). ``search_runtime`` returns the
+best runnable plan and the unconstrained best, so the caller can say how much slower (by the cost model) the runnable
 one is; for ``deepspeed`` the gap is 0 for fp32 ZeRO-0 plans without tensor
 parallelism, asymmetric replicas included.
 """
@@ -53,6 +55,9 @@ def _searches(mode: str, runtime: Runtime, settings: TrainSettings) -> list[tupl
 
     limited = dataclasses.replace(settings, max_tp=1)
     modes = [m for m in MODES if m != "auto"] if mode == "auto" else [mode]
+    if runtime is Runtime.hetero_fsdp:  # it runs fsdp plans only, which use no tensor parallelism
+        return [("fsdp", settings)] if "fsdp" in modes else []
+    modes = [m for m in modes if m != "fsdp"]  # only hetero_fsdp runs fsdp plans
     one_stage = runtime is Runtime.hetero or (runtime is Runtime.deepspeed and settings.zero_stage >= 2)
     if not one_stage:
         return [(m, limited) for m in modes]
@@ -98,14 +103,16 @@ def search_runtime(cluster: ClusterSpec, workload: WorkloadSpec, settings: Train
     from het_strategy.planning.search import PlanningError, search_plan as make_plan
 
     target = as_runtime(runtime)
-    best = make_plan(cluster, workload, settings, mode=mode, profile=profile)
+    # only hetero_fsdp runs fsdp plans (and asks for mode fsdp): the other runtimes' best is compared with the
+    # best of the modes they may run
+    best = make_plan(cluster, workload, settings, mode=mode, profile=profile, with_fsdp=target is Runtime.hetero_fsdp)
     why = runtime_problems(best, target)
     if not why:
         return RuntimeChoice(best, best, target)
     found = []
     for m, limited in _searches(mode, target, settings):
         try:
-            p = make_plan(cluster, workload, limited, mode=m, profile=profile)
+            p = make_plan(cluster, workload, limited, mode=m, profile=profile, with_fsdp=False)
         except ConfigError:
             continue
         if runnable(p, target):

@@ -6,7 +6,12 @@ Modes (``request.PlanMode``):
 - ``pipeline``: one pipeline through every device, exact layer split, stage
   order chosen among the cluster order and memory-descending order;
 - ``hybrid``: pipelines x stages x tensor parallelism x micro-batches (``hybrid``);
-- ``auto``: the best of the three by the cost model.
+- ``fsdp``: fully sharded data parallelism, shares by speed and shards by memory (``fsdp``; ``hetero_fsdp``);
+- ``auto``: the fastest plan that fits of dp, pipeline and hybrid, and of fsdp where some device cannot hold a
+  whole replica (``fsdp_in_auto``: the cost model prices dp's gradient sync after backward, not overlapped, and
+  fsdp's collectives overlapped with compute, so where every replica fits a race between them would reward that
+  difference of the model rather than sharding; ``with_fsdp=False`` leaves fsdp out, as the searches for runtimes
+  that cannot run it do).
 
 MoE workloads get an expert placement afterwards (``experts``).  This is the
 step every other search runs per cluster (``runtimes``, ``joint``,
@@ -25,12 +30,13 @@ from het_strategy.core.plan import Plan
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.dp_split import plan_data_parallel
 from het_strategy.planning.experts import place_experts
+from het_strategy.planning.fsdp import plan_fsdp
 from het_strategy.planning.hybrid import plan_hybrid
 from het_strategy.planning.idle import replica_memory, structure_idle_reasons
 from het_strategy.planning.request import PlanMode
 from het_strategy.planning.structure import StructureResult, assemble_plan
 
-__all__ = ["MODES", "PlanningError", "search_plan", "plan_pipeline"]
+__all__ = ["MODES", "PlanningError", "search_plan", "plan_pipeline", "fsdp_in_auto"]
 
 MODES = tuple(str(m) for m in PlanMode if m != PlanMode.low_communication)
 """The mode names of the synchronous planners, ``auto`` first (``low_communication`` is ``planning.plan``'s own
@@ -56,8 +62,14 @@ def plan_pipeline(cm: CostModel) -> StructureResult | None:
     return best
 
 
+def fsdp_in_auto(cm: CostModel) -> bool:
+    """Mode auto runs the fsdp planner: some device cannot hold a whole model replica (``idle.replica_memory``),
+    the case sharding by memory is for."""
+    return any(need > have for need, have in (replica_memory(cm, d.name) for d in cm.cluster.devices))
+
+
 def search_plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSettings, mode: str = "auto",
-                profile: MeasuredProfile | None = None) -> Plan:
+                profile: MeasuredProfile | None = None, with_fsdp: bool = True) -> Plan:
     """The fastest plan of the planners ``mode`` names, ``plan.predicted`` filled with the cost model's figures.
 
     ``auto`` skips a planner that refuses the input (e.g. dp with a batch smaller than the cluster) when another
@@ -66,8 +78,10 @@ def search_plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSet
     if mode not in MODES:
         raise field_error("planner.mode", mode, f"be one of {', '.join(MODES)}")
     cm = CostModel(cluster, workload, settings, profile)
-    planners = {"dp": plan_data_parallel, "pipeline": plan_pipeline, "hybrid": plan_hybrid}
+    planners = {"dp": plan_data_parallel, "pipeline": plan_pipeline, "hybrid": plan_hybrid, "fsdp": plan_fsdp}
     chosen = planners if mode == "auto" else {mode: planners[mode]}
+    if mode == "auto" and not (with_fsdp and fsdp_in_auto(cm)):
+        chosen = {name: p for name, p in chosen.items() if name != "fsdp"}
     results = []
     for name, planner in chosen.items():
         try:
@@ -82,10 +96,11 @@ def search_plan(cluster: ClusterSpec, workload: WorkloadSpec, settings: TrainSet
         raise PlanningError(_nothing_fits_message(cm, mode))
     best = min(results, key=lambda r: r.step_time_s)
     result = best.plan
-    if settings.inter_node_compression != "none" and len({cluster.device(d).node for d in result.used_devices}) > 1:
+    if settings.inter_node_compression != "none" and not result.shards \
+            and len({cluster.device(d).node for d in result.used_devices}) > 1:
         result.compression = {"inter_node": settings.inter_node_compression}  # what its syncs were priced with
     _explain_idle(cm, result)
-    if any(layer.moe for layer in workload.layers):
+    if any(layer.moe for layer in workload.layers) and not result.shards:  # fsdp shards the experts with the rest
         result.experts = place_experts(cm, result)
     result.predicted = cm.score(result).to_dict()
     return result

@@ -7,6 +7,10 @@
 * ``data_parallel_plan`` — the uneven data-parallel plan of a run: searched
   (``planning.plan`` in mode dp), or a given plan checked against the cluster,
   the model and the global batch;
+* ``fsdp_plan`` — the fully sharded plan of a ``hetero_fsdp`` run (shares by
+  speed, shards by memory): searched (``planning.plan`` in mode fsdp), or a
+  given plan checked, its memory too (the refusal names the rank, the need and
+  the memory);
 * ``check_given_plan`` — a plan given to a run (any runtime's), checked against the
   cluster, the model, the runtime, the precision and the global batch;
 * ``shares_in_rank_order`` — the plan's shares, rank r playing device r.
@@ -26,7 +30,7 @@ from het_strategy.core.runtime_rules import Runtime, raise_first, runtime_proble
 from het_strategy.planning import PlanRequest, plan
 from het_strategy.core.workload import LayerCost, MeasuredProfile, MoESpec, WorkloadSpec
 
-__all__ = ["estimate_workload", "data_parallel_settings", "data_parallel_plan",
+__all__ = ["estimate_workload", "data_parallel_settings", "data_parallel_plan", "fsdp_plan",
            "check_given_plan", "shares_in_rank_order"]
 
 
@@ -71,6 +75,25 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
         return plan(cluster, workload, data_parallel_settings(global_batch_size, dtype), PlanRequest(mode="dp"),
                     profile).plan
     return check_given_plan(given, cluster, workload, global_batch_size, dtype, Runtime.hetero)
+
+
+def fsdp_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: Dtype | str,
+              given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None) -> Plan:
+    """The run's fully sharded plan (``hetero_fsdp``): ``given`` checked (the runtime's rules, and that every rank's
+    shard, gathered units and activations fit its memory), or the planner's optimum (mode fsdp).
+
+    ``profile`` (measured per-layer times of this model per device type) replaces datasheet throughput where it
+    covers a device type.
+    """
+    settings = data_parallel_settings(global_batch_size, dtype)
+    if given is None:
+        return plan(cluster, workload, settings, PlanRequest(mode="fsdp", runtime="hetero_fsdp"), profile).plan
+    from het_strategy.core.cost_model import CostModel
+    from het_strategy.core.fsdp_cost import FsdpCost
+
+    checked = check_given_plan(given, cluster, workload, global_batch_size, dtype, Runtime.hetero_fsdp)
+    FsdpCost(CostModel(cluster, workload, settings, profile)).check_fits(checked)
+    return checked
 
 
 def check_given_plan(given: Plan | str | Path, cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int,

@@ -178,6 +178,32 @@ def _shares_lines(plan: "Plan", cluster: "ClusterSpec") -> list[str]:
         f"  {dtype}: {n} rank{'s' if n > 1 else ''} x {share}" for (dtype, share), n in by_kind.items()]
 
 
+def _shard_lines(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> list[str]:
+    """Per rank of an fsdp plan: its fraction of every flat parameter and its memory by part (ranks alike in type,
+    node, fraction and memory folded)."""
+    runs: list[tuple[tuple, list[str]]] = []
+    for dev in cluster.devices:
+        if dev.name not in plan.shards:
+            continue
+        parts = score.memory_parts.get(dev.name, {})
+        key = (round(plan.shards[dev.name], 4), tuple(round(v / GiB, 2) for v in parts.values()),
+               round(score.memory_bytes.get(dev.name, 0.0) / GiB, 2), dev.type)
+        if runs and runs[-1][0] == key and cluster.device(runs[-1][1][-1]).node == dev.node:
+            runs[-1][1].append(dev.name)
+        else:
+            runs.append((key, [dev.name]))
+    lines = ["per-rank shards (fraction of every flat parameter) and memory (GiB):"]
+    for _, names in runs:
+        d = names[0]
+        parts = score.memory_parts.get(d, {})
+        detail = " + ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items())
+        cap = score.memory_capacity_bytes.get(d, 0.0)
+        lines.append(f"  {', '.join(_name_runs(names))}: {plan.shards[d]:.4f}"
+                     + (" each" if len(names) > 1 else "")
+                     + f"; {detail} = {score.memory_bytes.get(d, 0.0) / GiB:.2f} of {cap / GiB:.1f}")
+    return lines
+
+
 def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
     """A readable fixed-width table of ``plan`` with the cost model's figures from ``score``."""
     used = set(plan.used_devices)
@@ -217,6 +243,8 @@ def plan_table(plan: "Plan", score: "PlanScore", cluster: "ClusterSpec") -> str:
     lines += _idle_lines(plan, cluster, used)
     if plan.is_pure_dp:
         lines += _shares_lines(plan, cluster)
+    if plan.shards:
+        lines += _shard_lines(plan, score, cluster)
     if plan.experts:
         lines += _expert_lines(plan, cluster)
     lines += _dtype_rate_lines(plan, cluster, used)

@@ -77,7 +77,8 @@ class DeepSpeedPlanHolder:
                               "planned)")
         if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
             raise field_error("zero_stage", zero_stage, f"be {alternatives(ZERO_STAGES)} or None (the plan's)")
-        modes = [m for m in PlanMode if m != PlanMode.low_communication]  # that one runs on hetero_diloco
+        # low_communication runs on hetero_diloco, fsdp on hetero_fsdp
+        modes = [m for m in PlanMode if m not in (PlanMode.low_communication, PlanMode.fsdp)]
         if planner_mode not in modes:
             raise field_error("planner_mode", planner_mode, f"be one of {', '.join(modes)}")
         self.planner_mode = PlanMode(planner_mode)

@@ -1,0 +1,372 @@
+"""The price and the memory of a ``hetero_fsdp`` plan: fully sharded data parallelism, shards by memory.
+
+A ``hetero_fsdp`` plan is a data-parallel plan (one single-device stage per rank, ``samples`` = the rank's share
+``n_r``, micro-batches of ``m_r``) with ``plan.shards``: the fraction ``f_r`` of every flat parameter rank r keeps
+(``core/shard_sizes.py`` cuts unit u's ``P_u`` elements into pieces ``s_{u,r}``); ``W`` ranks, all in every
+collective. ``CostModel.score`` of a plan with shards comes here (``FsdpCost.score``).
+
+* **Units** (``fsdp_units``): a root unit first (every layer not named ``block*``: embedding, head, norms; a tied
+  head counted once), kept gathered for the whole micro-step; then one unit per block, gathered for its forward,
+  again for its backward (the last block stays gathered between the two), its gradient reduce-scattered after.
+* **Micro-steps**: every rank runs ``K = max_r ceil(n_r / m_r)`` micro-steps in lockstep (each gathers every unit
+  and reduce-scatters every gradient); a rank with fewer micro-batches joins the rest with no samples.
+* **Collectives** on padded pieces: ``W`` pieces of the largest ``M_u = max_r s_{u,r}`` over the ring the cost
+  model prices all-reduces on: ``AG_u = (W-1)(alpha + M_u b_param / bw)``, ``RS_u`` the same in ``b_grad``.
+* **Time** (``FsdpCost.price``): per micro-step, the next unit's gather under this unit's compute, a
+  reduce-scatter under the next unit's backward; ``step = sum_j T_micro(j) + max_r f_r update_r``.
+* **Memory** (``FsdpCost.memory``): shard + gathered units + activations + framework per rank; the fractions
+  ``f_r = free_r / sum free`` (``memory_fractions``): free memory after every term but the shard, so the plan
+  fits iff the sharded state is at most the ranks' free memory together; even FSDP is ``f_r = 1 / W``.
+
+A layout that does not fit is refused (``FsdpCost.memory_refusal``) naming ``plan.shards.<device>``, the rank,
+its need by part and its memory. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from het_strategy.core.dtypes import Dtype
+from het_strategy.core.errors import ConfigError, field_error
+from het_strategy.core.memory import GiB, overhead_bytes
+from het_strategy.core.network import SyncRoute
+from het_strategy.core.plan_score import PlanScore, StageCost
+from het_strategy.core.shard_sizes import shard_sizes
+
+if TYPE_CHECKING:
+    from het_strategy.core.plan import Plan
+    from het_strategy.core.train_settings import TrainSettings
+    from het_strategy.core.workload import WorkloadSpec
+
+__all__ = ["FsdpUnit", "RankMemory", "FsdpStep", "fsdp_units", "shard_bytes_per_param", "memory_fractions",
+           "even_fractions", "FsdpCost", "micro_step_sizes"]
+
+ADAM_STATE_BYTES = 8
+"""Adam's m and v per parameter, fp32."""
+MASTER_BYTES = 4
+"""The fp32 master copy of a 16-bit parameter."""
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One flat parameter the runtime gathers and reduces as a whole."""
+
+    name: str
+    """``root`` or the block layer's name."""
+    layers: tuple[int, ...]
+    """The workload layers it holds."""
+    params: int
+    """Elements of its flat parameter."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's peak bytes by part (the module docstring's ``need_r``)."""
+
+    shard: float
+    gathered: float
+    activations: float
+    framework: float
+    capacity: float
+
+    @property
+    def need(self) -> float:
+        return self.shard + self.gathered + self.activations + self.framework
+
+    @property
+    def free_for_shard(self) -> float:
+        """Capacity less everything but the shard."""
+        return self.capacity - self.gathered - self.activations - self.framework
+
+    def fits(self) -> bool:
+        return self.need <= self.capacity
+
+
+@dataclass(frozen=True)
+class FsdpStep:
+    """The priced step of one fsdp layout (what ``FsdpCost.price`` finds)."""
+
+    step_time_s: float
+    micro_steps: int
+    """``K``: the lockstep micro-steps."""
+    compute_s: list[float]
+    """Per rank: forward + backward of its own micro-batches."""
+    critical_compute_s: float
+    """Sum over micro-steps and units of the slowest rank's compute (forward and backward phases)."""
+    update_s: list[float]
+    """Per rank: its shard's optimizer update."""
+    full_micro_batch_s: list[float]
+    """Per rank: forward + backward of one full micro-batch."""
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """What the collectives add to the step beyond the slowest compute and the update (never negative)."""
+        return max(self.step_time_s - self.critical_compute_s - max(self.update_s), 0.0)
+
+
+def fsdp_units(workload: "WorkloadSpec") -> list[FsdpUnit]:
+    """The root unit (every layer not named ``block*``; a tied head's copy counted once), then one unit per block."""
+    root = tuple(i for i, layer in enumerate(workload.layers) if not layer.name.startswith("block"))
+    root_params = sum(workload.layers[i].total_params for i in root)
+    if 0 in root:
+        root_params -= sum(workload.layers[i].tied_params for i in root)
+    units = [FsdpUnit("root", root, root_params)]
+    units += [FsdpUnit(layer.name, (i,), layer.total_params) for i, layer in enumerate(workload.layers)
+              if layer.name.startswith("block")]
+    return units
+
+
+def shard_bytes_per_param(settings: "TrainSettings") -> int:
+    """Bytes per parameter of a rank's shard: the parameter (training dtype), its gradient (reduction dtype), Adam's
+    m and v and, in 16-bit training, the fp32 master."""
+    master = 0 if settings.dtype == Dtype.fp32 else MASTER_BYTES
+    return settings.param_bytes + settings.grad_bytes + ADAM_STATE_BYTES + master
+
+
+def even_fractions(devices: Sequence[str]) -> dict[str, float]:
+    """Even FSDP: every rank ``1 / W``."""
+    return {d: 1.0 / len(devices) for d in devices}
+
+
+def memory_fractions(free: Mapping[str, float]) -> dict[str, float] | None:
+    """``f_r = free_r / sum free`` (None when some ``free_r < 0`` or nothing is free).
+
+    ``free_r``: rank r's memory less every term that does not scale with its shard (``FsdpCost.free_for_shards``).
+    Each rank then needs ``free_r x S / sum free`` for its shard (``S``: the whole sharded state), so every rank
+    fits iff ``S <= sum_r free_r`` (to the rounding of ``shard_sizes``).
+    """
+    if any(v < 0 for v in free.values()):
+        return None
+    total = math.fsum(free.values())
+    if total <= 0:
+        return None
+    out = {d: v / total for d, v in free.items()}
+    # the last rank takes the rounding, so the fractions sum to 1 to the last bit shard_sizes checks
+    last = next(reversed(out))
+    out[last] = max(0.0, 1.0 - math.fsum(v for d, v in out.items() if d != last))
+    return out
+
+
+def micro_step_sizes(samples: int, micro_batch: int, micro_steps: int) -> list[int]:
+    """Samples a rank computes in each of the ``micro_steps`` lockstep micro-steps: ``micro_batch`` each, the
+    remainder last, nothing after."""
+    n = math.ceil(samples / micro_batch)
+    sizes = [micro_batch] * (n - 1) + [samples - (n - 1) * micro_batch]
+    return sizes + [0] * (micro_steps - n)
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:.2f} GiB" if abs(num_bytes) >= 0.01 * GiB else f"{num_bytes / 2**20:.2f} MiB"
+
+
+class FsdpCost:
+    """Prices fsdp layouts (shares, micro-batches, fractions) with one cost model's compute, links and memory."""
+
+    def __init__(self, cm: Any) -> None:
+        """``cm``: the ``core.cost_model.CostModel`` whose compute, links and memory model price the layouts (not
+        imported here: ``CostModel.score`` imports this module)."""
+        self.cm = cm
+        self.units = fsdp_units(cm.workload)
+        self.settings = cm.settings
+        self.bytes_per_param = shard_bytes_per_param(cm.settings)
+        blocks = sorted((u.params for u in self.units[1:]), reverse=True)
+        in_flight = self.units[0].params + sum(blocks[:2])
+        self.gathered_bytes = float(in_flight * (cm.settings.param_bytes + cm.settings.grad_bytes))
+        """The root unit and the two largest block units, gathered with their gradients (every rank alike)."""
+        self._unit_compute: dict[tuple, list[float]] = {}
+
+    # -- memory ----------------------------------------------------------------------------------
+    def activation_bytes(self, micro_batch: int) -> float:
+        """The memory model's activations of the whole model at ``micro_batch`` (one micro-batch in flight)."""
+        if micro_batch <= 0:
+            return 0.0
+        L = self.cm.workload.num_layers
+        return self.cm.memory.stage_bytes(0.0, 0, L, 1, micro_batch, 1, 1) - self.settings.memory_reserve_gb * GiB
+
+    def framework_bytes(self, device: str) -> float:
+        return overhead_bytes(self.cm.cluster.device(device), 1) + self.settings.memory_reserve_gb * GiB
+
+    def free_for_shards(self, device: str, micro_batch: int) -> float:
+        """Capacity of ``device`` less the gathered units, the activations at ``micro_batch`` and the framework."""
+        cap = self.cm.memory_capacity_bytes(self.cm.cluster.device(device))
+        return cap - self.gathered_bytes - self.activation_bytes(micro_batch) - self.framework_bytes(device)
+
+    def piece_sizes(self, fractions: Sequence[float]) -> list[list[int]]:
+        """Per unit, the per-rank element counts (``shard_sizes``)."""
+        return [shard_sizes(u.params, fractions) for u in self.units]
+
+    def rank_memory(self, device: str, micro_batch: int, shard_elements: int) -> RankMemory:
+        return RankMemory(shard=float(shard_elements * self.bytes_per_param), gathered=self.gathered_bytes,
+                          activations=self.activation_bytes(micro_batch), framework=self.framework_bytes(device),
+                          capacity=self.cm.memory_capacity_bytes(self.cm.cluster.device(device)))
+
+    def memory(self, devices: Sequence[str], micro_batches: Sequence[int],
+               fractions: Sequence[float]) -> dict[str, RankMemory]:
+        """Each rank's need by part; ``micro_batches``: the largest micro-batch each rank runs (at most its share:
+        ``FsdpCost.layout``)::
+
+            need_r        = shard_r + gathered + activations_r + framework_r
+            shard_r       = sum_u s_{u,r} x shard_bytes_per_param   (parameters, gradients, Adam state, master)
+            gathered      = (P_root + P_b1 + P_b2) x (b_param + b_grad)   (the root and the two largest blocks in
+                            flight, in the training dtype, with their gradients in backward)
+            activations_r = the memory model's activations of the whole model at m_r (``core/memory.py``)
+            framework_r   = ``memory.overhead_bytes`` + ``settings.memory_reserve_gb``
+
+        A rank fits when ``need_r`` is at most its device's memory.
+        """
+        pieces = self.piece_sizes(fractions)
+        return {d: self.rank_memory(d, m, sum(p[r] for p in pieces))
+                for r, (d, m) in enumerate(zip(devices, micro_batches))}
+
+    def memory_refusal(self, devices: Sequence[str], micro_batches: Sequence[int],
+                       fractions: Sequence[float], what: str = "") -> ConfigError | None:
+        """The ``ConfigError`` for the rank that overshoots its memory most (None when every rank fits)."""
+        mem = self.memory(devices, micro_batches, fractions)
+        over = [(m.need - m.capacity, r, d) for r, (d, m) in enumerate(mem.items()) if not m.fits()]
+        if not over:
+            return None
+        _, r, d = max(over)
+        m = mem[d]
+        return field_error(
+            f"plan.shards.{d}", round(fractions[r], 6),
+            f"leave room on device {d} (rank {r}){what}: it needs {_size(m.need)} there: shard {_size(m.shard)} + "
+            f"gathered units {_size(m.gathered)} + activations {_size(m.activations)} at micro-batch "
+            f"{micro_batches[r]} + framework {_size(m.framework)}; it has {_size(m.capacity)} "
+            f"({_size(m.free_for_shard)} free for its shard)",
+            "shards sized by memory (hetero_fsdp's plan), activation checkpointing "
+            "(settings.activation_checkpointing=true), smaller micro-batches or more devices")
+
+    # -- time ------------------------------------------------------------------------------------
+    def unit_compute_s(self, device: str, micro_batch: int) -> list[float]:
+        """Per unit, forward + backward seconds of ``micro_batch`` samples on ``device`` (0 for none)."""
+        dev = self.cm.cluster.device(device)
+        key = (self.cm.device_key(dev), micro_batch)
+        hit = self._unit_compute.get(key)
+        if hit is None:
+            if micro_batch <= 0:
+                hit = [0.0] * len(self.units)
+            else:
+                tokens = micro_batch * self.cm.workload.seq_len
+                hit = [sum(self.cm.stage_compute_s(dev, 1, micro_batch, i, i + 1)
+                           + self.cm.expert_compute_s(dev, 1, i, i + 1, tokens, None, 0.0) for i in u.layers)
+                       for u in self.units]
+            self._unit_compute[key] = hit
+        return hit
+
+    def route(self, devices: Sequence[str]) -> SyncRoute:
+        """The ring of every rank (the route the cost model gives a data-parallel gradient ring)."""
+        return self.cm.ring_bandwidths([((d,),) for d in devices])[0][0]
+
+    def collective_s(self, elements: int, element_bytes: int, route: SyncRoute) -> float:
+        """One all-gather (or reduce-scatter) of ``W`` pieces of ``elements``: half a ring all-reduce of them."""
+        if route.members <= 1 or elements <= 0:
+            return 0.0
+        return float(self.cm.network.ring_allreduce_s(float(route.members * elements * element_bytes), route)) / 2
+
+    def price(self, devices: Sequence[str], shares: Sequence[int], micro_batches: Sequence[int],
+              fractions: Sequence[float]) -> FsdpStep:
+        """The step of one layout (``micro_batches``: the largest micro-batch each rank runs, at most its share).
+
+        Collectives of unit u on padded pieces, one communication stream (``collective_s``)::
+
+            AG_u = (W - 1)(alpha + M_u b_param / bw) = ring_allreduce_s(W M_u b_param) / 2   (all-gather)
+            RS_u = (W - 1)(alpha + M_u b_grad / bw)  = ring_allreduce_s(W M_u b_grad) / 2    (reduce-scatter)
+
+        ``b_param``: the training dtype's bytes (units are gathered in it), ``b_grad``: the reduction dtype's
+        (``settings.grad_dtype``, fp32 unless set); ``bw``, ``alpha``: the ring's slowest edge and latency
+        (``network.Network``). Even shards (``M_u = P_u / W``) make a gather half an all-reduce.
+
+        Compute: ``c_{u,r}(b)``, the cost model's forward + backward of unit u's layers for ``b`` samples on rank
+        r's device (``CostModel.stage_compute_s`` + experts); forward ``1/3`` of it (backward = 2 x forward),
+        ``1/4`` with activation checkpointing (the recomputed forward is in the backward). In micro-step j every
+        unit waits for its slowest rank: ``F_u = max_r fwd_{u,r}(b_{r,j})``, ``B_u`` likewise. Units
+        0 (root) .. U-1::
+
+            T_micro = AG_0 + sum_{u=0..U-1} max(F_u, AG_{u+1})                                  (AG_U = 0)
+                    + sum_{u=U-1..0} max(B_u, AG_{u-1} [1 <= u-1 <= U-2] + RS_{u+1} [u+1 <= U-1])
+                    + RS_0
+            step    = sum_j T_micro(j) + max_r f_r update_r
+
+        (the root stays gathered: gathered once, reduced last; the last block is not gathered again for its
+        backward). ``update_r``: the cost model's optimizer update of the whole model on rank r's device (Adam,
+        memory bound), of which the rank steps its fraction.
+        """
+        W = len(devices)
+        route = self.route(devices)
+        pieces = self.piece_sizes(fractions)
+        largest = [max(p) for p in pieces]
+        s = self.settings
+        ag = [self.collective_s(m, s.param_bytes, route) for m in largest]
+        rs = [self.collective_s(m, s.grad_bytes, route) for m in largest]
+        fwd_share = 0.25 if s.activation_checkpointing else 1.0 / 3.0
+        counts = [math.ceil(n / m) for n, m in zip(shares, micro_batches)]
+        K = max(counts)
+        steps = [micro_step_sizes(n, m, K) for n, m in zip(shares, micro_batches)]
+        U = len(self.units)
+        memo: dict[tuple[int, ...], tuple[float, float]] = {}
+        total = critical = 0.0
+        for j in range(K):
+            sig = tuple(steps[r][j] for r in range(W))
+            if sig not in memo:
+                comp = [self.unit_compute_s(d, b) for d, b in zip(devices, sig)]
+                F = [max(c[u] for c in comp) * fwd_share for u in range(U)]
+                Bw = [max(c[u] for c in comp) * (1 - fwd_share) for u in range(U)]
+                t = ag[0] + rs[0]
+                for u in range(U):
+                    t += max(F[u], ag[u + 1] if u + 1 < U else 0.0)
+                for u in range(U - 1, -1, -1):
+                    comm = (ag[u - 1] if 1 <= u - 1 <= U - 2 else 0.0) + (rs[u + 1] if u + 1 <= U - 1 else 0.0)
+                    t += max(Bw[u], comm)
+                memo[sig] = (t, sum(F) + sum(Bw))
+            total += memo[sig][0]
+            critical += memo[sig][1]
+        L = self.cm.workload.num_layers
+        update = [fractions[r] * self.cm.stage_update_s(self.cm.cluster.device(d), 1, 0, L, 1)
+                  for r, d in enumerate(devices)]
+        compute = [sum(sum(self.unit_compute_s(d, b)) for b in steps[r]) for r, d in enumerate(devices)]
+        full = [sum(self.unit_compute_s(d, m)) for d, m in zip(devices, micro_batches)]
+        return FsdpStep(total + max(update), K, compute, critical, update, full)
+
+    # -- a plan ----------------------------------------------------------------------------------
+    def layout(self, plan: "Plan") -> tuple[list[str], list[int], list[int], list[float]]:
+        """(devices, shares, micro-batch sizes, fractions) of an fsdp plan, in its pipelines' order."""
+        if not plan.shards or not plan.is_pure_dp:
+            raise field_error("plan.shards", dict(plan.shards), "be given for a pure data-parallel plan (an fsdp "
+                              "plan: one single-device stage per rank and every rank's fraction)")
+        devices = [p.stages[0].devices[0] for p in plan.pipelines]
+        return (devices, [p.samples for p in plan.pipelines],
+                [min(p.micro_batch_size, p.samples) for p in plan.pipelines],  # a size above the share runs it whole
+                [float(plan.shards[d]) for d in devices])
+
+    def check_fits(self, plan: "Plan") -> None:
+        """Raise the refusal of ``plan`` when some rank's need exceeds its memory."""
+        devices, _, mbs, fractions = self.layout(plan)
+        err = self.memory_refusal(devices, mbs, fractions)
+        if err is not None:
+            raise err
+
+    def score(self, plan: "Plan") -> PlanScore:
+        """``CostModel.score`` of an fsdp plan: the step above, per-rank compute as its pipeline time, the exposed
+        communication as the sync, memory per rank (``PlanScore.memory_parts`` by part)."""
+        plan.check_against(self.cm.cluster, self.cm.workload)
+        devices, shares, mbs, fractions = self.layout(plan)
+        step = self.price(devices, shares, mbs, fractions)
+        mem = self.memory(devices, mbs, fractions)
+        worst = max(range(len(devices)), key=lambda r: step.update_s[r])
+        cm = self.cm
+        return PlanScore(
+            step_time_s=step.step_time_s, samples_per_s=plan.global_batch_size / step.step_time_s,
+            pipeline_times_s=step.compute_s, sync_time_s=step.exposed_comm_s, update_time_s=step.update_s[worst],
+            memory_bytes={d: m.need for d, m in mem.items()},
+            memory_capacity_bytes={d: m.capacity for d, m in mem.items()},
+            stage_costs=[[StageCost(step.full_micro_batch_s[r], 0.0, mem[d].need)] for r, d in enumerate(devices)],
+            grad_dtype=cm.settings.grad_reduce_dtype, network=cm.network.describe(),
+            compute="" if cm.profile is None else cm.profile.coverage((cm.cluster.device(d).type, 1)
+                                                                      for d in devices),
+            device_sync_s={d: step.exposed_comm_s for d in devices},
+            device_update_s={d: u for d, u in zip(devices, step.update_s)},
+            memory_parts={d: {"shard": m.shard, "gathered": m.gathered, "activations": m.activations,
+                              "framework": m.framework} for d, m in mem.items()})
+

@@ -1,0 +1,333 @@
+"""The fsdp planner and its price: shard sizes, fractions by memory, collectives by hand, refusals, auto, JSON."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from het_strategy.core.cluster import cluster_from_dict
+from het_strategy.core.cost_model import CostModel
+from het_strategy.core.errors import ConfigError
+from het_strategy.core.fsdp_cost import FsdpCost, fsdp_units, micro_step_sizes, shard_bytes_per_param
+from het_strategy.core.memory import GiB, OVERHEAD_TP1_BYTES
+from het_strategy.core.plan import Plan
+from het_strategy.core.runtime_rules import Runtime, runtime_problems
+from het_strategy.core.shard_sizes import shard_offsets, shard_sizes
+from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.workload import LayerCost, WorkloadSpec
+from het_strategy.planning import PlanRequest, plan, search_plan
+from het_strategy.planning.fsdp import fsdp_layout_plan, micro_batch_size, plan_fsdp
+from het_strategy.planning.strategy_plans import fsdp_plan
+
+TFLOPS = 1e-3  # 1e9 FLOP/s: layer times of milliseconds from small FLOP counts
+
+
+def _cluster(memories_gb, tflops=None, bw_gbs=10.0, latency_us=5.0, one_node=True) -> object:
+    """Devices d0, d1, ... with explicit figures (efficiency 1); one node, or one node each."""
+    tflops = tflops or [TFLOPS] * len(memories_gb)
+    devs = [{"name": f"d{i}", "type": f"t{i}", "tflops": t, "memory_gb": m, "memory_bandwidth_gbs": 100.0,
+             "efficiency": 1.0} for i, (m, t) in enumerate(zip(memories_gb, tflops))]
+    if one_node:
+        nodes = [{"name": "n0", "intra_bandwidth_gbs": bw_gbs, "devices": devs}]
+    else:
+        nodes = [{"name": f"n{i}", "intra_bandwidth_gbs": bw_gbs, "devices": [d]} for i, d in enumerate(devs)]
+    return cluster_from_dict({"name": "fsdp-test", "latency_us": latency_us, "inter_node_bandwidth_gbs": bw_gbs,
+                              "nodes": nodes})
+
+
+def _model(root_params=1000, block_params=(4000, 6000), flops=1e6, act=0.0) -> WorkloadSpec:
+    """embedding (root), blocks, head (root): explicit parameters and FLOPs, activations ``act`` bytes per
+    sample per layer."""
+    layers = [LayerCost("embedding", flops, root_params, act, 0.0)]
+    layers += [LayerCost(f"block{i}", flops * (i + 2), p, act, 0.0) for i, p in enumerate(block_params)]
+    layers.append(LayerCost("head", flops, root_params, act, 0.0))
+    return WorkloadSpec(name="fsdp-tiny", layers=tuple(layers), seq_len=8, dtype="bf16")
+
+
+# -- shard sizes ----------------------------------------------------------------------------------
+
+def test_shard_sizes_rounding_rule_by_hand() -> None:
+    # 10 x (4/7, 2/7, 1/7) = 5.71, 2.86, 1.43: floors 5, 2, 1; the 2 left go to ranks 1 (.86) then 0 (.71)
+    assert shard_sizes(10, [4 / 7, 2 / 7, 1 / 7]) == [6, 3, 1]
+    assert shard_sizes(3, [0.5, 0.5, 0.0]) == [2, 1, 0]  # tie of fractional parts: the lower rank first
+    assert shard_sizes(1, [1 / 3] * 3) == [1, 0, 0]
+    assert shard_sizes(0, [0.25, 0.75]) == [0, 0]
+    assert shard_sizes(7, [0.0, 1.0]) == [0, 7]
+    assert shard_offsets([6, 3, 1]) == [0, 6, 9]
+
+
+def test_shard_sizes_sum_and_closeness_on_random_cases() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        n, k = rng.randint(0, 10**7), rng.randint(1, 9)
+        w = [rng.random() if rng.random() > 0.3 else 0.0 for _ in range(k)]
+        if not any(w):
+            continue
+        f = [x / sum(w) for x in w]
+        sizes = shard_sizes(n, f)
+        assert sum(sizes) == n
+        assert all(abs(s - n * x) < 1 + 1e-6 for s, x in zip(sizes, f))
+        assert all(s == 0 for s, x in zip(sizes, f) if x == 0.0)
+
+
+@pytest.mark.parametrize("fractions", [[0.5, 0.6], [1.2, -0.2], [float("nan"), 1.0], []])
+def test_shard_sizes_refuses_bad_fractions(fractions) -> None:
+    with pytest.raises(ConfigError, match="shards"):
+        shard_sizes(10, fractions)
+
+
+# -- fractions by memory --------------------------------------------------------------------------
+
+def test_fractions_proportional_to_free_memory_4_2_1() -> None:
+    cluster = _cluster([8.0, 4.0, 2.0])
+    model = _model()
+    settings = TrainSettings(global_batch_size=6, dtype="bf16", micro_batch_sizes=(1, 2, 4, 8))
+    p = plan_fsdp(CostModel(cluster, model, settings)).plan
+    # no activations: free_r = memory_r - framework - gathered (root + two largest blocks, bf16 + fp32 grads)
+    gathered = (2 * 1000 + 6000 + 4000) * (2 + 4)
+    free = [m * GiB - OVERHEAD_TP1_BYTES - gathered for m in (8.0, 4.0, 2.0)]
+    expected = [f / sum(free) for f in free]
+    assert [p.shards[d] for d in ("d0", "d1", "d2")] == pytest.approx(expected, rel=1e-12)
+    # the 4:2:1 of the memories, shifted by the framework's 2e9 bytes each
+    assert expected[0] / expected[2] == pytest.approx((8 * GiB - 2e9 - gathered) / (2 * GiB - 2e9 - gathered))
+    score = CostModel(cluster, model, settings).score(p)
+    assert score.fits
+    units = fsdp_units(model)
+    for r, d in enumerate(("d0", "d1", "d2")):
+        elements = sum(shard_sizes(u.params, expected)[r] for u in units)
+        assert score.memory_parts[d]["shard"] == elements * shard_bytes_per_param(settings)
+        assert score.memory_parts[d]["gathered"] == gathered
+        assert score.memory_bytes[d] == pytest.approx(elements * 18 + gathered + OVERHEAD_TP1_BYTES)
+
+
+def test_units_root_first_tied_head_counted_once() -> None:
+    layers = (LayerCost("embedding", 1.0, 500, 0.0, 0.0), LayerCost("block0", 1.0, 70, 0.0, 0.0),
+              LayerCost("head", 1.0, 520, 0.0, 0.0, tied_params=500))
+    units = fsdp_units(WorkloadSpec(name="tied", layers=layers, seq_len=4))
+    assert [(u.name, u.layers, u.params) for u in units] == [("root", (0, 2), 520), ("block0", (1,), 70)]
+
+
+# -- the price by hand ----------------------------------------------------------------------------
+
+def _by_hand_step(fractions, shares, mbs, flops_per_layer, params, rates, bw, alpha, update_s):
+    """The module docstring's step for 2 blocks: units root (embedding + head), block0, block1."""
+    W = len(fractions)
+    pieces = [max(shard_sizes(p, fractions)) for p in params]
+    ag = [(W - 1) * (alpha + m * 2 / bw) for m in pieces]  # bf16 gathers
+    rs = [(W - 1) * (alpha + m * 4 / bw) for m in pieces]  # fp32 reductions
+    K = max(math.ceil(n / m) for n, m in zip(shares, mbs))
+    total = 0.0
+    for j in range(K):
+        sizes = [micro_step_sizes(n, m, K)[j] for n, m in zip(shares, mbs)]
+        # forward = 1 x FLOPs / rate, backward 2 x: the slowest rank of the micro-step per unit
+        F = [max(fl * b / rate for b, rate in zip(sizes, rates)) for fl in flops_per_layer]
+        B = [2 * f for f in F]
+        t = ag[0]
+        t += max(F[0], ag[1]) + max(F[1], ag[2]) + F[2]               # forward: prefetch the next unit
+        t += max(B[2], ag[1]) + max(B[1], rs[2]) + max(B[0], rs[1])  # backward: gather block0, reduce the last
+        t += rs[0]
+        total += t
+    return total + max(f * u for f, u in zip(fractions, update_s))
+
+
+@pytest.mark.parametrize("bw_gbs", [10.0, 1e-3])  # compute-bound and communication-bound
+def test_price_of_a_tiny_plan_against_a_count_of_collectives(bw_gbs: float) -> None:
+    cluster = _cluster([8.0, 8.0], tflops=[2 * TFLOPS, TFLOPS], bw_gbs=bw_gbs, latency_us=5.0)
+    model = _model()
+    settings = TrainSettings(global_batch_size=7, dtype="bf16")
+    cm = CostModel(cluster, model, settings)
+    fractions, shares, mbs = [0.7, 0.3], [5, 2], [2, 1]  # rank 0: 2+2+1, rank 1: 1+1 (a third, empty step)
+    p = fsdp_layout_plan(cm, ["d0", "d1"], shares, mbs, fractions)
+    got = cm.score(p)
+    # root = embedding (1e6 FLOPs) + head (1e6); blocks 2e6 and 3e6 FLOPs per sample, forward
+    flops = [2e6, 2e6, 3e6]
+    params = [2000, 4000, 6000]
+    update = [sum(layer.total_params for layer in model.layers) * 16 / 100e9] * 2  # Adam, memory bound
+    want = _by_hand_step(fractions, shares, mbs, flops, params, [2e9, 1e9], bw_gbs * 1e9, 5e-6, update)
+    assert got.step_time_s == pytest.approx(want, rel=1e-12)
+    assert got.pipeline_times_s == pytest.approx([3 * 7e6 * 5 / 2e9, 3 * 7e6 * 2 / 1e9])
+    if bw_gbs < 1:
+        assert got.sync_time_s > 0.5 * got.step_time_s  # the collectives set the step
+    # one micro-step more (every micro-batch of one sample): every collective once more
+    more = cm.score(fsdp_layout_plan(cm, ["d0", "d1"], shares, [1, 1], fractions)).step_time_s
+    assert more == pytest.approx(_by_hand_step(fractions, shares, [1, 1], flops, params, [2e9, 1e9],
+                                               bw_gbs * 1e9, 5e-6, update), rel=1e-12)
+
+
+def test_even_shards_give_half_an_allreduce_per_gather() -> None:
+    cluster = _cluster([8.0] * 4)
+    cm = CostModel(cluster, _model(block_params=(4000, 4000)), TrainSettings(global_batch_size=4))
+    cost = FsdpCost(cm)
+    route = cost.route(["d0", "d1", "d2", "d3"])
+    assert cost.collective_s(1000, 2, route) == pytest.approx(cm.network.ring_allreduce_s(8000.0, route) / 2)
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+def _tight_case():
+    """Memories 4:2:1 (16, 8, 4 GiB; 1.86 GiB of each the framework's); 530M parameters, 8.9 GiB of sharded state:
+    2.96 GiB a rank when even, more than the 4 GiB device has free."""
+    cluster = _cluster([16.0, 8.0, 4.0])
+    model = _model(root_params=1_000_000, block_params=(33_000_000,) * 16)
+    return cluster, model, TrainSettings(global_batch_size=6, dtype="bf16")
+
+
+def test_even_sharding_refused_where_memory_sized_shards_fit() -> None:
+    cluster, model, settings = _tight_case()
+    cm = CostModel(cluster, model, settings)
+    with pytest.raises(ConfigError) as err:
+        plan_fsdp(cm, even_shards=True)
+    msg = str(err.value)
+    assert err.value.field == "plan.shards.d2"
+    assert "device d2 (rank 2)" in msg and "it has 4.00 GiB" in msg
+    mem = FsdpCost(cm).memory(["d0", "d1", "d2"], [2, 2, 2], [1 / 3] * 3)["d2"]
+    assert f"it needs {mem.need / GiB:.2f} GiB" in msg
+    assert "shard" in msg and "gathered units" in msg and "activations" in msg and "free for its shard" in msg
+    uneven = plan_fsdp(cm).plan
+    score = cm.score(uneven)
+    assert score.fits and uneven.shards["d0"] > uneven.shards["d1"] > uneven.shards["d2"]
+
+
+def test_a_given_plan_that_does_not_fit_is_refused_by_fsdp_plan() -> None:
+    cluster, model, settings = _tight_case()
+    cm = CostModel(cluster, model, settings)
+    even = fsdp_layout_plan(cm, ["d0", "d1", "d2"], [2, 2, 2], [2, 2, 2], [1 / 3] * 3)
+    with pytest.raises(ConfigError, match=r"plan\.shards\.d2.*rank 2"):
+        fsdp_plan(cluster, model, 6, "bf16", given=even)
+    planned = fsdp_plan(cluster, model, 6, "bf16")
+    assert planned.mode == "fsdp" and planned.predicted["fits"]
+    assert fsdp_plan(cluster, model, 6, "bf16", given=planned).shards == planned.shards
+
+
+def test_nothing_fits_names_the_rank() -> None:
+    cluster = _cluster([3.0, 3.0])
+    model = _model(root_params=1_000_000, block_params=(200_000_000, 200_000_000))  # 7 GiB of state
+    with pytest.raises(ConfigError, match=r"plan\.shards\.d[01].*rank [01]"):
+        search_plan(cluster, model, TrainSettings(global_batch_size=4), mode="fsdp")
+
+
+# -- auto, runtimes, requests ---------------------------------------------------------------------
+
+def test_auto_picks_fsdp_where_no_replica_fits_the_small_device() -> None:
+    # memories 4:2:1, speeds 2:1:1; a dp replica (24 B a parameter, 3.6 GiB + the framework's 1.86) does not fit
+    # the 4 GiB device, and every device takes part (idle_devices=False, as the strategies plan)
+    cluster = _cluster([16.0, 8.0, 4.0], tflops=[2 * TFLOPS, TFLOPS, TFLOPS], bw_gbs=100.0)
+    model = _model(root_params=1_000_000, block_params=(10_000_000,) * 16, act=1e6)
+    settings = TrainSettings(global_batch_size=8, dtype="bf16", idle_devices=False)
+    with pytest.raises(ConfigError, match="no dp plan fits"):
+        search_plan(cluster, model, settings, mode="dp")
+    chosen = search_plan(cluster, model, settings, mode="auto")
+    assert chosen.mode == "fsdp" and chosen.predicted["fits"]
+    for mode in ("pipeline", "hybrid"):  # pipelines fit, with bubbles: slower
+        try:
+            other = search_plan(cluster, model, settings, mode=mode)
+        except ConfigError:
+            continue
+        assert other.predicted["step_time_s"] > chosen.predicted["step_time_s"]
+    assert runtime_problems(chosen, Runtime.hetero_fsdp) == []
+    assert chosen.rank_shares() == {"d0": 4, "d1": 2, "d2": 2}  # by speed (2:1:1)
+    assert chosen.shards["d0"] > chosen.shards["d1"] > chosen.shards["d2"]  # by memory
+
+
+def test_auto_keeps_dp_where_fsdp_gathers_cost_more() -> None:
+    # d1 holds no replica (dp leaves it idle); over a 10 kB/s link fsdp's gathers take 0.6 s a unit
+    cluster = _cluster([80.0, 2.0], tflops=[2 * TFLOPS, TFLOPS], bw_gbs=1e-5)
+    settings = TrainSettings(global_batch_size=6, dtype="bf16")
+    model = _model(root_params=10_000_000)
+    fsdp = search_plan(cluster, model, settings, mode="fsdp")
+    chosen = search_plan(cluster, model, settings, mode="auto")
+    assert chosen.mode == "dp" and chosen.used_devices == ("d0",)
+    assert chosen.predicted["step_time_s"] < fsdp.predicted["step_time_s"]
+
+
+def test_auto_leaves_fsdp_out_where_every_replica_fits() -> None:
+    # every device holds a replica: auto races dp, pipeline and hybrid only, though the fsdp plan is priced faster
+    # here (its collectives overlap compute in the model; dp's sync does not)
+    cluster = _cluster([80.0, 80.0], tflops=[2 * TFLOPS, TFLOPS], bw_gbs=1e-3)
+    settings = TrainSettings(global_batch_size=6, dtype="bf16")
+    fsdp = search_plan(cluster, _model(), settings, mode="fsdp")
+    chosen = search_plan(cluster, _model(), settings, mode="auto")
+    assert chosen.mode != "fsdp"
+    assert fsdp.predicted["step_time_s"] < chosen.predicted["step_time_s"]
+
+
+def test_runtime_rules_of_fsdp_plans() -> None:
+    cluster, model, settings = _tight_case()
+    cm = CostModel(cluster, model, settings)
+    fsdp = plan_fsdp(cm).plan
+    assert runtime_problems(fsdp, Runtime.hetero_fsdp) == []
+    assert runtime_problems(fsdp, Runtime.hetero_fsdp, world_size=3) == []
+    assert [p.field for p in runtime_problems(fsdp, Runtime.hetero_fsdp, world_size=2)] == ["WORLD_SIZE"]
+    for other in (Runtime.hetero, Runtime.deepspeed):
+        assert [p.field for p in runtime_problems(fsdp, other)] == ["plan.shards"]
+    dp = Plan.from_dict({**fsdp.to_dict(), "shards": None, "mode": "dp"})
+    assert [p.field for p in runtime_problems(dp, Runtime.hetero_fsdp)] == ["plan.shards"]
+
+
+def test_plan_requests_for_fsdp() -> None:
+    assert PlanRequest(runtime="hetero_fsdp").mode == "fsdp"
+    for mode, runtime in (("fsdp", "hetero"), ("fsdp", "deepspeed"), ("dp", "hetero_fsdp")):
+        with pytest.raises(ConfigError, match="planner"):
+            PlanRequest(mode=mode, runtime=runtime)
+    cluster, model, settings = _tight_case()
+    result = plan(cluster, model, settings, PlanRequest(runtime="hetero_fsdp"))
+    assert result.plan.mode == "fsdp" and result.score.fits
+
+
+# -- JSON -----------------------------------------------------------------------------------------
+
+def test_plan_json_round_trip_with_shards(tmp_path) -> None:
+    cluster, model, settings = _tight_case()
+    p = search_plan(cluster, model, settings, mode="fsdp")
+    back = Plan.load(p.save(tmp_path / "plan.json"))
+    assert back.shards == p.shards and back.mode == "fsdp" and back.to_dict() == p.to_dict()
+    assert CostModel(cluster, model, settings).score(back).step_time_s == pytest.approx(p.predicted["step_time_s"])
+    dp = search_plan(_cluster([80.0, 80.0]), _model(), TrainSettings(global_batch_size=4), mode="dp")
+    assert "shards" not in dp.to_dict()
+
+
+@pytest.mark.parametrize("shards, field", [({"d0": 0.5, "d1": 0.4, "d2": 0.2}, "plan.shards"),
+                                           ({"d0": 0.5, "d1": 0.5}, "plan.shards.d2"),
+                                           ({"d0": 0.5, "d1": 0.25, "d2": 0.25, "x": 0.0}, "plan.shards.x"),
+                                           ({"d0": 1.5, "d1": -0.25, "d2": -0.25}, "plan.shards.d0")])
+def test_bad_shards_are_refused_by_field(shards, field) -> None:
+    cluster, model, settings = _tight_case()
+    raw = search_plan(cluster, model, settings, mode="fsdp").to_dict()
+    with pytest.raises(ConfigError) as err:
+        Plan.from_dict({**raw, "shards": shards})
+    assert err.value.field == field
+
+
+# -- brute force ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("memories, act", [([8.0, 6.0, 4.0], 1e3),        # memory plentiful
+                                           ([2.3, 2.2, 2.1], 5e7)])       # activations bind: micro-batches
+def test_planner_matches_brute_force_over_shares_and_micro_batches(memories, act) -> None:
+    cluster = _cluster(memories, tflops=[3 * TFLOPS, 2 * TFLOPS, TFLOPS], bw_gbs=1.0)
+    model = _model(act=act)
+    settings = TrainSettings(global_batch_size=7, dtype="bf16")
+    cm = CostModel(cluster, model, settings)
+    cost = FsdpCost(cm)
+    devices = ["d0", "d1", "d2"]
+    best, fitting = math.inf, 0
+    for shares in itertools.product(range(1, 6), repeat=3):
+        if sum(shares) != 7:
+            continue
+        for sizes in itertools.product(settings.micro_batch_sizes, repeat=3):  # every rank's micro-batch apart
+            mbs = [min(m, n) for m, n in zip(sizes, shares)]
+            free = [cost.free_for_shards(d, m) for d, m in zip(devices, mbs)]
+            if min(free) < 0:
+                continue
+            fractions = [f / sum(free) for f in free]
+            if cost.memory_refusal(devices, mbs, fractions) is not None:
+                continue
+            fitting += 1
+            best = min(best, cost.price(devices, list(shares), mbs, fractions).step_time_s)
+    got = plan_fsdp(cm)
+    assert fitting > 0
+    assert got.step_time_s == pytest.approx(best, rel=1e-9)
+    assert cm.score(got.plan).step_time_s == pytest.approx(got.step_time_s, rel=1e-12)
+    assert cm.score(got.plan).fits
