@@ -100,6 +100,9 @@ def collectives(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
         tensor, work = all_gather_uneven(shard, sizes, async_op=True)
         work.wait()
         got["gathered_async"] = tensor.clone()
+        piece, work = reduce_scatter_uneven(full, sizes, rank, async_op=True)
+        work.wait()
+        got["piece_async"] = piece.clone()
         if len(set(sizes)) == 1:
             pieces = [torch.empty_like(shard) for _ in range(world)]
             dist.all_gather(pieces, shard)

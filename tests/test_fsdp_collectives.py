@@ -26,6 +26,7 @@ def test_uneven_collectives_equal_gloo_and_the_reference() -> None:
             assert torch.equal(r["gathered"], concatenated), (sizes, rank)
             assert torch.equal(r["gathered_async"], concatenated), (sizes, rank)
             assert torch.equal(r["piece"], summed[at:at + size]), (sizes, rank)
+            assert torch.equal(r["piece_async"], summed[at:at + size]), (sizes, rank)
             if len(set(sizes)) == 1 and sizes[0] > 0:
                 assert torch.equal(r["gathered"], r["gloo_gathered"])
                 assert torch.equal(r["piece"], r["gloo_piece"])

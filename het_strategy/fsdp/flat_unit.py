@@ -13,7 +13,7 @@ A ``FlatUnit`` owns, for one unit (a block, or the root: the parameters outside 
   original parameter attribute (``block.fc.weight``) is a plain tensor, a view of ``full`` (``full.split`` then
   ``view``: one ``SplitBackward`` node, so the whole unit's gradient arrives in ``full.grad`` at once).
 
-Its collectives (``start_gather``, ``reduce_gradient``, ``gather_master``) are called by ``ShardedModel`` in the
+Its collectives (``start_gather``, ``start_reduce``, ``gather_master``) are called by ``ShardedModel`` in the
 same order on every rank; this module decides nothing about when.
 """
 
@@ -133,6 +133,7 @@ class FlatUnit:
         """The in-flight gather's work handle (``GATHERING``)."""
         self._send: torch.Tensor | None = None  # the cast shard an in-flight gather reads: alive until its wait
         self._wire: torch.Tensor | None = None  # what the in-flight gather writes (``full`` itself, or a cast)
+        self._reducing: Any = None  # the in-flight reduce-scatter: (this rank's piece, its work handle)
         for owner, attr, _ in self._slots:  # the originals leave the modules; only the shard is a parameter
             delattr(owner, attr)
             setattr(owner, attr, torch.empty(0, dtype=self.param_dtype, device=device))
@@ -181,12 +182,21 @@ class FlatUnit:
 
     # -- gradients ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def reduce_gradient(self) -> None:
-        """Reduce-scatter ``full.grad`` (in ``reduce_dtype``, summed over the ranks, divided by the world size)
-        into ``shard.grad``, adding to a gradient already there (micro-batches); drops ``full.grad``."""
+    def start_reduce(self) -> None:
+        """Start reduce-scattering ``full.grad`` (in ``reduce_dtype``, summed over the ranks) into this rank's
+        piece, asynchronously (a collective); drops ``full.grad``.  ``finish_reduce`` completes it."""
         grad = self.full.grad
         self.full.grad = None
-        piece = reduce_scatter_uneven(grad.reshape(-1).to(self.reduce_dtype), self.sizes, self.rank, self.group)
+        self._reducing = reduce_scatter_uneven(grad.reshape(-1).to(self.reduce_dtype), self.sizes, self.rank,
+                                               self.group, async_op=True)
+
+    @torch.no_grad()
+    def finish_reduce(self) -> None:
+        """Wait for ``start_reduce``'s collective and add its piece, divided by the world size, to ``shard.grad``
+        (set it on the first micro-batch)."""
+        piece, work = self._reducing
+        self._reducing = None
+        work.wait()
         piece = piece.div_(self.world).to(self.master_dtype)
         if self.shard.grad is None:
             self.shard.grad = piece

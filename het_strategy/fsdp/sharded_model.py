@@ -63,9 +63,11 @@ class ShardedModel:
        gather.  With ``checkpoint_activations`` the block's forward (under non-reentrant ``torch.utils.checkpoint``)
        is recomputed here, from the gathered views.
     6. When the unit's whole gradient has arrived in the gathered vector's ``.grad`` (its post-accumulate-grad
-       hook: autograd runs it once, after every view's gradient), it is reduce-scattered in ``reduce_dtype``,
-       divided by the world size, into ``flat_shard.grad`` (added to a gradient already there: micro-batches),
-       and the unit is freed.  The root's comes last.
+       hook: autograd runs it once, after every view's gradient), the unit is freed and its gradient
+       reduce-scattered in ``reduce_dtype`` asynchronously, overlapping the next unit's backward; the previous
+       unit's reduce-scatter is awaited first (one in flight: one unit's unreduced gradient in memory), and the
+       last one when the backward ends (an autograd callback).  Each lands, divided by the world size, in
+       ``flat_shard.grad`` (added to a gradient already there: micro-batches).  The root's comes last.
 
     The optimizer then steps on the shards; the next forward gathers their new values.  Time blocked on
     communication (waiting for a prefetched gather, a synchronous gather, a reduce-scatter) adds up in
@@ -88,6 +90,8 @@ class ShardedModel:
         self.num_prefetched = 0
         """Of those, the gathers started ahead (prefetch) rather than when the unit was needed."""
         self._state_keys = state_keys
+        self._reducing: FlatUnit | None = None
+        """The unit whose reduce-scatter is in flight (finished by the next one, or at the backward's end)."""
         self._handles = [module.register_forward_pre_hook(self._forward_start),
                          module.register_forward_hook(self._forward_end)]
         for i, block in enumerate(block_modules):
@@ -135,6 +139,7 @@ class ShardedModel:
 
     # -- forward -----------------------------------------------------------------------------------------------
     def _forward_start(self, module: nn.Module, args: Any) -> None:
+        self._finish_reduce()  # a backward that ended without its callback (an error in it): not lost
         for unit in self.units:  # left by a forward without backward, or a prefetch never reached: stale values
             if unit.state != UnitState.FREE:
                 with self._blocked():
@@ -171,9 +176,22 @@ class ShardedModel:
         self._prefetch(index - 1)
 
     def _unit_backward_end(self, unit: FlatUnit, full: torch.Tensor) -> None:
-        with self._blocked():
-            unit.reduce_gradient()
+        if self._reducing is None:  # this backward's first reduction: its end awaits the last one
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        else:  # one reduce-scatter in flight at a time: the unreduced gradients of one unit in memory
+            self._finish_reduce()
+        unit.start_reduce()
+        self._reducing = unit
         unit.free()
+
+    def _finish_reduce(self) -> None:
+        if self._reducing is not None:
+            with self._blocked():
+                self._reducing.finish_reduce()
+            self._reducing = None
+
+    def _backward_end(self) -> None:
+        self._finish_reduce()
 
     # -- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -12,7 +12,7 @@ chunks, both collectives here pad every piece to the largest size, run the equal
   straight into the output (no padding, no copy).
 - ``reduce_scatter_uneven``: 1. rank ``r``'s piece of the full tensor is copied to ``r * max(sizes)`` of a zeroed
   buffer; 2. ``reduce_scatter_single`` sums every rank's buffer and hands rank ``r`` block ``r``; 3. its first
-  ``sizes[r]`` elements are the result.
+  ``sizes[r]`` elements are the result.  Either may run asynchronously: ``(tensor, work)``, valid after the wait.
 
 Invariant: every rank of ``group`` calls with the same ``sizes`` (in group-rank order) and the same dtype, in the
 same order relative to its other collectives on ``group``; the padding is the same everywhere, so every rank sends
@@ -37,11 +37,6 @@ def _gather_into(output: torch.Tensor, input: torch.Tensor, group: Any, async_op
     return gather(output, input, group=group, async_op=async_op)
 
 
-def _reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, input, op=dist.ReduceOp.SUM, group=group)
-
-
 class _Done:
     """The work handle of a collective that had nothing to move (every size 0)."""
 
@@ -53,16 +48,17 @@ class _Done:
 
 
 class _ThenCopy:
-    """A collective's work handle whose ``wait()`` also runs the trimming copy that makes the output valid."""
+    """A collective's work handle whose ``wait()`` also runs the trimming copy that makes the output valid, and
+    that holds the collective's buffers (``keep``) until then."""
 
-    def __init__(self, work: Any, copy_out: Callable[[], None]) -> None:
-        self.work, self.copy_out, self.done = work, copy_out, False
+    def __init__(self, work: Any, copy_out: Callable[[], None], keep: tuple = ()) -> None:
+        self.work, self.copy_out, self.keep, self.done = work, copy_out, keep, False
 
     def wait(self, timeout: Any = None) -> bool:
         if not self.done:
             self.work.wait()
             self.copy_out()  # on NCCL enqueued on the current stream, after the wait made it wait for the gather
-            self.done = True
+            self.done, self.keep = True, ()
         return True
 
     def is_completed(self) -> bool:
@@ -109,28 +105,34 @@ def all_gather_uneven(shard: torch.Tensor, sizes: Sequence[int], group: Any = No
 
     work = _gather_into(blocks, padded, group, async_op)
     if async_op:
-        return out, _ThenCopy(work, copy_out)
+        return out, _ThenCopy(work, copy_out, keep=(padded, blocks))
     copy_out()
     return out
 
 
-def reduce_scatter_uneven(full: torch.Tensor, sizes: Sequence[int], rank: int, group: Any = None) -> torch.Tensor:
+def reduce_scatter_uneven(full: torch.Tensor, sizes: Sequence[int], rank: int, group: Any = None,
+                          async_op: bool = False) -> Any:
     """This rank's piece (``sizes[rank]`` elements from ``sum(sizes[:rank])``) of the 1-D ``full`` summed over
-    every rank of ``group``; ``rank`` is this rank's rank in ``group``.  A collective: every rank calls it with the
-    same ``sizes``."""
+    every rank of ``group``; ``rank`` is this rank's rank in ``group``.  ``async_op=True`` returns
+    ``(tensor, work)``: the tensor is valid once ``work.wait()`` returned (``full`` may be dropped before).  A
+    collective: every rank calls it with the same ``sizes``."""
     world = _check_sizes(sizes, group, "reduce_scatter_uneven")
     if full.dim() != 1 or full.numel() != sum(int(s) for s in sizes):
         raise field_error("reduce_scatter_uneven.full", tuple(full.shape),
                           f"be 1-D with sum(sizes) = {sum(int(s) for s in sizes)} elements")
     per = max(int(s) for s in sizes)
     if per == 0:
-        return full.new_empty(0)
+        return (full.new_empty(0), _Done()) if async_op else full.new_empty(0)
     out = torch.empty(per, dtype=full.dtype, device=full.device)
     if all(int(s) == per for s in sizes):  # even: the flat layout is the scatter's layout
-        _reduce_scatter_into(out, full.contiguous(), group)
-        return out
-    padded = torch.zeros(world * per, dtype=full.dtype, device=full.device)
-    for r, (at, size) in enumerate(zip(shard_offsets(sizes), sizes)):
-        padded[r * per:r * per + int(size)].copy_(full[at:at + int(size)])
-    _reduce_scatter_into(out, padded, group)
-    return out[:int(sizes[rank])]
+        padded = full.contiguous()
+    else:
+        padded = torch.zeros(world * per, dtype=full.dtype, device=full.device)
+        for r, (at, size) in enumerate(zip(shard_offsets(sizes), sizes)):
+            padded[r * per:r * per + int(size)].copy_(full[at:at + int(size)])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = scatter(out, padded, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    piece = out[:int(sizes[rank])]
+    if async_op:  # the handle keeps the input alive until the collective is done with it
+        return piece, _ThenCopy(work, lambda: None, keep=(padded, out))
+    return piece
