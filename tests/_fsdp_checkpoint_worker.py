@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from het_strategy.core.shard_sizes import shard_offsets, shard_sizes
-from het_strategy.fsdp.checkpoint import load_sharded, save_sharded
+from het_strategy.fsdp.checkpoint import export_full, load_sharded, save_sharded
 
 TIMEOUT_S = 60
 UNITS = {"blocks.0": 23, "blocks.1": 23, "root": 2}
@@ -61,11 +61,15 @@ def _gradient(unit: int, numel: int, step: int) -> torch.Tensor:
     return torch.cos(torch.arange(numel, dtype=torch.float64) * 0.37 + 1.3 * step + unit) * (1 + step)
 
 
-def _adam(model: FlatModel, lrs: dict[str, float]) -> torch.optim.Adam:
+def optimizer_for(name: str, model: FlatModel, lrs: dict[str, float]) -> torch.optim.Optimizer:
+    """``adam`` (moments and a step count per shard) or ``sgd`` (a momentum buffer), one parameter group for the
+    blocks and one for the root unit, at ``lrs``."""
     blocks = [u.shard for u in model.units if u.name != "root"]
     root = [u.shard for u in model.units if u.name == "root"]
-    return torch.optim.Adam([{"params": blocks, "lr": lrs["blocks"]}, {"params": root, "lr": lrs["root"]}],
-                            weight_decay=0.01, foreach=False)
+    groups = [{"params": blocks, "lr": lrs["blocks"]}, {"params": root, "lr": lrs["root"]}]
+    if name == "sgd":
+        return torch.optim.SGD(groups, momentum=0.9, weight_decay=0.01)
+    return torch.optim.Adam(groups, weight_decay=0.01, foreach=False)
 
 
 def _step(model: FlatModel, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
@@ -103,14 +107,14 @@ def _run(body, rank: int, world: int, port: int, out_dir: str) -> None:
         raise
 
 
-def flat_save(fractions: list[float], ckpt: str, async_save: bool, rank: int, port: int, cache_dir: str,
-              out_dir: str) -> None:
+def flat_save(fractions: list[float], optimizer: str, ckpt: str, async_save: bool, rank: int, port: int,
+              cache_dir: str, out_dir: str) -> None:
     """``SAVED_STEPS`` Adam steps, save; the next step (at once when ``async_save``: while the files are
     written, the state changing under the save); record the state at the save and after the next step."""
 
     def body(rank: int) -> dict[str, Any]:
         model = FlatModel(fractions, rank)
-        opt = _adam(model, LRS)
+        opt = optimizer_for(optimizer, model, LRS)
         for step in range(SAVED_STEPS):
             _step(model, opt, step, rank)
         saved = _record(model, opt, rank)
@@ -123,12 +127,13 @@ def flat_save(fractions: list[float], ckpt: str, async_save: bool, rank: int, po
     _run(body, rank, len(fractions), port, out_dir)
 
 
-def flat_load(fractions: list[float], ckpt: str, rank: int, port: int, cache_dir: str, out_dir: str) -> None:
+def flat_load(fractions: list[float], optimizer: str, ckpt: str, rank: int, port: int, cache_dir: str,
+              out_dir: str) -> None:
     """A model filled with zeros and an Adam with other learning rates, load, record; one more step, record."""
 
     def body(rank: int) -> dict[str, Any]:
         model = FlatModel(fractions, rank, fill=0.0)
-        opt = _adam(model, {"blocks": 1.0, "root": 1.0})  # the checkpoint's learning rates must replace these
+        opt = optimizer_for(optimizer, model, {"blocks": 1.0, "root": 1.0})  # the checkpoint's lrs replace these
         extra = load_sharded(model, opt, ckpt)
         loaded = _record(model, opt, rank)
         _step(model, opt, SAVED_STEPS, rank)
@@ -196,7 +201,8 @@ def _full_state(sharded: Any) -> dict[str, list[float]]:
 
 def model_save(fractions: list[float], shares: list[int], steps: int, ckpt: str, rank: int, port: int,
                cache_dir: str, out_dir: str) -> None:
-    """``steps`` Adam steps of the sharded ``_Net``, save, one more step; the full state at the save and after."""
+    """``steps`` Adam steps of the sharded ``_Net``, save (and export the full state dict to ``<ckpt>.pt``), one
+    more step; the full state at the save and after."""
 
     def body(rank: int) -> dict[str, Any]:
         sharded, net = _sharded_net(0, fractions, rank)
@@ -204,6 +210,7 @@ def model_save(fractions: list[float], shares: list[int], steps: int, ckpt: str,
         for step in range(steps):
             _train_step(sharded, opt, step, rank, shares)
         save_sharded(sharded, opt, ckpt, extra={"global_step": steps})
+        export_full(sharded, ckpt + ".pt")
         saved = _full_state(sharded)
         _train_step(sharded, opt, steps, rank, shares)
         return {"saved": saved, "after": _full_state(sharded)}

@@ -58,25 +58,28 @@ def _sizes(fractions: list[float]) -> dict[str, list[int]]:
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the ranks are forked (no torch import each)")
 @pytest.mark.usefixtures("optimizer_imported")
-@pytest.mark.parametrize("load_fractions, async_save", [([1 / 2, 1 / 2], False), ([0.0, 1 / 3, 2 / 3], True)],
-                         ids=["3-to-2-ranks", "3-to-3-ranks-async"])
+@pytest.mark.parametrize("load_fractions, optimizer, async_save", [([1 / 2, 1 / 2], "adam", False),
+                                                                    ([0.0, 1 / 3, 2 / 3], "adam", True),
+                                                                    ([1 / 2, 1 / 2], "sgd", False)],
+                         ids=["3-to-2-ranks", "3-to-3-ranks-async", "3-to-2-ranks-sgd"])
 def test_a_checkpoint_of_three_uneven_ranks_loads_into_another_layout_and_takes_the_same_next_step(
-        tmp_path: Path, load_fractions: list[float], async_save: bool) -> None:
+        tmp_path: Path, load_fractions: list[float], optimizer: str, async_save: bool) -> None:
     """Saved by 3 ranks holding 4:2:1 of every unit (rank 2 none of the 2-element root unit), loaded into 2
     ranks at 1:1, or (saved asynchronously while the next step already changes the state) into 3 ranks at 0:1:2:
-    the flat parameters, Adam's moments and step, the learning rates and ``extra`` are the saved ones, exactly,
-    and one more step on each side gives the same parameters."""
+    the flat parameters, Adam's moments and step (SGD's momentum buffer), the learning rates and ``extra`` are
+    the saved ones, exactly, and one more step on each side gives the same parameters."""
     ckpt = str(tmp_path / "ckpt")
     (tmp_path / "save").mkdir()
     (tmp_path / "load").mkdir()
-    saved = run_spawned_ranks(functools.partial(worker.flat_save, SAVE_FRACTIONS, ckpt, async_save), 3,
+    saved = run_spawned_ranks(functools.partial(worker.flat_save, SAVE_FRACTIONS, optimizer, ckpt, async_save), 3,
                               tmp_path / "save", TIMEOUT_S, start_method="fork")
-    loaded = run_spawned_ranks(functools.partial(worker.flat_load, load_fractions, ckpt), len(load_fractions),
+    loaded = run_spawned_ranks(functools.partial(worker.flat_load, load_fractions, optimizer, ckpt), len(load_fractions),
                                tmp_path / "load", TIMEOUT_S, start_method="fork")
     assert all(r["future"] is async_save for r in saved)
     assert _sizes(SAVE_FRACTIONS) != _sizes(load_fractions) and _sizes(SAVE_FRACTIONS)["root"] == [1, 1, 0]
     before, after = _full(saved, "saved"), _full(loaded, "loaded")
-    assert set(before["blocks.0"]) == {"shard", "step", "exp_avg", "exp_avg_sq"}
+    states = {"adam": {"step", "exp_avg", "exp_avg_sq"}, "sgd": {"momentum_buffer"}}[optimizer]
+    assert set(before["blocks.0"]) == {"shard"} | states
     assert after == before  # every element of every unit and every state, bit for bit
     for r in loaded:
         assert r["extra"] == worker.EXTRA
@@ -101,7 +104,7 @@ def one_rank_group() -> None:
 def _one_rank_model() -> tuple[Any, Any]:
     """A one-rank FlatModel with two Adam steps taken."""
     model = worker.FlatModel([1.0], 0)
-    opt = worker._adam(model, worker.LRS)
+    opt = worker.optimizer_for("adam", model, worker.LRS)
     for step in range(2):
         worker._step(model, opt, step, 0)
     return model, opt
@@ -141,6 +144,11 @@ def test_units_that_differ_from_the_checkpoints_are_refused(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"`units\[blocks.1\].numel` is 24; it must match a unit of the "
                                           r"checkpoint .*blocks.1=\(23,\)"):
         load_sharded(other, None, tmp_path / "ckpt")
+    fewer = worker.FlatModel([1.0], 0)
+    del fewer.units[0]
+    with pytest.raises(ConfigError, match=r"`units` is \['blocks.1', 'root'\]; it must hold every unit of the "
+                                          r"checkpoint .*; it lacks blocks.0"):
+        load_sharded(fewer, None, tmp_path / "ckpt")
     with pytest.raises(ConfigError, match="holds no optimizer state"):
         load_sharded(worker.FlatModel([1.0], 0), opt, tmp_path / "ckpt")
     stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
@@ -154,7 +162,8 @@ def test_units_that_differ_from_the_checkpoints_are_refused(tmp_path: Path) -> N
 def test_a_sharded_model_saved_by_three_ranks_takes_the_same_next_update_on_two(tmp_path: Path) -> None:
     """``shard_model``'s float64 model, 5 Adam steps on 3 ranks (shards 4:2:1, batch shares 5:5:2), saved; loaded
     into 2 ranks (shards and shares 1:1) over another initial model and learning rate: the full state dict is the
-    saved one exactly, and one more step on each side gives the same parameters to 1e-12."""
+    saved one exactly, and one more step on each side gives the same parameters to 1e-12.  The full state dict
+    rank 0 exported beside it loads into the plain model."""
     ckpt = str(tmp_path / "ckpt")
     (tmp_path / "save").mkdir()
     (tmp_path / "load").mkdir()
@@ -168,6 +177,9 @@ def test_a_sharded_model_saved_by_three_ranks_takes_the_same_next_update_on_two(
         assert r["loaded"] == saved[0]["saved"]
     before, a, b = saved[0]["saved"], saved[0]["after"], loaded[0]["after"]
     assert set(a) == set(b) == set(before)
+    exported = torch.load(ckpt + ".pt", weights_only=True)
+    assert {k: v.flatten().tolist() for k, v in exported.items()} == before
+    worker._Net().double().load_state_dict(exported)  # the original names and shapes (strict)
     diff = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
     moved = max(abs(x - y) for name in a for x, y in zip(a[name], before[name]))
     assert diff <= 1e-12 < moved, (diff, moved)

@@ -13,7 +13,7 @@ What the checkpoint holds (one DCP key each):
 
 Loading asks DCP, per unit, for the chunk the *current* layout gives this rank; DCP's resharding reads the
 overlapping pieces of whichever saved chunks cover it. So a checkpoint written by 3 ranks with sizes 4:2:1 loads
-into 2 ranks with 1:1, or 3 ranks with 0:1:1: any world size and any sizes, as long as the units (names and
+into 2 ranks with 1:1, or 3 ranks with 0:1:2: any world size and any sizes, as long as the units (names and
 element counts) are the same. DTensor cannot describe arbitrary uneven chunks and ShardedTensor is deprecated,
 so two small planners (``_FlatSavePlanner``, ``_FlatLoadPlanner``) give DCP the chunks of plain local tensors.
 
@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from het_strategy.core.errors import field_error
 from het_strategy.core.log import rank_debug
 
-__all__ = ["save_sharded", "load_sharded"]
+__all__ = ["save_sharded", "load_sharded", "export_full"]
 
 _METADATA = ".metadata"
 """The file DCP's FileSystemWriter writes last (renamed from a temporary); its presence marks a finished save."""
@@ -259,13 +259,17 @@ def load_sharded(sharded_model: Any, optimizer: torch.optim.Optimizer | None,
     stored = reader.read_metadata().state_dict_metadata
     rank = _rank(sharded_model)
     local = _local_chunks(sharded_model)
+    saved = sorted(k[len(_MODEL):] for k in stored if k.startswith(_MODEL))
+    shown = ", ".join(f"{n}={tuple(stored[_MODEL + n].size)}" for n in saved)
     for unit in sharded_model.units:
         md = stored.get(f"{_MODEL}{unit.name}")
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (int(unit.numel),):
-            saved = sorted(k[len(_MODEL):] for k in stored if k.startswith(_MODEL))
             raise field_error(f"units[{unit.name}].numel", int(unit.numel),
-                              f"match a unit of the checkpoint in {path} (saved: " +
-                              ", ".join(f"{n}={tuple(stored[_MODEL + n].size)}" for n in saved) + ")")
+                              f"match a unit of the checkpoint in {path} (saved: {shown})")
+    missing = sorted(set(saved) - {unit.name for unit in sharded_model.units})
+    if missing:
+        raise field_error("units", [unit.name for unit in sharded_model.units],
+                          f"hold every unit of the checkpoint in {path}; it lacks {', '.join(missing)}")
     chunks = {f"{_MODEL}{name}": chunk for name, chunk in local.items()}
     state: dict[str, Any] = {f"{_MODEL}{unit.name}": unit.shard.detach() for unit in sharded_model.units}
     state[_EXTRA] = None
@@ -322,3 +326,16 @@ def _load_optimizer(sharded_model: Any, optimizer: torch.optim.Optimizer, state:
                 own_state[index] = {name: state[key] for name, key in optim_keys[u].items()}
             index += 1
     optimizer.load_state_dict({"state": own_state, "param_groups": own_groups})
+
+
+def export_full(sharded_model: Any, path: str | os.PathLike) -> None:
+    """Write the original module's whole ``state_dict`` (``sharded_model.full_state_dict``: its names, shapes and
+    dtypes) to the file ``path`` with ``torch.save``, from rank 0; collective (every rank gathers every unit).
+    The file appears whole or not at all (written beside it, then renamed): ``module.load_state_dict(
+    torch.load(path))`` in one process, no ``het_strategy`` needed."""
+    state = sharded_model.full_state_dict(rank0_only=True)
+    if _rank(sharded_model) == 0:
+        path = Path(path)
+        partial = path.with_name(path.name + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, path)
