@@ -183,3 +183,35 @@ def test_a_sharded_model_saved_by_three_ranks_takes_the_same_next_update_on_two(
     diff = max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
     moved = max(abs(x - y) for name in a for x, y in zip(a[name], before[name]))
     assert diff <= 1e-12 < moved, (diff, moved)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_an_async_save_writes_the_state_of_its_call_not_what_training_does_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files are held back until the shards and Adam's moments have been changed in place (as the next step
+    would): what loads is the state at the ``save_sharded`` call."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _one_rank_model()
+    at_call = worker._record(model, opt, 0)
+    changed = threading.Event()
+    write_data = dcp.FileSystemWriter.write_data
+
+    def held_back(self, plan, planner):
+        assert changed.wait(TIMEOUT_S)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_back)
+    future = save_sharded(model, opt, tmp_path / "ckpt", async_save=True, extra={"n": 1})
+    with torch.no_grad():
+        for unit in model.units:
+            unit.shard.add_(100.0)
+            opt.state[unit.shard]["exp_avg"].add_(100.0)
+    changed.set()
+    future.result(timeout=TIMEOUT_S)
+    fresh = worker.FlatModel([1.0], 0, fill=0.0)
+    fresh_opt = worker.optimizer_for("adam", fresh, worker.LRS)
+    assert load_sharded(fresh, fresh_opt, tmp_path / "ckpt") == {"n": 1}
+    assert worker._record(fresh, fresh_opt, 0) == at_call != worker._record(model, opt, 0)
