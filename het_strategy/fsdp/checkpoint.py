@@ -249,7 +249,8 @@ def load_sharded(sharded_model: Any, optimizer: torch.optim.Optimizer | None,
     Each unit's shard is overwritten in place with its piece of the saved flat parameter; the optimizer's
     state is replaced by the saved one, resharded the same way (``optimizer.load_state_dict``: the saved
     hyperparameters, states cast to the shard's dtype and device), so the next step is the one the saving run
-    would have taken. Raises ConfigError for a directory without a finished checkpoint, or units that differ.
+    would have taken (``optimizer=None``: the parameters only). Raises ConfigError for a directory without a
+    finished checkpoint, or units that differ from the checkpoint's (names, element counts).
     """
     path = Path(path)
     if not (path / _METADATA).is_file():
