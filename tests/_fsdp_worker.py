@@ -73,9 +73,12 @@ def optimizer_for(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def reference(opt: str, dtype: torch.dtype = torch.float64, clip: float | None = None) -> dict[str, torch.Tensor]:
-    """One process, the whole batch, ``STEPS`` steps: the state dict the sharded run must reach."""
+def reference(opt: str, dtype: torch.dtype = torch.float64, clip: float | None = None,
+              frozen: bool = False) -> dict[str, torch.Tensor]:
+    """One process, the whole batch, ``STEPS`` steps: the state dict the sharded run must reach (``frozen``: the
+    middle block's parameters not trained)."""
     model = build_model(dtype)
+    model.blocks[1].requires_grad_(not frozen)
     optimizer = optimizer_for(opt, model.parameters())
     for step in range(STEPS):
         x, y = batch(step)
@@ -116,12 +119,15 @@ def collectives(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
 
 def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: bool, checkpoint: bool,
           micro_batches: int, model_dtype: torch.dtype = torch.float64,
-          param_dtypes: list[torch.dtype] | None = None, clip: float | None = None) -> dict:
-    """``STEPS`` sharded steps on this rank's share (in ``micro_batches`` pieces each; computing in
+          param_dtypes: list[torch.dtype] | None = None, clip: float | None = None, frozen: bool = False,
+          pattern: str = "fb") -> dict:
+    """``STEPS`` sharded steps on this rank's share (in ``micro_batches`` pieces each: each forward then its
+    backward (``pattern`` ``fb``), or every forward, then every backward (``ffbb``); computing in
     ``param_dtypes[rank]`` when given), then the full state dict (every rank's and rank 0's form) and what the run
     saw."""
     Block.forward_calls = 0  # the forked parent's own count (its reference runs) does not belong here
     model = build_model(model_dtype)
+    model.blocks[1].requires_grad_(not frozen)
     compute = param_dtypes[rank] if param_dtypes else model_dtype
     sharded = shard_model(model, list(model.blocks), fractions, rank, world, prefetch=prefetch,
                           checkpoint_activations=checkpoint, param_dtype=param_dtypes[rank] if param_dtypes else None)
@@ -141,16 +147,21 @@ def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: boo
         x, y = batch(step)
         x, y = x[start:start + rows], y[start:start + rows]
         optimizer.zero_grad()
+        losses = []
         for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
             out = sharded(xm.to(compute)).to(model_dtype)
-            loss = nn.functional.mse_loss(out, ym.to(model_dtype)) * (xm.shape[0] * world / N)
+            losses.append(nn.functional.mse_loss(out, ym.to(model_dtype)) * (xm.shape[0] * world / N))
             if not held_after_forward:  # which units hold gathered memory between forward and backward
                 held_after_forward = {u.name: u.full.untyped_storage().nbytes() for u in sharded.units}
+            if pattern == "fb":
+                losses.pop().backward()
+        for loss in losses:
             loss.backward()
-        grad_dtypes = {str(p.grad.dtype) for p in model.parameters()}
+        grad_dtypes = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
         if clip is not None:
             norms.append(float(sharded.clip_grad_norm_(clip)))
         optimizer.step()
+    held_after_step = {u.name: u.full.untyped_storage().nbytes() for u in sharded.units}
     with torch.no_grad():
         sharded(batch(0)[0].to(compute))
     held_after_eval = {u.name: u.full.untyped_storage().nbytes() for u in sharded.units}
@@ -169,6 +180,7 @@ def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: boo
         "shard_numels": [p.numel() for p in model.parameters()],
         "sizes": {u.name: u.sizes for u in sharded.units},
         "states": {u.name: u.state for u in sharded.units},
+        "held_after_step": held_after_step,
         "flat_shard_name": FLAT_SHARD,
         "comm_wait_s": sharded.comm_wait_s,
         "full_everywhere": sharded.full_state_dict(rank0_only=False),

@@ -22,9 +22,10 @@ CLIP = 0.05
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[tuple[str, float | None], dict[str, torch.Tensor]]:
+def references() -> dict[tuple[str, float | None, bool], dict[str, torch.Tensor]]:
     # computed before the ranks fork: they inherit the optimizers' lazily imported modules
-    return {(opt, clip): worker.reference(opt, clip=clip) for opt in ("sgd", "adam") for clip in (None, CLIP)}
+    return {(opt, clip, frozen): worker.reference(opt, clip=clip, frozen=frozen)
+            for opt in ("sgd", "adam") for clip in (None, CLIP) for frozen in (False, True)}
 
 
 def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -32,17 +33,19 @@ def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("opt, fractions, prefetch, checkpoint, micro_batches, clip", [
-    ("sgd", worker.FRACTIONS, True, False, 1, None),
-    ("sgd", worker.FRACTIONS, False, False, 1, None),
-    ("adam", worker.FRACTIONS, True, True, 2, None),
-    ("sgd", [0.5, 0.5, 0.0], True, True, 1, CLIP),
-], ids=["sgd-prefetch", "sgd-no-prefetch", "adam-checkpoint-micro2", "sgd-empty-rank-clipped"])
+@pytest.mark.parametrize("opt, fractions, prefetch, checkpoint, micro_batches, clip, frozen, pattern", [
+    ("sgd", worker.FRACTIONS, True, False, 1, None, False, "fb"),
+    ("sgd", worker.FRACTIONS, False, False, 1, None, False, "fb"),
+    ("adam", worker.FRACTIONS, True, True, 2, None, False, "fb"),
+    ("sgd", [0.5, 0.5, 0.0], True, True, 1, CLIP, False, "fb"),
+    ("adam", worker.FRACTIONS, True, False, 2, None, True, "ffbb"),
+], ids=["sgd-prefetch", "sgd-no-prefetch", "adam-checkpoint-micro2", "sgd-empty-rank-clipped",
+        "adam-frozen-block-forwards-then-backwards"])
 def test_sharded_training_equals_one_process(references, opt, fractions, prefetch, checkpoint, micro_batches,
-                                             clip) -> None:
-    ref = references[opt, clip]
+                                             clip, frozen, pattern) -> None:
+    ref = references[opt, clip, frozen]
     got = run_local_ranks(worker.train, WORLD, opt, fractions, prefetch, checkpoint, micro_batches, torch.float64,
-                          None, clip, timeout_s=60)
+                          None, clip, frozen, pattern, timeout_s=60)
     for rank, r in enumerate(got):
         full = r["full_everywhere"]
         assert list(full) == list(ref)  # the original names, in state_dict order
@@ -57,17 +60,20 @@ def test_sharded_training_equals_one_process(references, opt, fractions, prefetc
         held = r["held_after_forward"]
         assert held[ROOT_UNIT] > 0 and held["blocks.0"] == held["blocks.1"] == 0
         assert (held["blocks.2"] > 0) == prefetch
+        # after the backward and after an evaluation forward nothing is (a frozen block included)
+        assert all(v == 0 for v in r["held_after_step"].values())
         assert all(v == 0 for v in r["held_after_eval"].values())
         assert all(state == "free" for state in r["states"].values())
         passes = worker.STEPS * micro_batches
-        # per pass 7 gathers (root, 3 blocks forward, 3 backward); the 6 of blocks prefetched; the eval pass 4 (3)
-        assert r["num_gathers"] == 7 * passes + 4
-        assert r["num_prefetched"] == (6 * passes + 3 if prefetch else 0)
+        if pattern == "fb":
+            # per pass 7 gathers (root, 3 blocks forward, 3 backward), the 6 of blocks prefetched; eval 4 (3)
+            assert r["num_gathers"] == 7 * passes + 4
+            assert r["num_prefetched"] == (6 * passes + 3 if prefetch else 0)
         assert r["comm_wait_s"] > 0
-        if clip is not None:  # the whole model's norm, the same on every rank, above the bound at every step
-            assert r["norms"] == got[0]["norms"] and min(r["norms"]) > clip
         # 3 block forwards per pass, recomputed in the backward when checkpointed; 3 more for the eval pass
         assert r["block_forward_calls"] == 3 * passes * (2 if checkpoint else 1) + 3
+        if clip is not None:  # the whole model's norm, the same on every rank, above the bound at every step
+            assert r["norms"] == got[0]["norms"] and min(r["norms"]) > clip
     assert got[0]["full_rank0"].keys() == ref.keys() and _max_diff(got[0]["full_rank0"], ref) < 1e-10
     assert got[1]["full_rank0"] == {} and got[2]["full_rank0"] == {}
 

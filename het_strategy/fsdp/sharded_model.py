@@ -53,8 +53,9 @@ class ShardedModel:
     3. Block ``i``'s post-hook registers a pre-backward hook on its outputs (when they need a gradient) and frees
        the gathered vector; the tensors autograd saved keep pointing at its (now empty) storage.
     4. The root stays gathered through the backward (it is used at both ends of the model).  After a forward
-       without gradients (evaluation) the top module's post-hook frees it; else, with ``prefetch``, it starts the
-       last block's gather, the first one the backward needs.
+       without gradients (evaluation) the top module's post-hook frees it; else it registers the root's
+       pre-backward hook on the outputs (a backward that follows another forward's backward gathers it again)
+       and, with ``prefetch``, starts the last block's gather, the first one the backward needs.
 
     Backward:
 
@@ -68,6 +69,7 @@ class ShardedModel:
        unit's reduce-scatter is awaited first (one in flight: one unit's unreduced gradient in memory), and the
        last one when the backward ends (an autograd callback).  Each lands, divided by the world size, in
        ``flat_shard.grad`` (added to a gradient already there: micro-batches).  The root's comes last.
+    7. When the backward ends, whatever is still gathered (a frozen unit, a prefetch it did not reach) is freed.
 
     The optimizer then steps on the shards; the next forward gathers their new values.  Time blocked on
     communication (waiting for a prefetched gather, a synchronous gather, a reduce-scatter) adds up in
@@ -91,6 +93,7 @@ class ShardedModel:
         """Of those, the gathers started ahead (prefetch) rather than when the unit was needed."""
         self._state_keys = state_keys
         self._reducing: FlatUnit | None = None
+        self._end_queued = False
         """The unit whose reduce-scatter is in flight (finished by the next one, or at the backward's end)."""
         self._handles = [module.register_forward_pre_hook(self._forward_start),
                          module.register_forward_hook(self._forward_end)]
@@ -151,11 +154,15 @@ class ShardedModel:
         self._prefetch(0)
 
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not _needs_grad(output):  # no backward comes to free the root
+        tensors = _needs_grad(output)
+        if not tensors:  # no backward comes to free the root
             if self.root is not None:
                 self.root.free()
-        else:  # the backward's first block is the last one
-            self._prefetch(len(self.blocks) - 1)
+            return
+        # the root stays gathered, but a backward of an earlier forward (forward, forward, backward, backward) may
+        # have freed it since: this backward gathers it again
+        torch.autograd.graph.register_multi_grad_hook(tensors, self._root_backward_start, mode="any")
+        self._prefetch(len(self.blocks) - 1)  # the backward's first block is the last one
 
     def _block_start(self, index: int, module: nn.Module, args: Any) -> None:
         unit = self.blocks[index]
@@ -171,18 +178,27 @@ class ShardedModel:
         self.blocks[index].free()
 
     # -- backward ----------------------------------------------------------------------------------------------
+    def _root_backward_start(self, grad: Any) -> None:
+        self._queue_backward_end()
+        if self.root is not None:
+            self._ready(self.root)
+
     def _block_backward_start(self, index: int, grad: Any) -> None:
+        self._queue_backward_end()
         self._ready(self.blocks[index])
         self._prefetch(index - 1)
 
     def _unit_backward_end(self, unit: FlatUnit, full: torch.Tensor) -> None:
-        if self._reducing is None:  # this backward's first reduction: its end awaits the last one
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-        else:  # one reduce-scatter in flight at a time: the unreduced gradients of one unit in memory
-            self._finish_reduce()
+        self._queue_backward_end()
+        self._finish_reduce()  # one reduce-scatter in flight at a time: one unit's unreduced gradient in memory
         unit.start_reduce()
         self._reducing = unit
         unit.free()
+
+    def _queue_backward_end(self) -> None:
+        if not self._end_queued:  # runs once this backward has finished
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            self._end_queued = True
 
     def _finish_reduce(self) -> None:
         if self._reducing is not None:
@@ -191,7 +207,15 @@ class ShardedModel:
             self._reducing = None
 
     def _backward_end(self) -> None:
+        """The last reduce-scatter awaited; what is still gathered (a frozen unit, a prefetch the backward did not
+        reach) freed."""
+        self._end_queued = False
         self._finish_reduce()
+        for unit in self.units:
+            if unit.state != UnitState.FREE:
+                with self._blocked():
+                    unit.wait_gather()
+                unit.free()
 
     # -- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
