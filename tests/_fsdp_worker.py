@@ -55,9 +55,9 @@ class MLP(nn.Module):
         return self.head(h)
 
 
-def build_model(dtype: torch.dtype = torch.float64) -> MLP:
-    """The same initial model (float64 unless told) in every process."""
-    torch.manual_seed(0)
+def build_model(dtype: torch.dtype = torch.float64, seed: int = 0) -> MLP:
+    """The same initial model (float64 unless told) in every process (``seed``: another one)."""
+    torch.manual_seed(seed)
     return MLP().to(dtype)
 
 
@@ -120,17 +120,18 @@ def collectives(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
 def train(rank: int, world: int, opt: str, fractions: list[float], prefetch: bool, checkpoint: bool,
           micro_batches: int, model_dtype: torch.dtype = torch.float64,
           param_dtypes: list[torch.dtype] | None = None, clip: float | None = None, frozen: bool = False,
-          pattern: str = "fb") -> dict:
+          pattern: str = "fb", sync: bool = False) -> dict:
     """``STEPS`` sharded steps on this rank's share (in ``micro_batches`` pieces each: each forward then its
     backward (``pattern`` ``fb``), or every forward, then every backward (``ffbb``); computing in
     ``param_dtypes[rank]`` when given), then the full state dict (every rank's and rank 0's form) and what the run
-    saw."""
+    saw.  ``sync``: each rank starts from a model of its own (seed ``rank``) and ``shard_model`` takes rank 0's."""
     Block.forward_calls = 0  # the forked parent's own count (its reference runs) does not belong here
-    model = build_model(model_dtype)
+    model = build_model(model_dtype, seed=rank if sync else 0)
     model.blocks[1].requires_grad_(not frozen)
     compute = param_dtypes[rank] if param_dtypes else model_dtype
     sharded = shard_model(model, list(model.blocks), fractions, rank, world, prefetch=prefetch,
-                          checkpoint_activations=checkpoint, param_dtype=param_dtypes[rank] if param_dtypes else None)
+                          checkpoint_activations=checkpoint, param_dtype=param_dtypes[rank] if param_dtypes else None,
+                          sync_module_states=sync)
     seen: dict[str, torch.dtype] = {}
 
     def see(module: nn.Module, args: tuple) -> None:  # the weight a layer of a block computes with

@@ -33,19 +33,19 @@ def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("opt, fractions, prefetch, checkpoint, micro_batches, clip, frozen, pattern", [
-    ("sgd", worker.FRACTIONS, True, False, 1, None, False, "fb"),
-    ("sgd", worker.FRACTIONS, False, False, 1, None, False, "fb"),
-    ("adam", worker.FRACTIONS, True, True, 2, None, False, "fb"),
-    ("sgd", [0.5, 0.5, 0.0], True, True, 1, CLIP, False, "fb"),
-    ("adam", worker.FRACTIONS, True, False, 2, None, True, "ffbb"),
-], ids=["sgd-prefetch", "sgd-no-prefetch", "adam-checkpoint-micro2", "sgd-empty-rank-clipped",
+@pytest.mark.parametrize("opt, fractions, prefetch, checkpoint, micro_batches, clip, frozen, pattern, sync", [
+    ("sgd", worker.FRACTIONS, True, False, 1, None, False, "fb", False),
+    ("sgd", worker.FRACTIONS, False, False, 1, None, False, "fb", True),
+    ("adam", worker.FRACTIONS, True, True, 2, None, False, "fb", False),
+    ("sgd", [0.5, 0.5, 0.0], True, True, 1, CLIP, False, "fb", False),
+    ("adam", worker.FRACTIONS, True, False, 2, None, True, "ffbb", False),
+], ids=["sgd-prefetch", "sgd-no-prefetch-rank0-values", "adam-checkpoint-micro2", "sgd-empty-rank-clipped",
         "adam-frozen-block-forwards-then-backwards"])
 def test_sharded_training_equals_one_process(references, opt, fractions, prefetch, checkpoint, micro_batches,
-                                             clip, frozen, pattern) -> None:
+                                             clip, frozen, pattern, sync) -> None:
     ref = references[opt, clip, frozen]
     got = run_local_ranks(worker.train, WORLD, opt, fractions, prefetch, checkpoint, micro_batches, torch.float64,
-                          None, clip, frozen, pattern, timeout_s=60)
+                          None, clip, frozen, pattern, sync, timeout_s=60)
     for rank, r in enumerate(got):
         full = r["full_everywhere"]
         assert list(full) == list(ref)  # the original names, in state_dict order
@@ -90,6 +90,23 @@ def _shard_one(model: nn.Module, units) -> None:
     shard_model(model, units, [1.0], 0, 1)
 
 
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch):
+    """A one-rank gloo group in this process (the autouse fixture of conftest destroys it afterwards)."""
+    from het_strategy.emulation.local_ranks import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+
+
+def test_without_a_process_group_the_error_says_so() -> None:
+    with pytest.raises(ConfigError, match="`shard_model.group` is null; it must belong to an initialized"):
+        _shard_one(worker.build_model(), ["blocks.0"])
+
+
+@pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("units, message", [
     (["nope"], "`shard_model.units[0]` is 'nope'; it must name a submodule"),
     (["blocks", "blocks.0"], "`shard_model.units[1]` is 'blocks.0'; it must be distinct from and not nested"),
@@ -100,6 +117,7 @@ def test_bad_units_name_the_field_and_rule(units, message) -> None:
         _shard_one(worker.build_model(), units)
 
 
+@pytest.mark.usefixtures("one_rank")
 def test_a_parameter_tied_across_units_is_refused() -> None:
     with pytest.raises(ConfigError, match="not share a parameter between two units"):
         _shard_one(_Tied(), ["a", "b"])

@@ -345,6 +345,12 @@ def shard_model(module: nn.Module, units: Sequence[nn.Module | str], fractions: 
     from rank 0's values (one broadcast per unit) rather than from each rank's own, which must then be equal.
 
     Every rank of ``group`` calls it with the same module structure, units and fractions."""
+    if not torch.distributed.is_initialized():
+        raise field_error("shard_model.group", group, "belong to an initialized process group",
+                          "call torch.distributed.init_process_group first")
+    if (rank, world) != (torch.distributed.get_rank(group), torch.distributed.get_world_size(group)):
+        raise field_error("shard_model.rank", (rank, world), f"be this rank's rank and the group's size "
+                          f"{(torch.distributed.get_rank(group), torch.distributed.get_world_size(group))}")
     if len(fractions) != world:
         raise field_error("shard_model.fractions", list(fractions), f"hold one fraction per rank ({world})")
     state_keys = list(module.state_dict(keep_vars=True).keys())
