@@ -93,8 +93,9 @@ class ShardedModel:
         """Of those, the gathers started ahead (prefetch) rather than when the unit was needed."""
         self._state_keys = state_keys
         self._reducing: FlatUnit | None = None
-        self._end_queued = False
         """The unit whose reduce-scatter is in flight (finished by the next one, or at the backward's end)."""
+        self._end_queued = False
+        """This backward's end callback is queued."""
         self._handles = [module.register_forward_pre_hook(self._forward_start),
                          module.register_forward_hook(self._forward_end)]
         for i, block in enumerate(block_modules):
