@@ -142,3 +142,39 @@ def test_mixed_precision_computes_in_each_ranks_dtype_and_keeps_master_shards(mo
     full = got[0]["full_rank0"]
     assert all(full[k].dtype == model_dtype for k in ref)
     assert 0 < _max_diff(full, ref) < tolerance  # the lower precision is visible, and only as rounding
+
+
+class _TiedInRoot(nn.Module):
+    """An embedding tied to the output layer (both in the root), around one block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.block = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.block(self.embed(tokens))))
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_weights_tied_within_a_unit_train_as_one_and_export_under_both_names() -> None:
+    def build() -> _TiedInRoot:
+        torch.manual_seed(3)
+        return _TiedInRoot().double()
+
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    ref, model = build(), build()
+    sharded = shard_model(model, ["block"], [1.0], 0, 1)
+    assert sharded.root.param_names == ["embed.weight"] and sharded.root.aliases == {"out.weight": 0}
+    for m in (ref, model):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5)
+        for _ in range(3):
+            optimizer.zero_grad()
+            m(tokens).logsumexp(-1).mean().backward()
+            optimizer.step()
+    full = sharded.full_state_dict()
+    assert list(full) == list(ref.state_dict())
+    assert all(torch.allclose(full[k], v, rtol=0, atol=1e-12) for k, v in ref.state_dict().items())
+    assert not torch.equal(full["embed.weight"], build().embed.weight)  # it trained
