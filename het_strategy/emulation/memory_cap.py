@@ -1,0 +1,231 @@
+"""Emulated device memory: what one rank holds, counted tensor by tensor, and a cap it must stay under.
+
+A CPU process has no allocator peak and no memory limit, so an emulated cluster's ``memory_gb`` means nothing to
+it by itself.  ``MemoryMeter`` stands in for the device's allocator: it counts the bytes one rank holds in the
+tensors that training keeps, keeps their peak, and, given a cap (the emulated device's ``memory_gb``), raises
+``EmulatedOutOfMemoryError`` the moment the count exceeds it, naming the rank, the device, the bytes needed and
+the cap.  Like the speed padding (``emulation.speeds``), it is a test and benchmark device: it is on only where a
+caller builds one (``MemoryMeter.for_device`` logs one line saying so), never silently.
+
+What it counts (each storage once, however many tensors view it):
+
+1. **parameters**: a ``ShardedModel``'s shards (``FlatUnit.shard``), or the ``params`` given (an unsharded model);
+2. **gradients**: their ``.grad``;
+3. **optimizer**: every tensor in the optimizer's ``state`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``);
+4. **gathered**: each unit's gathered vector while it holds storage (``FlatUnit.full``: resized to 0 bytes when
+   freed) and its whole-unit gradient while one exists (``full.grad``, until reduce-scattered);
+5. **activations**: the tensors autograd saves for backward, seen through
+   ``torch.autograd.graph.saved_tensors_hooks`` inside ``track()``: a storage is counted from the first tensor
+   saved from it until the last packed reference to it is released (``weakref.finalize`` on the packed object:
+   autograd drops it once the backward has used it).  Saved tensors that view a parameter, a shard or a gathered
+   vector (a linear layer saves its weight) are counted there, not again here.
+
+What it does not count: the forward's outputs and temporaries that nothing saved (the logits the loss has
+consumed, the user's batch unless saved), autograd's gradient buffers between nodes (the gradient of an activation
+lives only inside one backward node), the collectives' staging copies, and the allocator's rounding and
+fragmentation.  On a real device those add to the peak; on an emulated one they are out of the count.
+
+The count is taken at every event that can raise it (a tensor saved, one unpacked in backward (the unit gathered
+again for it), the optimizer's step) and at ``sample()``: the peak is the largest of those counts, with its parts
+(``peak_parts``).
+
+Usage (per rank)::
+
+    meter = MemoryMeter.for_device(cluster, device_name, rank, sharded=sharded, optimizer=optimizer)
+    for batch in batches:
+        with meter.track():
+            loss = compute_loss(sharded(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    meter.peak_bytes, meter.peak_parts
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+
+from het_strategy.core.errors import field_error
+from het_strategy.core.log import rank_zero_info
+
+if TYPE_CHECKING:
+    from het_strategy.core.cluster import ClusterSpec
+    from het_strategy.fsdp.sharded_model import ShardedModel
+
+__all__ = ["MemoryMeter", "EmulatedOutOfMemoryError", "PARTS", "format_bytes"]
+
+PARTS = ("parameters", "gradients", "optimizer", "gathered", "activations")
+"""The parts of a count, in the order the module docstring lists them."""
+
+_GiB = 2**30
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``1.32 GiB`` from 0.01 GiB up, else ``12.34 MiB`` (the planner's refusals use the same)."""
+    return f"{num_bytes / _GiB:.2f} GiB" if abs(num_bytes) >= 0.01 * _GiB else f"{num_bytes / 2**20:.2f} MiB"
+
+
+class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """A rank's counted bytes exceeded its emulated device's memory (``MemoryMeter`` with a cap): code that
+    handles ``torch.OutOfMemoryError`` handles it alike."""
+
+    def __init__(self, rank: int, device: str, need_bytes: float, cap_bytes: float, parts: dict[str, float]) -> None:
+        self.rank, self.device, self.need_bytes, self.cap_bytes = rank, device, need_bytes, cap_bytes
+        self.parts = dict(parts)
+        by_part = " + ".join(f"{name} {format_bytes(parts[name])}" for name in PARTS)
+        super().__init__(f"emulated out of memory: rank {rank} ({device}) needs {format_bytes(need_bytes)}, its "
+                         f"emulated memory is {format_bytes(cap_bytes)} ({by_part})")
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """One number per storage, the same for every view of it and across ``resize_`` (the StorageImpl's address)."""
+    return tensor.untyped_storage()._cdata
+
+
+class _Packed:
+    """What autograd keeps in place of a saved tensor: the tensor itself, plus a finalizer that releases its count."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class MemoryMeter:
+    """The bytes one rank holds on its emulated device (module docstring): ``peak_bytes`` since construction or
+    ``reset_peak()``, ``current_bytes()``, and the error when ``cap_bytes`` is exceeded.
+
+    ``sharded``: the rank's ``ShardedModel`` (its shards, their gradients and its gathered units are counted);
+    ``params``: parameters of a model that is not sharded (counted whole, with their gradients); ``optimizer``:
+    its state tensors are counted, and a count is taken after each of its steps.  ``cap_bytes=None``: count only.
+    """
+
+    def __init__(self, rank: int = 0, device: str = "", cap_bytes: float | None = None,
+                 sharded: "ShardedModel | None" = None, params: Iterable[torch.Tensor] = (),
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        if cap_bytes is not None and not (isinstance(cap_bytes, (int, float)) and cap_bytes > 0):
+            raise field_error("memory_cap.cap_bytes", cap_bytes, "be > 0 bytes, or None for no cap")
+        self.rank, self.device, self.cap_bytes = rank, device, cap_bytes
+        self.sharded = sharded
+        self.optimizer = optimizer
+        self._params = [p for p in params]
+        self._live: dict[int, list[int]] = {}
+        """Per saved storage: [packed references alive, its bytes]."""
+        self.activation_bytes = 0
+        """Bytes of the saved activations alive now."""
+        self.peak_bytes = 0
+        """The largest count taken since construction or ``reset_peak``."""
+        self.peak_parts: dict[str, int] = dict.fromkeys(PARTS, 0)
+        """That count by part (``PARTS``)."""
+        self._hook = None
+        if optimizer is not None:
+            self._hook = optimizer.register_step_post_hook(lambda *_: self.sample())
+
+    @classmethod
+    def for_device(cls, cluster: "ClusterSpec", device: str, rank: int, sharded: "ShardedModel | None" = None,
+                   params: Iterable[torch.Tensor] = (), optimizer: torch.optim.Optimizer | None = None,
+                   cap: bool = True) -> "MemoryMeter":
+        """The meter of the rank playing ``device`` of ``cluster``, capped at its ``memory_gb`` (``cap=False``:
+        counting only); says so in one log line."""
+        spec = cluster.device(device)
+        cap_bytes = float(spec.memory_bytes) if cap else None
+        rank_zero_info(0, "EMULATED memory: rank %d (%s) counts the tensors it holds%s", rank, device,
+                       f", capped at {format_bytes(cap_bytes)}" if cap_bytes is not None else " (no cap)")
+        return cls(rank, device, cap_bytes, sharded, params, optimizer)
+
+    def close(self) -> None:
+        """Stop counting the optimizer's steps."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # -- the count -------------------------------------------------------------------------------------
+    def _owned(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of parts 1-4 held now, with its part (storages may repeat: the caller counts each once)."""
+        out: list[tuple[str, torch.Tensor]] = []
+        params = list(self._params)
+        if self.sharded is not None:
+            params += [u.shard for u in self.sharded.units]
+            for unit in self.sharded.units:
+                out.append(("gathered", unit.full))
+                if unit.full.grad is not None:
+                    out.append(("gathered", unit.full.grad))
+        for p in params:
+            out.append(("parameters", p))
+            if p.grad is not None:
+                out.append(("gradients", p.grad))
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                out.extend(("optimizer", v) for v in state.values() if isinstance(v, torch.Tensor))
+        return out
+
+    def parts(self) -> dict[str, int]:
+        """The count now, by part (each storage once, in the first part that holds it)."""
+        counted: set[int] = set()
+        parts = dict.fromkeys(PARTS, 0)
+        for part, tensor in self._owned():
+            key = _storage_key(tensor)
+            if key not in counted:
+                counted.add(key)
+                parts[part] += tensor.untyped_storage().nbytes()
+        parts["activations"] = self.activation_bytes
+        return parts
+
+    def current_bytes(self) -> int:
+        """The count now (every part)."""
+        return sum(self.parts().values())
+
+    def sample(self) -> int:
+        """Take a count now: update the peak, raise ``EmulatedOutOfMemoryError`` above the cap; returns it."""
+        parts = self.parts()
+        total = sum(parts.values())
+        if total > self.peak_bytes:
+            self.peak_bytes, self.peak_parts = total, parts
+        if self.cap_bytes is not None and total > self.cap_bytes:
+            raise EmulatedOutOfMemoryError(self.rank, self.device, total, self.cap_bytes, parts)
+        return total
+
+    def reset_peak(self) -> None:
+        """Start the peak again from the count now (no check against the cap)."""
+        parts = self.parts()
+        self.peak_bytes, self.peak_parts = sum(parts.values()), parts
+
+    # -- activations -----------------------------------------------------------------------------------
+    @contextmanager
+    def track(self) -> Iterator["MemoryMeter"]:
+        """Count the tensors autograd saves inside the block (the forward); the backward, wherever it runs,
+        releases them."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        key = _storage_key(tensor)
+        if key in {_storage_key(t) for _, t in self._owned()}:  # a parameter's, a shard's or a gathered view
+            return tensor
+        packed = _Packed(tensor)
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [0, tensor.untyped_storage().nbytes()]
+            self.activation_bytes += entry[1]
+        entry[0] += 1
+        weakref.finalize(packed, self._release, key)
+        if entry[0] == 1:
+            self.sample()
+        return packed
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        self.sample()  # backward: the unit this tensor belongs to is gathered again now
+        return packed.tensor if isinstance(packed, _Packed) else packed
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.activation_bytes -= entry[1]
+            del self._live[key]
