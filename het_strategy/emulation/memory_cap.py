@@ -54,7 +54,6 @@ from het_strategy.core.log import rank_zero_info
 
 if TYPE_CHECKING:
     from het_strategy.core.cluster import ClusterSpec
-    from het_strategy.fsdp.sharded_model import ShardedModel
 
 __all__ = ["MemoryMeter", "EmulatedOutOfMemoryError", "PARTS", "format_bytes"]
 
@@ -99,13 +98,14 @@ class MemoryMeter:
     """The bytes one rank holds on its emulated device (module docstring): ``peak_bytes`` since construction or
     ``reset_peak()``, ``current_bytes()``, and the error when ``cap_bytes`` is exceeded.
 
-    ``sharded``: the rank's ``ShardedModel`` (its shards, their gradients and its gathered units are counted);
+    ``sharded``: the rank's ``fsdp.ShardedModel`` (read through its ``units``: their shards, gradients and gathered
+    vectors are counted; emulation sits below the runtimes and does not import them);
     ``params``: parameters of a model that is not sharded (counted whole, with their gradients); ``optimizer``:
     its state tensors are counted, and a count is taken after each of its steps.  ``cap_bytes=None``: count only.
     """
 
     def __init__(self, rank: int = 0, device: str = "", cap_bytes: float | None = None,
-                 sharded: "ShardedModel | None" = None, params: Iterable[torch.Tensor] = (),
+                 sharded: Any = None, params: Iterable[torch.Tensor] = (),
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         if cap_bytes is not None and not (isinstance(cap_bytes, (int, float)) and cap_bytes > 0):
             raise field_error("memory_cap.cap_bytes", cap_bytes, "be > 0 bytes, or None for no cap")
@@ -126,7 +126,7 @@ class MemoryMeter:
             self._hook = optimizer.register_step_post_hook(lambda *_: self.sample())
 
     @classmethod
-    def for_device(cls, cluster: "ClusterSpec", device: str, rank: int, sharded: "ShardedModel | None" = None,
+    def for_device(cls, cluster: "ClusterSpec", device: str, rank: int, sharded: Any = None,
                    params: Iterable[torch.Tensor] = (), optimizer: torch.optim.Optimizer | None = None,
                    cap: bool = True) -> "MemoryMeter":
         """The meter of the rank playing ``device`` of ``cluster``, capped at its ``memory_gb`` (``cap=False``:
