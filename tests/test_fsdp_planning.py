@@ -112,8 +112,9 @@ def test_units_root_first_tied_head_counted_once() -> None:
 
 # -- the price by hand ----------------------------------------------------------------------------
 
-def _by_hand_step(fractions, shares, mbs, flops_per_layer, params, rates, bw, alpha, update_s):
-    """The module docstring's step for 2 blocks: units root (embedding + head), block0, block1."""
+def _by_hand_step(fractions, shares, mbs, flops_per_phase, params, rates, bw, alpha, update_s):
+    """The step of ``FsdpCost.price`` for 2 blocks: units root (embedding + head), block0, block1; phases
+    embedding, block0, block1, head."""
     W = len(fractions)
     pieces = [max(shard_sizes(p, fractions)) for p in params]
     ag = [(W - 1) * (alpha + m * 2 / bw) for m in pieces]  # bf16 gathers
@@ -121,14 +122,14 @@ def _by_hand_step(fractions, shares, mbs, flops_per_layer, params, rates, bw, al
     K = max(math.ceil(n / m) for n, m in zip(shares, mbs))
     total = 0.0
     for j in range(K):
-        sizes = [micro_step_sizes(n, m, K)[j] for n, m in zip(shares, mbs)]
-        # forward = 1 x FLOPs / rate, backward 2 x: the slowest rank of the micro-step per unit
-        F = [max(fl * b / rate for b, rate in zip(sizes, rates)) for fl in flops_per_layer]
-        B = [2 * f for f in F]
-        t = ag[0]
-        t += max(F[0], ag[1]) + max(F[1], ag[2]) + F[2]               # forward: prefetch the next unit
-        t += max(B[2], ag[1]) + max(B[1], rs[2]) + max(B[0], rs[1])  # backward: gather block0, reduce the last
-        t += rs[0]
+        sizes = [micro_step_sizes(n, m, K)[j] for n, m in zip(shares, mbs)]  # a filler sample after the last
+        # forward = 1 x FLOPs / rate, backward 2 x: the slowest rank of the micro-step per phase
+        emb, b0, b1, head = [max(fl * b / rate for b, rate in zip(sizes, rates)) for fl in flops_per_phase]
+        t = ag[0]                                                      # the root, before the forward
+        t += max(emb, ag[1]) + max(b0, ag[2]) + b1 + head              # forward: prefetch the next block
+        t += max(2 * head, ag[2])                                      # block1 gathered again under the head
+        t += max(2 * b1, ag[1]) + max(2 * b0, rs[2]) + max(2 * emb, rs[1])
+        t += rs[0]                                                     # the root's reduction, last
         total += t
     return total + max(f * u for f, u in zip(fractions, update_s))
 
@@ -139,16 +140,17 @@ def test_price_of_a_tiny_plan_against_a_count_of_collectives(bw_gbs: float) -> N
     model = _model()
     settings = TrainSettings(global_batch_size=7, dtype="bf16")
     cm = CostModel(cluster, model, settings)
-    fractions, shares, mbs = [0.7, 0.3], [5, 2], [2, 1]  # rank 0: 2+2+1, rank 1: 1+1 (a third, empty step)
+    fractions, shares, mbs = [0.7, 0.3], [5, 2], [2, 1]  # rank 0: 2+2+1, rank 1: 1+1 (+ a filler sample)
     p = fsdp_layout_plan(cm, ["d0", "d1"], shares, mbs, fractions)
     got = cm.score(p)
-    # root = embedding (1e6 FLOPs) + head (1e6); blocks 2e6 and 3e6 FLOPs per sample, forward
-    flops = [2e6, 2e6, 3e6]
+    # phases: embedding 1e6 FLOPs per sample forward, blocks 2e6 and 3e6, head 1e6
+    flops = [1e6, 2e6, 3e6, 1e6]
     params = [2000, 4000, 6000]
     update = [sum(layer.total_params for layer in model.layers) * 16 / 100e9] * 2  # Adam, memory bound
     want = _by_hand_step(fractions, shares, mbs, flops, params, [2e9, 1e9], bw_gbs * 1e9, 5e-6, update)
     assert got.step_time_s == pytest.approx(want, rel=1e-12)
-    assert got.pipeline_times_s == pytest.approx([3 * 7e6 * 5 / 2e9, 3 * 7e6 * 2 / 1e9])
+    assert got.pipeline_times_s == pytest.approx([3 * 7e6 * 5 / 2e9, 3 * 7e6 * 3 / 1e9])
+    assert micro_step_sizes(2, 1, 3) == [1, 1, 1] and micro_step_sizes(5, 2, 3) == [2, 2, 1]
     if bw_gbs < 1:
         assert got.sync_time_s > 0.5 * got.step_time_s  # the collectives set the step
     # one micro-step more (every micro-batch of one sample): every collective once more
@@ -246,7 +248,7 @@ def test_auto_keeps_dp_where_fsdp_gathers_cost_more() -> None:
 def test_auto_leaves_fsdp_out_where_every_replica_fits() -> None:
     # every device holds a replica: auto races dp, pipeline and hybrid only, though the fsdp plan is priced faster
     # here (its collectives overlap compute in the model; dp's sync does not)
-    cluster = _cluster([80.0, 80.0], tflops=[2 * TFLOPS, TFLOPS], bw_gbs=1e-3)
+    cluster = _cluster([80.0, 80.0], tflops=[2 * TFLOPS, TFLOPS], bw_gbs=1e-2)
     settings = TrainSettings(global_batch_size=6, dtype="bf16")
     fsdp = search_plan(cluster, _model(), settings, mode="fsdp")
     chosen = search_plan(cluster, _model(), settings, mode="auto")

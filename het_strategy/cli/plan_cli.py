@@ -85,8 +85,10 @@ overrides (Hydra syntax; see configs/plan.yaml for every field):
                                 device type it was measured on
   settings.global_batch_size=N  settings.dtype=bf16|fp16|fp32   settings.zero_stage=0..3
   settings.max_tp=1|2|4|8       settings.micro_batch_sizes=[1,2,4,8]   settings.activation_checkpointing=true
-  planner.mode=auto|dp|pipeline|hybrid|low_communication   planner.profile=null|sailor|measured
-  planner.runtime=any|deepspeed|hetero|hetero_diloco
+  planner.mode=auto|dp|pipeline|hybrid|fsdp|low_communication   planner.profile=null|sailor|measured
+  planner.runtime=any|deepspeed|hetero|hetero_diloco|hetero_fsdp
+  planner.mode=fsdp             fully sharded data parallelism (hetero_fsdp): shares by speed, each rank's shard
+                                of every parameter by its free memory (the table shows both)
   planner.objective=time|cost   planner.budget_per_hour=USD   planner.min_throughput=samples/s
                                 cost: least $/iteration (idle devices not rented); budget: cap on the used
                                 devices' $/hour; min_throughput: floor on samples/s

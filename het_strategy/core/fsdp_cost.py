@@ -9,7 +9,8 @@ collective. ``CostModel.score`` of a plan with shards comes here (``FsdpCost.sco
   head counted once), kept gathered for the whole micro-step; then one unit per block, gathered for its forward,
   again for its backward (the last block stays gathered between the two), its gradient reduce-scattered after.
 * **Micro-steps**: every rank runs ``K = max_r ceil(n_r / m_r)`` micro-steps in lockstep (each gathers every unit
-  and reduce-scatters every gradient); a rank with fewer micro-batches joins the rest with no samples.
+  and reduce-scatters every gradient, so every rank runs as many forwards and backwards); a rank with fewer
+  micro-batches runs a weight-0 filler sample in each micro-step left (``FILLER_SAMPLES``).
 * **Collectives** on padded pieces: ``W`` pieces of the largest ``M_u = max_r s_{u,r}`` over the ring the cost
   model prices all-reduces on: ``AG_u = (W-1)(alpha + M_u b_param / bw)``, ``RS_u`` the same in ``b_grad``.
 * **Time** (``FsdpCost.price``): per micro-step, the next unit's gather under this unit's compute, a
@@ -41,8 +42,11 @@ if TYPE_CHECKING:
     from het_strategy.core.workload import WorkloadSpec
 
 __all__ = ["FsdpUnit", "RankMemory", "FsdpStep", "fsdp_units", "shard_bytes_per_param", "memory_fractions",
-           "even_fractions", "FsdpCost", "micro_step_sizes"]
+           "even_fractions", "FsdpCost", "micro_step_sizes", "FILLER_SAMPLES"]
 
+FILLER_SAMPLES = 1
+"""Samples a rank computes (with loss weight 0) in a micro-step after its last micro-batch: it must take part in
+every unit's collectives, which its forward and backward drive."""
 ADAM_STATE_BYTES = 8
 """Adam's m and v per parameter, fp32."""
 MASTER_BYTES = 4
@@ -102,8 +106,9 @@ class FsdpStep:
 
     @property
     def exposed_comm_s(self) -> float:
-        """What the collectives add to the step beyond the slowest compute and the update (never negative)."""
-        return max(self.step_time_s - self.critical_compute_s - max(self.update_s), 0.0)
+        """What the step adds to the slowest rank's own compute and the update: the collectives not hidden under
+        compute and the lockstep (each unit waits for its slowest rank); never negative."""
+        return max(self.step_time_s - max(self.compute_s) - max(self.update_s), 0.0)
 
 
 def fsdp_units(workload: "WorkloadSpec") -> list[FsdpUnit]:
@@ -151,10 +156,10 @@ def memory_fractions(free: Mapping[str, float]) -> dict[str, float] | None:
 
 def micro_step_sizes(samples: int, micro_batch: int, micro_steps: int) -> list[int]:
     """Samples a rank computes in each of the ``micro_steps`` lockstep micro-steps: ``micro_batch`` each, the
-    remainder last, nothing after."""
+    remainder last, then a ``FILLER_SAMPLES`` filler in each micro-step left."""
     n = math.ceil(samples / micro_batch)
     sizes = [micro_batch] * (n - 1) + [samples - (n - 1) * micro_batch]
-    return sizes + [0] * (micro_steps - n)
+    return sizes + [FILLER_SAMPLES] * (micro_steps - n)
 
 
 def _size(num_bytes: float) -> str:
@@ -176,6 +181,9 @@ class FsdpCost:
         self.gathered_bytes = float(in_flight * (cm.settings.param_bytes + cm.settings.grad_bytes))
         """The root unit and the two largest block units, gathered with their gradients (every rank alike)."""
         self._unit_compute: dict[tuple, list[float]] = {}
+        first_block = min((u.layers[0] for u in self.units[1:]), default=cm.workload.num_layers)
+        self._lead = tuple(i for i in self.units[0].layers if i < first_block)
+        self._trail = tuple(i for i in self.units[0].layers if i > first_block)
 
     # -- memory ----------------------------------------------------------------------------------
     def activation_bytes(self, micro_batch: int) -> float:
@@ -227,7 +235,7 @@ class FsdpCost:
         over = [(m.need - m.capacity, r, d) for r, (d, m) in enumerate(mem.items()) if not m.fits()]
         if not over:
             return None
-        _, r, d = max(over)
+        _, _, r, d = max((o, -r, r, d) for o, r, d in over)  # ties: the lower rank
         m = mem[d]
         return field_error(
             f"plan.shards.{d}", round(fractions[r], 6),
@@ -239,19 +247,22 @@ class FsdpCost:
             "(settings.activation_checkpointing=true), smaller micro-batches or more devices")
 
     # -- time ------------------------------------------------------------------------------------
-    def unit_compute_s(self, device: str, micro_batch: int) -> list[float]:
-        """Per unit, forward + backward seconds of ``micro_batch`` samples on ``device`` (0 for none)."""
+    def phase_compute_s(self, device: str, micro_batch: int) -> list[float]:
+        """Forward + backward seconds of ``micro_batch`` samples on ``device`` (0 for none) per phase: the root's
+        layers before the first block (lead), each block, the root's other layers (trail)."""
         dev = self.cm.cluster.device(device)
         key = (self.cm.device_key(dev), micro_batch)
         hit = self._unit_compute.get(key)
         if hit is None:
             if micro_batch <= 0:
-                hit = [0.0] * len(self.units)
+                hit = [0.0] * (len(self.units) + 1)
             else:
                 tokens = micro_batch * self.cm.workload.seq_len
-                hit = [sum(self.cm.stage_compute_s(dev, 1, micro_batch, i, i + 1)
-                           + self.cm.expert_compute_s(dev, 1, i, i + 1, tokens, None, 0.0) for i in u.layers)
-                       for u in self.units]
+
+                def layers_s(layers: Sequence[int]) -> float:
+                    return sum(self.cm.stage_compute_s(dev, 1, micro_batch, i, i + 1)
+                               + self.cm.expert_compute_s(dev, 1, i, i + 1, tokens, None, 0.0) for i in layers)
+                hit = [layers_s(self._lead)] + [layers_s(u.layers) for u in self.units[1:]] + [layers_s(self._trail)]
             self._unit_compute[key] = hit
         return hit
 
@@ -278,20 +289,23 @@ class FsdpCost:
         (``settings.grad_dtype``, fp32 unless set); ``bw``, ``alpha``: the ring's slowest edge and latency
         (``network.Network``). Even shards (``M_u = P_u / W``) make a gather half an all-reduce.
 
-        Compute: ``c_{u,r}(b)``, the cost model's forward + backward of unit u's layers for ``b`` samples on rank
-        r's device (``CostModel.stage_compute_s`` + experts); forward ``1/3`` of it (backward = 2 x forward),
-        ``1/4`` with activation checkpointing (the recomputed forward is in the backward). In micro-step j every
-        unit waits for its slowest rank: ``F_u = max_r fwd_{u,r}(b_{r,j})``, ``B_u`` likewise. Units
-        0 (root) .. U-1::
+        Compute per phase (``phase_compute_s``: the root's layers before the first block ``lead``, blocks
+        u = 1 .. U-1, the root's others ``trail``): the cost model's forward + backward of its layers for ``b``
+        samples on rank r's device (``CostModel.stage_compute_s`` + experts); forward ``1/3`` of it (backward =
+        2 x forward), ``1/4`` with activation checkpointing (the recomputed forward is in the backward). In
+        micro-step j every phase waits for its slowest rank: ``F_u = max_r fwd_{u,r}(b_{r,j})``, ``B_u``
+        likewise. As the runtime orders them (``fsdp.ShardedModel``; unit 0 the root, [x]: 0 where x is no
+        block)::
 
-            T_micro = AG_0 + sum_{u=0..U-1} max(F_u, AG_{u+1})                                  (AG_U = 0)
-                    + sum_{u=U-1..0} max(B_u, AG_{u-1} [1 <= u-1 <= U-2] + RS_{u+1} [u+1 <= U-1])
-                    + RS_0
+            T_micro = AG_0                                        (the root, gathered before the forward)
+                    + max(F_lead, AG_1) + sum_{u=1..U-1} max(F_u, AG_{u+1} [u+1 < U]) + F_trail
+                    + max(B_trail, AG_{U-1})                      (the last block gathered again, ahead)
+                    + sum_{u=U-1..1} max(B_u, AG_{u-1} [u-1 >= 1] + RS_{u+1} [u+1 < U])
+                    + max(B_lead, RS_1) + RS_0                    (the root's gradient reduced last)
             step    = sum_j T_micro(j) + max_r f_r update_r
 
-        (the root stays gathered: gathered once, reduced last; the last block is not gathered again for its
-        backward). ``update_r``: the cost model's optimizer update of the whole model on rank r's device (Adam,
-        memory bound), of which the rank steps its fraction.
+        ``update_r``: the cost model's optimizer update of the whole model on rank r's device (Adam, memory
+        bound), of which the rank steps its fraction.
         """
         W = len(devices)
         route = self.route(devices)
@@ -307,26 +321,32 @@ class FsdpCost:
         U = len(self.units)
         memo: dict[tuple[int, ...], tuple[float, float]] = {}
         total = critical = 0.0
+
+        def ag_(u: int) -> float:  # the gather of block u (none beyond the blocks)
+            return ag[u] if 1 <= u < U else 0.0
+
+        def rs_(u: int) -> float:
+            return rs[u] if 1 <= u < U else 0.0
+
         for j in range(K):
             sig = tuple(steps[r][j] for r in range(W))
             if sig not in memo:
-                comp = [self.unit_compute_s(d, b) for d, b in zip(devices, sig)]
-                F = [max(c[u] for c in comp) * fwd_share for u in range(U)]
-                Bw = [max(c[u] for c in comp) * (1 - fwd_share) for u in range(U)]
-                t = ag[0] + rs[0]
-                for u in range(U):
-                    t += max(F[u], ag[u + 1] if u + 1 < U else 0.0)
-                for u in range(U - 1, -1, -1):
-                    comm = (ag[u - 1] if 1 <= u - 1 <= U - 2 else 0.0) + (rs[u + 1] if u + 1 <= U - 1 else 0.0)
-                    t += max(Bw[u], comm)
-                memo[sig] = (t, sum(F) + sum(Bw))
+                comp = [self.phase_compute_s(d, b) for d, b in zip(devices, sig)]
+                slowest = [max(c[p] for c in comp) for p in range(U + 1)]  # phases: lead, blocks 1..U-1, trail
+                F = [c * fwd_share for c in slowest]
+                Bw = [c * (1 - fwd_share) for c in slowest]
+                t = ag[0] + max(F[0], ag_(1)) + sum(max(F[u], ag_(u + 1)) for u in range(1, U)) + F[U]
+                t += max(Bw[U], ag_(U - 1))
+                t += sum(max(Bw[u], ag_(u - 1) + rs_(u + 1)) for u in range(U - 1, 0, -1))
+                t += max(Bw[0], rs_(1)) + rs[0]
+                memo[sig] = (t, sum(slowest))
             total += memo[sig][0]
             critical += memo[sig][1]
         L = self.cm.workload.num_layers
         update = [fractions[r] * self.cm.stage_update_s(self.cm.cluster.device(d), 1, 0, L, 1)
                   for r, d in enumerate(devices)]
-        compute = [sum(sum(self.unit_compute_s(d, b)) for b in steps[r]) for r, d in enumerate(devices)]
-        full = [sum(self.unit_compute_s(d, m)) for d, m in zip(devices, micro_batches)]
+        compute = [sum(sum(self.phase_compute_s(d, b)) for b in steps[r]) for r, d in enumerate(devices)]
+        full = [sum(self.phase_compute_s(d, m)) for d, m in zip(devices, micro_batches)]
         return FsdpStep(total + max(update), K, compute, critical, update, full)
 
     # -- a plan ----------------------------------------------------------------------------------

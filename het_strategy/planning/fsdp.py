@@ -10,8 +10,10 @@ micro-steps (every value where the largest share's micro-batch size changes, and
    micro-batches. A size above the share runs the share as one micro-batch.
 2. **Shares by speed**: the exact integer min-max (``allocation.allocate_min_max``, as the dp split) of each
    rank's compute over its micro-batches, ``cost_r(n) = (k - 1) c_r(m) + c_r(n - (k - 1) m)`` with
-   ``m = m(n, K)``, ``k = ceil(n / m)`` and ``c_r`` the rank's forward + backward of the whole model; every
-   rank at least one sample (``settings.equal_shares``: the even split instead).
+   ``m = m(n, K)``, ``k = ceil(n / m)`` and ``c_r`` the rank's forward + backward of the whole model (+ a filler
+   sample in each of the ``K - k`` micro-steps left); every rank at least one sample (``settings.equal_shares``:
+   the even split instead), each share at most what ``K`` micro-batches of a size leaving room for the gathered
+   units hold.
 3. **Shards by memory**: ``f_r = free_r / sum free`` (``fsdp_cost.memory_fractions``), or ``1 / W``
    (``even_shards=True``: even FSDP, the comparison); the layout is kept when every rank's need fits its
    memory.
@@ -30,7 +32,7 @@ from typing import Sequence
 
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.core.fsdp_cost import FsdpCost, even_fractions, memory_fractions
+from het_strategy.core.fsdp_cost import FILLER_SAMPLES, FsdpCost, even_fractions, memory_fractions
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.structure import StructureResult, device_dtypes
@@ -76,17 +78,35 @@ def _shares(cm: CostModel, cost: FsdpCost, devices: list[str], K: int) -> list[i
         def time_s(n: int) -> float:
             m = min(micro_batch_size(n, K, sizes), n)
             k = math.ceil(n / m)
-            return (k - 1) * sum(cost.unit_compute_s(device, m)) + sum(cost.unit_compute_s(device, n - (k - 1) * m))
+            fillers = max(K - k, 0) * sum(cost.phase_compute_s(device, FILLER_SAMPLES))
+            return (k - 1) * sum(cost.phase_compute_s(device, m)) + sum(cost.phase_compute_s(device, n - (k - 1) * m)) \
+                + fillers
         return time_s
 
-    by_key: dict[tuple, object] = {}  # devices of equal cost share one callable: the allocation groups them
-    costs = []
+    def cap(device: str) -> int:
+        """The most samples cut into at most ``K`` micro-batches whose size leaves the rank room for its gathered
+        units (at least one)."""
+        lo, hi = 1, B
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            m = min(micro_batch_size(mid, K, sizes), mid)
+            if math.ceil(mid / m) <= K and cost.free_for_shards(device, m) >= 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    by_key: dict[tuple, tuple] = {}  # devices of equal cost share one callable: the allocation groups them
+    costs, caps = [], []
     for d in devices:
         key = cm.device_key(cm.cluster.device(d))
         if key not in by_key:
-            by_key[key] = rank_cost(d)
-        costs.append(by_key[key])
-    return allocate_min_max(costs, B, minimum=[1] * W)  # type: ignore[arg-type]
+            by_key[key] = (rank_cost(d), cap(d))
+        costs.append(by_key[key][0])
+        caps.append(by_key[key][1])
+    capped = allocate_min_max(costs, B, minimum=[1] * W, cap=caps)  # type: ignore[arg-type]
+    # none within the caps: the split by speed alone, which the memory check then refuses by name
+    return capped if capped is not None else allocate_min_max(costs, B, minimum=[1] * W)  # type: ignore[arg-type]
 
 
 def plan_fsdp(cm: CostModel, even_shards: bool = False) -> StructureResult:
