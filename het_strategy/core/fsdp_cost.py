@@ -67,13 +67,18 @@ class FsdpUnit:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank's peak bytes by part (the module docstring's ``need_r``)."""
+    """One rank's peak bytes by part (``FsdpCost.memory``'s ``need_r``)."""
 
     shard: float
+    """Its pieces of every unit x ``shard_bytes_per_param``."""
     gathered: float
+    """The root and the two largest blocks gathered, with their gradients."""
     activations: float
+    """The memory model's activations at its largest micro-batch."""
     framework: float
+    """The framework's memory outside the allocator and ``settings.memory_reserve_gb``."""
     capacity: float
+    """The device's memory."""
 
     @property
     def need(self) -> float:
@@ -98,7 +103,7 @@ class FsdpStep:
     compute_s: list[float]
     """Per rank: forward + backward of its own micro-batches."""
     critical_compute_s: float
-    """Sum over micro-steps and units of the slowest rank's compute (forward and backward phases)."""
+    """Sum over micro-steps and phases of the slowest rank's compute."""
     update_s: list[float]
     """Per rank: its shard's optimizer update."""
     full_micro_batch_s: list[float]
@@ -229,7 +234,7 @@ class FsdpCost:
                 for r, (d, m) in enumerate(zip(devices, micro_batches))}
 
     def memory_refusal(self, devices: Sequence[str], micro_batches: Sequence[int],
-                       fractions: Sequence[float], what: str = "") -> ConfigError | None:
+                       fractions: Sequence[float]) -> ConfigError | None:
         """The ``ConfigError`` for the rank that overshoots its memory most (None when every rank fits)."""
         mem = self.memory(devices, micro_batches, fractions)
         over = [(m.need - m.capacity, r, d) for r, (d, m) in enumerate(mem.items()) if not m.fits()]
@@ -239,7 +244,7 @@ class FsdpCost:
         m = mem[d]
         return field_error(
             f"plan.shards.{d}", round(fractions[r], 6),
-            f"leave room on device {d} (rank {r}){what}: it needs {_size(m.need)} there: shard {_size(m.shard)} + "
+            f"leave room on device {d} (rank {r}): it needs {_size(m.need)} there: shard {_size(m.shard)} + "
             f"gathered units {_size(m.gathered)} + activations {_size(m.activations)} at micro-batch "
             f"{micro_batches[r]} + framework {_size(m.framework)}; it has {_size(m.capacity)} "
             f"({_size(m.free_for_shard)} free for its shard)",
