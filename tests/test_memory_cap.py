@@ -95,8 +95,9 @@ def test_sharded_model_gathered_units_and_activations_by_hand(one_rank_group) ->
     assert parts["gathered"] == root + block
     assert parts["activations"] == (BATCH * 4 + BATCH * 8 + 3 * BATCH * 8 + BATCH * 2) * F64
     loss.backward()
-    # in the backward: the root, the block being differentiated and the one prefetched before it
-    assert meter.peak_parts["gathered"] == root + 2 * block
+    # in the backward: the root, the block being differentiated, its whole gradient (before its reduce-scatter)
+    # and the block prefetched before it
+    assert meter.peak_parts["gathered"] == root + 3 * block
     assert meter.parts()["gathered"] == 0 and meter.activation_bytes == 0
     assert meter.parts()["gradients"] == root + 3 * block
 

@@ -26,7 +26,7 @@ lives only inside one backward node), the collectives' staging copies, and the a
 fragmentation.  On a real device those add to the peak; on an emulated one they are out of the count.
 
 The count is taken at every event that can raise it (a tensor saved, one unpacked in backward (the unit gathered
-again for it), the optimizer's step) and at ``sample()``: the peak is the largest of those counts, with its parts
+again for it), a unit's whole gradient computed, the optimizer's step) and at ``sample()``: the peak is the largest of those counts, with its parts
 (``peak_parts``).
 
 Usage (per rank)::
@@ -121,9 +121,12 @@ class MemoryMeter:
         """The largest count taken since construction or ``reset_peak``."""
         self.peak_parts: dict[str, int] = dict.fromkeys(PARTS, 0)
         """That count by part (``PARTS``)."""
-        self._hook = None
+        self._hooks: list[Any] = []
         if optimizer is not None:
-            self._hook = optimizer.register_step_post_hook(lambda *_: self.sample())
+            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.sample()))
+        for unit in sharded.units if sharded is not None else ():
+            if unit.full.requires_grad:  # the whole unit's gradient, computed and not yet reduce-scattered
+                self._hooks.append(unit.full.register_hook(self._unit_gradient))
 
     @classmethod
     def for_device(cls, cluster: "ClusterSpec", device: str, rank: int, sharded: Any = None,
@@ -138,10 +141,10 @@ class MemoryMeter:
         return cls(rank, device, cap_bytes, sharded, params, optimizer)
 
     def close(self) -> None:
-        """Stop counting the optimizer's steps."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Remove the meter's hooks (the optimizer's step, the units' gradients)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # -- the count -------------------------------------------------------------------------------------
     def _owned(self) -> list[tuple[str, torch.Tensor]]:
@@ -179,9 +182,11 @@ class MemoryMeter:
         """The count now (every part)."""
         return sum(self.parts().values())
 
-    def sample(self) -> int:
-        """Take a count now: update the peak, raise ``EmulatedOutOfMemoryError`` above the cap; returns it."""
+    def sample(self, gathered_extra: int = 0) -> int:
+        """Take a count now (plus ``gathered_extra`` bytes of a gathered unit's gradient about to be stored):
+        update the peak, raise ``EmulatedOutOfMemoryError`` above the cap; returns the count."""
         parts = self.parts()
+        parts["gathered"] += gathered_extra
         total = sum(parts.values())
         if total > self.peak_bytes:
             self.peak_bytes, self.peak_parts = total, parts
@@ -220,6 +225,9 @@ class MemoryMeter:
     def _unpack(self, packed: Any) -> torch.Tensor:
         self.sample()  # backward: the unit this tensor belongs to is gathered again now
         return packed.tensor if isinstance(packed, _Packed) else packed
+
+    def _unit_gradient(self, grad: torch.Tensor) -> None:
+        self.sample(grad.untyped_storage().nbytes())
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)
