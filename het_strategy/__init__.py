@@ -24,7 +24,7 @@ __version__ = "0.3.0"
 from het_strategy.tensor_parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan  # noqa: E402  (pure Python)
 
 __all__ = ["HeteroStrategy", "HeteroStrategyPL", "HeteroDeepSpeedStrategy", "HeteroDeepSpeedStrategyPL",
-           "HeteroDiLoCoStrategy", "HeteroDiLoCoStrategyPL",
+           "HeteroDiLoCoStrategy", "HeteroDiLoCoStrategyPL", "HeteroFSDPStrategy", "HeteroFSDPStrategyPL",
            "PerDevicePrecision", "PerDevicePrecisionPL", "TensorParallelPlan", "Colwise", "Rowwise", "__version__"]
 
 _registry.register_when_imported()

@@ -72,7 +72,7 @@ class FlatUnit:
         self.module = module
         """The module the shard is registered on (the block; the top module for the root)."""
         self.rank, self.world, self.group = rank, world, group
-        if FLAT_SHARD in module._parameters or hasattr(module, FLAT_SHARD):
+        if hasattr(module, FLAT_SHARD):
             raise field_error(f"shard_model.units[{name}]", name, f"have no attribute `{FLAT_SHARD}` of its own")
         originals: list[nn.Parameter] = []
         index_of: dict[int, int] = {}
@@ -81,7 +81,7 @@ class FlatUnit:
         """Further names of a tied parameter -> its index in ``param_names``."""
         self._slots: list[tuple[nn.Module, str, int]] = []
         for owner, attr, full_name in slots:
-            param = owner._parameters[attr]
+            param = owner.get_parameter(attr)
             if id(param) not in index_of:
                 index_of[id(param)] = len(originals)
                 originals.append(param)

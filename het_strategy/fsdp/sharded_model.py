@@ -96,8 +96,11 @@ class ShardedModel:
         """The unit whose reduce-scatter is in flight (finished by the next one, or at the backward's end)."""
         self._end_queued = False
         """This backward's end callback is queued."""
+        self._depth = 0
+        """Calls of the top module in progress: a call inside a call (a LightningModule's ``training_step`` calling
+        ``self(x)``) is part of the outer one, whose hooks alone gather and free."""
         self._handles = [module.register_forward_pre_hook(self._forward_start),
-                         module.register_forward_hook(self._forward_end)]
+                         module.register_forward_hook(self._forward_end, always_call=True)]
         for i, block in enumerate(block_modules):
             self._handles.append(block.register_forward_pre_hook(functools.partial(self._block_start, i)))
             self._handles.append(block.register_forward_hook(functools.partial(self._block_end, i)))
@@ -143,6 +146,9 @@ class ShardedModel:
 
     # -- forward -----------------------------------------------------------------------------------------------
     def _forward_start(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
         self._finish_reduce()  # a backward that ended without its callback (an error in it): not lost
         for unit in self.units:  # left by a forward without backward, or a prefetch never reached: stale values
             if unit.state != UnitState.FREE:
@@ -155,6 +161,9 @@ class ShardedModel:
         self._prefetch(0)
 
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1  # also after an error in the forward (the hook is always called)
+        if self._depth > 0:
+            return
         tensors = _needs_grad(output)
         if not tensors:  # no backward comes to free the root
             if self.root is not None:
@@ -319,7 +328,7 @@ def _unit_slots(module: nn.Module, paths: list[str]) -> tuple[list[tuple[nn.Modu
     unit_of_param: dict[int, int] = {}
     for path, owner in module.named_modules(remove_duplicate=False):
         unit = next((i for i, p in enumerate(paths) if path == p or path.startswith(p + ".")), -1)
-        for attr, param in owner._parameters.items():
+        for attr, param in owner.named_parameters(recurse=False, remove_duplicate=False):
             if param is None:
                 continue
             name = f"{path}.{attr}" if path else attr

@@ -53,6 +53,24 @@ class DataParallelExtension:
         """The process group DDP reduces over (None: every rank)."""
         return None
 
+    loads_state_itself = False
+    """Whether the extension reads the model's and optimizer's states from the checkpoint itself
+    (``read_checkpoint``), after Lightning's setup: Lightning's own loading of them is then skipped."""
+
+    def wrap_model(self, strategy: Any, plan_now: Callable[[], Plan]) -> bool:
+        """Wrap ``strategy.model`` in place of DDP and return True (False: DDP with the run's comm hook).
+        ``plan_now()`` is the training plan, made now if there is none yet (a collective)."""
+        return False
+
+    def write_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any,
+                         write: Callable[[dict[str, Any], Any], None]) -> None:
+        """Write ``checkpoint`` to ``filepath`` (on every rank; ``write``: Lightning's, rank 0 writes one file)."""
+        write(checkpoint, filepath)
+
+    def read_checkpoint(self, strategy: Any, path: Any, read: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """The checkpoint at ``path`` (``read``: Lightning's)."""
+        return read(path)
+
     # -- points of the run's flow ---------------------------------------------------------------------
     def environment_ready(self, strategy: Any, cluster: ClusterSpec, given: Plan | None, timeout: Any) -> None:
         """The process group is up and the cluster resolved (``setup_environment``)."""

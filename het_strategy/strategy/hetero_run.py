@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import time
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
@@ -233,8 +232,6 @@ class HeteroRun(StrategyRun):
     # -- environment and setup ----------------------------------------------------------------------
     @override
     def setup_environment(self, strategy: Any, parent: Parent) -> None:
-        # Lightning warns its DistributedSampler may repeat validation samples; ours evaluates each once
-        warnings.filterwarnings("ignore", message=".*Using `DistributedSampler` with the dataloaders.*")
         parent()
         self.ctx = RankContext(strategy.global_rank, strategy.world_size, strategy.root_device, self.dtype)
         ctx = self.ctx
@@ -267,6 +264,9 @@ class HeteroRun(StrategyRun):
         """Replaces Lightning's: DDP over the extension's process group, then our one comm hook on every device
         type (Lightning registers a hook on CUDA only, and it is given none)."""
         self.extension.before_ddp(strategy)
+        if self.extension.wrap_model(strategy, lambda: self._plan_at_setup(strategy)):
+            self.extension.after_ddp(strategy)
+            return
         kwargs = dict(self.ddp_kwargs)
         group = self.extension.ddp_process_group()
         if group is not None:
@@ -377,6 +377,19 @@ class HeteroRun(StrategyRun):
         if self.plans.ensure_plan(strategy.lightning_module, None, global_batch, ctx, None, self.restored):
             self._planned(strategy)
         return self.current_shares()[ctx.rank]
+
+    def _plan_at_setup(self, strategy: Any) -> Plan:
+        """The training plan before any loader exists (the global batch given to the strategy, or the given
+        plan's): made now by rank 0 and broadcast (a collective) unless restored or made already."""
+        global_batch = self.batches.global_batch_size or getattr(self.plans.plan_source, "global_batch_size", None)
+        if global_batch is None:
+            raise field_error("global_batch_size", None, "be given (or a plan) when the model is wrapped by its "
+                              "plan in setup, before the DataLoaders exist")
+        ctx = self.rank_context()
+        if self.plans.ensure_plan(strategy.lightning_module, None, global_batch, ctx, None, self.restored):
+            self._planned(strategy)
+        assert self.plans.plan is not None  # invariant: ensure_plan made or kept one
+        return self.plans.plan
 
     def _planned(self, strategy: Any) -> None:
         """A training plan was made: the emulated padding, the experts' share of it, the plan table."""
@@ -515,14 +528,16 @@ class HeteroRun(StrategyRun):
                 cluster, plan, self.current_shares(), ckpt.gather_compression(self.compression_state,
                                                                               strategy.world_size))
         with self.lifecycle.writing():  # a peer found gone meanwhile ends this rank after the file is complete
-            parent(checkpoint, filepath, storage_options=storage_options)
+            self.extension.write_checkpoint(strategy, checkpoint, filepath,
+                                            lambda c, f: parent(c, f, storage_options=storage_options))
 
     @override
     def load_checkpoint(self, strategy: Any, parent: Parent, checkpoint_path: Any, *args: Any,
                         **kwargs: Any) -> dict[str, Any]:
         """Lightning's checkpoint, whose strategy part (format checked) and callback states the run keeps."""
         check_resumable(strategy.lightning_module)
-        checkpoint = parent(checkpoint_path, *args, **kwargs)
+        checkpoint = self.extension.read_checkpoint(strategy, checkpoint_path,
+                                                    lambda path: parent(path, *args, **kwargs))
         self.restored = ckpt.restored_state(checkpoint, checkpoint_path) or self.restored
         self._saved_callback_states = checkpoint.get("callbacks")
         self.extension.checkpoint_loaded(checkpoint, checkpoint_path)
@@ -531,13 +546,24 @@ class HeteroRun(StrategyRun):
 
     @override
     def load_model_state_dict(self, strategy: Any, parent: Parent, checkpoint: Any, strict: bool = True) -> None:
-        parent(checkpoint, strict=strict)
+        if not self.extension.loads_state_itself:
+            parent(checkpoint, strict=strict)
         self.extension.model_state_loaded(strategy)
 
     @override
     def load_optimizer_state_dict(self, strategy: Any, parent: Parent, checkpoint: Any) -> None:
-        parent(checkpoint)
+        if not self.extension.loads_state_itself:
+            parent(checkpoint)
         self.extension.optimizer_state_loaded(strategy)
+
+    @override
+    def restore_checkpoint_after_setup(self, parent: bool) -> bool:
+        """After setup when the extension reads the states itself (into the wrapped model and its optimizer)."""
+        return parent or self.extension.loads_state_itself
+
+    @override
+    def lightning_restore_optimizer(self, parent: bool) -> bool:
+        return parent and not self.extension.loads_state_itself
 
 
 _DDP_ARGUMENTS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}

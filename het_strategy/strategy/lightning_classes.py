@@ -15,12 +15,14 @@ from typing_extensions import override
 
 from het_strategy.strategy.deepspeed_run import DeepSpeedRun
 from het_strategy.strategy.diloco_run import diloco_run
+from het_strategy.strategy.fsdp_run import fsdp_run
 from het_strategy.strategy.hetero_run import HeteroRun
 from het_strategy.strategy.per_device_scaling import PER_DEVICE, PerDeviceScaling
 from het_strategy.strategy.registry import register_entries
 from het_strategy.strategy.strategy_run import StrategyRun
 
-__all__ = ["RunStrategy", "HeteroStrategy", "HeteroDeepSpeedStrategy", "HeteroDiLoCoStrategy", "PerDevicePrecision"]
+__all__ = ["RunStrategy", "HeteroStrategy", "HeteroDeepSpeedStrategy", "HeteroDiLoCoStrategy",
+           "HeteroFSDPStrategy", "PerDevicePrecision"]
 
 
 class RunStrategy(DDPStrategy):
@@ -228,6 +230,29 @@ class HeteroDiLoCoStrategy(RunStrategy):
         register_entries(strategy_registry, cls)
 
 
+class HeteroFSDPStrategy(RunStrategy):
+    """``strategy="hetero_fsdp"``: fully sharded data parallelism, shards sized by each device's memory and shares
+    by its speed.
+
+    Takes ``fsdp_run``'s arguments (``units``, ``prefetch``, ``activation_checkpointing``, and ``HeteroRun``'s:
+    ``cluster``, ``plan``, ``global_batch_size``, ``loss_weighting``, ...).
+    """
+
+    strategy_name = "hetero_fsdp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(fsdp_run(*args, **kwargs))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole module's ``state_dict`` on rank 0 (``{}`` on the others; a collective): for export."""
+        return self.run.extension.full_state_dict()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_entries(strategy_registry, cls)
+
+
 class PerDevicePrecision(Precision):
     """Each rank computes in its device's fast 16-bit dtype (``PerDeviceScaling``: autocast, fp16 loss scaling,
     one overflow decision), with fp32 master weights.
@@ -268,5 +293,5 @@ class PerDevicePrecision(Precision):
         self.scaling.load_state_dict(state_dict)
 
 
-for _strategy in (HeteroStrategy, HeteroDeepSpeedStrategy, HeteroDiLoCoStrategy):
+for _strategy in (HeteroStrategy, HeteroDeepSpeedStrategy, HeteroDiLoCoStrategy, HeteroFSDPStrategy):
     _strategy.register_strategies(StrategyRegistry)

@@ -39,10 +39,14 @@ ENTRIES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "hetero_diloco": {
         "hetero_diloco": ("DiLoCo across groups of uneven data parallelism, H and the codec planned from the "
                           "devices and the link (het_strategy)", {})},
+    "hetero_fsdp": {
+        "hetero_fsdp": ("Fully sharded data parallelism, shards sized by each device's memory and shares by its "
+                        "speed (het_strategy)", {})},
 }
 """A strategy's ``strategy_name`` -> its registry names: (description, the constructor arguments it adds)."""
 
-_CLASSES = ("HeteroStrategy", "HeteroDeepSpeedStrategy", "HeteroDiLoCoStrategy", "PerDevicePrecision")
+_CLASSES = ("HeteroStrategy", "HeteroDeepSpeedStrategy", "HeteroDiLoCoStrategy", "HeteroFSDPStrategy",
+            "PerDevicePrecision")
 CLASS_NAMES = {f"{name}{suffix}": namespace for name in _CLASSES for namespace, suffix in _SUFFIX.items()}
 """Public class name (``HeteroStrategy``, ``HeteroDeepSpeedStrategyPL``, ...) -> its Lightning package."""
 
