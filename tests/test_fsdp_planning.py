@@ -204,6 +204,19 @@ def test_a_given_plan_that_does_not_fit_is_refused_by_fsdp_plan() -> None:
     assert fsdp_plan(cluster, model, 6, "bf16", given=planned).shards == planned.shards
 
 
+def test_fsdp_plan_gives_the_even_comparisons() -> None:
+    cluster, model, settings = _tight_case()
+    with pytest.raises(ConfigError, match=r"plan\.shards\.d2.*rank 2"):
+        fsdp_plan(cluster, model, 6, "bf16", even_shards=True)
+    roomy = _cluster([16.0, 16.0, 16.0], tflops=[2 * TFLOPS, TFLOPS, TFLOPS])
+    lightning = fsdp_plan(roomy, model, 8, "bf16", even_shards=True, equal_shares=True)
+    assert lightning.rank_shares() == {"d0": 3, "d1": 3, "d2": 2}
+    assert lightning.shards == pytest.approx({"d0": 1 / 3, "d1": 1 / 3, "d2": 1 / 3})
+    ours = fsdp_plan(roomy, model, 8, "bf16")
+    assert ours.rank_shares() == {"d0": 4, "d1": 2, "d2": 2}  # speeds 2:1:1
+    assert ours.predicted["step_time_s"] < lightning.predicted["step_time_s"]
+
+
 def test_nothing_fits_names_the_rank() -> None:
     cluster = _cluster([3.0, 3.0])
     model = _model(root_params=1_000_000, block_params=(200_000_000, 200_000_000))  # 7 GiB of state

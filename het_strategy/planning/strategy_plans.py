@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -78,19 +79,29 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
 
 
 def fsdp_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: Dtype | str,
-              given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None) -> Plan:
+              given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None, *,
+              even_shards: bool = False, equal_shares: bool = False) -> Plan:
     """The run's fully sharded plan (``hetero_fsdp``): ``given`` checked (the runtime's rules, and that every rank's
     shard, gathered units and activations fit its memory), or the planner's optimum (mode fsdp).
 
     ``profile`` (measured per-layer times of this model per device type) replaces datasheet throughput where it
-    covers a device type.
+    covers a device type.  The comparisons: ``even_shards`` every rank ``1 / W`` of every parameter (even FSDP;
+    refused, naming the rank, where the smallest device cannot hold its even shard), ``equal_shares`` the batch
+    split evenly (both: Lightning's ``FSDPStrategy``'s layout).
     """
-    settings = data_parallel_settings(global_batch_size, dtype)
-    if given is None:
-        return plan(cluster, workload, settings, PlanRequest(mode="fsdp", runtime="hetero_fsdp"), profile).plan
     from het_strategy.core.cost_model import CostModel
     from het_strategy.core.fsdp_cost import FsdpCost
 
+    settings = data_parallel_settings(global_batch_size, dtype)
+    if given is None and (even_shards or equal_shares):
+        from het_strategy.planning.fsdp import plan_fsdp
+
+        cm = CostModel(cluster, workload, dataclasses.replace(settings, equal_shares=equal_shares), profile)
+        made = plan_fsdp(cm, even_shards=even_shards).plan
+        made.predicted = cm.score(made).to_dict()
+        return made
+    if given is None:
+        return plan(cluster, workload, settings, PlanRequest(mode="fsdp", runtime="hetero_fsdp"), profile).plan
     checked = check_given_plan(given, cluster, workload, global_batch_size, dtype, Runtime.hetero_fsdp)
     FsdpCost(CostModel(cluster, workload, settings, profile)).check_fits(checked)
     return checked
