@@ -29,7 +29,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from het_strategy.core.dtypes import Dtype
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.memory import GiB, overhead_bytes
 from het_strategy.core.network import SyncRoute
@@ -50,7 +49,8 @@ every unit's collectives, which its forward and backward drive."""
 ADAM_STATE_BYTES = 8
 """Adam's m and v per parameter, fp32."""
 MASTER_BYTES = 4
-"""The fp32 master copy of a 16-bit parameter."""
+"""The shard itself: fp32 master values in every training dtype (the runtime gathers it cast to the compute
+dtype; ``fsdp.FlatUnit``)."""
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,9 @@ def fsdp_units(workload: "WorkloadSpec") -> list[FsdpUnit]:
 
 
 def shard_bytes_per_param(settings: "TrainSettings") -> int:
-    """Bytes per parameter of a rank's shard: the parameter (training dtype), its gradient (reduction dtype), Adam's
-    m and v and, in 16-bit training, the fp32 master."""
-    master = 0 if settings.dtype == Dtype.fp32 else MASTER_BYTES
-    return settings.param_bytes + settings.grad_bytes + ADAM_STATE_BYTES + master
+    """Bytes per parameter of a rank's shard: its fp32 master values (the shard the optimizer steps, in every
+    training dtype), their gradient (the reduction dtype) and Adam's m and v: 16 B with fp32 reductions."""
+    return MASTER_BYTES + settings.grad_bytes + ADAM_STATE_BYTES
 
 
 def even_fractions(devices: Sequence[str]) -> dict[str, float]:
@@ -221,7 +220,7 @@ class FsdpCost:
         ``FsdpCost.layout``)::
 
             need_r        = shard_r + gathered + activations_r + framework_r
-            shard_r       = sum_u s_{u,r} x shard_bytes_per_param   (parameters, gradients, Adam state, master)
+            shard_r       = sum_u s_{u,r} x shard_bytes_per_param   (fp32 master, its gradient, Adam's m and v)
             gathered      = (P_root + P_b1 + P_b2) x (b_param + b_grad)   (the root and the two largest blocks in
                             flight, in the training dtype, with their gradients in backward)
             activations_r = the memory model's activations of the whole model at m_r (``core/memory.py``)
