@@ -47,6 +47,17 @@ def test_it_needs_a_global_batch_and_refuses_what_it_cannot_run() -> None:
         het_strategy.HeteroFSDPStrategy(cluster="auto", global_batch_size=8, units="net")
 
 
+def test_fp16_and_per_device_precision_are_refused_when_the_trainer_is_built() -> None:
+    import het_strategy
+    import lightning.pytorch as pl
+
+    for precision in ("16-true", het_strategy.PerDevicePrecision()):  # (16-mixed is bf16-mixed on a CPU)
+        strategy = het_strategy.HeteroFSDPStrategy(cluster="auto", global_batch_size=8)
+        kwargs = {"plugins": [precision]} if not isinstance(precision, str) else {"precision": precision}
+        with pytest.raises(ConfigError, match="`Trainer.precision` is '(16-true|per_device)'; it must be one of"):
+            pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, **kwargs)
+
+
 def test_the_name_is_registered_on_both_packages() -> None:
     import het_strategy  # noqa: F401
     from lightning.pytorch.strategies import StrategyRegistry

@@ -49,6 +49,10 @@ class DataParallelExtension:
             total = summed_count(local, device)
         return local * world / total if total else 0.0
 
+    def check_precision(self, precision: str) -> None:
+        """The Trainer's precision (Lightning's string, ``per_device`` for ``PerDevicePrecision``), attached in
+        ``Trainer(...)``: a ``ConfigError`` if the algorithm cannot run it."""
+
     def ddp_process_group(self) -> Any:
         """The process group DDP reduces over (None: every rank)."""
         return None

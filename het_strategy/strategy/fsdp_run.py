@@ -38,7 +38,11 @@ from het_strategy.planning.strategy_plans import fsdp_plan
 from het_strategy.strategy.dp_extension import DataParallelExtension
 from het_strategy.strategy.hetero_run import HeteroRun
 
-__all__ = ["fsdp_run", "FSDPExtension", "default_units", "ModuleCaller"]
+__all__ = ["fsdp_run", "FSDPExtension", "default_units", "ModuleCaller", "FSDP_PRECISIONS"]
+
+FSDP_PRECISIONS: tuple[str, ...] = ("32-true", "64-true", "bf16-mixed", "bf16-true")
+"""Lightning's precisions ``hetero_fsdp`` runs: the shards are float32 masters (float64 for a float64 model), the
+units gathered in the parameters' dtype, autocast as Lightning sets it."""
 
 _REFUSED = (("compression", "the gradients are reduce-scattered in full precision, not through DDP's comm hook"),
             ("compression_state", "there is no DDP comm hook"),
@@ -116,6 +120,14 @@ class FSDPExtension(DataParallelExtension):
         self.sharded: Any = None
         """This rank's ``fsdp.ShardedModel`` (from ``wrap_model``)."""
         self.cluster: ClusterSpec | None = None
+
+    def check_precision(self, precision: str) -> None:
+        """fp16 needs one overflow decision over every rank's pieces, and per-device precision unscales each rank's
+        gradients in DDP's buckets: neither is in this runtime yet."""
+        if precision not in FSDP_PRECISIONS:
+            raise field_error("Trainer.precision", precision, f"be one of {', '.join(FSDP_PRECISIONS)} under "
+                              "hetero_fsdp (fp16 would need one overflow decision over every rank's pieces, per-device precision "
+                              "its unscaling in DDP's buckets)")
 
     def environment_ready(self, strategy: Any, cluster: ClusterSpec, given: Plan | None, timeout: Any) -> None:
         self.cluster = cluster

@@ -228,6 +228,7 @@ class HeteroRun(StrategyRun):
     @override
     def precision_attached(self, plugin: Any) -> None:
         self.precision = str(plugin.precision)
+        self.extension.check_precision(self.precision)
 
     # -- environment and setup ----------------------------------------------------------------------
     @override
