@@ -64,8 +64,8 @@ _GiB = 2**30
 
 
 def format_bytes(num_bytes: float) -> str:
-    """``1.32 GiB`` from 0.01 GiB up, else ``12.34 MiB`` (the planner's refusals use the same)."""
-    return f"{num_bytes / _GiB:.2f} GiB" if abs(num_bytes) >= 0.01 * _GiB else f"{num_bytes / 2**20:.2f} MiB"
+    """``1.32 GiB`` from 1 GiB up, else ``12.34 MiB``."""
+    return f"{num_bytes / _GiB:.2f} GiB" if abs(num_bytes) >= _GiB else f"{num_bytes / 2**20:.2f} MiB"
 
 
 class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
