@@ -1,37 +1,43 @@
-"""``hetero_fsdp``: shards sized by memory, shares by speed, on forked gloo ranks (char GPT, ``het_strategy.fsdp``).
+"""``hetero_fsdp``: shards sized by memory, shares by speed (char GPT on CPU ranks, gloo), against even FSDP.
 
-Four sections, one run (each on ``shard_model`` directly in forked ranks, one thread each; the plans from the
-fsdp planner, ``planning.strategy_plans.fsdp_plan``):
+Four sections, one run; the plans from the fsdp planner (``planning.strategy_plans.fsdp_plan``):
 
-1. **Exact** (float64): 3 ranks with memories 4:2:1 and speeds 1:1:0.5, the planner's uneven shards and shares;
-   the parameters after 5 Adam steps against one process on the whole batch (``exact_max_diff``).  A sharded
-   checkpoint saved by the 3 ranks after those steps is loaded into 2 ranks with other fractions and shares; their
-   next update against the 3 ranks' own (``reshard_diff``).
-2. **Fits** (float32): the smallest device cannot hold an even shard with its activations.  The planner refuses
-   even sharding (``even_fits=0``); forced, the emulated memory cap (``emulation.memory_cap.MemoryMeter``, capped
-   at each device's ``memory_gb``) stops it; the planner's uneven plan trains under the same caps
-   (``uneven_fits=1``).  Each rank's counted peak against the planner's estimate: ``mem_err`` the worst relative
-   error, and the parts side by side (what each counts differently).
-3. **Fast**: speeds 1, 1, 0.5, 0.25 (each unit's forward and backward padded to the cost model's time for the
-   emulated device: ``_fsdp_ranks.UnitPadding``; collectives real): the planner's uneven shares against even
-   shares, same model, same shards, measured one after the other in this run, means over the steps after warm-up;
-   ``vs_fsdp`` = even s/step / uneven s/step; ``model_error`` = |measured - predicted| / predicted for the uneven
-   plan (``CostModel.score``).
-4. **Overlap**: the share of the step each rank spends blocked on communication (``ShardedModel.comm_wait_s``:
-   waiting for a gather, a reduce-scatter), mean over ranks, prefetch on (``comm_wait_frac``) and off.
+1. **Exact** (float64; ``het_strategy.fsdp.shard_model`` on forked ranks): 3 ranks with memories 4:2:1 and
+   speeds 1:1:0.5, the planner's uneven shards and shares; the parameters after 5 Adam steps against one process
+   on the whole batch (``exact_max_diff``).  A sharded checkpoint (``fsdp.checkpoint``) saved by the 3 ranks after
+   those steps is loaded into 2 ranks with other fractions and shares; their next update against the 3 ranks' own
+   (``reshard_diff``).
+2. **Fits** (float32; forked ranks): the smallest device cannot hold an even shard with its activations.  The
+   planner refuses even sharding (``even_fits=0``); forced, the emulated memory cap
+   (``emulation.memory_cap.MemoryMeter``, capped at each device's ``memory_gb``) stops it; the planner's uneven
+   plan trains under the same caps (``uneven_fits=1``).  Each rank's counted peak against the planner's estimate:
+   ``mem_err`` the worst relative error, and the parts side by side (what each counts differently).
+3. **Fast**: speeds 1, 1, 0.5, 0.25, the same model and memory.  ``Trainer(strategy=HeteroFSDPStrategy(...))``
+   with the planner's uneven shares against the same strategy given the even plan (``fsdp_plan(even_shards=True,
+   equal_shares=True)``: even shares and even shards, Lightning ``FSDPStrategy``'s layout), one after the other
+   in this run, means over the batches after warm-up; each rank's batch padded to its emulated device's time (the
+   ``hetero`` run's padding, after backward); collectives real.  ``vs_fsdp`` = even s/step / uneven s/step,
+   ``model_error`` = |measured - predicted| / predicted for the uneven plan (``CostModel.score``).  Beside them, the
+   runtime alone on forked ranks with each unit's forward and backward padded (``_fsdp_ranks.UnitPadding``).
+4. **Overlap**: the share of the step each rank is blocked on communication (``ShardedModel.comm_wait_s``: waiting
+   for a gather or a reduce-scatter, which includes waiting for a slower rank to join it), mean over ranks, with
+   prefetch on (``comm_wait_frac``, the Lightning run) and off.
 
-What it cannot check: Lightning's ``FSDPStrategy`` as the even baseline (it refuses a CPU accelerator, and torch's
-``FullyShardedDataParallel`` under it needs a non-CPU device: the baseline here is the same runtime with even
-shares and even shards); a device allocator's peak (the meter counts tensors; what it leaves out is in
-``emulation/memory_cap.py``); NCCL and a real slow link (gloo on loopback).
+What it cannot check: Lightning's own ``FSDPStrategy`` as the baseline (Lightning 2.6 refuses it with a CPU
+accelerator, "requires a GPU accelerator"; a subclass passes that check, and torch's ``FullyShardedDataParallel``
+under it then raises "FSDP needs a non-CPU accelerator device"), so the even baseline is ``hetero_fsdp`` on the
+even layout; a device allocator's peak (the meter counts tensors; what it leaves out is in
+``emulation/memory_cap.py``); NCCL and a slow link (gloo on loopback, 1 GB/s declared).
 
-Last line: ``RESULT exact_max_diff=... reshard_diff=... even_fits=... uneven_fits=... mem_err=... vs_fsdp=...
-model_error=... comm_wait_frac=...``.
+Run: ``.venv/bin/python benchmarks/fsdp_unequal_memory.py`` (about 1.5 minutes on 2 cores).  Last line:
+``RESULT exact_max_diff=... reshard_diff=... even_fits=... uneven_fits=... mem_err=... vs_fsdp=... model_error=...
+comm_wait_frac=...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -41,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _fsdp_ranks as ranks  # noqa: E402
+from _fsdp_lightning import lightning_fit  # noqa: E402
 
 from het_strategy.core.cluster import cluster_from_dict  # noqa: E402
 from het_strategy.core.cost_model import CostModel  # noqa: E402
@@ -201,31 +208,52 @@ def fast(args: argparse.Namespace) -> tuple[float, float, float]:
         return res
 
     predicted = cm.score(plan).step_time_s
-    predicted_even = cost.price(devices, even_shares, even_micro, even).step_time_s
     print(f"3. fast: char GPT {cfg.num_layers} blocks (h {cfg.hidden_size}), float32, global batch {n}, speeds "
-          f"{', '.join(f'{d} {s:g}' for d, s in speeds)} (compute padded per unit; collectives real); "
+          f"{', '.join(f'{d} {s:g}' for d, s in speeds)} (emulated compute, real collectives); "
           f"{args.steps} steps after {args.warmup} warm-up each")
     print(f"   hetero_fsdp plan: shares {shares}, micro-batches {micro}, shards "
           f"{', '.join(f'{f:.3f}' for f in fractions)}; even-share baseline: shares {even_shares}, even shards "
-          "(the same runtime: Lightning's FSDPStrategy does not run on a CPU accelerator)")
+          "(hetero_fsdp itself on fsdp_plan(even_shards, equal_shares): Lightning's FSDPStrategy refuses a CPU "
+          "accelerator, and torch's FullyShardedDataParallel under it needs a non-CPU device)")
+    # the runtime alone: shard_model on forked ranks, each unit padded (the overlap of gathers with emulated compute)
     uneven = run(shares, micro, fractions, True)
     base = run(even_shares, even_micro, even, True)
     off = run(shares, micro, fractions, False)
     m_uneven, m_even, m_off = (statistics.fmean(r["step_s"] for r in res) for res in (uneven, base, off))
-    vs = m_even / m_uneven
-    err = abs(m_uneven - predicted) / predicted
-    print(f"   {'run':<28} {'measured s/step':>15} {'predicted':>10} {'error':>7}")
-    print(f"   {'hetero_fsdp (uneven shares)':<28} {m_uneven:15.3f} {predicted:10.3f} {err:7.1%}")
-    print(f"   {'even shares (baseline)':<28} {m_even:15.3f} {predicted_even:10.3f} "
-          f"{abs(m_even - predicted_even) / predicted_even:7.1%}")
-    print(f"   hetero_fsdp vs even shares: measured {vs:.2f}x, predicted {predicted_even / predicted:.2f}x")
+    # the Lightning strategy: Trainer(strategy=HeteroFSDPStrategy(...)), each rank's batch padded after backward
+    even_plan = fsdp_plan(cluster, workload, n, "fp32", even_shards=True, equal_shares=True)
+    spec = {"cluster": raw, "model": dataclasses.asdict(cfg), "steps": args.steps, "warmup": args.warmup,
+            "global_batch": n}
+    pl_runs = {"uneven": lightning_fit(dict(spec, prefetch=True)),
+               "even": lightning_fit(dict(spec, prefetch=True, plan=even_plan.to_dict())),
+               "off": lightning_fit(dict(spec, prefetch=False))}
+    pl_step = {k: statistics.fmean(r["step_s"] for r in v) for k, v in pl_runs.items()}
+    if pl_runs["even"][0]["shares"] != even_shares or pl_runs["uneven"][0]["shares"] != shares:
+        raise SystemExit(f"the Lightning runs' shares {pl_runs['even'][0]['shares']} / {pl_runs['uneven'][0]['shares']}"
+                         f" are not the plans' {even_shares} / {shares}")
+    predicted_even = cm.score(even_plan).step_time_s
+    vs = pl_step["even"] / pl_step["uneven"]
+    err = abs(pl_step["uneven"] - predicted) / predicted
+    print(f"   {'run':<52} {'measured s/step':>15} {'predicted':>10} {'error':>7}")
+    rows = [("HeteroFSDPStrategy, planned shares", pl_step["uneven"], predicted),
+            ("HeteroFSDPStrategy, even shares and shards (baseline)", pl_step["even"], predicted_even),
+            ("runtime alone (per-unit padding), planned shares", m_uneven, predicted),
+            ("runtime alone (per-unit padding), even shares", m_even, predicted_even)]
+    for name, meas, pred in rows:
+        print(f"   {name:<52} {meas:15.3f} {pred:10.3f} {abs(meas - pred) / pred:7.1%}")
+    print(f"   hetero_fsdp vs even shares: measured {vs:.2f}x (HeteroFSDPStrategy), {m_even / m_uneven:.2f}x (runtime "
+          f"alone); predicted {predicted_even / predicted:.2f}x")
 
     def wait_frac(res: list[dict]) -> float:
         return statistics.fmean(r["wait_s"] / r["step_s"] for r in res)
 
-    frac_on, frac_off = wait_frac(uneven), wait_frac(off)
-    print(f"4. overlap: blocked on communication, share of the step (mean over ranks): prefetch on {frac_on:.1%} "
-          f"({m_uneven:.3f} s/step), off {frac_off:.1%} ({m_off:.3f} s/step); per rank on "
+    frac_on, frac_off = wait_frac(pl_runs["uneven"]), wait_frac(pl_runs["off"])
+    print("4. overlap: blocked on communication, share of the step (mean over ranks), prefetch on / off:")
+    print(f"   HeteroFSDPStrategy (batch padded after backward): {frac_on:.1%} ({pl_step['uneven']:.3f} s/step) / "
+          f"{frac_off:.1%} ({pl_step['off']:.3f} s/step); per rank on "
+          + ", ".join(f"{r['wait_s'] / r['step_s']:.1%}" for r in pl_runs["uneven"]))
+    print(f"   runtime alone (per-unit padding): {wait_frac(uneven):.1%} ({m_uneven:.3f} s/step) / "
+          f"{wait_frac(off):.1%} ({m_off:.3f} s/step); per rank on "
           + ", ".join(f"{r['wait_s'] / r['step_s']:.1%}" for r in uneven))
     return vs, err, frac_on
 
