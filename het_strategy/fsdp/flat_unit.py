@@ -203,6 +203,14 @@ class FlatUnit:
         else:
             self.shard.grad.add_(piece)
 
+    def in_flight_tensors(self) -> list[torch.Tensor]:
+        """The buffers this unit's in-flight collectives hold until awaited (a gather's cast shard and padded
+        pieces, a reduce-scatter's input, padded copy and output): what a memory count adds while they run."""
+        held: list[torch.Tensor] = [] if self._send is None else [self._send]
+        for handle in (self.pending, None if self._reducing is None else self._reducing[1]):
+            held.extend(t for t in getattr(handle, "keep", ()) if isinstance(t, torch.Tensor))
+        return held
+
     # -- whole values ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def gather_master(self) -> list[torch.Tensor]:
