@@ -34,7 +34,7 @@ def test_plain_model_counted_by_hand() -> None:
         with meter.track():
             loss = model(x).pow(2).sum()
         assert meter.parts() == {"parameters": params, "gradients": 0, "optimizer": adam if step else 0,
-                                 "gathered": 0, "activations": acts}
+                                 "gathered": 0, "collectives": 0, "activations": acts}
         loss.backward()
         assert meter.activation_bytes == 0  # the backward released every saved tensor
         optimizer.step()
@@ -93,12 +93,14 @@ def test_sharded_model_gathered_units_and_activations_by_hand(one_rank_group) ->
     parts = meter.parts()
     assert parts["parameters"] == root + 3 * block
     assert parts["gathered"] == root + block
+    assert parts["collectives"] == 0  # the prefetch sends the shard itself (one rank: nothing padded)
     assert parts["activations"] == (BATCH * 4 + BATCH * 8 + 3 * BATCH * 8 + BATCH * 2) * F64
     loss.backward()
     # in the backward: the root, the block being differentiated, its whole gradient (before its reduce-scatter)
-    # and the block prefetched before it
+    # and the block prefetched before it; in flight, the next block's reduce-scatter: its gradient and its output
     assert meter.peak_parts["gathered"] == root + 3 * block
-    assert meter.parts()["gathered"] == 0 and meter.activation_bytes == 0
+    assert meter.peak_parts["collectives"] == 2 * block
+    assert meter.parts()["gathered"] == meter.parts()["collectives"] == 0 and meter.activation_bytes == 0
     assert meter.parts()["gradients"] == root + 3 * block
 
 

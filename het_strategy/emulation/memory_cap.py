@@ -14,7 +14,9 @@ What it counts (each storage once, however many tensors view it):
 3. **optimizer**: every tensor in the optimizer's ``state`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``);
 4. **gathered**: each unit's gathered vector while it holds storage (``FlatUnit.full``: resized to 0 bytes when
    freed) and its whole-unit gradient while one exists (``full.grad``, until reduce-scattered);
-5. **activations**: the tensors autograd saves for backward, seen through
+5. **collectives**: the buffers of each unit's collectives in flight (``FlatUnit.in_flight_tensors``: a prefetched
+   gather's padded pieces, a reduce-scatter's input gradient and its padded copy, until awaited);
+6. **activations**: the tensors autograd saves for backward, seen through
    ``torch.autograd.graph.saved_tensors_hooks`` inside ``track()``: a storage is counted from the first tensor
    saved from it until the last packed reference to it is released (``weakref.finalize`` on the packed object:
    autograd drops it once the backward has used it).  Saved tensors that view a parameter, a shard or a gathered
@@ -22,8 +24,8 @@ What it counts (each storage once, however many tensors view it):
 
 What it does not count: the forward's outputs and temporaries that nothing saved (the logits the loss has
 consumed, the user's batch unless saved), autograd's gradient buffers between nodes (the gradient of an activation
-lives only inside one backward node), the collectives' staging copies, and the allocator's rounding and
-fragmentation.  On a real device those add to the peak; on an emulated one they are out of the count.
+lives only inside one backward node), a synchronous collective's buffers (alive only inside the call), and the
+allocator's rounding and fragmentation.  On a real device those add to the peak; on an emulated one they are out of the count.
 
 The count is taken at every event that can raise it (a tensor saved, one unpacked in backward (the unit gathered
 again for it), a unit's whole gradient computed, the optimizer's step) and at ``sample()``: the peak is the largest of those counts, with its parts
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryMeter", "EmulatedOutOfMemoryError", "PARTS", "format_bytes"]
 
-PARTS = ("parameters", "gradients", "optimizer", "gathered", "activations")
+PARTS = ("parameters", "gradients", "optimizer", "gathered", "collectives", "activations")
 """The parts of a count, in the order the module docstring lists them."""
 
 _GiB = 2**30
@@ -148,22 +150,22 @@ class MemoryMeter:
 
     # -- the count -------------------------------------------------------------------------------------
     def _owned(self) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor of parts 1-4 held now, with its part (storages may repeat: the caller counts each once)."""
+        """Every tensor of parts 1-5 held now, with its part (storages may repeat: the caller counts each once)."""
         out: list[tuple[str, torch.Tensor]] = []
-        params = list(self._params)
-        if self.sharded is not None:
-            params += [u.shard for u in self.sharded.units]
-            for unit in self.sharded.units:
-                out.append(("gathered", unit.full))
-                if unit.full.grad is not None:
-                    out.append(("gathered", unit.full.grad))
-        for p in params:
+        units = self.sharded.units if self.sharded is not None else []
+        for p in self._params + [u.shard for u in units]:
             out.append(("parameters", p))
             if p.grad is not None:
                 out.append(("gradients", p.grad))
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 out.extend(("optimizer", v) for v in state.values() if isinstance(v, torch.Tensor))
+        for unit in units:
+            out.append(("gathered", unit.full))
+            if unit.full.grad is not None:
+                out.append(("gathered", unit.full.grad))
+        for unit in units:  # after the others: a gather's send buffer may be the shard itself
+            out.extend(("collectives", t) for t in unit.in_flight_tensors())
         return out
 
     def parts(self) -> dict[str, int]:
