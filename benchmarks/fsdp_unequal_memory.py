@@ -21,7 +21,9 @@ Four sections, one run; the plans from the fsdp planner (``planning.strategy_pla
    runtime alone on forked ranks with each unit's forward and backward padded (``_fsdp_ranks.UnitPadding``).
 4. **Overlap**: the share of the step each rank is blocked on communication (``ShardedModel.comm_wait_s``: waiting
    for a gather or a reduce-scatter, which includes waiting for a slower rank to join it), mean over ranks, with
-   prefetch on (``comm_wait_frac``, the Lightning run) and off.
+   prefetch on (``comm_wait_frac``: the runtime alone, whose per-unit padding lets a prefetched gather overlap the
+   emulated compute) and off; the Lightning runs' figures beside them (their padding comes after the backward, so a
+   prefetch there overlaps only the real compute).
 
 What it cannot check: Lightning's own ``FSDPStrategy`` as the baseline (Lightning 2.6 refuses it with a CPU
 accelerator, "requires a GPU accelerator"; a subclass passes that check, and torch's ``FullyShardedDataParallel``
@@ -248,14 +250,16 @@ def fast(args: argparse.Namespace) -> tuple[float, float, float]:
     def wait_frac(res: list[dict]) -> float:
         return statistics.fmean(r["wait_s"] / r["step_s"] for r in res)
 
-    frac_on, frac_off = wait_frac(pl_runs["uneven"]), wait_frac(pl_runs["off"])
+    # the runtime alone pads each unit, so a prefetched gather can hide behind the (emulated) compute of the unit
+    # before it; the strategy pads a rank's whole batch after its backward, where a prefetch hides only behind the
+    # real compute, and a rank's wait for a slower one to join the next step's first gather counts as blocked
+    frac_on, frac_off = wait_frac(uneven), wait_frac(off)
     print("4. overlap: blocked on communication, share of the step (mean over ranks), prefetch on / off:")
-    print(f"   HeteroFSDPStrategy (batch padded after backward): {frac_on:.1%} ({pl_step['uneven']:.3f} s/step) / "
-          f"{frac_off:.1%} ({pl_step['off']:.3f} s/step); per rank on "
-          + ", ".join(f"{r['wait_s'] / r['step_s']:.1%}" for r in pl_runs["uneven"]))
-    print(f"   runtime alone (per-unit padding): {wait_frac(uneven):.1%} ({m_uneven:.3f} s/step) / "
-          f"{wait_frac(off):.1%} ({m_off:.3f} s/step); per rank on "
-          + ", ".join(f"{r['wait_s'] / r['step_s']:.1%}" for r in uneven))
+    print(f"   runtime alone (per-unit padding): {frac_on:.1%} ({m_uneven:.3f} s/step) / {frac_off:.1%} "
+          f"({m_off:.3f} s/step); per rank on " + ", ".join(f"{r['wait_s'] / r['step_s']:.1%}" for r in uneven))
+    print(f"   HeteroFSDPStrategy (batch padded after backward): {wait_frac(pl_runs['uneven']):.1%} "
+          f"({pl_step['uneven']:.3f} s/step) / {wait_frac(pl_runs['off']):.1%} ({pl_step['off']:.3f} s/step); per "
+          "rank on " + ", ".join(f"{r['wait_s'] / r['step_s']:.1%}" for r in pl_runs["uneven"]))
     return vs, err, frac_on
 
 
