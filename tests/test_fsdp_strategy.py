@@ -135,3 +135,26 @@ def test_a_call_of_the_module_inside_its_own_call_is_part_of_the_outer_one() -> 
         assert torch.equal(sharded.units[0].shard.grad, torch.cat([p.grad.flatten() for p in plain.parameters()]))
     finally:
         dist.destroy_process_group()
+
+
+def _two_devices(memory_gb: float) -> object:
+    from het_strategy.core.cluster import load_cluster
+
+    return load_cluster({"name": "two", "nodes": [{"name": "n", "devices": [
+        {"name": "fast", "type": "CPU", "tflops": {"fp32": 2.0}, "memory_gb": 4 * memory_gb},
+        {"name": "slow", "type": "CPU", "tflops": {"fp32": 1.0}, "memory_gb": memory_gb}]}]})
+
+
+def test_the_strategy_plans_whole_shares_and_says_how_to_run_micro_steps() -> None:
+    """The Lightning strategy runs a rank's share in one forward: its plan has one micro-batch per rank, and where
+    that does not fit the planner's refusal (naming the device and its need) adds Lightning's accumulation."""
+    from het_strategy.core.workload import load_workload
+    from het_strategy.strategy.fsdp_run import FSDPExtension
+
+    workload = load_workload("tiny_gpt", "fp32")
+    plan = FSDPExtension(None, True, False).make_plan(_two_devices(1.0), workload, 64, "fp32", None, None)
+    assert [p.samples for p in plan.pipelines] == [43, 21]  # speeds 2 : 1
+    assert all(p.micro_batch_size >= p.samples for p in plan.pipelines)
+    assert plan.shards["fast"] == pytest.approx(4 * plan.shards["slow"], rel=0.2)  # memories 4 : 1, less activations
+    with pytest.raises(ConfigError, match=r"`plan.shards.fast` is .*device fast \(rank 0\).*accumulate_grad_batches"):
+        FSDPExtension(None, True, False).make_plan(_two_devices(0.05), workload, 64, "fp32", None, None)

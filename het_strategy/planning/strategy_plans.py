@@ -80,19 +80,26 @@ def data_parallel_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batc
 
 def fsdp_plan(cluster: ClusterSpec, workload: WorkloadSpec, global_batch_size: int, dtype: Dtype | str,
               given: Plan | str | Path | None = None, profile: MeasuredProfile | None = None, *,
-              even_shards: bool = False, equal_shares: bool = False) -> Plan:
+              even_shards: bool = False, equal_shares: bool = False, whole_shares: bool = False,
+              activation_checkpointing: bool = False) -> Plan:
     """The run's fully sharded plan (``hetero_fsdp``): ``given`` checked (the runtime's rules, and that every rank's
     shard, gathered units and activations fit its memory), or the planner's optimum (mode fsdp).
 
     ``profile`` (measured per-layer times of this model per device type) replaces datasheet throughput where it
     covers a device type.  The comparisons: ``even_shards`` every rank ``1 / W`` of every parameter (even FSDP;
     refused, naming the rank, where the smallest device cannot hold its even shard), ``equal_shares`` the batch
-    split evenly (both: Lightning's ``FSDPStrategy``'s layout).
+    split evenly (both: Lightning's ``FSDPStrategy``'s layout).  ``whole_shares``: every rank runs its share in
+    one micro-batch (the Lightning strategy's forward), so a plan that fits only in micro-steps is refused;
+    ``activation_checkpointing``: each unit's forward recomputed in its backward (fewer saved activations).
     """
     from het_strategy.core.cost_model import CostModel
     from het_strategy.core.fsdp_cost import FsdpCost
 
     settings = data_parallel_settings(global_batch_size, dtype)
+    if whole_shares:
+        settings = dataclasses.replace(settings, micro_batch_sizes=(global_batch_size,))
+    if activation_checkpointing:
+        settings = dataclasses.replace(settings, activation_checkpointing=True)
     if given is None and (even_shards or equal_shares):
         from het_strategy.planning.fsdp import plan_fsdp
 

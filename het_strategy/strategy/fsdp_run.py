@@ -16,8 +16,9 @@ the telemetry), and the extension changes what full sharding changes:
    its chunks, the rest of Lightning's checkpoint once; loadable into another shard layout and world size.
    ``full_state_dict()`` gathers the whole model on rank 0 for export.
 
-Each rank runs its share of a step in one forward and backward: a plan whose micro-batches would cut a share
-(its activations fitting only in pieces) is refused at setup, naming the rank.
+Each rank runs its share of a step in one forward and backward, so the plan is searched with whole shares: where
+a share's activations fit only in pieces, the refusal names the rank and suggests Lightning's
+``accumulate_grad_batches`` (every rank then runs the same number of micro-steps, each one planned global batch).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from het_strategy.core.cluster import ClusterSpec
-from het_strategy.core.errors import field_error
+from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.log import rank_debug
 from het_strategy.core.plan import Plan
 from het_strategy.core.runtime_rules import Runtime
@@ -134,8 +135,16 @@ class FSDPExtension(DataParallelExtension):
 
     def make_plan(self, cluster: ClusterSpec, workload: WorkloadSpec, global_batch: int, dtype: str,
                   given: Plan | None, profile: MeasuredProfile | None) -> Plan:
-        """``given`` checked (memory too), or the fsdp planner's optimum."""
-        return fsdp_plan(cluster, workload, global_batch, dtype, given, profile)
+        """``given`` checked (memory too), or the fsdp planner's optimum with every share in one forward."""
+        try:
+            return fsdp_plan(cluster, workload, global_batch, dtype, given, profile, whole_shares=True,
+                             activation_checkpointing=self.activation_checkpointing)
+        except ConfigError as exc:
+            if not str(exc).startswith("`plan.shards."):
+                raise
+            raise ConfigError(f"{exc} (or run lockstep micro-steps: Trainer(accumulate_grad_batches=k) with a k "
+                              "times smaller global_batch_size, each micro-step one planned global batch)",
+                              field=exc.field, value=exc.value) from None
 
     def wrap_model(self, strategy: Any, plan_now: Callable[[], Plan]) -> bool:
         """Shard the LightningModule by the plan's fractions; Lightning then calls it through a ``ModuleCaller``."""
