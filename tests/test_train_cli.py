@@ -368,7 +368,7 @@ def _error_of(overrides: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["model.num_layers=null"], "`model.num_layers` is 'null'; it must be an integer"),
     (["output.summary=null", "output.dir=null"], "`output.dir` is 'null'; it must be a string"),
     (["strategy=fsdp"], "`strategy` is 'fsdp'; it must be a shipped strategy name (shipped: ddp, hetero, "
-                        "hetero_deepspeed, hetero_diloco)"),
+                        "hetero_deepspeed, hetero_diloco, hetero_fsdp)"),
     (["logger=tensorboard"], "`logger` is 'tensorboard'; it must be a shipped logger name (shipped: csv, none, "
                              "wandb)"),
     (["experiment=nope"], "`experiment` is 'nope'; it must be a shipped experiment name"),

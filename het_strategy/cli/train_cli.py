@@ -16,7 +16,7 @@ Steps of one run:
    starts);
 2. build the corpus (stdlib source, split by file), the model and the strategy (``build_strategy``);
 3. ``Trainer.fit`` on ``devices`` processes (Lightning re-runs this command for ranks 1..n-1), then a full
-   validation pass;
+   validation pass (not with hetero_fsdp: its last validation inside fit is the run's);
 4. rank 0 prints the plan, per-rank throughput, the losses and the speed-up over an equal split, and writes
    ``output.dir/output.summary``.
 """
@@ -52,9 +52,11 @@ Train a character-level GPT on the Python standard library's source on a heterog
 overrides (Hydra syntax; see configs/train.yaml for every field):
   cluster=<name|file.yaml|auto>  shipped: {{clusters}}
   model=<name|file.yaml>         model.num_layers=N model.hidden_size=N model.num_heads=N model.seq_len=N
-  strategy=hetero|ddp|hetero_deepspeed|hetero_diloco   devices=N   accelerator=cpu|cuda
+  strategy=hetero|ddp|hetero_deepspeed|hetero_diloco|hetero_fsdp   devices=N   accelerator=cpu|cuda
   strategy.inner_steps=50 strategy.outer_codec=q4   (hetero_diloco: pin H and the codec; default planned)
-  planner.mode=auto|dp|pipeline|hybrid   (hetero_deepspeed: pipelines of the GPT's blocks; hetero: auto|dp)
+  strategy.prefetch=false strategy.activation_checkpointing=true   (hetero_fsdp: shards by memory, shares by speed)
+  planner.mode=auto|dp|pipeline|hybrid|fsdp   (hetero_deepspeed: pipelines of the GPT's blocks; hetero: auto|dp;
+                                               hetero_fsdp: auto|fsdp)
   train.global_batch_size=N  train.max_steps=N  train.lr=X  train.precision=32-true|bf16-mixed|per_device  train.seed=N
   train.val_every_n_steps=N  train.val_batches=N  train.accumulate_grad_batches=N
   data.max_bytes=N  data.val_fraction=X  data.seed=N
@@ -120,15 +122,24 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     log_planned_compression(job, trainer.global_rank)
     trainer.fit(model, train_loader, val_loader, ckpt_path=_resume_from(job))
     train_loss = trainer.callback_metrics.get("train_loss")
-    trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
-    full_val = trainer.validate(model, val_loader, verbose=False)
+    if job.strategy == "hetero_fsdp":
+        # HeteroFSDPStrategy's setup for trainer.validate after fit broadcasts rank 0's parameters, which are its
+        # shards (of another size than the other ranks'): the validations inside fit are the run's last
+        last_val = trainer.callback_metrics.get("val_loss")
+        val_loss, val_samples = (float(last_val) if last_val is not None else None), None
+        rank_zero_info(trainer.global_rank, "hetero_fsdp: no full validation after fit (the strategy runs "
+                       "validation inside fit only); the validation loss is the last in-fit one (train.val_batches)")
+    else:
+        trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
+        full_val = trainer.validate(model, val_loader, verbose=False)
+        val_loss = float(full_val[0]["val_loss"]) if full_val else None
+        val_samples = (len(val_set) // job.global_batch_size * job.global_batch_size
+                       if job.strategy == "hetero_deepspeed" else len(val_set))  # whole global batches only
     if trainer.global_rank != 0:
         return None
     summary = _summary(job, trainer, callbacks, {
         "final_train_loss": float(train_loss) if train_loss is not None else None,
-        "final_val_loss": float(full_val[0]["val_loss"]) if full_val else None,
-        "val_samples": (len(val_set) // job.global_batch_size * job.global_batch_size
-                        if job.strategy == "hetero_deepspeed" else len(val_set)),  # whole global batches only
+        "final_val_loss": val_loss, "val_samples": val_samples,
         "train_samples": len(train_set), "wall_s": time.perf_counter() - started})
     _print_report(summary)
     _write_summary(job, trainer, summary)
@@ -281,6 +292,14 @@ def build_strategy(job: TrainJob) -> tuple[Any, list[Any]]:
         return HeteroDiLoCoStrategy(cluster=job.cluster, workload=job.workload,
                                     global_batch_size=job.global_batch_size, **options,
                                     **job.failure.strategy_args()), []
+    if job.strategy == "hetero_fsdp":
+        from het_strategy import HeteroFSDPStrategy
+
+        # rank 0 plans at setup (shares by speed, plan.shards by memory) and shards the model before Lightning
+        # builds the optimizer; emulated speeds are padded as in hetero
+        assert job.fsdp is not None
+        return HeteroFSDPStrategy(cluster=job.cluster, workload=job.workload, global_batch_size=job.global_batch_size,
+                                  **job.fsdp.strategy_args(), **job.failure.strategy_args()), []
     if job.strategy == "hetero_deepspeed":
         from het_strategy import HeteroDeepSpeedStrategy
 
@@ -351,6 +370,8 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
         return {"diloco_shares": strategy.run.current_shares(), "predicted_step_s": plan.predicted.get("step_time_s"),
                 "outer_sync": plan.outer_sync.to_dict(), "outer_rounds": 0 if outer is None else outer.rounds,
                 "outer_bytes_per_round": None if last is None else last.bytes_sent * len(plan.outer_sync.groups)}
+    if job.strategy == "hetero_fsdp":
+        return _fsdp_summary(strategy, job)
     if job.strategy == "hetero_deepspeed":
         from het_strategy.core.cost_model import CostModel
         from het_strategy.core.train_settings import TrainSettings
@@ -372,6 +393,36 @@ def _predicted_speedup(strategy: Any, job: TrainJob) -> dict[str, Any]:
             "predicted_speedup_vs_equal": equal / planned}
 
 
+def _fsdp_summary(strategy: Any, job: TrainJob) -> dict[str, Any]:
+    """``strategy=hetero_fsdp``: the plan's shares and shards, each rank's elements of the units (from rank 0's
+    ``ShardedModel``: every unit knows every rank's piece), rank 0's time blocked on communication, and the cost
+    model's step time against even FSDP (even shards, even shares: Lightning's ``FSDPStrategy``'s layout), which
+    the planner may refuse where the smallest device cannot hold its even shard."""
+    from het_strategy.core.errors import ConfigError
+    from het_strategy.planning.strategy_plans import fsdp_plan
+
+    plan, run = strategy.plan, strategy.run
+    sharded = run.extension.sharded
+    world = len(plan.pipelines)
+    out: dict[str, Any] = {
+        "plan_mode": str(plan.mode), "shares": run.current_shares(), "shards": dict(plan.shards),
+        "fsdp_units": [u.name for u in sharded.units],
+        "shard_elements": [sum(u.sizes[r] for u in sharded.units) for r in range(world)],
+        "comm_wait_s_rank0": sharded.comm_wait_s, "predicted_step_s": plan.predicted.get("step_time_s"),
+        "predicted_memory_gb": plan.predicted.get("memory_gb"),
+        "memory_capacity_gb": plan.predicted.get("memory_capacity_gb")}
+    try:
+        even = fsdp_plan(strategy.cluster, run.workload, job.global_batch_size, job.dtype, profile=run.profile,
+                         even_shards=True, equal_shares=True)
+    except ConfigError as exc:
+        out.update({"predicted_even_fsdp_step_s": None, "even_fsdp_refused": str(exc)})
+    else:
+        step = even.predicted["step_time_s"]
+        out.update({"predicted_even_fsdp_step_s": step,
+                    "predicted_speedup_vs_even_fsdp": step / out["predicted_step_s"]})
+    return out
+
+
 def _print_report(summary: dict[str, Any]) -> None:
     from het_strategy.callbacks.throughput import format_summary
 
@@ -385,11 +436,22 @@ def _print_report(summary: dict[str, Any]) -> None:
         print(f"hetero_diloco: groups {sync['groups']}, shares per rank {summary['diloco_shares']}, an outer step "
               f"every {sync['inner_steps']} inner steps in {sync['codec']}: {summary['outer_rounds']} outer steps "
               f"({summary['outer_bytes_per_round']} bytes per round over the groups' link)")
-    if "shares" in summary:
+    if summary.get("plan_mode") == "fsdp":
+        shards = ", ".join(f"{d} {f:.3f}" for d, f in summary["shards"].items())
+        even = (f"even FSDP {summary['predicted_even_fsdp_step_s']:.3f} s/step "
+                f"({summary['predicted_speedup_vs_even_fsdp']:.2f}x slower)"
+                if summary["predicted_even_fsdp_step_s"] is not None else "even FSDP refused by the planner")
+        print(f"hetero_fsdp: shares per rank {summary['shares']}; shards {shards} of each of "
+              f"{len(summary['fsdp_units'])} units ({summary['shard_elements']} elements per rank); predicted "
+              f"{summary['predicted_step_s']:.3f} s/step, {even} (cost model)")
+    elif "shares" in summary:
         print(f"shares per rank: {summary['shares']}; predicted speed-up over an equal split "
               f"{summary['predicted_speedup_vs_equal']:.2f}x (cost model)")
-    print(f"final train loss {summary['final_train_loss']:.4f}   validation loss {summary['final_val_loss']:.4f} "
-          f"(all {summary['val_samples']} held-out sequences)   wall {summary['wall_s']:.1f} s", flush=True)
+    val_loss, val_samples = summary["final_val_loss"], summary["val_samples"]
+    val = ("none" if val_loss is None else f"{val_loss:.4f}") + (
+        " (the last validation inside fit)" if val_samples is None else f" (all {val_samples} held-out sequences)")
+    print(f"final train loss {summary['final_train_loss']:.4f}   validation loss {val}   "
+          f"wall {summary['wall_s']:.1f} s", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

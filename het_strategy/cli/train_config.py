@@ -44,6 +44,7 @@ __all__ = [
     "FailureConfig",
     "StragglerConfig",
     "MoEConfig",
+    "FSDPStrategyConfig",
     "HetTrainConfig",
     "register_train_schema",
     "typed_config",
@@ -310,6 +311,39 @@ class MoEConfig:
                 "aux_loss_coef": self.aux_loss_coef}
 
 
+@dataclass(frozen=True)
+class FSDPStrategyConfig:
+    """``strategy=hetero_fsdp``'s own keys (``HeteroFSDPStrategy``'s arguments of the same names), checked here and
+    named ``strategy.<field>``; what het-train passes besides (cluster, workload, batch) it takes from the other
+    sections."""
+
+    units: Optional[tuple[str, ...]] = None
+    """The blocks sharded one at a time, by dotted name in the char GPT (``blocks.0``); None: its ``blocks``."""
+    prefetch: bool = True
+    """Start the next unit's all-gather while the current one computes."""
+    activation_checkpointing: bool = False
+    """Recompute each unit's forward in its backward."""
+
+    def __post_init__(self) -> None:
+        units = self.units
+        if units is not None:
+            if isinstance(units, str) or not isinstance(units, (list, tuple)) or not units:
+                raise field_error("strategy.units", units, "be a non-empty list of the model's block names (dotted "
+                                  "paths, e.g. [blocks.0, blocks.1]) or null (the char GPT's blocks)")
+            for i, name in enumerate(units):
+                if not isinstance(name, str) or not name:
+                    raise field_error(f"strategy.units[{i}]", name, "be a block's dotted name (e.g. blocks.0)")
+            object.__setattr__(self, "units", tuple(units))
+        for name in ("prefetch", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise field_error(f"strategy.{name}", getattr(self, name), "be true or false")
+
+    def strategy_args(self) -> dict[str, Any]:
+        """``HeteroFSDPStrategy``'s keyword arguments of these options."""
+        return {"units": None if self.units is None else list(self.units), "prefetch": self.prefetch,
+                "activation_checkpointing": self.activation_checkpointing}
+
+
 @dataclass
 class HetTrainConfig:
     """The whole het-train config (``configs/train.yaml`` and its groups)."""
@@ -319,7 +353,7 @@ class HetTrainConfig:
     model: ModelConfig = MISSING
     """The model group."""
     strategy: Any = MISSING
-    """The strategy group: a ``_target_`` node (hetero | ddp | hetero_deepspeed)."""
+    """The strategy group: a ``_target_`` node (hetero | ddp | hetero_deepspeed | hetero_diloco | hetero_fsdp)."""
     logger: Any = MISSING
     """The logger group: logger name -> ``_target_`` node (wandb | csv | none)."""
     compression: Any = MISSING

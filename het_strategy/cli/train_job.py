@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from het_strategy.cli._common import cfg_to_dict, cluster_from_cfg
 from het_strategy.cli.resume_check import check_checkpoint, check_checkpoint_model, check_pipeline_checkpoint
-from het_strategy.cli.train_config import Accelerator, HetTrainConfig, WandbMode, typed_config
+from het_strategy.cli.train_config import Accelerator, FSDPStrategyConfig, HetTrainConfig, WandbMode, typed_config
 from het_strategy.core.errors import ConfigError, field_error, require_option
 from het_strategy.core.plan import Plan
 from het_strategy.planning.experts import MoEPlacement
@@ -43,6 +43,7 @@ STRATEGY_TARGETS = {
     "lightning.pytorch.strategies.DDPStrategy": "ddp",
     "het_strategy.HeteroDeepSpeedStrategy": "hetero_deepspeed",
     "het_strategy.HeteroDiLoCoStrategy": "hetero_diloco",
+    "het_strategy.HeteroFSDPStrategy": "hetero_fsdp",
 }
 """The strategy group's ``_target_`` -> het-train's name for it."""
 _WANDB_TARGET = "lightning.pytorch.loggers.WandbLogger"
@@ -64,6 +65,8 @@ class TrainJob:
         self.strategy = _strategy_name(cfg.strategy)
         self.diloco = _diloco_options(cfg.strategy) if self.strategy == "hetero_diloco" else None
         """``strategy=hetero_diloco``: its outer-loop options, checked (named ``strategy.<field>``)."""
+        self.fsdp = _fsdp_options(cfg.strategy) if self.strategy == "hetero_fsdp" else None
+        """``strategy=hetero_fsdp``: its sharding options, checked (named ``strategy.<field>``)."""
         self.loggers = _logger_nodes(cfg.logger)
         self.accelerator = c.accelerator
         self.auto_cluster = auto_cluster
@@ -96,12 +99,14 @@ class TrainJob:
         if self.strategy == "hetero_diloco":
             self._check_diloco_job(c)
         self._check_strategy_options(c)
+        if self.strategy == "hetero_fsdp":
+            self._check_fsdp_job(c)
         _check_planner(c.planner)
         self.resume = c.resume
         state = None
         if self.strategy == "hetero_deepspeed":
             self._check_deepspeed_job()
-        elif self.resume is not None:
+        elif self.resume is not None and self.strategy != "hetero_fsdp":  # hetero_fsdp's: _check_fsdp_job
             state = check_checkpoint(self.resume)
         self._check_model()
         if state is not None:
@@ -126,16 +131,26 @@ class TrainJob:
 
         config = compression_config(raw)
         if config.method != "none" and self.strategy != "hetero":
-            why = ("Lightning's DDP registers comm hooks on CUDA only" if self.strategy == "ddp" else
-                   "DeepSpeed reduces the gradients itself")
+            why = _NO_COMPRESSION.get(self.strategy, "DeepSpeed reduces the gradients itself")
             raise field_error("compression.method", config.method, f"be none with strategy={self.strategy} ({why})",
                               "use strategy=hetero, which registers them on every device")
         return config
 
     def _check_strategy_options(self, c: HetTrainConfig) -> None:
         """The planner mode, ``train.max_tp`` and ``per_device`` precision each go with the strategies that run them."""
-        if self.strategy == "hetero" and c.planner.mode not in ("auto", "dp"):
-            raise field_error("planner.mode", c.planner.mode, "be auto or dp with strategy=hetero (it plans data "
+        mode = c.planner.mode
+        if mode == "fsdp" and self.strategy != "hetero_fsdp":
+            raise field_error("planner.mode", mode, f"go with strategy=hetero_fsdp, not {self.strategy} (only "
+                              "hetero_fsdp runs fully sharded plans)", "use strategy=hetero_fsdp")
+        if self.strategy == "hetero_fsdp" and mode not in ("auto", "fsdp"):
+            raise field_error("planner.mode", mode, "be auto or fsdp with strategy=hetero_fsdp (it plans fully "
+                              "sharded data parallelism: auto is read as fsdp)",
+                              "use strategy=hetero_deepspeed for pipeline or hybrid plans, strategy=hetero for dp")
+        if self.strategy == "hetero_deepspeed" and mode == "low_communication":
+            raise field_error("planner.mode", mode, "be auto, dp, pipeline or hybrid with strategy=hetero_deepspeed",
+                              "use strategy=hetero_diloco for low-communication training")
+        if self.strategy == "hetero" and mode not in ("auto", "dp"):
+            raise field_error("planner.mode", mode, "be auto or dp with strategy=hetero (it plans data "
                               "parallelism)", "use strategy=hetero_deepspeed for pipeline or hybrid plans")
         if self.strategy != "hetero_deepspeed" and c.train.max_tp not in (None, 1):
             raise field_error("train.max_tp", c.train.max_tp, f"be 1 with strategy={self.strategy} (it runs data "
@@ -154,7 +169,7 @@ class TrainJob:
                                   "compression group option")
         if self.strategy != "hetero":
             why = ("plain DDP splits the batch evenly and runs no plan" if self.strategy == "ddp" else
-                   "DeepSpeed reduces the gradients itself")
+                   _NO_COMPRESSION.get(self.strategy, "DeepSpeed reduces the gradients itself"))
             raise field_error("compression", PLANNED, f"go with strategy=hetero, not strategy={self.strategy} "
                               f"({why})", "use strategy=hetero")
         if self.cluster is None:
@@ -290,8 +305,8 @@ class TrainJob:
         experts = m.num_experts
         if not experts:
             return
-        if self.strategy == "hetero_deepspeed":
-            raise field_error("strategy", "hetero_deepspeed", "be hetero or ddp for a model with experts "
+        if self.strategy in ("hetero_deepspeed", "hetero_fsdp"):
+            raise field_error("strategy", self.strategy, "be hetero or ddp for a model with experts "
                               f"(model.num_experts={experts}): HeteroMoE runs under DDP in this version")
         if self.resume is not None:
             raise field_error("resume", self.resume, "be null for a model with experts (each rank's optimizer "
@@ -327,6 +342,27 @@ class TrainJob:
             raise field_error("train.precision", "per_device", "go with strategy=hetero, not hetero_diloco")
         if c.elastic.enabled:
             raise field_error("elastic.enabled", True, "go with strategy=hetero, not hetero_diloco")
+
+    def _check_fsdp_job(self, c: HetTrainConfig) -> None:
+        """What ``strategy=hetero_fsdp`` runs in het-train: a cluster file (the shards are planned from its memory
+        figures), blocks of the model that ``strategy.units`` names, checkpoints that are directories written
+        synchronously (``torch.distributed.checkpoint``), no gradient compression (``_checked_compression``), one
+        precision (``_check_strategy_options``)."""
+        assert self.fsdp is not None
+        if self.cluster is None:
+            raise field_error("cluster", "auto", "be a cluster file with strategy=hetero_fsdp (each rank's shard is "
+                              "planned from its device's memory figure)", "name a cluster, e.g. cluster=local_cpu2")
+        if self.checkpoint.async_save:
+            raise field_error("checkpoint.async_save", True, "be false with strategy=hetero_fsdp (every rank writes "
+                              "its chunks through torch.distributed.checkpoint itself, synchronously)")
+        if self.fsdp.units is not None:
+            _check_fsdp_units(self.fsdp.units, self.model_cfg)
+        if c.resume is not None:
+            folder = Path(c.resume)
+            if not (folder / ".metadata").is_file():
+                raise field_error("resume", c.resume, "be a checkpoint directory with strategy=hetero_fsdp, one "
+                                  "torch.distributed.checkpoint finished writing (it holds `.metadata`: e.g. "
+                                  "output.dir/checkpoints/step_N.ckpt/)")
 
     def _check_deepspeed_job(self) -> None:
         """What ``strategy=hetero_deepspeed`` runs in het-train (refused here, before any worker starts)."""
@@ -368,6 +404,12 @@ def _prefixed(exc: ConfigError, section: str) -> ConfigError:
     return ConfigError(message, field=f"{section}.{name}", value=exc.value)
 
 
+_NO_COMPRESSION = {
+    "ddp": "Lightning's DDP registers comm hooks on CUDA only",
+    "hetero_fsdp": "its gradients are reduce-scattered by its own uneven collectives, not through DDP's comm hook",
+}
+"""Why ``compression`` must be none with a strategy other than ``hetero`` (default: DeepSpeed's reason)."""
+
 DILOCO_FIELDS = ("inner_steps", "outer_codec", "groups", "split", "max_inner_steps", "max_sync_overhead",
                  "outer_codecs", "outer_lr", "outer_momentum")
 """The ``strategy=hetero_diloco`` node's own keys (``DiLoCoOptions``'s fields)."""
@@ -386,16 +428,50 @@ def _diloco_options(node: DictConfig) -> Any:
         raise _prefixed(exc, "strategy") from None
 
 
+FSDP_FIELDS = ("units", "prefetch", "activation_checkpointing")
+"""The ``strategy=hetero_fsdp`` node's own keys (``FSDPStrategyConfig``'s fields)."""
+
+
+def _fsdp_options(node: DictConfig) -> FSDPStrategyConfig:
+    """The hetero_fsdp node's options, checked; an error names ``strategy.<field>``."""
+    raw = {k: v for k, v in cfg_to_dict(node, "strategy").items() if k != "_target_"}
+    return FSDPStrategyConfig(**raw)
+
+
+def _check_fsdp_units(units: tuple[str, ...], cfg: Any) -> None:
+    """``strategy.units`` must name distinct, non-nested submodules with parameters of the char GPT ``model.*``
+    describes (built on the meta device: nothing is allocated)."""
+    import torch
+
+    from het_strategy.demo.moe_gpt import build_char_model
+
+    with torch.device("meta"):
+        model = build_char_model(cfg)
+    blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
+    for i, name in enumerate(units):
+        try:
+            sub = model.get_submodule(name)
+        except AttributeError:
+            sub = None
+        if sub is None or sub is model or not any(True for _ in sub.parameters()):
+            raise field_error(f"strategy.units[{i}]", name, "name a submodule with parameters of het-train's char "
+                              f"GPT (its blocks: {', '.join(blocks)})", "or strategy.units=null for its blocks")
+        for other in units[:i]:
+            if name == other or name.startswith(other + ".") or other.startswith(name + "."):
+                raise field_error(f"strategy.units[{i}]", name, f"be distinct from and not nested in `{other}`")
+
+
 def _strategy_name(node: Any) -> str:
     """het-train's name for the strategy group's node (it builds the strategy itself, from the plan's inputs)."""
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise field_error("strategy", node if not isinstance(node, DictConfig) else OmegaConf.to_container(node),
-                          "be a strategy group option", "strategy=hetero, ddp, hetero_deepspeed or hetero_diloco")
+                          "be a strategy group option", "strategy=hetero, ddp, hetero_deepspeed, hetero_diloco or "
+                          "hetero_fsdp")
     target = str(node["_target_"])
     if target not in STRATEGY_TARGETS:
         raise field_error("strategy._target_", target, f"be one of {', '.join(STRATEGY_TARGETS)}",
-                          "strategy=hetero, ddp, hetero_deepspeed or hetero_diloco")
-    own = DILOCO_FIELDS if STRATEGY_TARGETS[target] == "hetero_diloco" else ()
+                          "strategy=hetero, ddp, hetero_deepspeed, hetero_diloco or hetero_fsdp")
+    own = {"hetero_diloco": DILOCO_FIELDS, "hetero_fsdp": FSDP_FIELDS}.get(STRATEGY_TARGETS[target], ())
     extra = sorted(str(k) for k in node.keys() if k != "_target_" and k not in own)
     if extra:
         raise field_error(f"strategy.{extra[0]}", OmegaConf.select(node, extra[0]), "not be there: het-train "
