@@ -2,39 +2,16 @@
 
 A CPU process has no allocator peak and no memory limit, so an emulated cluster's ``memory_gb`` means nothing to
 it by itself.  ``MemoryMeter`` stands in for the device's allocator: it counts the bytes one rank holds in the
-tensors that training keeps, keeps their peak, and, given a cap (the emulated device's ``memory_gb``), raises
-``EmulatedOutOfMemoryError`` the moment the count exceeds it, naming the rank, the device, the bytes needed and
-the cap.  Like the speed padding (``emulation.speeds``), it is a test and benchmark device: it is on only where a
-caller builds one (``MemoryMeter.for_device`` logs one line saying so), never silently.
-
-What it counts (each storage once, however many tensors view it):
-
-1. **parameters**: a ``ShardedModel``'s shards (``FlatUnit.shard``), or the ``params`` given (an unsharded model);
-2. **gradients**: their ``.grad``;
-3. **optimizer**: every tensor in the optimizer's ``state`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``);
-4. **gathered**: each unit's gathered vector while it holds storage (``FlatUnit.full``: resized to 0 bytes when
-   freed) and its whole-unit gradient while one exists (``full.grad``, until reduce-scattered);
-5. **collectives**: the buffers of each unit's collectives in flight (``FlatUnit.in_flight_tensors``: a prefetched
-   gather's padded pieces, a reduce-scatter's input gradient and its padded copy, until awaited);
-6. **activations**: the tensors autograd saves for backward, seen through
-   ``torch.autograd.graph.saved_tensors_hooks`` inside ``track()``: a storage is counted from the first tensor
-   saved from it until the last packed reference to it is released (``weakref.finalize`` on the packed object:
-   autograd drops it once the backward has used it).  Saved tensors that view a parameter, a shard or a gathered
-   vector (a linear layer saves its weight) are counted there, not again here.
-
-What it does not count: the forward's outputs and temporaries that nothing saved (the logits the loss has
-consumed, the user's batch unless saved), autograd's gradient buffers between nodes (the gradient of an activation
-lives only inside one backward node), a synchronous collective's buffers (alive only inside the call), and the
-allocator's rounding and fragmentation.  On a real device those add to the peak; on an emulated one they are out of the count.
-
-The count is taken at every event that can raise it (a tensor saved, one unpacked in backward (the unit gathered
-again for it), a unit's whole gradient computed, the optimizer's step) and at ``sample()``: the peak is the largest of those counts, with its parts
-(``peak_parts``).
+tensors that training keeps (each storage once, by part: ``PARTS``), keeps their peak, and, given a cap (the
+emulated device's ``memory_gb``), raises ``EmulatedOutOfMemoryError`` the moment the count exceeds it, naming the
+rank, the device, the bytes needed and the cap.  Like the speed padding (``emulation.speeds``), it is a test and
+benchmark device: it is on only where a caller builds one (``MemoryMeter.for_device`` logs one line saying so),
+never silently.  ``MemoryMeter``'s docstring says what it counts and what it leaves out.
 
 Usage (per rank)::
 
     meter = MemoryMeter.for_device(cluster, device_name, rank, sharded=sharded, optimizer=optimizer)
-    for batch in batches:
+    for x, y in batches:
         with meter.track():
             loss = compute_loss(sharded(x), y)
         loss.backward()
@@ -97,13 +74,35 @@ class _Packed:
 
 
 class MemoryMeter:
-    """The bytes one rank holds on its emulated device (module docstring): ``peak_bytes`` since construction or
-    ``reset_peak()``, ``current_bytes()``, and the error when ``cap_bytes`` is exceeded.
+    """The bytes one rank holds on its emulated device: ``peak_bytes`` since construction or ``reset_peak()``,
+    ``current_bytes()``, and ``EmulatedOutOfMemoryError`` when ``cap_bytes`` is exceeded.
 
-    ``sharded``: the rank's ``fsdp.ShardedModel`` (read through its ``units``: their shards, gradients and gathered
-    vectors are counted; emulation sits below the runtimes and does not import them);
-    ``params``: parameters of a model that is not sharded (counted whole, with their gradients); ``optimizer``:
-    its state tensors are counted, and a count is taken after each of its steps.  ``cap_bytes=None``: count only.
+    ``sharded``: the rank's ``fsdp.ShardedModel`` (read through its ``units``; emulation sits below the runtimes
+    and does not import them); ``params``: parameters of a model that is not sharded (counted whole, with their
+    gradients); ``optimizer``: its state is counted, and a count taken after each of its steps.  ``cap_bytes=None``:
+    count only.  What it counts (each storage once, however many tensors view it):
+
+    1. **parameters**: the units' shards (``FlatUnit.shard``), or the ``params`` given;
+    2. **gradients**: their ``.grad``;
+    3. **optimizer**: every tensor in the optimizer's ``state`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``);
+    4. **gathered**: each unit's gathered vector while it holds storage (``FlatUnit.full``: resized to 0 bytes when
+       freed) and its whole-unit gradient while one exists (``full.grad``, until reduce-scattered);
+    5. **collectives**: the buffers of each unit's collectives in flight (``FlatUnit.in_flight_tensors``: a
+       prefetched gather's padded pieces, a reduce-scatter's input gradient and padded copy, until awaited);
+    6. **activations**: the tensors autograd saves for backward, seen through
+       ``torch.autograd.graph.saved_tensors_hooks`` inside ``track()``: a storage is counted from the first tensor
+       saved from it until the last packed reference to it is released (``weakref.finalize`` on the packed
+       object: autograd drops it once the backward has used it).  Saved tensors that view a parameter, a shard or
+       a gathered vector (a linear layer saves its weight) are counted there, not again here.
+
+    Not counted: the forward's outputs and temporaries that nothing saved (the logits the loss consumed, the
+    batch unless saved), autograd's gradient buffers between nodes (an activation's gradient, a unit's per-view
+    gradients before they are joined into ``full.grad``), a synchronous collective's buffers (alive only inside
+    the call), and the allocator's rounding and fragmentation: on a real device those add to the peak.
+
+    The count is taken at every event that can raise it (a tensor saved; one unpacked in backward, its unit
+    gathered again; a unit's whole gradient computed; the optimizer's step) and at ``sample()``: the peak is the
+    largest of those counts, with its parts (``peak_parts``).
     """
 
     def __init__(self, rank: int = 0, device: str = "", cap_bytes: float | None = None,
