@@ -138,3 +138,20 @@ def test_cap_error_names_rank_device_need_and_cap() -> None:
 def test_cap_must_be_positive() -> None:
     with pytest.raises(Exception, match="memory_cap.cap_bytes"):
         MemoryMeter(cap_bytes=0)
+
+
+@pytest.mark.multiprocess
+def test_uneven_shards_count_the_prefetched_gathers_padded_buffers() -> None:
+    from het_strategy.emulation.local_ranks import run_local_ranks
+    from tests._memory_cap_worker import counted_after_forward
+
+    results = run_local_ranks(counted_after_forward, 2, [0.75, 0.25], timeout_s=60)
+    root, block = 4 * 8 + 8 + 8 * 2 + 2, 8 * 8 + 8
+    assert results[0]["sizes"]["root"] == [44, 14] and results[0]["sizes"]["blocks.0"] == [54, 18]
+    for rank, res in enumerate(results):
+        parts = res["after_forward"]
+        assert parts["parameters"] == ([44, 14][rank] + 3 * [54, 18][rank]) * F64
+        assert parts["gathered"] == (root + block) * F64  # the root, the last block (its gather in flight)
+        # that gather's buffers on every rank: this rank's piece padded to the largest (54) and 2 x 54 received
+        assert parts["collectives"] == (54 + 2 * 54) * F64
+        assert res["after_backward"]["collectives"] == res["after_backward"]["gathered"] == 0
