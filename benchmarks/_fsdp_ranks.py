@@ -87,8 +87,7 @@ def global_batch(cfg: TransformerConfig, step: int, n: int) -> tuple[torch.Tenso
 
 
 def loss_of(logits: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float() if logits.dtype == torch.float16 else
-                           logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") * scale
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") * scale
 
 
 def reference(cfg: TransformerConfig, n: int, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -110,7 +109,7 @@ def _micro_steps(shares: Sequence[int], micro: Sequence[int]) -> int:
 
 
 def _step(sharded: Any, opt: torch.optim.Optimizer, cfg: TransformerConfig, step: int, rank: int, world: int,
-          shares: Sequence[int], micro: Sequence[int], dtype: torch.dtype, meter: Any = None) -> None:
+          shares: Sequence[int], micro: Sequence[int], meter: Any = None) -> None:
     n = sum(shares)
     x, y = global_batch(cfg, step, n)
     lo = sum(shares[:rank])
@@ -141,10 +140,10 @@ def train_exact(rank: int, world: int, cfg: TransformerConfig, fractions: list[f
     """``steps`` float64 steps; the full state dict; a sharded checkpoint; one more step; the full state again."""
     sharded, opt = _shard(cfg, torch.float64, fractions, rank, world)
     for step in range(steps):
-        _step(sharded, opt, cfg, step, rank, world, shares, micro, torch.float64)
+        _step(sharded, opt, cfg, step, rank, world, shares, micro)
     after = sharded.full_state_dict()
     save_sharded(sharded, opt, ckpt, extra={"step": steps})
-    _step(sharded, opt, cfg, steps, rank, world, shares, micro, torch.float64)
+    _step(sharded, opt, cfg, steps, rank, world, shares, micro)
     return {"after": after, "next": sharded.full_state_dict(),
             "sizes": {u.name: u.sizes for u in sharded.units}}
 
@@ -155,7 +154,7 @@ def resume_one_step(rank: int, world: int, cfg: TransformerConfig, fractions: li
     sharded, opt = _shard(cfg, torch.float64, fractions, rank, world)
     extra = load_sharded(sharded, opt, ckpt)
     loaded = sharded.full_state_dict()
-    _step(sharded, opt, cfg, int(extra["step"]), rank, world, shares, micro, torch.float64)
+    _step(sharded, opt, cfg, int(extra["step"]), rank, world, shares, micro)
     return {"loaded": loaded, "next": sharded.full_state_dict(), "sizes": {u.name: u.sizes for u in sharded.units}}
 
 
@@ -170,7 +169,7 @@ def train_metered(rank: int, world: int, cfg: TransformerConfig, fractions: list
     meter = MemoryMeter.for_device(cluster_from_dict(cluster), devices[rank], rank, sharded=sharded, optimizer=opt)
     try:
         for step in range(steps):
-            _step(sharded, opt, cfg, step, rank, world, shares, micro, torch.float32, meter)
+            _step(sharded, opt, cfg, step, rank, world, shares, micro, meter)
     except EmulatedOutOfMemoryError as exc:
         # the peers wait in a collective this rank will not join: leave at once, the caller reads this file
         return {"error": str(exc), "peak": meter.peak_bytes, "parts": meter.peak_parts}
