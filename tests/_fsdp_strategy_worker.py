@@ -89,4 +89,29 @@ def fit(out: Path, package: str = "lightning", cluster: dict[str, Any] | None = 
                          val_check_interval=max_steps, default_root_dir=str(out))
     module = make_module(pl, str(out), save_to)
     trainer.fit(module, ckpt_path=None if resume_from is None else str(resume_from))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    ranks[0]["main_state"] = {k: v.flatten().tolist() for k, v in module.state_dict().items()}  # handed back
+    return ranks
+
+
+def validate(out: Path, state: dict[str, list[float]], package: str = "lightning",
+             cluster: dict[str, Any] | None = None, ckpt_path: Path | None = None) -> float:
+    """``trainer.validate`` of a fresh module holding ``state`` (or the checkpoint's, with ``ckpt_path``): the
+    synced validation loss."""
+    pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
+    import het_strategy
+
+    torch.set_num_threads(1)
+    cluster = cluster or MIXED_CLUSTER
+    world = sum(len(node["devices"]) for node in cluster["nodes"])
+    cls = het_strategy.HeteroFSDPStrategy if package == "lightning" else het_strategy.HeteroFSDPStrategyPL
+    strategy = cls(cluster=cluster, global_batch_size=GLOBAL_BATCH, start_method="fork", verbose=False,
+                   telemetry=False, timeout=datetime.timedelta(seconds=120))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="64-true", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         limit_val_batches=3, default_root_dir=str(out))
+    module = make_module(pl, str(out))
+    module.load_state_dict({k: torch.tensor(v, dtype=torch.float64).view_as(p) for (k, v), p in
+                            zip(state.items(), module.state_dict().values())})
+    results = trainer.validate(module, ckpt_path=None if ckpt_path is None else str(ckpt_path), verbose=False)
+    return float(results[0]["val_loss"])

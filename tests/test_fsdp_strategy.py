@@ -85,6 +85,8 @@ def test_uneven_shards_and_shares_train_the_single_process_update(package, tmp_p
     reference = _reference(_steps(ranks))
     for name, values in ranks[0]["full"].items():
         assert values == pytest.approx(reference[name], abs=1e-10), name
+    for name, values in ranks[0]["main_state"].items():  # the whole trained module, handed back after fit
+        assert values == pytest.approx(reference[name], abs=1e-10), name
 
 
 @pytest.mark.multiprocess
@@ -103,6 +105,21 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_with_the_same_next_update(tm
     reference = _reference(steps)
     for name, values in resumed[0]["full"].items():
         assert values == pytest.approx(reference[name], abs=1e-10), name
+
+    # trainer.validate(ckpt_path=) on 2 ranks: the 3-step checkpoint read into a whole module (over the 4-step
+    # values it held) evaluates as the 3-step model does in one process
+    from tests._fsdp_strategy_worker import validate
+    from tests._strategy_worker import IndexedData, make_net
+
+    three = _reference(steps[:3])
+    net, data = make_net(), IndexedData(12, seed=3)
+    net.load_state_dict({k.removeprefix("net."): torch.tensor(v, dtype=torch.float64).view_as(p)
+                         for (k, v), p in zip(three.items(), net.state_dict().values())})
+    with torch.no_grad():
+        expected = (net(data.x).squeeze(-1) - data.y).pow(2).mean().item()  # 2 ranks x 3 batches of 2: all 12
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    got = validate(tmp_path / "validate", resumed[0]["main_state"], cluster=TWO_CLUSTER, ckpt_path=tmp_path / "ckpt")
+    assert got == pytest.approx(expected, rel=1e-10)
 
 
 def test_a_call_of_the_module_inside_its_own_call_is_part_of_the_outer_one() -> None:

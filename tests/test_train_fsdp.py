@@ -120,5 +120,6 @@ def test_het_train_hetero_fsdp_shards_by_memory_and_splits_by_speed(tmp_path: Pa
                                                                shard_sizes(block, fractions))]
     assert summary["predicted_step_s"] > 0 and summary["predicted_even_fsdp_step_s"] > 0
     assert summary["final_train_loss"] < 5.545 and summary["final_val_loss"] < 5.545  # ln(256) at initialisation
+    assert summary["val_samples"] > 0  # the full validation after fit ran, on the whole module
     assert (tmp_path / "checkpoints" / "step_2.ckpt" / ".metadata").is_file()
     assert f"hetero_fsdp: shares per rank {shares}; shards rank0 0.800, rank1 0.200 of each of 2 units" in proc.stdout

@@ -16,7 +16,7 @@ Steps of one run:
    starts);
 2. build the corpus (stdlib source, split by file), the model and the strategy (``build_strategy``);
 3. ``Trainer.fit`` on ``devices`` processes (Lightning re-runs this command for ranks 1..n-1), then a full
-   validation pass (not with hetero_fsdp: its last validation inside fit is the run's);
+   validation pass;
 4. rank 0 prints the plan, per-rank throughput, the losses and the speed-up over an equal split, and writes
    ``output.dir/output.summary``.
 """
@@ -122,19 +122,11 @@ def run_train(job: TrainJob) -> dict[str, Any] | None:
     log_planned_compression(job, trainer.global_rank)
     trainer.fit(model, train_loader, val_loader, ckpt_path=_resume_from(job))
     train_loss = trainer.callback_metrics.get("train_loss")
-    if job.strategy == "hetero_fsdp":
-        # HeteroFSDPStrategy's setup for trainer.validate after fit broadcasts rank 0's parameters, which are its
-        # shards (of another size than the other ranks'): the validations inside fit are the run's last
-        last_val = trainer.callback_metrics.get("val_loss")
-        val_loss, val_samples = (float(last_val) if last_val is not None else None), None
-        rank_zero_info(trainer.global_rank, "hetero_fsdp: no full validation after fit (the strategy runs "
-                       "validation inside fit only); the validation loss is the last in-fit one (train.val_batches)")
-    else:
-        trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
-        full_val = trainer.validate(model, val_loader, verbose=False)
-        val_loss = float(full_val[0]["val_loss"]) if full_val else None
-        val_samples = (len(val_set) // job.global_batch_size * job.global_batch_size
-                       if job.strategy == "hetero_deepspeed" else len(val_set))  # whole global batches only
+    trainer.limit_val_batches = 1.0  # the final validation sees every held-out sequence once
+    full_val = trainer.validate(model, val_loader, verbose=False)
+    val_loss = float(full_val[0]["val_loss"]) if full_val else None
+    val_samples = (len(val_set) // job.global_batch_size * job.global_batch_size
+                   if job.strategy == "hetero_deepspeed" else len(val_set))  # whole global batches only
     if trainer.global_rank != 0:
         return None
     summary = _summary(job, trainer, callbacks, {
@@ -402,7 +394,7 @@ def _fsdp_summary(strategy: Any, job: TrainJob) -> dict[str, Any]:
     from het_strategy.planning.strategy_plans import fsdp_plan
 
     plan, run = strategy.plan, strategy.run
-    sharded = run.extension.sharded
+    sharded = run.extension.layout  # the last fit's (the module is whole again after it)
     world = len(plan.pipelines)
     out: dict[str, Any] = {
         "plan_mode": str(plan.mode), "shares": run.current_shares(), "shards": dict(plan.shards),

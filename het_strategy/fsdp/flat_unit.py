@@ -220,6 +220,18 @@ class FlatUnit:
         return [piece.view(shape).to(self.dtype) for piece, shape in zip(flat.split(self.numels), self.shapes)]
 
 
+    def restore(self, values: Sequence[torch.Tensor]) -> None:
+        """Put the unit's original parameters back on their modules as ``nn.Parameter`` s holding ``values``
+        (``gather_master``'s, in ``param_names`` order; a tied one under all its names) and remove the shard."""
+        params = [nn.Parameter(value, requires_grad=self.shard.requires_grad) for value in values]
+        for owner, attr, index in self._slots:
+            delattr(owner, attr)
+            owner.register_parameter(attr, params[index])
+        delattr(self.module, FLAT_SHARD)
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.FREE
+
+
 def agree_dtypes(units: Sequence[FlatUnit], reduce_dtype: torch.dtype, group: Any = None) -> None:
     """Give every unit a gather and a reduction dtype that every rank of ``group`` shares (a collective).
 

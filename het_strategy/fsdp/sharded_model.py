@@ -92,6 +92,7 @@ class ShardedModel:
         self.num_prefetched = 0
         """Of those, the gathers started ahead (prefetch) rather than when the unit was needed."""
         self._state_keys = state_keys
+        self._block_modules = list(block_modules)
         self._reducing: FlatUnit | None = None
         """The unit whose reduce-scatter is in flight (finished by the next one, or at the backward's end)."""
         self._end_queued = False
@@ -253,6 +254,23 @@ class ShardedModel:
         return total
 
     # -- export ------------------------------------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Make the module whole again, as it was before ``shard_model`` but with the trained values: every
+        unit's parameters gathered onto every rank as ``nn.Parameter`` s, the shards and the hooks removed (a
+        collective).  The ``ShardedModel`` is not used after it."""
+        self._finish_reduce()
+        for unit in self.units:
+            if unit.state != UnitState.FREE:
+                unit.free()
+        values = [unit.gather_master() for unit in self.units]  # every rank gathers every unit, in the same order
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for unit, unit_values in zip(self.units, values):
+            unit.restore(unit_values)
+        for block in self._block_modules:
+            vars(block).pop("forward", None)  # activation checkpointing's wrapper: the class's forward again
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The original module's ``state_dict()``: the same names, shapes and dtypes (parameters gathered from
         every rank's shard, buffers as this rank holds them), on the CPU.  A collective over the group; with

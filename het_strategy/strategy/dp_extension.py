@@ -57,9 +57,13 @@ class DataParallelExtension:
         """The process group DDP reduces over (None: every rank)."""
         return None
 
-    loads_state_itself = False
-    """Whether the extension reads the model's and optimizer's states from the checkpoint itself
-    (``read_checkpoint``), after Lightning's setup: Lightning's own loading of them is then skipped."""
+    restores_after_setup = False
+    """Whether checkpoints are read after Lightning's setup (into the model as ``wrap_model`` made it)."""
+
+    def loaded_state_itself(self) -> bool:
+        """Whether ``read_checkpoint`` read the model's and optimizer's states itself: Lightning's own loading of
+        them is then skipped."""
+        return False
 
     def wrap_model(self, strategy: Any, plan_now: Callable[[], Plan]) -> bool:
         """Wrap ``strategy.model`` in place of DDP and return True (False: DDP with the run's comm hook).

@@ -15,6 +15,8 @@ the telemetry), and the extension changes what full sharding changes:
 3. **Checkpoints** are directories written by ``torch.distributed.checkpoint`` (``fsdp.checkpoint``): every rank
    its chunks, the rest of Lightning's checkpoint once; loadable into another shard layout and world size.
    ``full_state_dict()`` gathers the whole model on rank 0 for export.
+4. **After fit** the module is whole again on every rank (``ShardedModel.unshard``), so ``trainer.validate``,
+   ``test`` and ``predict`` run on it as DDP would, and a spawned fit hands the trained model back.
 
 Each rank runs its share of a step in one forward and backward, so the plan is searched with whole shares: where
 a share's activations fit only in pieces, the refusal names the rank and suggests Lightning's
@@ -112,14 +114,18 @@ class FSDPExtension(DataParallelExtension):
     """
 
     runtime = Runtime.hetero_fsdp
-    loads_state_itself = True
+    restores_after_setup = True
 
     def __init__(self, units: list[str] | None, prefetch: bool, activation_checkpointing: bool) -> None:
         self.units = None if units is None else list(units)
         self.prefetch = prefetch
         self.activation_checkpointing = activation_checkpointing
         self.sharded: Any = None
-        """This rank's ``fsdp.ShardedModel`` (from ``wrap_model``)."""
+        """This rank's ``fsdp.ShardedModel`` (from ``wrap_model`` to the end of ``fit``)."""
+        self.layout: Any = None
+        """The ``ShardedModel`` of the last fit, kept after it for what it measured and how it cut the units
+        (``units``' names and ``sizes``, ``comm_wait_s``); the module no longer uses it."""
+        self._read_itself = False
         self.cluster: ClusterSpec | None = None
 
     def check_precision(self, precision: str) -> None:
@@ -174,33 +180,69 @@ class FSDPExtension(DataParallelExtension):
                               "clip in configure_gradient_clipping with trainer.strategy.run.extension.sharded."
                               "clip_grad_norm_(max_norm)")
 
+    def train_end(self, strategy: Any) -> None:
+        """The module whole again on every rank, with the trained values (a collective, after the LightningModule's
+        and the callbacks' ``on_train_end``, before Lightning's teardown moves it): what ``trainer.validate``,
+        ``test`` and ``predict`` after ``fit`` run, and what a spawned fit hands back to the main process."""
+        if self.sharded is not None:
+            self.sharded.unshard()
+            self.layout, self.sharded = self.sharded, None
+            strategy.model = strategy.lightning_module
+            rank_debug(strategy.global_rank, "hetero_fsdp: the module is whole again")
+
     def module_state(self, state_of: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Nothing: a checkpoint's model is its shards (``write_checkpoint``); ``full_state_dict`` exports it."""
-        return {}
+        """Nothing while sharded (a checkpoint's model is then its shards: ``write_checkpoint``), else the
+        module's own."""
+        return {} if self.sharded is not None else state_of()
 
     def write_checkpoint(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any,
                          write: Callable[[dict[str, Any], Any], None]) -> None:
-        """A directory at ``filepath``: every rank's chunks of the shards and optimizer state, and the rest of
-        Lightning's checkpoint (loops, callbacks, the plan, ...) once (a collective)."""
+        """While sharded, a directory at ``filepath``: every rank's chunks of the shards and optimizer state, and
+        the rest of Lightning's checkpoint (loops, callbacks, the plan, ...) once (a collective); a whole module
+        (after ``fit``) is Lightning's one file."""
         from het_strategy.fsdp.checkpoint import save_sharded
 
-        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        optimizer = strategy.optimizers[0] if strategy.optimizers else None
+        if self.sharded is None:
+            write(checkpoint, filepath)
+            return
         if len(strategy.optimizers) > 1:
             raise field_error("configure_optimizers", f"{len(strategy.optimizers)} optimizers",
                               "return one optimizer under hetero_fsdp (one optimizer steps the shards)")
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        optimizer = strategy.optimizers[0] if strategy.optimizers else None
         save_sharded(self.sharded, optimizer, Path(filepath), extra=extra)
 
     def read_checkpoint(self, strategy: Any, path: Any, read: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-        """The shards and the optimizer state read into this layout; the rest of the checkpoint returned."""
+        """A sharded checkpoint (a directory) read into this layout, its optimizer state too while fitting, and
+        the rest of it returned; into a whole module (``trainer.validate(ckpt_path=...)``) through an even layout
+        made for the read.  A file is Lightning's, loaded by Lightning into a whole module."""
+        from het_strategy.fsdp import shard_model
         from het_strategy.fsdp.checkpoint import load_sharded
 
-        optimizer = strategy.optimizers[0] if strategy.optimizers else None
-        return dict(load_sharded(self.sharded, optimizer, Path(path)))
+        self._read_itself = Path(path).is_dir()
+        if not self._read_itself:
+            if self.sharded is not None:
+                raise field_error("ckpt_path", str(path), "be a hetero_fsdp checkpoint directory to resume a sharded "
+                                  "fit (a single file holds a whole model: load it into the module before fit)")
+            return read(path)
+        if self.sharded is not None:
+            optimizer = strategy.optimizers[0] if strategy.optimizers else None
+            return dict(load_sharded(self.sharded, optimizer, Path(path)))
+        module, world = strategy.lightning_module, strategy.world_size
+        units = self.units if self.units is not None else default_units(module)
+        reading = shard_model(module, units, [1.0 / world] * world, strategy.global_rank, world, prefetch=False)
+        extra = dict(load_sharded(reading, None, Path(path)))
+        reading.unshard()
+        return extra
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole module's ``state_dict`` on rank 0 (``{}`` on the others; a collective)."""
-        return self.sharded.full_state_dict(rank0_only=True)
+    def loaded_state_itself(self) -> bool:
+        return self._read_itself
+
+    def full_state_dict(self, strategy: Any) -> dict[str, torch.Tensor]:
+        """The whole module's ``state_dict`` on rank 0 (``{}`` on the others; a collective while sharded)."""
+        if self.sharded is not None:
+            return self.sharded.full_state_dict(rank0_only=True)
+        return strategy.lightning_module.state_dict() if strategy.global_rank == 0 else {}
 
 
 def _check_one_micro_batch(plan: Plan, devices: list[str]) -> None:

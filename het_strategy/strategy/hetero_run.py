@@ -547,24 +547,24 @@ class HeteroRun(StrategyRun):
 
     @override
     def load_model_state_dict(self, strategy: Any, parent: Parent, checkpoint: Any, strict: bool = True) -> None:
-        if not self.extension.loads_state_itself:
+        if not self.extension.loaded_state_itself():
             parent(checkpoint, strict=strict)
         self.extension.model_state_loaded(strategy)
 
     @override
     def load_optimizer_state_dict(self, strategy: Any, parent: Parent, checkpoint: Any) -> None:
-        if not self.extension.loads_state_itself:
+        if not self.extension.loaded_state_itself():
             parent(checkpoint)
         self.extension.optimizer_state_loaded(strategy)
 
     @override
     def restore_checkpoint_after_setup(self, parent: bool) -> bool:
-        """After setup when the extension reads the states itself (into the wrapped model and its optimizer)."""
-        return parent or self.extension.loads_state_itself
+        """After setup when the extension reads checkpoints into the model as it wrapped it."""
+        return parent or self.extension.restores_after_setup
 
     @override
     def lightning_restore_optimizer(self, parent: bool) -> bool:
-        return parent and not self.extension.loads_state_itself
+        return parent and not self.extension.loaded_state_itself()
 
 
 _DDP_ARGUMENTS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}

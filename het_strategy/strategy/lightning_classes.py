@@ -245,7 +245,7 @@ class HeteroFSDPStrategy(RunStrategy):
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole module's ``state_dict`` on rank 0 (``{}`` on the others; a collective): for export."""
-        return self.run.extension.full_state_dict()
+        return self.run.extension.full_state_dict(self)
 
     @classmethod
     @override
