@@ -256,13 +256,15 @@ class ShardedModel:
     # -- export ------------------------------------------------------------------------------------------------
     def unshard(self) -> None:
         """Make the module whole again, as it was before ``shard_model`` but with the trained values: every
-        unit's parameters gathered onto every rank as ``nn.Parameter`` s, the shards and the hooks removed (a
+        unit's parameters gathered, one unit at a time, into CPU memory on every rank as ``nn.Parameter`` s (a
+        device that holds only its shards never holds the whole model), the shards and the hooks removed (a
         collective).  The ``ShardedModel`` is not used after it."""
         self._finish_reduce()
         for unit in self.units:
             if unit.state != UnitState.FREE:
                 unit.free()
-        values = [unit.gather_master() for unit in self.units]  # every rank gathers every unit, in the same order
+        # every rank gathers every unit, in the same order; each unit's whole vector leaves the device at once
+        values = [[tensor.cpu() for tensor in unit.gather_master()] for unit in self.units]
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
