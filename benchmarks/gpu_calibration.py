@@ -61,8 +61,9 @@ from het_strategy.core.catalog import catalog_device_name, lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict
 from het_strategy.core.codecs import CODECS, Exchange
 from het_strategy.core.compressed_sync import JOINT_CHOICES, codec_bandwidth
-from het_strategy.core.compute_model import ComputeModel, Float32MatmulPrecision
+from het_strategy.core.compute_model import ComputeModel
 from het_strategy.core.cost_model import CostModel
+from het_strategy.core.dtypes import Float32MatmulPrecision
 from het_strategy.core.errors import ConfigError
 from het_strategy.core.memory import GiB, OVERHEAD_TP1_BYTES, MemoryModel
 from het_strategy.core.train_settings import TrainSettings

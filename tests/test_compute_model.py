@@ -154,3 +154,67 @@ def test_a_run_with_tf32_matmuls_gives_the_gpu_with_tf32_units_a_larger_share() 
 
     ieee, tf32 = shares("highest"), shares("high")
     assert tf32[a100] > ieee[a100] and sum(tf32.values()) == sum(ieee.values()) == 64
+
+
+def _one_device_plan(cluster, workload, device: str):
+    from het_strategy.core.plan import Pipeline, Plan, Stage
+
+    return Plan(cluster=cluster.name, cluster_devices=tuple(d.name for d in cluster.devices),
+                model={"name": workload.name, "num_layers": workload.num_layers}, global_batch_size=8, dtype="fp32",
+                mode="manual", pipelines=(Pipeline((Stage((device,), (0, workload.num_layers)),), micro_batch_size=2,
+                                                   samples=8),))
+
+
+@pytest.mark.parametrize("compute_model", ["flops", "roofline"])
+def test_an_fp32_plan_is_priced_at_the_tf32_rate_under_high_and_at_the_fp32_rate_under_highest(
+        compute_model: str) -> None:
+    """``settings.float32_matmul_precision`` prices fp32 matmuls in both compute models: an A100's at its TF32
+    rate (156 TFLOPS) under ``high`` and ``medium``, at its fp32 rate (19.5) under ``highest``; a V100 has no
+    TF32 units, so its price does not move.  The reference is computed by hand from the datasheet figures; the
+    plan table's line names the rate each type was priced at."""
+    cluster = cluster_from_dict({"name": "c", "nodes": [{"devices": [{"type": "A100-40GB"}, {"type": "V100-16GB"}]}]})
+    workload = load_workload("gpt_small", dtype="fp32")
+    a100, v100 = cluster.devices
+    mbs = 2
+
+    def by_hand(dev, tflops: float, tensor_cores: bool) -> float:
+        """Forward + backward of one micro-batch through every layer at the peak ``tflops``."""
+        total = 0.0
+        for layer in workload.layers:
+            if compute_model == "roofline" and layer.shape is not None:
+                roof = Roofline(tflops * 1e12, tensor_cores, dev.memory_bandwidth_gbs * 1e9, dev.compute_units)
+                total += sum(layer_seconds(layer.shape, workload.seq_len, mbs, 1, 4, roof,
+                                           ComputeCalibration.shipped()))
+            else:
+                total += 3 * layer.flops_per_sample * mbs / (tflops * 1e12 * dev.efficiency)
+        return total
+
+    priced = {}
+    for precision in ("highest", "high", "medium"):
+        cm = CostModel(cluster, workload, TrainSettings(8, dtype="fp32", compute_model=compute_model,
+                                                        float32_matmul_precision=precision))
+        for dev in (a100, v100):
+            score = cm.score(_one_device_plan(cluster, workload, dev.name))
+            priced[precision, dev.type] = score.stage_costs[0][0].compute_s
+            rate = {("A100-40GB", "highest"): "fp32 19.5", ("V100-16GB", "highest"): "fp32 15.7"}.get(
+                (dev.type, precision), "tf32 156" if dev.type == "A100-40GB" else "fp32 15.7")
+            assert f"{dev.type} at {rate} TFLOPS" in score.compute
+            assert f"compute_model={compute_model}, float32_matmul_precision={precision}" in score.compute
+    assert priced["highest", "A100-40GB"] == pytest.approx(by_hand(a100, 19.5, False))
+    assert priced["high", "A100-40GB"] == pytest.approx(by_hand(a100, 156, True))
+    assert priced["medium", "A100-40GB"] == priced["high", "A100-40GB"]
+    assert priced["high", "A100-40GB"] < priced["highest", "A100-40GB"] / 2  # the TF32 rate is 8x fp32's
+    assert priced["high", "V100-16GB"] == priced["highest", "V100-16GB"] == pytest.approx(by_hand(v100, 15.7, False))
+
+
+def test_the_tf32_rate_stays_with_an_efficiency_override_and_not_with_measured_or_emulated_figures() -> None:
+    """Under ``flops`` an A100 whose efficiency the cluster file gives keeps its TF32 units; a measured
+    throughput or an emulated speed is used as given, whatever the matmul precision."""
+    assert _device({"type": "A100-40GB", "efficiency": 0.5}).flops_per_second("fp32", "high") == \
+        pytest.approx(156e12 * 0.5)
+    assert _device({"type": "A100-40GB", "efficiency": 0.5}).flops_per_second("fp32") == pytest.approx(19.5e12 * 0.5)
+    assert _device({"type": "A100-40GB", "tflops": 100}).flops_per_second("fp32", "high") == pytest.approx(100e12)
+    assert _device({"type": "A100-40GB", "emulated_speed": 2.0}).flops_per_second("fp32", "high") == \
+        pytest.approx(19.5e12 * 0.45 * 2.0)
+    assert _device({"type": "A100-40GB"}).flops_per_second("bf16", "high") == pytest.approx(312e12 * 0.45)
+    assert _device({"type": "A100-40GB"}).matmul_rate("fp32", "medium") == ("tf32", 156)

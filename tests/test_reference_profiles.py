@@ -160,7 +160,9 @@ def test_devices_sailor_did_not_measure_are_priced_by_the_analytic_model_and_the
     score = CostModel(cluster, workload, TrainSettings(global_batch_size=32), opt350_profile).score(result.plan)
     assert score.step_time_s == pytest.approx(result.score.step_time_s) and score.network == sailor.describe()
     assert score.compute == ("measured per-layer times of OPT-350 for A100-40GB tp 1; the analytic model for "
-                             "A10G tp 1, T4 tp 1 (not in the profile)")
+                             "A10G tp 1, T4 tp 1 (not in the profile); FLOPs over the datasheet rate "
+                             "(compute_model=flops): A10G at bf16 70 TFLOPS x 0.4 efficiency, T4 at fp32 8.1 TFLOPS "
+                             "x 0.3 efficiency")
 
 
 @pytest.mark.skipif(not _SHARED.is_dir(), reason="the shared reference folder is not on this machine")

@@ -84,7 +84,7 @@ def test_512_devices_stay_a_short_table_and_picture(tmp_path: Path):
     groups = group_pipelines(plan, cluster)
     assert [g.count for g in groups] == [256]
     text = plan_table(plan, score, cluster)
-    assert len(text.splitlines()) < 15
+    assert len(text.splitlines()) < 16  # the table, its totals and the rates each type was priced at
     assert "0-255 x256" in text and "256x A100-40GB @32 nodes" in text and "256x V100-16GB @32 nodes" in text
     png = plot_plan(plan, cluster, tmp_path / "big.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -34,12 +34,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from het_strategy.core.dtypes import Dtype
+from het_strategy.core.dtypes import Dtype, Float32MatmulPrecision
 
 if TYPE_CHECKING:
     from het_strategy.core.device_spec import DeviceSpec
 
-__all__ = ["ComputeModel", "AttentionKernel", "Float32MatmulPrecision", "LayerShape", "Roofline", "ComputeCalibration",
+__all__ = ["ComputeModel", "AttentionKernel", "LayerShape", "Roofline", "ComputeCalibration",
            "CALIBRATION_FILE", "device_roofline", "gemm_s", "memory_s", "layer_seconds"]
 
 CALIBRATION_FILE = Path(__file__).with_name("data") / "compute_calibration.json"
@@ -72,17 +72,6 @@ class AttentionKernel(StrEnum):
     """torch's ``scaled_dot_product_attention`` (flash or memory-efficient): the scores never reach memory."""
     materialized = "materialized"
     """The scores and probabilities written to memory (Megatron without flash attention)."""
-
-
-class Float32MatmulPrecision(StrEnum):
-    """``torch.set_float32_matmul_precision``'s setting, which decides the rate of fp32 matmuls."""
-
-    highest = "highest"
-    """torch's default: IEEE fp32 matmuls, at the fp32 rate."""
-    high = "high"
-    """TF32 tensor cores where the device has them."""
-    medium = "medium"
-    """TF32 or bf16 internally; priced as TF32 (the slower of the two)."""
 
 
 @dataclass(frozen=True)
@@ -160,18 +149,12 @@ def device_roofline(device: DeviceSpec, dtype: Dtype | str,
     The matmul unit is the one the runtime uses: 16-bit matmuls run at the fp16/bf16 tensor-core rate; fp32
     matmuls run at the fp32 rate under torch's default ``torch.set_float32_matmul_precision("highest")``, and
     at the TF32 tensor-core rate where the user sets ``high`` or ``medium`` (``Float32MatmulPrecision``), as
-    torch does on a device with TF32 units.
+    torch does on a device with TF32 units (``DeviceSpec.matmul_rate``, which the ``flops`` model reads too).
     """
     if device.compute_units is None:
         return None
-    bandwidth = device.memory_bandwidth_gbs * 1e9
-    dtype = Dtype(dtype)
-    if dtype in device.tflops and dtype != Dtype.fp32:
-        return Roofline(device.tflops[dtype] * 1e12, True, bandwidth, device.compute_units)
-    if Float32MatmulPrecision(float32_matmul) != Float32MatmulPrecision.highest and device.tf32_tflops:
-        return Roofline(device.tf32_tflops * 1e12, True, bandwidth, device.compute_units)
-    fp32 = device.tflops.get(Dtype.fp32, min(device.tflops.values()))
-    return Roofline(fp32 * 1e12, False, bandwidth, device.compute_units)
+    unit, tflops = device.matmul_rate(Dtype(dtype), float32_matmul)  # the one rule for every compute model
+    return Roofline(tflops * 1e12, unit != Dtype.fp32, device.memory_bandwidth_gbs * 1e9, device.compute_units)
 
 
 def gemm_s(m: float, n: float, k: float, batch: float, roof: Roofline, cal: ComputeCalibration) -> float:

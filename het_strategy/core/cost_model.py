@@ -146,7 +146,7 @@ class CostModel:
     def _analytic_compute(self, device: DeviceSpec, tp: int, micro_batch: int, ckpt: bool) -> list[float]:
         """Per layer, fwd + bwd (+ a recomputed fwd) seconds of a micro-batch: the roofline, else FLOPs / rate."""
         dtype = self.settings.compute_dtype(device)
-        rate = device.flops_per_second(dtype) * tp
+        rate = device.flops_per_second(dtype, self.settings.float32_matmul_precision) * tp
         roof = device_roofline(device, dtype, self.settings.float32_matmul_precision) \
             if self.settings.compute_model == "roofline" else None
         comp = []
@@ -293,6 +293,33 @@ class CostModel:
                                    self.network.ring_allreduce_s(wire, leaders), self.network.latency_s, codec_bw,
                                    token)
 
+    def analytic_rates(self, devices: Iterable[DeviceSpec]) -> str:
+        """One line for the plan table: the rate the analytic model priced each of ``devices``' types at
+        (``DeviceSpec.matmul_rate``: the unit its dtype's matmuls run on, TF32 for fp32 under
+        ``float32_matmul_precision`` high or medium), and how: FLOPs at that rate x the type's efficiency
+        (``compute_model=flops``, and under the roofline a device it does not describe) or the roofline; ""
+        for no device."""
+        precision = self.settings.float32_matmul_precision
+        by_type: dict[str, str] = {}
+        fp32_run = False
+        for device in devices:
+            if device.type in by_type:
+                continue
+            dtype = self.settings.compute_dtype(device)
+            fp32_run = fp32_run or dtype == "fp32"
+            unit, tflops = device.matmul_rate(dtype, precision)
+            roofline = self.settings.compute_model == "roofline" and device_roofline(device, dtype, precision)
+            how = "" if roofline else f" x {device.efficiency:g} efficiency" + (
+                f" x emulated speed {device.emulated_speed:g}" if device.emulated_speed else "") + (
+                " (FLOPs: no roofline for it)" if self.settings.compute_model == "roofline" else "")
+            by_type[device.type] = f"{device.type} at {unit} {tflops:g} TFLOPS{how}"
+        if not by_type:
+            return ""
+        model = "FLOPs over the datasheet rate" if self.settings.compute_model == "flops" else "the roofline"
+        return (f"{model} (compute_model={self.settings.compute_model}"
+                + (f", float32_matmul_precision={precision}" if fp32_run else "") + "): "
+                + ", ".join(by_type[t] for t in sorted(by_type)))
+
     # -- MoE ----------------------------------------------------------------------------------
     def _experts_by_device(self, plan: Plan) -> dict[str, dict[int, int]]:
         held: dict[str, dict[int, int]] = {}
@@ -310,7 +337,7 @@ class CostModel:
         expert-parallel group are routed uniformly to experts, so a device holding
         n of E experts runs n/E of the group's routed tokens.
         """
-        rate = device.flops_per_second(self.settings.compute_dtype(device)) * tp
+        rate = device.flops_per_second(self.settings.compute_dtype(device), self.settings.float32_matmul_precision) * tp
         total = 0.0
         for layer in range(start, stop):
             moe = self.workload.layers[layer].moe
@@ -357,6 +384,10 @@ class CostModel:
             capacity.update({d: self.memory_capacity_bytes(self.cluster.device(d)) for d in mem})
         post = self._post_times_s(plan)
         kinds = ((self.cluster.device(st.devices[0]).type, st.tp) for pipe in plan.pipelines for st in pipe.stages)
+        analytic = [self.cluster.device(st.devices[0]) for pipe in plan.pipelines for st in pipe.stages
+                    if not self.uses_profile(self.cluster.device(st.devices[0]), st.tp)]
+        compute = "; ".join(part for part in ("" if self.profile is None else self.profile.coverage(kinds),
+                                              self.analytic_rates(analytic)) if part)
         last_device = max(post, key=lambda d: sum(post[d]))
         sync, update = post[last_device]
         step = max(pipeline_times) + sync + update
@@ -364,7 +395,7 @@ class CostModel:
                          pipeline_times_s=pipeline_times, sync_time_s=sync, update_time_s=update,
                          memory_bytes=memory, memory_capacity_bytes=capacity, stage_costs=stage_costs,
                          grad_dtype=self.settings.grad_reduce_dtype, network=self.network.describe(),
-                         compute="" if self.profile is None else self.profile.coverage(kinds),
+                         compute=compute,
                          device_sync_s={d: t[0] for d, t in post.items()},
                          device_update_s={d: t[1] for d, t in post.items()})
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from het_strategy.core.catalog import DTYPES, DeviceType, lookup_device_type
-from het_strategy.core.dtypes import Dtype, fast_dtype
+from het_strategy.core.dtypes import Dtype, Float32MatmulPrecision, fast_dtype
 from het_strategy.core.cluster_limits import bounded_figure as _figure, check_figure
 from het_strategy.core.errors import ConfigError, field_error, is_positive, require_number
 
@@ -57,7 +57,9 @@ class DeviceSpec:
     where the device's own figures price it instead: a custom or CPU device, measured ``tflops`` or an
     ``efficiency`` given in the cluster file, or an emulated device."""
     tf32_tflops: float | None = None
-    """The catalog's dense TF32 rate, with ``compute_units`` (None without TF32 units)."""
+    """The catalog's dense TF32 rate, the rate of fp32 matmuls under ``float32_matmul_precision`` high or medium
+    (``matmul_rate``); None without TF32 units, for a custom device, and where the cluster file gives measured
+    ``tflops`` or an emulated speed (those figures price the device as they are)."""
     codec_gbs: float | None = None
     """GB/s of fp32 input this device quantizes and dequantizes (the catalog's measured figure unless overridden);
     None: not measured (``compressed_sync.codec_bandwidth`` takes a fraction of the memory bandwidth)."""
@@ -93,11 +95,25 @@ class DeviceSpec:
         (``dtypes.fast_dtype``), any other dtype itself."""
         return fast_dtype(self.tflops) if dtype == Dtype.per_device else Dtype(dtype)
 
-    def flops_per_second(self, dtype: str) -> float:
-        """Sustained FLOP/s for ``dtype`` (``per_device``: this device's ``compute_dtype``) x the emulated speed,
-        if any; a dtype without a rate here runs at the fp32 rate."""
+    def matmul_rate(self, dtype: str, float32_matmul: Float32MatmulPrecision | str = Float32MatmulPrecision.highest
+                    ) -> tuple[str, float]:
+        """(the unit, its peak dense TFLOPS) the matmuls of a ``dtype`` run compute at (``per_device``: this
+        device's ``compute_dtype``): the dtype's own rate; fp32 at the TF32 tensor-core rate (``tf32``) where
+        ``float32_matmul`` is ``high`` or ``medium`` and the device has TF32 units (``tf32_tflops``), as torch
+        runs it, else at the fp32 rate; a dtype without a rate here at the fp32 rate (``fp32``)."""
         dtype = self.compute_dtype(dtype)
-        peak = self.tflops.get(dtype, self.tflops.get("fp32", min(self.tflops.values())))
+        if dtype in self.tflops and dtype != Dtype.fp32:
+            return str(dtype), self.tflops[dtype]
+        if (dtype == Dtype.fp32 and self.tf32_tflops
+                and Float32MatmulPrecision(float32_matmul) != Float32MatmulPrecision.highest):
+            return "tf32", self.tf32_tflops
+        return str(Dtype.fp32), self.tflops.get(Dtype.fp32, min(self.tflops.values()))
+
+    def flops_per_second(self, dtype: str,
+                         float32_matmul: Float32MatmulPrecision | str = Float32MatmulPrecision.highest) -> float:
+        """Sustained FLOP/s for ``dtype``: the peak of ``matmul_rate`` x ``efficiency`` x the emulated speed, if
+        any (``float32_matmul``: ``settings.float32_matmul_precision``, which only fp32 reads)."""
+        peak = self.matmul_rate(dtype, float32_matmul)[1]
         return peak * 1e12 * self.efficiency * (self.emulated_speed or 1.0)
 
 
@@ -173,6 +189,7 @@ def device_from_dict(dev_raw: Mapping[str, Any], name: str, node: str, dt: Devic
         emulated_speed=None if speed is None else _figure(speed, f"{where}.emulated_speed", "emulated_speed"),
         price_per_hour=price,
         compute_units=dt.compute_units if datasheet else None,  # type: ignore[union-attr]
-        tf32_tflops=dt.tf32_tflops if datasheet else None,  # type: ignore[union-attr]
+        # an efficiency given in the file keeps the TF32 units; measured tflops or an emulated speed price as given
+        tf32_tflops=dt.tf32_tflops if dt is not None and not measured and speed is None else None,
         codec_gbs=codec_gbs,
     )

@@ -10,8 +10,10 @@
   model given as a Python path (``model_input.dtype``), named as torch names it.
 * ``PRECISION_DTYPES`` — Lightning's ``precision`` strings and the ``Dtype``
   each trains in (``precision_dtype``; het-train's ``train.precision`` too).
+* ``Float32MatmulPrecision`` — torch's ``set_float32_matmul_precision`` setting,
+  the unit fp32 matmuls run on (``settings.float32_matmul_precision``).
 
-Both are ``StrEnum``s whose member names are the config spellings (Hydra
+The enums are ``StrEnum``s whose member names are the config spellings (Hydra
 matches an enum value by name), so a member compares equal to, hashes as and
 serialises as its string: ``Dtype.bf16 == "bf16"`` and JSON writes ``"bf16"``.
 ``as_dtype`` turns a string into a member or raises ``ConfigError`` naming the
@@ -26,7 +28,7 @@ from typing import Any, Mapping
 from het_strategy.core.errors import field_error, require_option
 
 __all__ = ["Dtype", "ELEMENT_DTYPES", "DTYPE_BYTES", "as_dtype", "as_element_dtype", "fast_dtype", "InputDtype",
-           "PRECISION_DTYPES", "precision_dtype"]
+           "PRECISION_DTYPES", "precision_dtype", "Float32MatmulPrecision"]
 
 
 class Dtype(StrEnum):
@@ -101,3 +103,14 @@ class InputDtype(StrEnum):
     bfloat16 = "bfloat16"
     float64 = "float64"
     int64 = "int64"
+
+
+class Float32MatmulPrecision(StrEnum):
+    """``torch.set_float32_matmul_precision``'s setting, which decides the rate of fp32 matmuls."""
+
+    highest = "highest"
+    """torch's default: IEEE fp32 matmuls, at the fp32 rate."""
+    high = "high"
+    """TF32 tensor cores where the device has them."""
+    medium = "medium"
+    """TF32 or bf16 internally; priced as TF32 (the slower of the two)."""

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from het_strategy.core.catalog import device_catalog, lookup_device_type
 from het_strategy.core.compressed_sync import check_token
-from het_strategy.core.compute_model import ComputeModel, Float32MatmulPrecision
-from het_strategy.core.dtypes import DTYPE_BYTES, ELEMENT_DTYPES, Dtype, as_dtype, as_element_dtype
+from het_strategy.core.compute_model import ComputeModel
+from het_strategy.core.dtypes import (DTYPE_BYTES, ELEMENT_DTYPES, Dtype, Float32MatmulPrecision, as_dtype,
+                                     as_element_dtype)
 from het_strategy.core.errors import (ConfigError, alternatives, field_error, require_int, require_number,
                                      require_option)
 

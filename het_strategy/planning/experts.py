@@ -49,7 +49,8 @@ def place_experts(cm: CostModel, plan: Plan) -> dict[int, dict[str, list[int]]]:
         rates, caps = [], []
         for stage, pipe in holders:
             dev = cm.cluster.device(stage.devices[0])
-            rates.append(dev.flops_per_second(cm.settings.compute_dtype(dev)) * stage.tp)
+            rates.append(dev.flops_per_second(cm.settings.compute_dtype(dev), cm.settings.float32_matmul_precision)
+                         * stage.tp)
             # memory left for this layer's experts after the stage's dense part (and all its other experts)
             n_flight = min(len(pipe.stages) - pipe.stages.index(stage), pipe.num_micro_batches)
             used = cm.stage_memory_bytes(stage.layers[0], stage.layers[1], stage.tp, pipe.micro_batch_size,

@@ -31,9 +31,9 @@ from het_strategy.core.catalog import lookup_device_type
 from het_strategy.core.cluster import ClusterSpec, cluster_from_dict
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.compute_model import (CALIBRATION_FILE, AttentionKernel, ComputeCalibration, ComputeModel,
-                                             Float32MatmulPrecision, LayerShape, device_roofline, layer_seconds)
+                                             LayerShape, device_roofline, layer_seconds)
 from het_strategy.core.device_spec import DeviceSpec, device_from_dict
-from het_strategy.core.dtypes import Dtype
+from het_strategy.core.dtypes import Dtype, Float32MatmulPrecision
 from het_strategy.core.network import BLOCK_TP_ALLREDUCES
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import LayerCost, WorkloadSpec
