@@ -7,6 +7,9 @@
     forward on T4 and V100 at tp 1, 2, 4; fp32, TF32 where the GPU has it, as those runs did.  Then leave one
     GPU type out: calibrate on the other types' tp-1 blocks, predict every block of that type.  Then the *tp
     scaling* alone (the measured tp-1 time scaled by the model's tp rule) against the measured tp > 1 times.
+    And the default compute model (``compute_model=flops``: a block's FLOPs over the catalog rate x the
+    type's efficiency) on the same blocks, fp32 matmuls at the fp32 rate (``highest``) and at the TF32 rate
+    where the GPU has one (``high``, as the runs computed: ``FP32_MATMUL``).
 (b) Sailor's clusters (OPT-350, global batch 1024, planner.profile=sailor): our
     plan and Sailor's own 32:96 plan (../shared/reference) under our model and
     under Sailor's simulator (``reference/sailor_simulator.py``).  Sailor's runtime
@@ -17,18 +20,13 @@
     simulated figures for its own plans at 80:240 and 128:384 (2.77 s, 1.91 s)
     come from the issue that asked for this benchmark (its 32:96 figure, 5.884 s,
     is recomputed here).
-    Then the same with a user's default settings: ``TrainSettings``' defaults as the code has them when this
-    runs (dtype, max_tp, max_stages, micro-batch menu; the workload in that dtype, as het-plan loads it),
-    overriding only what Sailor's runtime needs: equal shares and one micro-batch size per plan (each size
-    of the default menu planned alone, the plan our model predicts fastest kept).  Both plans are scored
-    with Sailor's simulator as Sailor wrote it and with its backward-send slip corrected
-    (``backward_send="stage_input"``: a stage sends back its input's size, not its first layer's output;
-    ``reference/sailor_simulator.py``, rule 3).  Sailor's 32:96 plan is rescored both ways.  Its plans at
-    80:240 and 128:384 are not vendored and cannot be rebuilt from anything vendored (only their times
-    are published), so their corrected figure is the published, uncorrected time.  The correction never
-    raises a charge for OPT-350, so that time is at least Sailor's corrected time: the ratio at those two
-    sizes is an upper bound of the corrected ratio (biased towards ours), exact if no stage of Sailor's
-    plan starts at the output head (none of its 32:96 plan does).
+    Then a user's defaults: the plan ``het-plan cluster=<cluster> model=opt350 planner.profile=sailor
+    settings.global_batch_size=1024`` picks, nothing else set (``sailor_default_scenario``: the CLI's own
+    compose and plan functions), scored by our model and by Sailor's simulator beside it: one plain call (Sailor's
+    rules as written) where the plan has one micro-batch size; a plan of several, which the simulator refuses,
+    is charged each pipeline's own size and count (``MicroBatches.plan``), every other rule Sailor's.  Each
+    line splits both figures into pipeline, gradient sync (the simulator's within and across pipelines) and
+    update.
 (c) AMP's six measured plans (``reference/amp_plans.py``, ``reference/data/amp/measured_plans.json``) on
     its V100 + T4 cluster: our predictions next to the measured times, and the
     rank correlation.
@@ -41,12 +39,14 @@
     depth) of the plans of (b); then the two formulas term by term.
 
 Last line: ``RESULT layer_median_err=... layer_worst_err=... layer_tp1_median_err=... layer_tp1_worst_err=...
-layer_loo_median_err=... layer_loo_worst_err=... tp_scaling_median_err=... sailor_32_96=...
+layer_loo_median_err=... layer_loo_worst_err=... tp_scaling_median_err=... layer_flops_median_err=...
+layer_flops_highest_median_err=... sailor_32_96=...
 sailor_80_240=... sailor_128_384=... sailor_default_32_96=... sailor_default_80_240=...
 sailor_default_128_384=... amp_spearman=... amp_best_rank=... amp_tp2_ranks=...
 memory_median_err=... memory_worst_err=... memory_worst_below_gib=...``
 (sailor_*: Sailor's plan's simulated time / ours, both under Sailor's simulator; > 1: ours is faster;
-sailor_default_*: the same for our plan with default settings, the simulator's slip corrected;
+sailor_default_*: the same for the plan a user's defaults pick, Sailor's simulator as written;
+layer_flops_*: the flops model's median |error| over the blocks of (a) under ``high`` and ``highest``;
 memory_*: |ours - Sailor's| / Sailor's, and the most GiB ours is below Sailor's, to be read against the
 headroom a plan keeps free, ``settings.memory_reserve_gb``: 0 by default).
 """
@@ -65,7 +65,9 @@ from het_strategy.core.cost_model import CostModel  # noqa: E402
 from het_strategy.core.memory import GiB, overhead_bytes  # noqa: E402
 from het_strategy.core.train_settings import TrainSettings  # noqa: E402
 from het_strategy.core.plan import Plan  # noqa: E402
-from het_strategy.core.workload import WorkloadSpec, load_workload  # noqa: E402
+from het_strategy.core.dtypes import Dtype  # noqa: E402
+from het_strategy.core.network import BLOCK_TP_ALLREDUCES  # noqa: E402
+from het_strategy.core.workload import LayerCost, WorkloadSpec, load_workload  # noqa: E402
 from het_strategy.planning import search_plan  # noqa: E402
 from het_strategy.reference.amp_plans import amp_measured_plans  # noqa: E402
 from het_strategy.reference.amp_profile import load_amp_profile  # noqa: E402
@@ -75,7 +77,7 @@ from het_strategy.reference.sailor_memory import (SAILOR_GPU_MEMORY_GIB, sailor_
                                                   sailor_stage_memory)
 from het_strategy.reference.sailor_profiles import (SAILOR_DATA_DIR, load_sailor_profile,  # noqa: E402
                                                     read_sailor_json, sailor_device_type)
-from het_strategy.reference.sailor_simulator import BackwardSend, sailor_iteration_time  # noqa: E402
+from het_strategy.reference.sailor_simulator import MicroBatches, sailor_iteration_time  # noqa: E402
 
 SAILOR_PUBLISHED_S = {"sailor_a100_v100_80_240": 2.77, "sailor_a100_v100_128_384": 1.91}
 
@@ -119,6 +121,11 @@ def leave_one_gpu_out() -> dict[str, list[float]]:
     return out
 
 
+def by_gpu_errors(by_gpu: dict[str, list[float]]) -> list[float]:
+    """Every signed error of ``by_gpu``, in GPU order."""
+    return [e for gpu in sorted(by_gpu) for e in by_gpu[gpu]]
+
+
 def _rel(measured: float, predicted: float) -> float:
     return abs(predicted - measured) / measured
 
@@ -149,38 +156,57 @@ def sailor_scenario(cluster_name: str, workload: WorkloadSpec) -> dict:
     return out
 
 
-def sailor_default_scenario(cluster_name: str) -> dict:
-    """Our plan with a user's default settings, and Sailor's, under Sailor's simulator as written and corrected.
+DEFAULT_COMMAND = ("model=opt350", "planner.profile=sailor", "settings.global_batch_size=1024")
+"""``het-plan cluster=<cluster>`` plus these, nothing else: a user's defaults on Sailor's clusters."""
 
-    Only what Sailor's runtime needs is set: equal shares, and one micro-batch size per plan (each size of the
-    default menu is planned alone and the plan our model predicts fastest kept).  Keys ``*_sailor_s``: Sailor's
-    rule; ``*_corrected_s``: the backward-send slip corrected; ``theirs_*`` is None where Sailor's plan is not
-    vendored (80:240, 128:384: only its published, uncorrected time exists, in ``theirs_published_s``).
+
+def sailor_default_scenario(cluster_name: str) -> dict:
+    """The plan ``het-plan cluster=<cluster_name> model=opt350 planner.profile=sailor settings.global_batch_size=1024``
+    picks (composed and planned by the CLI's own functions; ``output.plan=null`` only keeps it from writing
+    plan.json), our model's prediction for it, and Sailor's simulator's.
+
+    The simulator is called plainly (Sailor's rules, ``MicroBatches.sailor``) where the plan has one micro-batch
+    size; a plan with several, which Sailor's simulator refuses, is charged each pipeline's own size and count
+    (``MicroBatches.plan``), every other rule Sailor's.  ``theirs_sailor_s``: Sailor's 32:96 plan rescored
+    plainly, or the published time where its plan is not vendored (80:240, 128:384).
     """
+    from het_strategy.cli.plan_cli import compose_plan_config, plan_or_score
+
+    cfg = compose_plan_config([f"cluster={cluster_name}", *DEFAULT_COMMAND, "output.plan=null"])
+    plan, score = plan_or_score(cfg, echo=False)
     cluster = load_cluster(cluster_name)
-    defaults = TrainSettings(1024)
-    workload = load_workload("opt350", dtype=defaults.dtype)  # as het-plan loads the model: in settings.dtype
-    profile = load_sailor_profile("OPT-350", workload)
-    best = None
-    for m in defaults.micro_batch_sizes:
-        settings = TrainSettings(1024, micro_batch_sizes=(m,), equal_shares=True)
-        p = search_plan(cluster, workload, settings, profile=profile)
-        ours = CostModel(cluster, workload, settings, profile).score(p).step_time_s
-        if best is None or ours < best[0]:
-            best = (ours, p)
-    ours_s, plan = best  # type: ignore[misc]
-    out = {"settings": defaults, "ours_model_s": ours_s, "plan": plan, "cluster": cluster,
-           "ours_sailor_s": sailor_iteration_time(plan, cluster).iteration_s,
-           "ours_corrected_s": sailor_iteration_time(plan, cluster, backward_send=BackwardSend.stage_input).iteration_s,
-           "theirs_sailor_s": None, "theirs_corrected_s": None, "theirs_published_s": None}
+    sizes = sorted({pipe.micro_batch_size for pipe in plan.pipelines})
+    rule = MicroBatches.sailor if len(sizes) == 1 else MicroBatches.plan
+    sim = sailor_iteration_time(plan, cluster, micro_batches=rule)
     if cluster_name == "sailor_a100_v100_32_96":
-        theirs = Plan.load(SAILOR_DATA_DIR / "sailor_plan_32_96.json")
-        out["theirs_sailor_s"] = sailor_iteration_time(theirs, cluster).iteration_s
-        out["theirs_corrected_s"] = sailor_iteration_time(theirs, cluster,
-                                                          backward_send=BackwardSend.stage_input).iteration_s
+        theirs = sailor_iteration_time(Plan.load(SAILOR_DATA_DIR / "sailor_plan_32_96.json"), cluster).iteration_s
     else:
-        out["theirs_published_s"] = SAILOR_PUBLISHED_S[cluster_name]
-    return out
+        theirs = SAILOR_PUBLISHED_S[cluster_name]
+    return {"plan": plan, "cluster": cluster, "score": score, "sim": sim, "rule": rule, "sizes": sizes,
+            "theirs_sailor_s": theirs, "published": cluster_name in SAILOR_PUBLISHED_S}
+
+
+def flops_rows(precision: str) -> list[tuple[BlockMeasurement, float]]:
+    """Every measured block with the default compute model's time for it (``compute_model=flops``: the block's
+    FLOPs, Megatron's count ``24 s h^2 + 4 s^2 h`` a forward and twice that backward, over the catalog's rate
+    for fp32 under ``precision`` x the type's efficiency, plus ``cost_model_s``'s tp all-reduces)."""
+    rows = []
+    for m in block_measurements():
+        h, s = m.shape.hidden, m.seq_len
+        layer = LayerCost("block", 24.0 * s * h * h + 4.0 * s * s * h, 12 * h * h, 0.0, s * h * 4.0)
+        cluster = one_type_node(m.gpu, m.tp, sailor_link=m.source == "sailor")
+        cm = CostModel(cluster, WorkloadSpec(m.model, (layer,), s, Dtype.fp32),
+                       TrainSettings(1, dtype="fp32", max_tp=8, float32_matmul_precision=precision))
+        dev = cluster.devices[0]
+        if m.forward_only:
+            fwd = layer.flops_per_sample * m.micro_batch / (dev.flops_per_second("fp32", precision) * m.tp)
+            pred = fwd + (BLOCK_TP_ALLREDUCES * cm.network.tp_allreduce_s(layer.output_bytes_per_sample
+                                                                           * m.micro_batch, dev.node, m.tp)
+                          if m.tp > 1 else 0.0)
+        else:
+            pred = cm.stage_compute_s(dev, m.tp, m.micro_batch, 0, 1)
+        rows.append((m, pred))
+    return rows
 
 
 def _plan_shape(plan: Plan, cluster: ClusterSpec) -> str:
@@ -301,6 +327,19 @@ def main() -> None:
         print(f"    {gpu:<11} median {statistics.median(e):6.1%}  worst {max(e):6.1%}  ({len(e)} blocks)")
     loo_all = [x for e in loo.values() for x in e]
     print(f"    all {len(loo_all)}: median {statistics.median(loo_all):.1%}, worst {max(loo_all):.1%}")
+    print(f"  the default compute model (compute_model=flops: FLOPs over the catalog rate x efficiency, + tp "
+          f"all-reduces) on the same blocks, fp32 matmuls at float32_matmul_precision=highest (the fp32 rate) and "
+          f"{FP32_MATMUL} (TF32 where the GPU has it, as the runs did):")
+    flops_err = {}
+    for precision in ("highest", str(FP32_MATMUL)):
+        by_gpu: dict[str, list[float]] = {}
+        for m, pred in flops_rows(precision):
+            by_gpu.setdefault(m.gpu, []).append(pred / m.seconds - 1)
+        flops_err[precision] = [abs(e) for e in by_gpu_errors(by_gpu)]
+        print(f"    {precision:<8} " + "; ".join(f"{gpu} median {statistics.median(e):+.0%}" for gpu, e in
+                                                sorted(by_gpu.items()))
+              + f"; all {len(flops_err[precision])}: median |error| {statistics.median(flops_err[precision]):.1%}, "
+                f"worst {max(flops_err[precision]):.1%}")
     tp_by_key: dict[tuple[str, int], list[float]] = {}
     for gpu, tp, mbs, meas, pred in scaling:
         tp_by_key.setdefault((gpu, tp), []).append(_rel(meas, pred))
@@ -322,24 +361,22 @@ def main() -> None:
               f"Sailor's plan {theirs_model} (our model) {res['theirs_sailor_s']:.3f} (Sailor's sim); "
               f"Sailor/ours under Sailor's sim {ratios[name]:.3f}")
         print(f"    our plan: {_plan_shape(res['plan'], res['cluster'])}")
-    defaults = TrainSettings(1024)
-    print(f"  with a user's default settings (dtype {defaults.dtype}, max_tp {defaults.max_tp}, max_stages "
-          f"{defaults.max_stages}, micro-batch menu {','.join(map(str, defaults.micro_batch_sizes))}; set for "
-          f"Sailor's runtime: equal shares, one size per plan), Sailor's sim as written / with the backward-send "
-          f"slip corrected:")
+    print(f"  the plan a user's defaults pick: het-plan cluster=<cluster> {' '.join(DEFAULT_COMMAND)}, scored by our "
+          f"model and by Sailor's simulator (one plain call; a plan of several micro-batch sizes, which it refuses: "
+          f"each pipeline at its own size and count, MicroBatches.plan); s/iteration = pipeline + gradient sync "
+          f"(+ update):")
     default_ratios = {}
     for name in ("sailor_a100_v100_32_96", "sailor_a100_v100_80_240", "sailor_a100_v100_128_384"):
         res = sailor_default_scenario(name)
-        if res["theirs_published_s"] is None:
-            theirs, theirs_fixed = res["theirs_sailor_s"], res["theirs_corrected_s"]
-            theirs_text = f"{theirs:.3f} / {theirs_fixed:.3f}"
-        else:  # no plan to correct: the published, uncorrected time stands for both (an upper bound when corrected)
-            theirs = theirs_fixed = res["theirs_published_s"]
-            theirs_text = f"{theirs:.3f} (published) / <= {theirs_fixed:.3f} (no plan to rescore)"
-        default_ratios[name] = theirs_fixed / res["ours_corrected_s"]
-        print(f"  {name}: ours {res['ours_model_s']:.3f} (our model) {res['ours_sailor_s']:.3f} / "
-              f"{res['ours_corrected_s']:.3f} (Sailor's sim); Sailor's plan {theirs_text}; Sailor/ours "
-              f"{theirs / res['ours_sailor_s']:.3f} / {default_ratios[name]:.3f}")
+        sim, score = res["sim"], res["score"]
+        default_ratios[name] = res["theirs_sailor_s"] / sim.iteration_s
+        theirs = f"{res['theirs_sailor_s']:.3f}" + (" (published)" if res["published"] else "")
+        print(f"  {name}: ours {score.step_time_s:.3f} (our model: pipeline {max(score.pipeline_times_s):.3f} + sync "
+              f"{score.sync_time_s:.3f} + update {score.update_time_s:.3f}) {sim.iteration_s:.3f} (Sailor's sim, "
+              f"{res['rule']}: pipeline {sim.pipeline_s:.3f} at m {sim.num_micro_batches} x mbs "
+              f"{sim.micro_batch_size} + sync {sim.sync_within_s:.3f} within + {sim.sync_across_s:.3f} across); "
+              f"our model / Sailor's sim {score.step_time_s / sim.iteration_s:.3f}; Sailor's plan {theirs} (Sailor's "
+              f"sim); Sailor/ours {default_ratios[name]:.3f}")
         print(f"    our plan: {_plan_shape(res['plan'], res['cluster'])}")
 
     print("(c) AMP's measured plans, 3x4 V100 + 4 T4, GPT-2 1024h/24L, batch 32 (s/iteration), priced from the "
@@ -395,6 +432,8 @@ def main() -> None:
           f"layer_tp1_median_err={statistics.median(tp1):.3f} layer_tp1_worst_err={max(tp1):.3f} "
           f"layer_loo_median_err={statistics.median(loo_all):.3f} layer_loo_worst_err={max(loo_all):.3f} "
           f"tp_scaling_median_err={statistics.median(tp_errs):.3f} "
+          f"layer_flops_median_err={statistics.median(flops_err[str(FP32_MATMUL)]):.3f} "
+          f"layer_flops_highest_median_err={statistics.median(flops_err['highest']):.3f} "
           f"sailor_32_96={ratios['sailor_a100_v100_32_96']:.3f} sailor_80_240={ratios['sailor_a100_v100_80_240']:.3f} "
           f"sailor_128_384={ratios['sailor_a100_v100_128_384']:.3f} "
           f"sailor_default_32_96={default_ratios['sailor_a100_v100_32_96']:.3f} "

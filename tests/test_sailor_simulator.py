@@ -199,3 +199,28 @@ def test_mixed_micro_batch_sizes_are_refused():
     with pytest.raises(ConfigError) as err:
         sailor_iteration_time(plan, _CLUSTER)
     assert err.value.field == "plan.pipelines[1].micro_batch_size"
+
+
+def test_micro_batches_plan_charges_each_pipeline_its_own_size_and_count():
+    """``micro_batches="plan"``: a plan of two sizes, which Sailor's rule refuses, is charged per pipeline its own
+    micro-batch size and count; pipelines sharing stage boundaries but not the size are separate Sailor pipelines
+    (so an all-reduce across them); on a plan of one size and equal shares it is Sailor's rule."""
+    stages = [[([f"a100_0/{i}"], (0, 13)), ([f"a100_1/{i}"], (13, 26))] for i in range(2)]
+    mixed = Pipeline(stages=tuple(Stage(tuple(d), l) for d, l in stages[1]), micro_batch_size=1, samples=6)
+    plan = _plan(_CLUSTER, stages[:1], mbs=4, samples=[16])
+    plan = Plan(cluster=plan.cluster, cluster_devices=plan.cluster_devices, model=plan.model, global_batch_size=22,
+                pipelines=(*plan.pipelines, mixed))
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        sailor_iteration_time(plan, _CLUSTER)
+    est = sailor_iteration_time(plan, _CLUSTER, micro_batches="plan")
+    assert [p.plan_pipelines for p in est.pipelines] == [(0,), (1,)]
+    for pipe, m in zip(est.pipelines, (4, 6)):  # 16 samples at 4, 6 samples at 1
+        assert pipe.pipeline_s == pytest.approx((m - 1) * pipe.bottleneck_s + pipe.fill_s + pipe.update_s)
+    slow = max(est.pipelines, key=lambda p: p.pipeline_s)
+    assert est.pipeline_s == slow.pipeline_s and est.sync_across_s > 0
+    assert (est.micro_batch_size, est.num_micro_batches) == ((4, 4) if slow is est.pipelines[0] else (1, 6))
+    # one size, equal shares: the plan's counts are Sailor's m, so the two rules agree
+    even = _plan(_CLUSTER, stages, mbs=2, samples=[8, 8])
+    assert sailor_iteration_time(even, _CLUSTER, micro_batches="plan") == sailor_iteration_time(even, _CLUSTER)
+    with pytest.raises(ConfigError, match="micro_batches"):
+        sailor_iteration_time(even, _CLUSTER, micro_batches="even")

@@ -15,7 +15,7 @@ overlapped with nothing.
 ``x / 1e9 / bw`` seconds, ``bw`` the fit's GB/s (a polynomial in log2 MB), no cap at the fit's peak and no
 latency; the intra-node fits are loaded by the simulator but never used.  ``BackwardSend`` picks the size of
 the backward send: Sailor's own rule (the default, which reproduces its published figures) or its slip
-corrected.
+corrected; ``MicroBatches`` the micro-batches charged: Sailor's rule (the default) or the plan's own.
 
 Translation: our pipelines with the same stage boundaries become one Sailor pipeline whose stage ``s``
 has our pipelines' ``s``-th stages as its replicas, in plan order; a stage's devices must be one GPU type
@@ -37,7 +37,7 @@ from het_strategy.core.network import ring_steps
 from het_strategy.core.plan import Plan
 from het_strategy.reference.sailor_profiles import DEFAULT_ZONE, read_sailor_json
 
-__all__ = ["SAILOR_BUCKET_BYTES", "BackwardSend", "SailorStageEstimate", "SailorPipelineEstimate", "SailorEstimate",
+__all__ = ["SAILOR_BUCKET_BYTES", "BackwardSend", "MicroBatches", "SailorStageEstimate", "SailorPipelineEstimate", "SailorEstimate",
            "sailor_iteration_time", "sailor_send_time_s", "sailor_allreduce_time_s"]
 
 SAILOR_BUCKET_BYTES = 500_000_000
@@ -65,6 +65,18 @@ class BackwardSend(StrEnum):
     """Sailor's own rule: the output size of the stage's first layer (logits-sized for a stage at the head)."""
     stage_input = "stage_input"
     """The slip corrected: the stage's input size (the output of the previous stage's last layer)."""
+
+
+class MicroBatches(StrEnum):
+    """How many micro-batches of which size each pipeline is charged (``SailorEstimate``, rule 4)."""
+
+    sailor = "sailor"
+    """Sailor's rule: one micro-batch size for the plan, ``m = ceil(global batch / (mbs x dp x pipelines))``
+    for every pipeline (the plan's own counts unused; several sizes refused)."""
+    plan = "plan"
+    """Each Sailor pipeline at its plan pipelines' own micro-batch size and largest micro-batch count, pipelines of
+    one boundary set but different sizes being separate Sailor pipelines (not in Sailor's simulator: for plans
+    with several sizes or uneven shares, which Sailor's runtime does not run)."""
 
 
 @dataclass(frozen=True)
@@ -155,9 +167,10 @@ class SailorEstimate:
     sync_across_s: float
     """All-reduce across pipelines (0 with one pipeline)."""
     num_micro_batches: int
-    """m, Sailor's rule: ceil(global batch / (mbs x dp x pipelines))."""
+    """m, Sailor's rule: ceil(global batch / (mbs x dp x pipelines)) (``MicroBatches.plan``: the slowest
+    pipeline's)."""
     micro_batch_size: int
-    """mbs of every pipeline."""
+    """mbs of every pipeline (``MicroBatches.plan``: the slowest pipeline's)."""
     pipelines: tuple[SailorPipelineEstimate, ...]
     """Per Sailor pipeline."""
 
@@ -321,22 +334,64 @@ def _group_pipelines(plan: Plan) -> list[list[int]]:
     return list(groups.values())
 
 
+def _pipeline_estimate(tables: _Tables, members: list[int], layers: list[tuple[int, int]],
+                       reps: list[list[_Replica]], mbs: int, num_micro_batches: int,
+                       backward_send: BackwardSend) -> SailorPipelineEstimate:
+    """One Sailor pipeline (our pipelines ``members``, stage replicas ``reps``): rules 1 to 4 and its stages'
+    syncs (rule 5, within the pipeline)."""
+    compute, update = [], []
+    for s, (start, stop) in enumerate(layers):
+        rows = [tables.layer_rows(r, mbs, f"plan.pipelines[{members[0]}].micro_batch_size") for r in reps[s]]
+        compute.append(max(sum(t[str(l)][0] + t[str(l)][1] for l in range(start, stop)) for t in rows))
+        update.append(max(t[str(start)][2] for t in rows))
+    sends = _stage_sends(tables, reps, layers, mbs, backward_send)
+    per_stage = [c + x for c, x in zip(compute, sends)]
+    bottleneck = max(range(len(layers)), key=per_stage.__getitem__)
+    fill = sum(compute) + sum(sends)
+    stages = tuple(
+        SailorStageEstimate(layers=layers[s], replicas=tuple(f"{r.gpu}x{r.tp}" for r in reps[s]),
+                            compute_s=compute[s], send_s=sends[s], update_s=update[s],
+                            sync_s=_stage_sync(tables, reps[s], layers[s]))
+        for s in range(len(layers)))
+    return SailorPipelineEstimate(
+        plan_pipelines=tuple(members), stages=stages, bottleneck_stage=bottleneck,
+        bottleneck_s=per_stage[bottleneck], fill_s=fill, update_s=max(update),
+        pipeline_s=(num_micro_batches - 1) * per_stage[bottleneck] + fill + max(update),
+        sync_s=max(st.sync_s for st in stages))
+
+
+def _group_by_size(plan: Plan) -> list[list[int]]:
+    """``_group_pipelines``, each group split by micro-batch size (``MicroBatches.plan``: Sailor's layer times are
+    per size, so one Sailor pipeline has one)."""
+    groups: dict[tuple, list[int]] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        groups.setdefault((tuple(pipe.boundaries()), pipe.micro_batch_size), []).append(p)
+    return list(groups.values())
+
+
 def sailor_iteration_time(plan: Plan, cluster: ClusterSpec | str | None = None, model: str = "OPT-350",
                           zone: str = DEFAULT_ZONE, fp16: bool = False,
-                          backward_send: BackwardSend | str = BackwardSend.first_layer_output) -> SailorEstimate:
+                          backward_send: BackwardSend | str = BackwardSend.first_layer_output,
+                          micro_batches: MicroBatches | str = MicroBatches.sailor) -> SailorEstimate:
     """Sailor's simulated seconds per iteration of ``plan`` on ``cluster`` (default: ``plan.cluster``).
 
     ``model`` and ``zone`` pick Sailor's tables; ``fp16`` is the simulator's flag (2 instead of 4 bytes
     per activation and gradient element; Sailor's validation runs use False).  ``backward_send`` is the size
     the backward pipeline send is charged at: ``first_layer_output``, Sailor's own rule (the default, which
     reproduces its published figures), or ``stage_input``, that rule's slip corrected (``BackwardSend``).
-    The plan's own micro-batch counts are not used: Sailor derives m from the global batch.  Raises
+    With ``micro_batches="sailor"`` (the default) the plan's own micro-batch counts are not used: Sailor derives
+    m from the global batch; ``"plan"`` charges each pipeline its own size and count (``MicroBatches``; the
+    estimate's ``micro_batch_size`` and ``num_micro_batches`` are then the slowest pipeline's).  Raises
     ConfigError for a plan it cannot score (GPU type, micro-batch size, tp or link not in Sailor's data; mixed
-    micro-batch sizes; a tp group of several types or nodes).  The rules it charges: ``SailorEstimate``.
+    micro-batch sizes under Sailor's rule; a tp group of several types or nodes).  The rules it charges:
+    ``SailorEstimate``.
     """
     if backward_send not in tuple(BackwardSend):
         raise field_error("backward_send", backward_send, f"be one of {', '.join(BackwardSend)}")
     backward_send = BackwardSend(backward_send)
+    if micro_batches not in tuple(MicroBatches):
+        raise field_error("micro_batches", micro_batches, f"be one of {', '.join(MicroBatches)}")
+    micro_batches = MicroBatches(micro_batches)
     cluster = load_cluster(cluster if cluster is not None else plan.cluster)
     tables = _Tables(model, zone, 2 if fp16 else 4)
     if int(plan.model.get("num_layers", tables.num_layers)) != tables.num_layers:
@@ -344,39 +399,28 @@ def sailor_iteration_time(plan: Plan, cluster: ClusterSpec | str | None = None, 
                           f"equal the {tables.num_layers} layers Sailor profiled for {model}")
     mbs = plan.pipelines[0].micro_batch_size
     for p, pipe in enumerate(plan.pipelines):
-        if pipe.micro_batch_size != mbs:
+        if pipe.micro_batch_size != mbs and micro_batches == MicroBatches.sailor:
             raise field_error(f"plan.pipelines[{p}].micro_batch_size", pipe.micro_batch_size,
                               f"equal the other pipelines' ({mbs}): Sailor's simulator takes one micro-batch size")
 
-    groups = _group_pipelines(plan)
+    groups = _group_pipelines(plan) if micro_batches == MicroBatches.sailor else _group_by_size(plan)
     # Sailor keeps the dp degree of the last pipeline it read (a quirk reproduced as is)
-    num_micro_batches = math.ceil(plan.global_batch_size / (mbs * len(groups[-1]) * len(groups)))
+    sailor_m = math.ceil(plan.global_batch_size / (mbs * len(groups[-1]) * len(groups)))
+    sizes: list[tuple[int, int]] = []  # per group: (micro-batch size, micro-batches)
     results: list[SailorPipelineEstimate] = []
     all_reps: list[list[list[_Replica]]] = []
     for members in groups:
         first = plan.pipelines[members[0]]
-        layers = [stage.layers for stage in first.stages]
-        reps = [[_replica(plan, cluster, tables, p, s) for p in members] for s in range(len(layers))]
+        if micro_batches == MicroBatches.plan:
+            mbs = first.micro_batch_size
+            num_micro_batches = max(plan.pipelines[p].num_micro_batches for p in members)
+        else:
+            num_micro_batches = sailor_m
+        sizes.append((mbs, num_micro_batches))
+        reps = [[_replica(plan, cluster, tables, p, s) for p in members] for s in range(len(first.stages))]
         all_reps.append(reps)
-        compute, update = [], []
-        for s, (start, stop) in enumerate(layers):
-            rows = [tables.layer_rows(r, mbs, f"plan.pipelines[{members[0]}].micro_batch_size") for r in reps[s]]
-            compute.append(max(sum(t[str(l)][0] + t[str(l)][1] for l in range(start, stop)) for t in rows))
-            update.append(max(t[str(start)][2] for t in rows))
-        sends = _stage_sends(tables, reps, layers, mbs, backward_send)
-        per_stage = [c + x for c, x in zip(compute, sends)]
-        bottleneck = max(range(len(layers)), key=per_stage.__getitem__)
-        fill = sum(compute) + sum(sends)
-        stages = tuple(
-            SailorStageEstimate(layers=layers[s], replicas=tuple(f"{r.gpu}x{r.tp}" for r in reps[s]),
-                                compute_s=compute[s], send_s=sends[s], update_s=update[s],
-                                sync_s=_stage_sync(tables, reps[s], layers[s]))
-            for s in range(len(layers)))
-        results.append(SailorPipelineEstimate(
-            plan_pipelines=tuple(members), stages=stages, bottleneck_stage=bottleneck,
-            bottleneck_s=per_stage[bottleneck], fill_s=fill, update_s=max(update),
-            pipeline_s=(num_micro_batches - 1) * per_stage[bottleneck] + fill + max(update),
-            sync_s=max(st.sync_s for st in stages)))
+        results.append(_pipeline_estimate(tables, members, [stage.layers for stage in first.stages], reps, mbs,
+                                          num_micro_batches, backward_send))
 
     sync_within = max(r.sync_s for r in results)
     sync_across = 0.0
@@ -393,4 +437,5 @@ def sailor_iteration_time(plan: Plan, cluster: ClusterSpec | str | None = None, 
     return SailorEstimate(iteration_s=worst.pipeline_s + sync, pipeline_s=worst.pipeline_s, slowest_pipeline=slowest,
                           bottleneck_s=worst.bottleneck_s, update_s=worst.update_s, sync_s=sync,
                           sync_within_s=sync_within, sync_across_s=sync_across,
-                          num_micro_batches=num_micro_batches, micro_batch_size=mbs, pipelines=tuple(results))
+                          num_micro_batches=sizes[slowest][1], micro_batch_size=sizes[slowest][0],
+                          pipelines=tuple(results))
