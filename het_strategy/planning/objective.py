@@ -7,7 +7,7 @@ per iteration often leaves fast, expensive devices out, and a budget can rule
 out the fastest plan.  ``search_objective`` (step 3 of ``planning.plan``, for a
 ``PlanRequest`` with ``objective=cost``, a ``budget_per_hour`` or a
 ``min_throughput``) therefore plans sub-clusters (``_subsets``) in the order of
-a lower bound on their step time (``_Bounds``) and stops once the bound exceeds
+a lower bound on their step time (``sub_cluster_bound``) and stops once the bound exceeds
 the best plan found (the steps: there).
 
 Why skipping by a sub-cluster's own bound, or its total price, loses no plan: a
@@ -35,12 +35,14 @@ from typing import Callable
 from het_strategy.core.cluster import ClusterSpec, NodeSpec
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.device_spec import DeviceSpec
-from het_strategy.core.train_settings import TP_DEGREES, TrainSettings
+from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.plan import Plan
 from het_strategy.core.pricing import SECONDS_PER_HOUR, devices_price_per_hour, plan_price, require_prices
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
 from het_strategy.planning.request import PlanRequest
+from het_strategy.planning.search import fsdp_in_auto
+from het_strategy.planning.sub_cluster_bound import SubClusterBound
 
 __all__ = ["MAX_SUBSETS", "Candidate", "ObjectiveResult", "search_objective", "sub_cluster"]
 
@@ -148,12 +150,14 @@ def search_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: Tra
        search).
     2. The sub-clusters (``_subsets``): per node, how many devices of each kind to keep, or, past
        ``max_subsets``, how many whole nodes per class of identical nodes.
-    3. Each sub-cluster gets a lower bound on its step time that holds for any plan using all its devices: its
-       compute alone, every device running at its best per-sample rate (any micro-batch, tensor-parallel
-       degree) with no bubble, send or sync (an LP bound over the layers, ``_Bounds``).  Sub-clusters are
+    3. Each sub-cluster gets a lower bound on its step time that holds for any plan using all its devices
+       (``sub_cluster_bound``): its compute alone, every device running at its best per-sample rate (any
+       micro-batch, tensor-parallel degree) with no bubble, send or sync, in closed form.  Sub-clusters are
        planned in the order of that bound (of $/iteration for ``cost``, of step time for ``time``); the search
-       stops once the bound exceeds the best plan found.  A sub-cluster pricier in total than the budget, or
-       whose bound misses the floor, is skipped.
+       stops once the bound exceeds the best plan found.  A sub-cluster is skipped when a sharper bound shows
+       it cannot beat the best plan (the LP over the layers, with each device's pipeline fill and optimizer
+       update: ``SubClusterBound.exceeds``), when it is pricier in total than the budget, or when its bound
+       misses the floor.
     4. Each sub-cluster is planned by ``plan_cluster`` (``planning.plan`` passes its one-cluster step: the
        mode search, the runtime's or the joint search, as the request asks), its plan priced by its used
        devices; the best plan meeting the budget and floor wins (``cost``: least $/iteration, then fastest;
@@ -175,8 +179,12 @@ def search_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: Tra
         return search.result(full, full, "whole cluster", 1)
     space, how = _subsets(cluster, max_subsets, request)
     best = full if full is not None and goal.allows(full) else None
-    bounds = _Bounds(CostModel(cluster, workload, settings, profile), settings)
-    order = sorted(space, key=lambda kept: (bounds.key(kept, request.objective, search), kept))
+    cm = CostModel(cluster, workload, settings, profile)
+    # every plan a sub-cluster can get is a pipeline plan (no fsdp, whose update is sharded): overheads count
+    pipelines_only = (settings.zero_stage == 0 and str(request.mode) != "fsdp" and str(request.runtime) != "hetero_fsdp"
+                      and not fsdp_in_auto(cm))
+    bounds = SubClusterBound(cm, settings, with_overheads=pipelines_only)
+    order = sorted(space, key=lambda kept: (_bound_key(bounds, kept, request.objective, search), kept))
     for kept in order:
         if kept == everything:
             continue
@@ -184,8 +192,10 @@ def search_objective(cluster: ClusterSpec, workload: WorkloadSpec, settings: Tra
             continue
         if request.min_throughput is not None and bounds.max_samples_per_s(kept) < request.min_throughput:
             continue
-        if best is not None and bounds.key(kept, request.objective, search) > goal.score(best)[0]:
+        if best is not None and _bound_key(bounds, kept, request.objective, search) > goal.score(best)[0]:
             break  # ordered by the bound: no later sub-cluster can beat the best
+        if best is not None and bounds.exceeds(kept, _limit_s(best, kept, request.objective, search, goal)):
+            continue  # the sharper bound: this one cannot beat the best
         found = search.run(kept)
         if found is not None and goal.allows(found) and (best is None or goal.score(found) < goal.score(best)):
             best = found
@@ -348,46 +358,17 @@ def _subsets(cluster: ClusterSpec, max_subsets: int, request: PlanRequest) -> tu
     return space, how
 
 
-class _Bounds:
-    """Lower bounds on the step time of any plan using all of a set of devices (compute only).
+def _limit_s(best: Candidate, kept: tuple[str, ...], objective: str, search: _Search, goal: _Goal) -> float:
+    """The step seconds past which a plan on ``kept`` cannot beat ``best`` (with a margin of 1e-9: a tie is
+    never skipped)."""
+    figure = goal.score(best)[0] * (1 + 1e-9)
+    if objective != "cost":
+        return figure
+    price = search.total_price(kept)
+    return figure * SECONDS_PER_HOUR / price if price > 0 else math.inf
 
-    Device ``d`` spends at least ``c[d][l]`` seconds per sample on layer ``l`` (its best per-sample time over
-    micro-batches 1..max and tensor-parallel degrees, per device of the group).  With any layer weights
-    ``w[l] >= 0`` and ``s[d] = max_l w[l] / c[d][l]``, a plan whose devices each finish within T processes the
-    batch B only if ``B * sum(w) <= T * sum_d s[d]``; ``w[l] = min_d c[d][l]`` makes it tight when devices'
-    speeds keep their ratio across layers (the datasheet model's case).
-    """
 
-    def __init__(self, cm: CostModel, settings: TrainSettings) -> None:
-        self.batch = settings.global_batch_size
-        cluster = cm.cluster
-        sizes = range(1, max(settings.micro_batch_sizes) + 1)
-        per_kind: dict[tuple, list[float]] = {}
-        kind_of: dict[str, tuple] = {}
-        for d in cluster.devices:
-            key = (cm.device_key(d), len(cluster.node(d.node).devices))
-            kind_of[d.name] = key
-            if key in per_kind:
-                continue
-            tps = [t for t in TP_DEGREES if t <= settings.max_tp and t <= key[1]]
-            per_kind[key] = [min(t * cm.stage_compute_s(d, t, m, layer, layer + 1) / m for t in tps for m in sizes)
-                             for layer in range(cm.workload.num_layers)]
-        layers = range(cm.workload.num_layers)
-        weights = [min(c[layer] for c in per_kind.values()) for layer in layers]
-        self.work = sum(weights)
-        rate = {k: max((w / c[layer] for layer, w in zip(layers, weights) if w > 0), default=math.inf)
-                for k, c in per_kind.items()}
-        self.rate = {name: rate[k] for name, k in kind_of.items()}
-
-    def step_time_s(self, kept: tuple[str, ...]) -> float:
-        total = sum(self.rate[d] for d in kept)
-        return 0.0 if self.work <= 0 or math.isinf(total) else self.batch * self.work / total
-
-    def max_samples_per_s(self, kept: tuple[str, ...]) -> float:
-        lower = self.step_time_s(kept)
-        return self.batch / lower if lower > 0 else math.inf
-
-    def key(self, kept: tuple[str, ...], objective: str, search: _Search) -> float:
-        """The bound on the objective's figure: $/iteration (``cost``) or step seconds (``time``)."""
-        lower = self.step_time_s(kept)
-        return search.total_price(kept) * lower / SECONDS_PER_HOUR if objective == "cost" else lower
+def _bound_key(bounds: SubClusterBound, kept: tuple[str, ...], objective: str, search: _Search) -> float:
+    """The bound on the objective's figure: $/iteration (``cost``) or step seconds (``time``)."""
+    lower = bounds.step_time_s(kept)
+    return search.total_price(kept) * lower / SECONDS_PER_HOUR if objective == "cost" else lower
