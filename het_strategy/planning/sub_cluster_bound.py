@@ -15,8 +15,8 @@ beat the best plan found; neither may exceed a plan's step time (a plan would be
    ``o[k] = sum_l min(wall[l], update[k][l])``.  Fractions ``x[k][l]``, ``sum_k x[k][l] = B``,
    ``sum_l c[k][l] x[k][l] <= n_k (T - o[k])`` exist; any ``y >= 0`` gives the dual bound
    ``T >= (B sum_l min_k c[k][l] y_k + sum_k n_k y_k o[k]) / sum_k n_k y_k``.  ``y`` starts at the best of a
-   family (``_best_start``; exact for one kind), then coordinate ascent (each coordinate at its best breakpoint)
-   until the bound passes the limit asked; every iterate is a valid bound.  tp degrees are limited to the kept
+   family (``_best_start``; exact for one kind), coordinate ascent (each at its best breakpoint), then
+   multiplicative steps, until the bound passes the limit asked; every iterate is a valid bound.  tp degrees are limited to the kept
    devices of a node (a tp group lies in one node).
 3. **Per tp degree** (``_per_tp_bound``): the same LP with a column per (kind, tp) at its own cost and overhead
    (a tp group splits the update but pays more device time); the plan picks the devices' degrees, so the bound
@@ -37,10 +37,12 @@ import numpy as np
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.train_settings import TP_DEGREES, TrainSettings
 
-__all__ = ["SubClusterBound", "ASCENT_ROUNDS"]
+__all__ = ["SubClusterBound", "ASCENT_ROUNDS", "ASCENT_STEPS"]
 
 ASCENT_ROUNDS = 6
 """Most rounds of coordinate ascent on the LP's dual per check (each iterate is a valid bound)."""
+ASCENT_STEPS = 40
+"""Most multiplicative ascent steps on the LP's dual per check, after the coordinate ascent."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ class SubClusterBound:
                     y[k], moved = trial[pick], True
             if not moved:
                 break
+        if len(kinds) > 1 and _multiplicative_ascent(c, n, over, B, limit_s):
+            return True
         return wall is not None and self._per_tp_bound(kinds, n, y, wall) > limit_s
 
     def _per_tp_bound(self, kinds: tuple[tuple[tuple, int], ...], n: np.ndarray, y: np.ndarray,
@@ -207,3 +211,26 @@ def _best_start(c: np.ndarray, n: np.ndarray, over: np.ndarray, batch: float) ->
         if value > best:
             best, best_y = value, y
     return best_y
+
+
+def _multiplicative_ascent(c: np.ndarray, n: np.ndarray, over: np.ndarray, batch: float, limit_s: float) -> bool:
+    """From ``y_k`` = one over kind k's whole-model time, multiplicative steps along d log(bound) / d log(y):
+    whether some iterate's bound passes ``limit_s`` (coordinate ascent can stall at a kink this passes)."""
+    cols = np.arange(c.shape[1])
+    y = 1.0 / c.sum(axis=1)
+    step = 0.5
+    for _ in range(ASCENT_STEPS):
+        cap = float(np.dot(n, y))
+        scaled = c * y[:, None]
+        low = scaled.argmin(axis=0)
+        total = batch * float(scaled[low, cols].sum()) + float(np.dot(n * over, y))
+        if total / cap > limit_s:
+            return True
+        grad = np.zeros_like(y)
+        np.add.at(grad, low, batch * c[low, cols])
+        direction = y * (grad + n * over) / total - n * y / cap
+        if np.max(np.abs(direction)) < 1e-9:
+            return False
+        y = y * np.exp(step * direction)
+        step *= 0.92
+    return False
