@@ -81,26 +81,90 @@ def test_shard_sizes_refuses_bad_fractions(fractions) -> None:
 
 # -- fractions by memory --------------------------------------------------------------------------
 
+def _by_hand_phases(M, W, act_per_layer):
+    """The phases of ``_model()`` (units root 2000 = embedding + head, block0 4000, block1 6000; bf16 units,
+    fp32 reductions) counted by hand: (name, gathered + in-flight bytes, activation layers, blocks reduced)."""
+    G0, G1, G2 = 2000 * 2, 4000 * 2, 6000 * 2      # units gathered in bf16
+    T = 1000 * 2                                   # the head's gradient, held by autograd until the root's join
+    AG = [(W + 1) * m * 2 for m in M]              # a gather in flight: own padded piece + W padded pieces, bf16
+    RS = [(W + 1) * m * 4 for m in M]              # a reduce-scatter in flight: W padded pieces + its own, fp32
+    return [("forward root", G0 + G1 + AG[1], 1, 0),              # embedding; block0 gathered ahead
+            ("forward block0", G0 + G1 + G2 + AG[2], 2, 0),     # block1 gathered ahead
+            ("forward block1", G0 + G2, 3, 0),
+            ("loss", G0 + G2 + AG[2], 4, 0),                    # block1 gathered again for the backward
+            ("backward block1", G0 + T + G2 + G1 + AG[1], 3, 0),  # block0 gathered ahead, no reduction yet
+            ("gradient block1", G0 + T + 2 * G2 + G1 + AG[1], 2, 0),
+            ("backward block0", G0 + T + G1 + RS[2], 2, 0),      # block1 reduce-scattering
+            ("gradient block0", G0 + T + 2 * G1 + RS[2], 1, 0),
+            ("root gradient", 2 * G0 + RS[1], 0, 1),             # block0 reduce-scattering, block1's landed
+            ("root reduced", RS[0], 0, 2),
+            ("update", 0, 0, 3)]
+
+
 def test_fractions_proportional_to_free_memory_4_2_1() -> None:
     cluster = _cluster([8.0, 4.0, 2.0])
     model = _model()
     settings = TrainSettings(global_batch_size=6, dtype="bf16", micro_batch_sizes=(1, 2, 4, 8))
     p = plan_fsdp(CostModel(cluster, model, settings)).plan
-    # no activations: free_r = memory_r - framework - gathered (root + two largest blocks, bf16 + fp32 grads)
-    gathered = (2 * 1000 + 6000 + 4000) * (2 + 4)
-    free = [m * GiB - OVERHEAD_TP1_BYTES - gathered for m in (8.0, 4.0, 2.0)]
+    got = [p.shards[d] for d in ("d0", "d1", "d2")]
+    # no activations: free_r = memory_r - framework - the largest phase's gathered units and collective buffers,
+    # priced from the planned layout's own largest pieces (the fixed point FsdpCost.fractions reaches)
+    units = fsdp_units(model)
+    M = [max(shard_sizes(u.params, got)) for u in units]
+    phases = _by_hand_phases(M, 3, 0.0)
+    order = [2, 1, 0]  # the reductions: block1, block0, the root
+    # fp32 reductions: a shard's gradient is its reduce-scatter's receive buffer, M_u x 4 B on every rank, there
+    # from its unit's reduction on (one micro-step: every share one micro-batch)
+    non_shard = max(n + sum(M[u] for u in order[:red]) * 4 for _, n, _, red in phases)
+    assert non_shard == 2000 * 2 + 1000 * 2 + 2 * 4000 * 2 + 4 * M[2] * 4  # gradient block0, block1 reducing
+    free = [m * GiB - OVERHEAD_TP1_BYTES - non_shard for m in (8.0, 4.0, 2.0)]
     expected = [f / sum(free) for f in free]
-    assert [p.shards[d] for d in ("d0", "d1", "d2")] == pytest.approx(expected, rel=1e-12)
+    assert got == pytest.approx(expected, rel=1e-12)
     # the 4:2:1 of the memories, shifted by the framework's 2e9 bytes each
-    assert expected[0] / expected[2] == pytest.approx((8 * GiB - 2e9 - gathered) / (2 * GiB - 2e9 - gathered))
+    assert expected[0] / expected[2] == pytest.approx((8 * GiB - 2e9 - non_shard) / (2 * GiB - 2e9 - non_shard))
     score = CostModel(cluster, model, settings).score(p)
     assert score.fits
-    units = fsdp_units(model)
+    assert p.rank_shares() == {"d0": 2, "d1": 2, "d2": 2} and all(q.micro_batch_size == 2 for q in p.pipelines)
     for r, d in enumerate(("d0", "d1", "d2")):
-        elements = sum(shard_sizes(u.params, expected)[r] for u in units)
-        assert score.memory_parts[d]["shard"] == elements * shard_bytes_per_param(settings)
-        assert score.memory_parts[d]["gathered"] == gathered
-        assert score.memory_bytes[d] == pytest.approx(elements * 16 + gathered + OVERHEAD_TP1_BYTES)
+        pieces = [shard_sizes(u.params, expected)[r] for u in units]
+        # one micro-step: fp32 values + Adam (12 B a piece's element), the gradients of the units reduced by then
+        needs = [(sum(pieces) * 12 + sum(M[u] for u in order[:red]) * 4 + n, name, n)
+                 for name, n, _, red in phases]
+        need, name, n = max(needs)
+        assert name == "gradient block0" and shard_bytes_per_param(settings) == 16
+        parts = score.memory_parts[d]
+        assert parts["shard"] == sum(pieces) * 12
+        assert parts["gathered"] + parts["collectives"] == n and parts["collectives"] == 4 * M[2] * 4
+        assert score.memory_bytes[d] == pytest.approx(need + OVERHEAD_TP1_BYTES)
+
+
+def test_memory_peak_phase_by_hand_with_micro_steps() -> None:
+    # 2 ranks 0.7 / 0.3, shares 3 and 1 in micro-batches of 2 and 1: two micro-steps (rank 1 a filler in its second)
+    act = 10_000.0  # bytes per sample and layer
+    cm = CostModel(_cluster([8.0, 8.0]), _model(act=act), TrainSettings(global_batch_size=4, dtype="bf16"))
+    cost = FsdpCost(cm)
+    fractions = [0.7, 0.3]
+    M = [1400, 2800, 4200]  # root 2000 -> 1400 + 600, block0 4000 -> 2800 + 1200, block1 6000 -> 4200 + 1800
+    phases = _by_hand_phases(M, 2, act)
+    mem = cost.memory(["d0", "d1"], [2, 1], fractions, shares=[3, 1])
+    # rank 0: 8400 elements; micro-steps of 2 then 1 sample
+    first = max((n + layers * act * 2, name) for name, n, layers, red in phases if red == 0)
+    assert first == (41_200 + 4 * 20_000, "loss")  # every activation saved, block1 gathered again with its buffers
+    later = max(n + layers * act * 1 for _, n, layers, _ in phases)
+    assert later + 8400 * 4 < first[0]  # the second micro-step (every shard gradient there) peaks lower
+    assert mem["d0"].phase == "loss" and mem["d0"].need == pytest.approx(8400 * 12 + first[0] + OVERHEAD_TP1_BYTES)
+    assert mem["d0"].collectives == 3 * 4200 * 2 and mem["d0"].activations == 4 * 2 * act
+    # rank 1: 3600 elements, one sample in each micro-step: the second, with every gradient, is its peak
+    later1 = max((n + layers * act, name) for name, n, layers, _ in phases)
+    assert later1 == (64_400 + 2 * act, "backward block0")  # block1's reduce-scatter in flight: 3 x 4200 x 4 B
+    assert mem["d1"].phase == "backward block0, later micro-step"
+    # its gradients: the receive buffers of the reduce-scatters (fp32), the largest pieces, not its own
+    assert mem["d1"].need == pytest.approx(3600 * 12 + sum(M) * 4 + later1[0] + OVERHEAD_TP1_BYTES)
+    assert mem["d1"].shard == 3600 * 12 + sum(M) * 4
+    # even pieces: a gather writes straight into the unit (no buffers); a reduce-scatter still holds W + 1 pieces
+    even = {p.name: p for p in cost.phases(cost.largest_pieces([0.5, 0.5]), 2)}
+    assert even["forward block0"].collectives == 0
+    assert even["backward block0"].collectives == 3 * 3000 * 4
 
 
 def test_units_root_first_tied_head_counted_once() -> None:
@@ -185,9 +249,12 @@ def test_even_sharding_refused_where_memory_sized_shards_fit() -> None:
     msg = str(err.value)
     assert err.value.field == "plan.shards.d2"
     assert "device d2 (rank 2)" in msg and "it has 4.00 GiB" in msg
-    mem = FsdpCost(cm).memory(["d0", "d1", "d2"], [2, 2, 2], [1 / 3] * 3)["d2"]
-    assert f"it needs {mem.need / GiB:.2f} GiB" in msg
-    assert "shard" in msg and "gathered units" in msg and "activations" in msg and "free for its shard" in msg
+    # the refusal of the fewest activations: shares 2 in micro-batches of 1 (the second with every shard gradient)
+    mem = FsdpCost(cm).memory(["d0", "d1", "d2"], [1, 1, 1], [1 / 3] * 3, shares=[2, 2, 2])["d2"]
+    assert mem.phase.endswith("later micro-step") and "at micro-batch 1" in msg
+    assert f"it needs {mem.need / GiB:.2f} GiB there at its peak ({mem.phase})" in msg
+    for part in ("shard", "gathered units", "in-flight collectives", "activations", "free for its shard"):
+        assert part in msg
     uneven = plan_fsdp(cm).plan
     score = cm.score(uneven)
     assert score.fits and uneven.shards["d0"] > uneven.shards["d1"] > uneven.shards["d2"]
@@ -248,9 +315,11 @@ def test_auto_picks_fsdp_where_no_replica_fits_the_small_device() -> None:
 
 
 def test_auto_keeps_dp_where_fsdp_gathers_cost_more() -> None:
-    # d1 holds no replica (dp leaves it idle); over a 10 kB/s link fsdp's gathers take 0.6 s a unit
-    cluster = _cluster([80.0, 2.0], tflops=[2 * TFLOPS, TFLOPS], bw_gbs=1e-5)
-    settings = TrainSettings(global_batch_size=6, dtype="bf16")
+    # d1 holds no replica (dp leaves it idle: 20M parameters x 24 B + the framework's 1.86 GiB > 2.3 GiB), but an
+    # fsdp rank (the root's padded reduce-scatter, 3 x its largest piece x 4 B, leaves it room); over a 10 kB/s
+    # link fsdp's gathers take 0.6 s a unit; one stage a pipeline (a head stage on d1 would fit: dp against fsdp)
+    cluster = _cluster([80.0, 2.3], tflops=[2 * TFLOPS, TFLOPS], bw_gbs=1e-5)
+    settings = TrainSettings(global_batch_size=6, dtype="bf16", max_stages=1)
     model = _model(root_params=10_000_000)
     fsdp = search_plan(cluster, model, settings, mode="fsdp")
     chosen = search_plan(cluster, model, settings, mode="auto")
@@ -333,11 +402,11 @@ def test_planner_matches_brute_force_over_shares_and_micro_batches(memories, act
             continue
         for sizes in itertools.product(settings.micro_batch_sizes, repeat=3):  # every rank's micro-batch apart
             mbs = [min(m, n) for m, n in zip(sizes, shares)]
-            free = [cost.free_for_shards(d, m) for d, m in zip(devices, mbs)]
-            if min(free) < 0:
+            if min(cost.free_for_shards(d, m) for d, m in zip(devices, mbs)) < 0:  # room for no layout
                 continue
-            fractions = [f / sum(free) for f in free]
-            if cost.memory_refusal(devices, mbs, fractions) is not None:
+            by_memory = cost.fractions(devices, mbs, list(shares))  # the rule the planner applies
+            fractions = [by_memory[d] for d in devices]
+            if cost.memory_refusal(devices, mbs, fractions, list(shares)) is not None:
                 continue
             fitting += 1
             best = min(best, cost.price(devices, list(shares), mbs, fractions).step_time_s)

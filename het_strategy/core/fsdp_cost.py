@@ -15,9 +15,15 @@ collective. ``CostModel.score`` of a plan with shards comes here (``FsdpCost.sco
   model prices all-reduces on: ``AG_u = (W-1)(alpha + M_u b_param / bw)``, ``RS_u`` the same in ``b_grad``.
 * **Time** (``FsdpCost.price``): per micro-step, the next unit's gather under this unit's compute, a
   reduce-scatter under the next unit's backward; ``step = sum_j T_micro(j) + max_r f_r update_r``.
-* **Memory** (``FsdpCost.memory``): shard + gathered units + activations + framework per rank; the fractions
-  ``f_r = free_r / sum free`` (``memory_fractions``): free memory after every term but the shard, so the plan
-  fits iff the sharded state is at most the ranks' free memory together; even FSDP is ``f_r = 1 / W``.
+* **Memory** (``FsdpCost.memory``): per rank the largest, over the phases the runtime goes through
+  (``FsdpCost.phases``: each block's forward, the loss, each block's backward before and after its whole gradient,
+  the root's gradient, its reduction, the update; in the step's first micro-step and in the later ones), of shard
+  + gathered units + in-flight collective buffers (every piece padded to the largest, ``M_u``) + activations +
+  framework; the fractions ``f_r = free_r / sum free`` (``FsdpCost.fractions``): free memory after the largest
+  of the phases' terms that do not scale with the rank's shard (with fp32 reductions a shard's gradient is one of
+  them: the reduce-scatter's padded receive buffer, ``M_u`` elements on every rank), so every rank fits when the
+  sharded state (``FsdpCost.shard_element_bytes``: 12 B a parameter with fp32 reductions) is at most the ranks'
+  free memory together; even FSDP is ``f_r = 1 / W``.
 
 A layout that does not fit is refused (``FsdpCost.memory_refusal``) naming ``plan.shards.<device>``, the rank,
 its need by part and its memory. Pure Python: no torch.
@@ -40,8 +46,9 @@ if TYPE_CHECKING:
     from het_strategy.core.train_settings import TrainSettings
     from het_strategy.core.workload import WorkloadSpec
 
-__all__ = ["FsdpUnit", "RankMemory", "FsdpStep", "fsdp_units", "shard_bytes_per_param", "memory_fractions",
-           "even_fractions", "FsdpCost", "micro_step_sizes", "FILLER_SAMPLES"]
+__all__ = ["FsdpUnit", "RankMemory", "MemoryPhase", "FsdpStep", "fsdp_units", "shard_bytes_per_param",
+           "memory_fractions", "even_fractions", "FsdpCost", "micro_step_sizes", "FILLER_SAMPLES", "MASTER_BYTES",
+           "ADAM_STATE_BYTES"]
 
 FILLER_SAMPLES = 1
 """Samples a rank computes (with loss weight 0) in a micro-step after its last micro-batch: it must take part in
@@ -49,8 +56,11 @@ every unit's collectives, which its forward and backward drive."""
 ADAM_STATE_BYTES = 8
 """Adam's m and v per parameter, fp32."""
 MASTER_BYTES = 4
-"""The shard itself: fp32 master values in every training dtype (the runtime gathers it cast to the compute
-dtype; ``fsdp.FlatUnit``)."""
+"""The shard itself and its gradient: fp32 master values in every training dtype (the runtime gathers it cast to
+the compute dtype and adds each reduced piece to ``shard.grad`` in the master dtype; ``fsdp.FlatUnit``)."""
+FRACTION_ROUNDS = 50
+"""At most this many rounds of ``FsdpCost.fractions`` (fractions -> largest pieces -> collective buffers ->
+fractions) before it takes the last."""
 
 
 @dataclass(frozen=True)
@@ -67,30 +77,54 @@ class FsdpUnit:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank's peak bytes by part (``FsdpCost.memory``'s ``need_r``)."""
+    """One rank's peak bytes by part, at its peak phase (``FsdpCost.memory``'s ``need_r``)."""
 
     shard: float
-    """Its pieces of every unit x ``shard_bytes_per_param``."""
+    """Its pieces of every unit: fp32 values and Adam's m and v (12 B an element), and the fp32 gradient of every
+    unit reduced by then (``M_u`` elements, the reduce-scatter's padded receive buffer, where
+    ``FsdpCost.grad_in_padded_piece``; else its piece)."""
     gathered: float
-    """The root and the two largest blocks gathered, with their gradients."""
+    """The gathered units, their whole gradients and the root's gradient held by autograd (``MemoryPhase``)."""
+    collectives: float
+    """The padded buffers of the collectives in flight."""
     activations: float
-    """The memory model's activations at its largest micro-batch."""
+    """The memory model's saved activations still held, at the phase's micro-batch."""
     framework: float
     """The framework's memory outside the allocator and ``settings.memory_reserve_gb``."""
     capacity: float
     """The device's memory."""
+    phase: str = ""
+    """The phase of the peak (``MemoryPhase.name``; ``later micro-step`` appended where it is in one)."""
 
     @property
     def need(self) -> float:
-        return self.shard + self.gathered + self.activations + self.framework
+        return self.shard + self.gathered + self.collectives + self.activations + self.framework
 
     @property
     def free_for_shard(self) -> float:
-        """Capacity less everything but the shard."""
-        return self.capacity - self.gathered - self.activations - self.framework
+        """Capacity less everything but the shard, at the peak phase."""
+        return self.capacity - self.gathered - self.collectives - self.activations - self.framework
 
     def fits(self) -> bool:
         return self.need <= self.capacity
+
+
+@dataclass(frozen=True)
+class MemoryPhase:
+    """One point of a micro-step where a rank's held bytes peak (``FsdpCost.phases``): what it holds then besides
+    its shard's values, their gradient and Adam's state. Alike on every rank but for the activations' micro-batch."""
+
+    name: str
+    gathered: float
+    """Gathered units, whole-unit gradients, and the root's gradient from the layers after the blocks (held by
+    autograd from their backward until the root's whole gradient is joined)."""
+    collectives: float
+    """Padded buffers of the collectives in flight."""
+    layers: int
+    """The saved activations of layers ``[0, layers)``."""
+    reduced: int
+    """Units whose shard gradient exists in a step's first micro-step: the first ``reduced`` of the backward's
+    reduction order (the blocks last to first, then the root)."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +163,11 @@ def fsdp_units(workload: "WorkloadSpec") -> list[FsdpUnit]:
 
 
 def shard_bytes_per_param(settings: "TrainSettings") -> int:
-    """Bytes per parameter of a rank's shard: its fp32 master values (the shard the optimizer steps, in every
-    training dtype), their gradient (the reduction dtype) and Adam's m and v: 16 B with fp32 reductions."""
-    return MASTER_BYTES + settings.grad_bytes + ADAM_STATE_BYTES
+    """Bytes per parameter of a rank's whole shard state: its fp32 master values (the shard the optimizer steps, in
+    every training dtype), their gradient (the master dtype, whatever the reduction's: ``FlatUnit.finish_reduce``)
+    and Adam's m and v: 16 B (with fp32 reductions the gradient's storage is the largest rank's piece:
+    ``FsdpCost.grad_in_padded_piece``)."""
+    return 2 * MASTER_BYTES + ADAM_STATE_BYTES
 
 
 def even_fractions(devices: Sequence[str]) -> dict[str, float]:
@@ -180,62 +216,234 @@ class FsdpCost:
         self.units = fsdp_units(cm.workload)
         self.settings = cm.settings
         self.bytes_per_param = shard_bytes_per_param(cm.settings)
-        blocks = sorted((u.params for u in self.units[1:]), reverse=True)
-        in_flight = self.units[0].params + sum(blocks[:2])
-        self.gathered_bytes = float(in_flight * (cm.settings.param_bytes + cm.settings.grad_bytes))
-        """The root unit and the two largest block units, gathered with their gradients (every rank alike)."""
         self._unit_compute: dict[tuple, list[float]] = {}
         first_block = min((u.layers[0] for u in self.units[1:]), default=cm.workload.num_layers)
         self._lead = tuple(i for i in self.units[0].layers if i < first_block)
         self._trail = tuple(i for i in self.units[0].layers if i > first_block)
+        self._phases: dict[tuple[int, ...], list[MemoryPhase]] = {}
+        self._act: dict[tuple[int, int], float] = {}
 
     # -- memory ----------------------------------------------------------------------------------
-    def activation_bytes(self, micro_batch: int) -> float:
-        """The memory model's activations of the whole model at ``micro_batch`` (one micro-batch in flight)."""
-        if micro_batch <= 0:
+    def activation_bytes(self, micro_batch: int, layers: int | None = None) -> float:
+        """The memory model's saved activations of layers ``[0, layers)`` (default: the whole model) at
+        ``micro_batch`` (one micro-batch in flight)."""
+        L = self.cm.workload.num_layers if layers is None else layers
+        if micro_batch <= 0 or L <= 0:
             return 0.0
-        L = self.cm.workload.num_layers
-        return self.cm.memory.stage_bytes(0.0, 0, L, 1, micro_batch, 1, 1) - self.settings.memory_reserve_gb * GiB
+        key = (micro_batch, L)
+        hit = self._act.get(key)
+        if hit is None:
+            hit = self._act[key] = (self.cm.memory.stage_bytes(0.0, 0, L, 1, micro_batch, 1, 1)
+                                    - self.settings.memory_reserve_gb * GiB)
+        return hit
 
     def framework_bytes(self, device: str) -> float:
         return overhead_bytes(self.cm.cluster.device(device), 1) + self.settings.memory_reserve_gb * GiB
-
-    def free_for_shards(self, device: str, micro_batch: int) -> float:
-        """Capacity of ``device`` less the gathered units, the activations at ``micro_batch`` and the framework."""
-        cap = self.cm.memory_capacity_bytes(self.cm.cluster.device(device))
-        return cap - self.gathered_bytes - self.activation_bytes(micro_batch) - self.framework_bytes(device)
 
     def piece_sizes(self, fractions: Sequence[float]) -> list[list[int]]:
         """Per unit, the per-rank element counts (``shard_sizes``)."""
         return [shard_sizes(u.params, fractions) for u in self.units]
 
-    def rank_memory(self, device: str, micro_batch: int, shard_elements: int) -> RankMemory:
-        return RankMemory(shard=float(shard_elements * self.bytes_per_param), gathered=self.gathered_bytes,
-                          activations=self.activation_bytes(micro_batch), framework=self.framework_bytes(device),
-                          capacity=self.cm.memory_capacity_bytes(self.cm.cluster.device(device)))
+    def even_largest(self, world: int) -> list[int]:
+        """Per unit, the largest piece of the even layout (``ceil(P_u / W)``): the least any layout's largest piece
+        can be."""
+        return [-(-u.params // world) for u in self.units]
 
-    def memory(self, devices: Sequence[str], micro_batches: Sequence[int],
-               fractions: Sequence[float]) -> dict[str, RankMemory]:
-        """Each rank's need by part; ``micro_batches``: the largest micro-batch each rank runs (at most its share:
-        ``FsdpCost.layout``)::
+    def phases(self, largest: Sequence[int], world: int) -> list[MemoryPhase]:
+        """The phases of one micro-step (``fsdp.ShardedModel``'s order) for a layout of ``W = world`` ranks whose unit
+        u has largest piece ``M_u = largest[u]``::
 
-            need_r        = shard_r + gathered + activations_r + framework_r
-            shard_r       = sum_u s_{u,r} x shard_bytes_per_param   (fp32 master, its gradient, Adam's m and v)
-            gathered      = (P_root + P_b1 + P_b2) x (b_param + b_grad)   (the root and the two largest blocks in
-                            flight, in the training dtype, with their gradients in backward)
-            activations_r = the memory model's activations of the whole model at m_r (``core/memory.py``)
-            framework_r   = ``memory.overhead_bytes`` + ``settings.memory_reserve_gb``
+            G_u  = P_u b_param                        unit u gathered (its whole gradient: the same again)
+            AG_u = (W + 1) M_u b_param                a gather in flight: this rank's piece padded to M_u and the
+                                                      W padded pieces it receives (0 where every piece is M_u: the
+                                                      gather writes into the unit); the cast shard it sends is
+                                                      not priced (the shard itself in fp32)
+            RS_u = (W + 1) M_u b_red                  a reduce-scatter in flight: the W padded pieces it sends and
+                                                      the piece it receives (b_red: the wider of the reduction's
+                                                      and the compute dtype's bytes, ``FlatUnit.reduce_dtype``)
+            T    = P_trail b_param                    the gradients of the root's layers after the blocks, held by
+                                                      autograd from their backward until the root's is joined
 
-        A rank fits when ``need_r`` is at most its device's memory.
+        Blocks ``u = 1 .. U-1`` (layer ``l_u``), unit 0 the root (gathered through the micro-step); ``A[0, n)``
+        the saved activations of layers ``[0, n)``; ``red``: shard gradients present (the first of the reduction
+        order U-1, .., 1, 0)::
+
+            forward u      G_0 + G_u + G_{u+1} + AG_{u+1}                    A[0, l_u + 1)   (u+1's gather ahead)
+            loss           G_0 + G_{U-1} + AG_{U-1}                          A[0, L)         (the backward's first)
+            backward u     G_0 + T + G_u + G_{u-1} + AG_{u-1} + RS_{u+1}     A[0, l_u + 1)   red U-u-2
+            gradient u     the same + G_u (its whole gradient)               A[0, l_u)       red U-u-2
+            root gradient  G_0 + G_0 + RS_1                                  none            red U-2
+            root reduced   RS_0                                              none            red U-1
+            update         nothing                                           none            red U
+
+        ([x]: a term of a unit that is not a block is 0; a block before the first one's backward is the root.)
+        Not priced: temporaries inside one operation (a synchronous collective's buffers; the join of a unit's
+        per-view gradients into its whole gradient, ``G_u`` for the moment of the copy), autograd's activation
+        gradients between nodes, the allocator's rounding."""
+        key = (*largest, world)
+        hit = self._phases.get(key)
+        if hit is not None:
+            return hit
+        s, units = self.settings, self.units
+        U, W = len(units), world
+        bp, bg = s.param_bytes, max(s.grad_bytes, s.param_bytes)
+        G = [float(u.params * bp) for u in units]
+        AG = [0.0 if m * W == u.params else float((W + 1) * m * bp) for u, m in zip(units, largest)]
+        RS = [float((W + 1) * m * bg) for m in largest]
+        T = float(sum(self.cm.workload.layers[i].total_params for i in self._trail) * bp)
+        L = self.cm.workload.num_layers
+
+        def blk(x: list[float], u: int) -> float:
+            return x[u] if 1 <= u < U else 0.0
+
+        out = [MemoryPhase("forward root", G[0] + blk(G, 1), blk(AG, 1), len(self._lead), 0)]
+        for u in range(1, U):
+            layer = units[u].layers[0]
+            out.append(MemoryPhase(f"forward {units[u].name}", G[0] + G[u] + blk(G, u + 1), blk(AG, u + 1),
+                                   layer + 1, 0))
+        out.append(MemoryPhase("loss", G[0] + blk(G, U - 1), blk(AG, U - 1), L, 0))
+        for u in range(U - 1, 0, -1):
+            layer, red = units[u].layers[0], max(U - u - 2, 0)
+            held = G[0] + T + G[u] + blk(G, u - 1)
+            flight = blk(AG, u - 1) + blk(RS, u + 1)
+            out.append(MemoryPhase(f"backward {units[u].name}", held, flight, layer + 1, red))
+            out.append(MemoryPhase(f"gradient {units[u].name}", held + G[u], flight, layer, red))
+        out.append(MemoryPhase("root gradient", 2 * G[0], blk(RS, 1), 0, max(U - 2, 0)))
+        out.append(MemoryPhase("root reduced", 0.0, RS[0], 0, U - 1))
+        out.append(MemoryPhase("update", 0.0, 0.0, 0, U))
+        self._phases[key] = out
+        return out
+
+    def largest_pieces(self, fractions: Sequence[float]) -> list[int]:
+        """Per unit, the largest rank's piece ``M_u`` (what every collective pads to)."""
+        return [max(p) for p in self.piece_sizes(fractions)]
+
+    def _cases(self, micro_sizes: Sequence[int], largest: Sequence[int],
+               world: int) -> list[tuple[MemoryPhase, int, int, str]]:
+        """(phase, samples, shard gradients present, where) over a rank's micro-steps (``micro_sizes``): every phase
+        of the first with the gradients its reductions have landed, and, after it, every phase with them all."""
+        phases = self.phases(largest, world)
+        out = [(p, micro_sizes[0], p.reduced, "") for p in phases]
+        if len(micro_sizes) > 1:
+            out += [(p, max(micro_sizes[1:]), len(self.units), ", later micro-step") for p in phases]
+        return out
+
+    @property
+    def grad_in_padded_piece(self) -> bool:
+        """A shard's gradient is its reduce-scatter's receive buffer, ``M_u`` elements on every rank
+        (``FlatUnit.finish_reduce`` keeps the view of it when the reduction dtype is the master dtype: fp32
+        reductions, or an fp32 compute dtype), rather than a piece of its own ``s_{u,r}`` elements."""
+        return max(self.settings.grad_bytes, self.settings.param_bytes) == MASTER_BYTES
+
+    def _reduced_bytes(self, held: Sequence[int]) -> list[float]:
+        """Shard gradient bytes after the first n reductions (blocks last to first, then the root), for n = 0 .. U,
+        of gradients of ``held[u]`` elements."""
+        order = list(range(len(self.units) - 1, 0, -1)) + [0]
+        out = [0.0]
+        for u in order:
+            out.append(out[-1] + held[u] * MASTER_BYTES)
+        return out
+
+    def non_shard_bytes(self, micro_batch: int, largest: Sequence[int] | None = None, world: int | None = None,
+                        micro_sizes: Sequence[int] | None = None) -> float:
+        """The largest over the phases of a rank's micro-steps (``micro_sizes``, default one of ``micro_batch``) of
+        gathered + collectives + activations, and the shard gradients where they are padded pieces
+        (``grad_in_padded_piece``: they do not scale with the rank's shard); ``largest``: the layout's largest
+        pieces, default ``even_largest``; ``world`` default: every device of the cluster."""
+        world = len(self.cm.cluster.devices) if world is None else world
+        largest = self.even_largest(world) if largest is None else largest
+        grads = self._reduced_bytes(largest) if self.grad_in_padded_piece else [0.0] * (len(self.units) + 1)
+        return max(p.gathered + p.collectives + self.activation_bytes(b, p.layers) + grads[red]
+                   for p, b, red, _ in self._cases(micro_sizes or [micro_batch], largest, world))
+
+    def free_for_shards(self, device: str, micro_batch: int, largest: Sequence[int] | None = None,
+                        world: int | None = None, micro_sizes: Sequence[int] | None = None) -> float:
+        """``free_r``: the capacity of ``device`` less the framework and ``non_shard_bytes`` (``largest`` default:
+        the even layout's, the least any layout has, and one micro-step: a negative value means no layout leaves
+        room at ``micro_batch``)."""
+        cap = self.cm.memory_capacity_bytes(self.cm.cluster.device(device))
+        return cap - self.non_shard_bytes(micro_batch, largest, world, micro_sizes) - self.framework_bytes(device)
+
+    def shard_element_bytes(self) -> int:
+        """Bytes an element of a rank's shard adds at every phase for the rule of the fractions: its fp32 value and
+        Adam's m and v, and its gradient where that is a piece of its own (not ``grad_in_padded_piece``; at most
+        4 B, counted whole)."""
+        return MASTER_BYTES + ADAM_STATE_BYTES + (0 if self.grad_in_padded_piece else MASTER_BYTES)
+
+    def fractions(self, devices: Sequence[str], micro_batches: Sequence[int],
+                  shares: Sequence[int] | None = None) -> dict[str, float] | None:
+        """The fractions by memory: ``f_r = free_r / sum free`` (``memory_fractions``; a rank with none free gets
+        0), ``free_r`` at the rank's largest micro-batch ``m_r``: in one micro-step where every share is one
+        micro-batch (``shares``), else in a first micro-step and a later one too (every shard gradient there: the
+        most any later micro-step holds); the collective buffers and padded gradients priced from the fractions' own
+        largest pieces: from the even layout's, each round's fractions give the next round's pieces, until the
+        pieces repeat (at most ``FRACTION_ROUNDS``). A rank needs at most ``shard_element_bytes x its elements +
+        (capacity - free_r)`` at every phase, so with the pieces repeated every rank fits when the sharded state at
+        ``shard_element_bytes`` is at most ``sum free`` (to the rounding of ``shard_sizes``). None when nothing is
+        free."""
+        one = shares is not None and all(n <= m for n, m in zip(shares, micro_batches))
+        largest = self.even_largest(len(devices))
+        out = None
+        for _ in range(FRACTION_ROUNDS):
+            out = memory_fractions({d: max(self.free_for_shards(d, m, largest, len(devices), [m] if one else [m, m]),
+                                            0.0) for d, m in zip(devices, micro_batches)})
+            if out is None:
+                return None
+            pieces = self.largest_pieces([out[d] for d in devices])
+            if pieces == largest:
+                break
+            largest = pieces
+        return out
+
+    def rank_memory(self, device: str, micro_sizes: Sequence[int], pieces: Sequence[int],
+                    largest: Sequence[int], world: int) -> RankMemory:
+        """One rank's peak over every phase of each of its micro-steps (``micro_sizes``: the samples of each; the
+        shard's gradient exists whole from the second), its pieces ``pieces`` per unit."""
+        grads = self._reduced_bytes(largest if self.grad_in_padded_piece else pieces)
+        state = float(sum(pieces) * (MASTER_BYTES + ADAM_STATE_BYTES))
+        framework = self.framework_bytes(device)
+        cap = self.cm.memory_capacity_bytes(self.cm.cluster.device(device))
+        best: RankMemory | None = None
+        for p, b, red, where in self._cases(micro_sizes, largest, world):
+            m = RankMemory(shard=state + grads[red], gathered=p.gathered, collectives=p.collectives,
+                           activations=self.activation_bytes(b, p.layers), framework=framework, capacity=cap,
+                           phase=p.name + where)
+            if best is None or m.need > best.need:
+                best = m
+        assert best is not None  # the update phase is always there
+        return best
+
+    def memory(self, devices: Sequence[str], micro_batches: Sequence[int], fractions: Sequence[float],
+               shares: Sequence[int] | None = None) -> dict[str, RankMemory]:
+        """Each rank's need by part at its peak phase; ``micro_batches``: the largest micro-batch each rank runs (at
+        most its share: ``FsdpCost.layout``), ``shares`` (default: ``micro_batches``, one micro-batch each) its
+        samples, cut by ``micro_step_sizes`` into the lockstep micro-steps::
+
+            need_r   = max over its micro-steps j and the phases p (``phases``) of
+                       shard_r(p, j) + gathered(p) + collectives(p) + A_r(p, b_{r,j}) + framework_r
+            shard_r  = sum_u s_{u,r} x (4 + 8)      fp32 values, Adam's m and v
+                       + sum_{u reduced by p} g_u x 4 in the first micro-step (Lightning's zero_grad leaves no
+                         gradient: each lands as its unit's reduce-scatter ends), sum_u g_u x 4 in a later one;
+                         g_u = M_u where the gradient is the reduce-scatter's padded receive buffer
+                         (``grad_in_padded_piece``: fp32 reductions), else s_{u,r}
+            A_r      = the memory model's activations of the layers p still holds (``core/memory.py``) at the
+                       micro-step's samples b_{r,j}
+            framework_r = ``memory.overhead_bytes`` + ``settings.memory_reserve_gb``
+
+        with the collective buffers priced from this layout's largest piece per unit. A rank fits when ``need_r``
+        is at most its device's memory.
         """
         pieces = self.piece_sizes(fractions)
-        return {d: self.rank_memory(d, m, sum(p[r] for p in pieces))
-                for r, (d, m) in enumerate(zip(devices, micro_batches))}
+        largest = [max(p) for p in pieces]
+        shares = list(micro_batches) if shares is None else list(shares)
+        K = max(math.ceil(n / m) for n, m in zip(shares, micro_batches))
+        return {d: self.rank_memory(d, micro_step_sizes(n, m, K), [p[r] for p in pieces], largest, len(devices))
+                for r, (d, n, m) in enumerate(zip(devices, shares, micro_batches))}
 
-    def memory_refusal(self, devices: Sequence[str], micro_batches: Sequence[int],
-                       fractions: Sequence[float]) -> ConfigError | None:
+    def memory_refusal(self, devices: Sequence[str], micro_batches: Sequence[int], fractions: Sequence[float],
+                       shares: Sequence[int] | None = None) -> ConfigError | None:
         """The ``ConfigError`` for the rank that overshoots its memory most (None when every rank fits)."""
-        mem = self.memory(devices, micro_batches, fractions)
+        mem = self.memory(devices, micro_batches, fractions, shares)
         over = [(m.need - m.capacity, r, d) for r, (d, m) in enumerate(mem.items()) if not m.fits()]
         if not over:
             return None
@@ -243,10 +451,11 @@ class FsdpCost:
         m = mem[d]
         return field_error(
             f"plan.shards.{d}", round(fractions[r], 6),
-            f"leave room on device {d} (rank {r}): it needs {_size(m.need)} there: shard {_size(m.shard)} + "
-            f"gathered units {_size(m.gathered)} + activations {_size(m.activations)} at micro-batch "
-            f"{micro_batches[r]} + framework {_size(m.framework)}; it has {_size(m.capacity)} "
-            f"({_size(m.free_for_shard)} free for its shard)",
+            f"leave room on device {d} (rank {r}): it needs {_size(m.need)} there at its peak ({m.phase}): shard "
+            f"{_size(m.shard)} + gathered units {_size(m.gathered)} + in-flight collectives "
+            f"{_size(m.collectives)} + activations {_size(m.activations)} at micro-batch {micro_batches[r]} + "
+            f"framework {_size(m.framework)}; it has {_size(m.capacity)} ({_size(m.free_for_shard)} free for its "
+            "shard)",
             "shards sized by memory (hetero_fsdp's plan), activation checkpointing "
             "(settings.activation_checkpointing=true), smaller micro-batches or more devices")
 
@@ -366,8 +575,8 @@ class FsdpCost:
 
     def check_fits(self, plan: "Plan") -> None:
         """Raise the refusal of ``plan`` when some rank's need exceeds its memory."""
-        devices, _, mbs, fractions = self.layout(plan)
-        err = self.memory_refusal(devices, mbs, fractions)
+        devices, shares, mbs, fractions = self.layout(plan)
+        err = self.memory_refusal(devices, mbs, fractions, shares)
         if err is not None:
             raise err
 
@@ -377,7 +586,7 @@ class FsdpCost:
         plan.check_against(self.cm.cluster, self.cm.workload)
         devices, shares, mbs, fractions = self.layout(plan)
         step = self.price(devices, shares, mbs, fractions)
-        mem = self.memory(devices, mbs, fractions)
+        mem = self.memory(devices, mbs, fractions, shares)
         worst = max(range(len(devices)), key=lambda r: step.update_s[r])
         cm = self.cm
         return PlanScore(
@@ -391,6 +600,6 @@ class FsdpCost:
                                                                       for d in devices),
             device_sync_s={d: step.exposed_comm_s for d in devices},
             device_update_s={d: u for d, u in zip(devices, step.update_s)},
-            memory_parts={d: {"shard": m.shard, "gathered": m.gathered, "activations": m.activations,
-                              "framework": m.framework} for d, m in mem.items()})
+            memory_parts={d: {"shard": m.shard, "gathered": m.gathered, "collectives": m.collectives,
+                              "activations": m.activations, "framework": m.framework} for d, m in mem.items()})
 

@@ -13,10 +13,12 @@ micro-steps (every value where the largest share's micro-batch size changes, and
    ``m = m(n, K)``, ``k = ceil(n / m)`` and ``c_r`` the rank's forward + backward of the whole model (+ a filler
    sample in each of the ``K - k`` micro-steps left); every rank at least one sample (``settings.equal_shares``:
    the even split instead), each share at most what ``K`` micro-batches of a size leaving room for the gathered
-   units hold.
-3. **Shards by memory**: ``f_r = free_r / sum free`` (``fsdp_cost.memory_fractions``), or ``1 / W``
-   (``even_shards=True``: even FSDP, the comparison); the layout is kept when every rank's need fits its
-   memory.
+   units and collective buffers hold (priced with the even layout's pieces, the least any layout pads to; where
+   that layout is refused, once more with its own).
+3. **Shards by memory**: ``f_r = free_r / sum free`` (``FsdpCost.fractions``: free memory after the largest of
+   the phases' non-shard terms, the collective buffers priced from the fractions' own largest pieces), or ``1 / W``
+   (``even_shards=True``: even FSDP, the comparison); the layout is kept when every rank's need (its largest
+   phase, ``FsdpCost.memory``) fits its memory.
 4. **Price** (``FsdpCost.price``): the fastest layout that fits is the plan.
 
 When no ``K`` fits, the refusal of the layout with the fewest activations (every micro-batch one sample) is
@@ -32,7 +34,7 @@ from typing import Sequence
 
 from het_strategy.core.cost_model import CostModel
 from het_strategy.core.errors import ConfigError, field_error
-from het_strategy.core.fsdp_cost import FILLER_SAMPLES, FsdpCost, even_fractions, memory_fractions
+from het_strategy.core.fsdp_cost import FILLER_SAMPLES, FsdpCost, even_fractions
 from het_strategy.core.plan import Pipeline, Plan, Stage
 from het_strategy.planning.allocation import allocate_min_max
 from het_strategy.planning.structure import StructureResult, device_dtypes
@@ -68,7 +70,8 @@ def micro_batch_size(samples: int, micro_steps: int, sizes: Sequence[int]) -> in
     return next((m for m in sorted(sizes) if math.ceil(samples / m) <= micro_steps), max(sizes))
 
 
-def _shares(cm: CostModel, cost: FsdpCost, devices: list[str], K: int) -> list[int] | None:
+def _shares(cm: CostModel, cost: FsdpCost, devices: list[str], K: int,
+            largest: Sequence[int] | None = None) -> list[int] | None:
     B, W = cm.settings.global_batch_size, len(devices)
     sizes = cm.settings.micro_batch_sizes
     if cm.settings.equal_shares:
@@ -85,12 +88,13 @@ def _shares(cm: CostModel, cost: FsdpCost, devices: list[str], K: int) -> list[i
 
     def cap(device: str) -> int:
         """The most samples cut into at most ``K`` micro-batches whose size leaves the rank room for its gathered
-        units (at least one)."""
+        units and collective buffers (``largest``: a layout's largest pieces, default the even layout's; at least
+        one)."""
         lo, hi = 1, B
         while lo < hi:
             mid = (lo + hi + 1) // 2
             m = min(micro_batch_size(mid, K, sizes), mid)
-            if math.ceil(mid / m) <= K and cost.free_for_shards(device, m) >= 0:
+            if math.ceil(mid / m) <= K and cost.free_for_shards(device, m, largest, W) >= 0:
                 lo = mid
             else:
                 hi = mid - 1
@@ -122,26 +126,28 @@ def plan_fsdp(cm: CostModel, even_shards: bool = False) -> StructureResult:
     refusal: ConfigError | None = None
     seen: set[tuple] = set()
     for K in _counts(B - W + 1):
-        shares = _shares(cm, cost, devices, K)
-        if shares is None:
-            continue
-        mbs = [micro_batch_size(n, K, cm.settings.micro_batch_sizes) for n in shares]
-        if (key := (tuple(shares), tuple(mbs))) in seen:
-            continue
-        seen.add(key)
-        run = [min(m, n) for m, n in zip(mbs, shares)]  # the largest micro-batch each rank runs
-        fractions = None if even_shards else memory_fractions(
-            {d: max(cost.free_for_shards(d, m), 0.0) for d, m in zip(devices, run)})  # a rank with none free: 0
-        if fractions is None:
-            fractions = even_fractions(devices)
-        frac = [fractions[d] for d in devices]
-        err = cost.memory_refusal(devices, run, frac)
-        if err is not None:
+        largest = None  # the caps' collective buffers: the even layout's pieces, then a refused layout's own
+        for _ in range(2):
+            shares = _shares(cm, cost, devices, K, largest)
+            if shares is None:
+                break
+            mbs = [micro_batch_size(n, K, cm.settings.micro_batch_sizes) for n in shares]
+            if (key := (tuple(shares), tuple(mbs))) in seen:
+                break
+            seen.add(key)
+            run = [min(m, n) for m, n in zip(mbs, shares)]  # the largest micro-batch each rank runs
+            fractions = None if even_shards else cost.fractions(devices, run, shares)  # a rank with none free: 0
+            if fractions is None:
+                fractions = even_fractions(devices)
+            frac = [fractions[d] for d in devices]
+            err = cost.memory_refusal(devices, run, frac, shares)
+            if err is None:
+                step = cost.price(devices, shares, run, frac).step_time_s
+                if best is None or step < best.step_time_s:
+                    best = StructureResult(fsdp_layout_plan(cm, devices, shares, mbs, frac), step)
+                break
             refusal = err  # the latest: the fewest activations so far
-            continue
-        step = cost.price(devices, shares, run, frac).step_time_s
-        if best is None or step < best.step_time_s:
-            best = StructureResult(fsdp_layout_plan(cm, devices, shares, mbs, frac), step)
+            largest = cost.largest_pieces(frac)
     if best is None:
         if refusal is not None:
             raise refusal
