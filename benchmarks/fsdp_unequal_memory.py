@@ -161,8 +161,9 @@ def fits(args: argparse.Namespace) -> tuple[int, int, float]:
         return even_fits, 0, float("nan")
     need = cost.memory(devices, micro, fractions)
     print("   peak per rank, planner's estimate vs counted (MemoryMeter), by part:")
-    print(f"   {'rank':<12} {'planner':>10} {'counted':>10} {'error':>7} | planner: shard / gathered / activations | "
-          "counted: params+grads+Adam / gathered / in-flight collectives / activations")
+    print(f"   {'rank':<12} {'planner':>10} {'counted':>10} {'error':>7} | planner (its peak phase): shard / gathered / "
+          "in-flight collectives / activations | counted: params+grads+Adam / gathered / in-flight collectives / "
+          "activations")
     errors = []
     for r, d in enumerate(devices):
         est, res = need[d], run[r]
@@ -171,14 +172,10 @@ def fits(args: argparse.Namespace) -> tuple[int, int, float]:
         errors.append(err)
         state = p["parameters"] + p["gradients"] + p["optimizer"]
         print(f"   {r} {d:<10} {format_bytes(est.need):>10} {format_bytes(res['peak']):>10} {err:7.1%} | "
-              f"{format_bytes(est.shard)} / {format_bytes(est.gathered)} / {format_bytes(est.activations)} | "
+              f"({est.phase}) {format_bytes(est.shard)} / {format_bytes(est.gathered)} / "
+              f"{format_bytes(est.collectives)} / {format_bytes(est.activations)} | "
               f"{format_bytes(state)} ({format_bytes(p['gradients'])} grads) / {format_bytes(p['gathered'])} / "
               f"{format_bytes(p['collectives'])} / {format_bytes(p['activations'])}")
-        coexist = est.shard * 12 / 16 + est.gathered / 2 + est.activations
-        print(f"     {'':<10} the planner's parts as they coexist at the activations' peak (no gradient yet: 12 of "
-              f"the shard's 16 B, the gathered units without theirs): {format_bytes(coexist)}; the count's in-flight "
-              f"collective buffers (padded pieces: {len(devices)} x the largest rank's), which it does not price: "
-              f"{format_bytes(p['collectives'])}")
     return even_fits, uneven_fits, max(errors)
 
 
