@@ -13,7 +13,9 @@ figures and the "does not fit" reasons changed.  They were captured again when f
 charged the s x s scores (``transformer_workload``): the same plans, lower memory figures.  And again when a
 pipeline stage began paying the blocking sends at both its boundaries (``core/cost_model.py``): higher step times,
 the same plans except ``runtime=deepspeed`` on mixed_a100_v100_t4 (a 3-stage pipeline per replica in place of a
-tp-2 last stage).  The MoE case's ``model`` record gained ``active_params_per_token`` (issue 45), nothing else.
+tp-2 last stage).  The MoE case's ``model`` record gained ``active_params_per_token`` (issue 45), nothing else.  The cost objective's
+lines were captured again when the sub-cluster search gained its LP check (``planning/sub_cluster_bound.py``): the
+same plans, fewer sub-clusters planned.
 """
 
 from __future__ import annotations
