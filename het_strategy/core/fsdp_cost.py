@@ -15,15 +15,11 @@ collective. ``CostModel.score`` of a plan with shards comes here (``FsdpCost.sco
   model prices all-reduces on: ``AG_u = (W-1)(alpha + M_u b_param / bw)``, ``RS_u`` the same in ``b_grad``.
 * **Time** (``FsdpCost.price``): per micro-step, the next unit's gather under this unit's compute, a
   reduce-scatter under the next unit's backward; ``step = sum_j T_micro(j) + max_r f_r update_r``.
-* **Memory** (``FsdpCost.memory``): per rank the largest, over the phases the runtime goes through
-  (``FsdpCost.phases``: each block's forward, the loss, each block's backward before and after its whole gradient,
-  the root's gradient, its reduction, the update; in the step's first micro-step and in the later ones), of shard
-  + gathered units + in-flight collective buffers (every piece padded to the largest, ``M_u``) + activations +
-  framework; the fractions ``f_r = free_r / sum free`` (``FsdpCost.fractions``): free memory after the largest
-  of the phases' terms that do not scale with the rank's shard (with fp32 reductions a shard's gradient is one of
-  them: the reduce-scatter's padded receive buffer, ``M_u`` elements on every rank), so every rank fits when the
-  sharded state (``FsdpCost.shard_element_bytes``: 12 B a parameter with fp32 reductions) is at most the ranks'
-  free memory together; even FSDP is ``f_r = 1 / W``.
+* **Memory** (``FsdpCost.memory``): per rank the largest, over the runtime's phases (``FsdpCost.phases``), of
+  shard + gathered units + in-flight collective buffers (pieces padded to ``M_u``) + activations + framework;
+  the fractions ``f_r = free_r / sum free`` (``FsdpCost.fractions``), free memory taken after the phases' terms
+  that do not scale with the rank's shard (the method docstrings have the phases and the terms); even FSDP is
+  ``f_r = 1 / W``.
 
 A layout that does not fit is refused (``FsdpCost.memory_refusal``) naming ``plan.shards.<device>``, the rank,
 its need by part and its memory. Pure Python: no torch.

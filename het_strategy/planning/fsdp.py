@@ -12,13 +12,10 @@ micro-steps (every value where the largest share's micro-batch size changes, and
    rank's compute over its micro-batches, ``cost_r(n) = (k - 1) c_r(m) + c_r(n - (k - 1) m)`` with
    ``m = m(n, K)``, ``k = ceil(n / m)`` and ``c_r`` the rank's forward + backward of the whole model (+ a filler
    sample in each of the ``K - k`` micro-steps left); every rank at least one sample (``settings.equal_shares``:
-   the even split instead), each share at most what ``K`` micro-batches of a size leaving room for the gathered
-   units and collective buffers hold (priced with the even layout's pieces, the least any layout pads to; where
-   that layout is refused, once more with its own).
-3. **Shards by memory**: ``f_r = free_r / sum free`` (``FsdpCost.fractions``: free memory after the largest of
-   the phases' non-shard terms, the collective buffers priced from the fractions' own largest pieces), or ``1 / W``
-   (``even_shards=True``: even FSDP, the comparison); the layout is kept when every rank's need (its largest
-   phase, ``FsdpCost.memory``) fits its memory.
+   the even split instead), each share capped so ``K`` micro-batches fit beside the gathered units and collective
+   buffers (priced with the even layout's pieces, the least any layout pads to; if refused, with its own).
+3. **Shards by memory**: ``f_r = free_r / sum free`` (``FsdpCost.fractions``), or ``1 / W`` (``even_shards=True``:
+   even FSDP, the comparison); the layout is kept when every rank's largest phase (``FsdpCost.memory``) fits.
 4. **Price** (``FsdpCost.price``): the fastest layout that fits is the plan.
 
 When no ``K`` fits, the refusal of the layout with the fewest activations (every micro-batch one sample) is
