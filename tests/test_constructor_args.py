@@ -118,7 +118,8 @@ def test_a_required_argument_the_class_cannot_take_is_refused_in_one_line() -> N
     RECORDING.open()
     loader = Narrow(_data(), 4)
     RECORDING.close()
-    with pytest.raises(ConfigError, match=r"`DataLoader` is 'Narrow'; it must accept the arguments \['batch_sampler'\]"):
+    refused = r"`DataLoader` is 'Narrow'; it must accept the arguments \['batch_sampler'\]"
+    with pytest.raises(ConfigError, match=refused):
         rebuild_loader(loader, BatchSampler(SequentialSampler(range(12)), 6, drop_last=False))
     assert called_again(loader, {"shuffle": False}, required=()) is not None  # an optional one is dropped
 

@@ -133,8 +133,8 @@ class FSDPExtension(DataParallelExtension):
         gradients in DDP's buckets: neither is in this runtime yet."""
         if precision not in FSDP_PRECISIONS:
             raise field_error("Trainer.precision", precision, f"be one of {', '.join(FSDP_PRECISIONS)} under "
-                              "hetero_fsdp (fp16 would need one overflow decision over every rank's pieces, per-device precision "
-                              "its unscaling in DDP's buckets)")
+                              "hetero_fsdp (fp16 would need one overflow decision over every rank's pieces, "
+                              "per-device precision its unscaling in DDP's buckets)")
 
     def environment_ready(self, strategy: Any, cluster: ClusterSpec, given: Plan | None, timeout: Any) -> None:
         self.cluster = cluster
