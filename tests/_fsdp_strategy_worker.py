@@ -70,9 +70,9 @@ def make_module(pl: Any, out_dir: str, save_to: Path | None = None) -> Any:
     return Recorded()
 
 
-def fit(out: Path, package: str = "lightning", cluster: dict[str, Any] | None = None, max_steps: int = 5,
-        save_to: Path | None = None, resume_from: Path | None = None) -> list[dict[str, Any]]:
-    """Fit on as many ranks as ``cluster`` has devices; every rank's record (``full``: rank 0's)."""
+def _trainer(out: Path, package: str, cluster: dict[str, Any] | None, **kwargs: Any) -> tuple[Any, Any, int]:
+    """(the Lightning package, a quiet float64 Trainer of ``HeteroFSDPStrategy`` on as many forked CPU ranks as
+    ``cluster`` has devices, that world size); ``kwargs`` go to the Trainer."""
     pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
     import het_strategy
 
@@ -83,10 +83,17 @@ def fit(out: Path, package: str = "lightning", cluster: dict[str, Any] | None = 
     strategy = cls(cluster=cluster, global_batch_size=GLOBAL_BATCH, start_method="fork", verbose=False,
                    telemetry=False, timeout=datetime.timedelta(seconds=120))
     out.mkdir(parents=True, exist_ok=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="64-true", max_steps=max_steps,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=3,
-                         val_check_interval=max_steps, default_root_dir=str(out))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="64-true", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         limit_val_batches=3, default_root_dir=str(out), **kwargs)
+    return pl, trainer, world
+
+
+def fit(out: Path, package: str = "lightning", cluster: dict[str, Any] | None = None, max_steps: int = 5,
+        save_to: Path | None = None, resume_from: Path | None = None) -> list[dict[str, Any]]:
+    """Fit on as many ranks as ``cluster`` has devices; every rank's record (``full``: rank 0's)."""
+    pl, trainer, world = _trainer(out, package, cluster, max_steps=max_steps, num_sanity_val_steps=0,
+                                  val_check_interval=max_steps)
     module = make_module(pl, str(out), save_to)
     trainer.fit(module, ckpt_path=None if resume_from is None else str(resume_from))
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -98,18 +105,7 @@ def validate(out: Path, state: dict[str, list[float]], package: str = "lightning
              cluster: dict[str, Any] | None = None, ckpt_path: Path | None = None) -> float:
     """``trainer.validate`` of a fresh module holding ``state`` (or the checkpoint's, with ``ckpt_path``): the
     synced validation loss."""
-    pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
-    import het_strategy
-
-    torch.set_num_threads(1)
-    cluster = cluster or MIXED_CLUSTER
-    world = sum(len(node["devices"]) for node in cluster["nodes"])
-    cls = het_strategy.HeteroFSDPStrategy if package == "lightning" else het_strategy.HeteroFSDPStrategyPL
-    strategy = cls(cluster=cluster, global_batch_size=GLOBAL_BATCH, start_method="fork", verbose=False,
-                   telemetry=False, timeout=datetime.timedelta(seconds=120))
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="64-true", logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         limit_val_batches=3, default_root_dir=str(out))
+    pl, trainer, _ = _trainer(out, package, cluster)
     module = make_module(pl, str(out))
     module.load_state_dict({k: torch.tensor(v, dtype=torch.float64).view_as(p) for (k, v), p in
                             zip(state.items(), module.state_dict().values())})
