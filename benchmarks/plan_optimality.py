@@ -16,6 +16,12 @@ The plan space (written from the cost model's rules, not from the planner):
   on the menu, including sizes above the pipeline's share);
 * integer shares b_p >= 1 with sum b_p = B (all compositions).
 
+The sync is priced by stage rings (``settings.sync_model=stage_rings``, set on every case): the
+decomposition below needs each pipeline's post term to depend on its own stages.  The default price of
+replicas that differ, their holder sets as the runtime reduces them (``core/holder_sync.py``), couples the
+pipelines' splits, so no brute force of this size covers it; the planner's search and bounds are the same under
+both, and under ``holder_sets`` it rescores each assembled plan whose replicas differ.
+
 Symmetry skipped (score-preserving): devices of one class (same node, same
 figures) are interchangeable, and pipelines are an unordered multiset.
 
@@ -421,7 +427,8 @@ def _draw(rng: random.Random, index: int, small: bool) -> Case:
                      "dtype": rng.choice(["bf16", "fp16"]),
                      "micro_batch_sizes": rng.choice([(1, 2), (1, 2, 4)]),
                      "max_tp": rng.choice([1, 2]),
-                     "max_stages": rng.randint(2, 3) if edge else rng.randint(1, 3 if small else 4)}
+                     "max_stages": rng.randint(2, 3) if edge else rng.randint(1, 3 if small else 4),
+                     "sync_model": "stage_rings"}
     cluster = cluster_from_dict(cluster_dict)
     workload = transformer_workload(TransformerConfig(**model), dtype=settings_dict["dtype"])
     settings = TrainSettings(**settings_dict)

@@ -52,7 +52,9 @@ def _random_structure(rng: random.Random, names: list[str], max_pipes: int = 3, 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_bounds_never_exceed_the_assembled_step(seed):
-    """Route-free, routed and per-micro-batch bounds are <= assemble_plan's step (both in-flight modes)."""
+    """Route-free, routed and per-micro-batch bounds are <= assemble_plan's step (both in-flight modes), under the
+    stage rings' price the bounds are of (``sync_model=stage_rings``; the default rescores replicas that differ by
+    their holder sets after assembly, a price that couples the pipelines' splits)."""
     rng = random.Random(seed)
     cluster = cluster_from_dict(_mixed_vendors_7() if seed % 2 else {
         "name": "four", "inter_node_bandwidth_gbs": 12.5,
@@ -60,7 +62,7 @@ def test_bounds_never_exceed_the_assembled_step(seed):
                   {"name": "b", "devices": [{"type": "A100-40GB", "count": 2}, {"type": "V100-16GB", "count": 2}]}]})
     workload = load_workload(["gpt_small", "opt350"][seed % 2])
     settings = TrainSettings(global_batch_size=rng.choice([6, 16, 64]), zero_stage=rng.choice([0, 1, 3]),
-                             micro_batch_sizes=(1, 2, 4))
+                             micro_batch_sizes=(1, 2, 4), sync_model="stage_rings")
     cm = CostModel(cluster, workload, settings)
     names = [d.name for d in cluster.devices]
     B = settings.global_batch_size

@@ -39,8 +39,9 @@ from het_strategy.core.compute_model import ComputeCalibration, device_roofline,
 from het_strategy.core.compressed_sync import codec_bandwidth, hierarchical_sync_s, wire_fraction
 from het_strategy.core.network import BLOCK_TP_ALLREDUCES, NO_SYNC, Network, SyncRoute, routes
 from het_strategy.core.plan import Pipeline, Plan, Stage
-from het_strategy.core.train_settings import TrainSettings
+from het_strategy.core.train_settings import SyncModel, TrainSettings
 from het_strategy.core.dtypes import DTYPE_BYTES
+from het_strategy.core.holder_sync import HolderSchedule, holder_reductions, schedule
 from het_strategy.core.memory import MemoryModel, overhead_bytes
 from het_strategy.core.plan_score import PlanScore, StageCost
 from het_strategy.core.workload import MeasuredProfile, WorkloadSpec
@@ -446,10 +447,15 @@ class CostModel:
     def _post_times_s(self, plan: Plan) -> dict[str, tuple[float, float]]:
         """Per device: (gradient sync, optimizer update) seconds after the slowest pipeline.
 
-        Each device allreduces the gradients of its layers with the replicas of
-        those layers in the other pipelines, over the bandwidth ``ring_bandwidths``
-        gives its stage.
+        Replicas alike (the same boundaries and tp at every stage): each device allreduces the gradients of its
+        layers with the replicas of those layers in the other pipelines, over the bandwidth ``ring_bandwidths``
+        gives its stage.  Replicas that differ: the holder sets in the runtime's order (``holder_sync_schedule``).
         """
+        if self.syncs_by_holder_sets(plan):
+            sync = self.holder_sync_schedule(plan).device_s
+            return {st_d: (sync.get(st_d, 0.0), self.stage_update_s(self.cluster.device(st_d), stage.tp,
+                                                                     *stage.layers, plan.num_pipelines))
+                    for pipe in plan.pipelines for stage in pipe.stages for st_d in stage.devices}
         dp = plan.num_pipelines
         rings = self.ring_bandwidths([tuple(st.devices for st in pipe.stages) for pipe in plan.pipelines])
         out: dict[str, tuple[float, float]] = {}
@@ -463,6 +469,24 @@ class CostModel:
             for d in (*pipe.stages[0].devices, *pipe.stages[-1].devices) if tied else ():
                 out[d] = (out[d][0] + tied, out[d][1])
         return out
+
+    def syncs_by_holder_sets(self, plan: Plan) -> bool:
+        """The plan's replicas differ in boundaries or in tp at some stage, so its gradients are reduced per holder
+        set (``core/holder_sync.py``), the inter-node hop is not compressed (the holder sets reduce
+        uncompressed; a compressed plan keeps the per-stage rings of ``compressed_sync``) and
+        ``settings.sync_model`` is ``holder_sets``."""
+        if (plan.num_pipelines < 2 or self.settings.inter_node_compression != "none"
+                or self.settings.sync_model == SyncModel.stage_rings):
+            return False
+        first = plan.pipelines[0]
+        shape = (first.boundaries(), tuple(st.tp for st in first.stages))
+        return any((pipe.boundaries(), tuple(st.tp for st in pipe.stages)) != shape for pipe in plan.pipelines[1:])
+
+    def holder_sync_schedule(self, plan: Plan) -> HolderSchedule:
+        """The holder sets' allreduces of ``plan`` in the runtime's order over this cluster's links
+        (``core/holder_sync.py``), in ``settings.grad_dtype``, ZeRO-3's parameter all-gathers as 1.5x the bytes."""
+        factor = 1.5 if self.settings.zero_stage >= 3 else 1.0
+        return schedule(holder_reductions(plan, self.workload, self.settings.grad_bytes * factor), self.network)
 
     def tied_sync_s(self, pipe: Pipeline) -> float:
         """The tied matrix's gradient allreduce between a pipeline's first and last stage, when it puts the tied

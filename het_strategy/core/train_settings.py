@@ -12,6 +12,7 @@ and message elsewhere reads them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from het_strategy.core.catalog import device_catalog, lookup_device_type
@@ -25,7 +26,8 @@ from het_strategy.core.errors import (ConfigError, alternatives, field_error, re
 if TYPE_CHECKING:
     from het_strategy.core.device_spec import DeviceSpec
 
-__all__ = ["TP_DEGREES", "ZERO_STAGES", "ZeroShards", "TrainSettings", "REDUCE_BUFFER_BYTES", "ENGINE_COPY_BYTES"]
+__all__ = ["TP_DEGREES", "ZERO_STAGES", "ZeroShards", "TrainSettings", "REDUCE_BUFFER_BYTES", "ENGINE_COPY_BYTES",
+           "SyncModel"]
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 """The tensor-parallel degrees the planners try, and ``max_tp``'s choices (powers of two, so every degree divides
@@ -38,6 +40,17 @@ REDUCE_BUFFER_BYTES = 4
 """Bytes per parameter of the fp32 buffer the gradient reduction runs in (DDP's buckets, DeepSpeed's)."""
 ENGINE_COPY_BYTES = 4
 """Bytes per parameter of the copy of the weights DeepSpeed makes when it builds its engine (Sailor's count)."""
+
+
+class SyncModel(StrEnum):
+    """How the cost model prices the gradient sync of a plan whose replicas differ (``settings.sync_model``)."""
+
+    holder_sets = "holder_sets"
+    """As the runtime runs it: each part's holder set, in the shared order, over the links it crosses
+    (``core/holder_sync.py``).  Replicas alike are priced by their stages' rings either way."""
+    stage_rings = "stage_rings"
+    """Every stage as one ring among the replicas of its relative position (``network.routes``): a price each
+    pipeline's stages set alone, which a brute force can decompose (``benchmarks/plan_optimality.py``)."""
 
 
 class ZeroShards(NamedTuple):
@@ -100,6 +113,9 @@ class TrainSettings:
     float32_matmul_precision: Float32MatmulPrecision = Float32MatmulPrecision.highest
     """torch's ``set_float32_matmul_precision`` in the training run: ``highest`` (torch's default) prices fp32
     matmuls at the fp32 rate, ``high`` or ``medium`` at the TF32 tensor-core rate where the device has one."""
+    sync_model: SyncModel = SyncModel.holder_sets
+    """How the gradient sync of replicas that differ (boundaries, tp) is priced: ``holder_sets``, as the runtime
+    runs it, or ``stage_rings`` (``SyncModel``)."""
     inter_node_compression: str = "none"
     """The method token the gradient sync between nodes runs in: ``none``, or a compressed hierarchical exchange
     (node sums uncompressed, the node leaders' exchange in ``fp16``/``bf16``/``q2``...``q8``;
@@ -111,6 +127,7 @@ class TrainSettings:
         object.__setattr__(self, "dtype", as_dtype(self.dtype, "settings.dtype"))
         object.__setattr__(self, "compute_model", require_option(ComputeModel, self.compute_model,
                                                                  "settings.compute_model"))
+        object.__setattr__(self, "sync_model", require_option(SyncModel, self.sync_model, "settings.sync_model"))
         object.__setattr__(self, "float32_matmul_precision", require_option(
             Float32MatmulPrecision, self.float32_matmul_precision, "settings.float32_matmul_precision"))
         if self.zero_stage not in ZERO_STAGES:

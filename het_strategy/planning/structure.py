@@ -240,9 +240,12 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
         pipelines = [_pipeline(slots, part.bounds, m, b)
                      for slots, b, (_, m, part) in zip(structure, shares, picks)]  # type: ignore[misc]
         post = max(part.post_s for _, _, part in picks)  # type: ignore[misc]
+        plan = plan_from_pipelines(cm, pipelines, mode)
         step = pipe_time + post
+        if cm.syncs_by_holder_sets(plan):  # replicas that differ sync by holder sets: not separable by stage
+            step = cm.score(plan).step_time_s
         if best is None or step < best.step_time_s:
-            best = StructureResult(plan_from_pipelines(cm, pipelines, mode), step)
+            best = StructureResult(plan, step)
         if post <= 0 or pipe_time + post_floor >= best.step_time_s:
             break
         post_limit = post * (1 - 1e-9)
