@@ -35,7 +35,7 @@ from het_strategy.core.errors import ConfigError, field_error
 from het_strategy.core.memory import GiB, overhead_bytes
 from het_strategy.core.network import SyncRoute
 from het_strategy.core.plan_score import PlanScore, StageCost
-from het_strategy.core.shard_sizes import shard_sizes
+from het_strategy.core.shard_sizes import shard_sizes_of_each
 
 if TYPE_CHECKING:
     from het_strategy.core.plan import Plan
@@ -218,6 +218,8 @@ class FsdpCost:
         self._trail = tuple(i for i in self.units[0].layers if i > first_block)
         self._phases: dict[tuple[int, ...], list[MemoryPhase]] = {}
         self._act: dict[tuple[int, int], float] = {}
+        self._non_shard: dict[tuple, float] = {}
+        self._peaks: dict[tuple, tuple[MemoryPhase, int, int, str]] = {}
 
     # -- memory ----------------------------------------------------------------------------------
     def activation_bytes(self, micro_batch: int, layers: int | None = None) -> float:
@@ -238,7 +240,7 @@ class FsdpCost:
 
     def piece_sizes(self, fractions: Sequence[float]) -> list[list[int]]:
         """Per unit, the per-rank element counts (``shard_sizes``)."""
-        return [shard_sizes(u.params, fractions) for u in self.units]
+        return shard_sizes_of_each([u.params for u in self.units], fractions)
 
     def even_largest(self, world: int) -> list[int]:
         """Per unit, the largest piece of the even layout (``ceil(P_u / W)``): the least any layout's largest piece
@@ -348,9 +350,13 @@ class FsdpCost:
         pieces, default ``even_largest``; ``world`` default: every device of the cluster."""
         world = len(self.cm.cluster.devices) if world is None else world
         largest = self.even_largest(world) if largest is None else largest
-        grads = self._reduced_bytes(largest) if self.grad_in_padded_piece else [0.0] * (len(self.units) + 1)
-        return max(p.gathered + p.collectives + self.activation_bytes(b, p.layers) + grads[red]
-                   for p, b, red, _ in self._cases(micro_sizes or [micro_batch], largest, world))
+        key = (tuple(micro_sizes or [micro_batch]), tuple(largest), world)  # the same on every rank of a layout
+        hit = self._non_shard.get(key)
+        if hit is None:
+            grads = self._reduced_bytes(largest) if self.grad_in_padded_piece else [0.0] * (len(self.units) + 1)
+            hit = self._non_shard[key] = max(p.gathered + p.collectives + self.activation_bytes(b, p.layers)
+                                             + grads[red] for p, b, red, _ in self._cases(list(key[0]), largest, world))
+        return hit
 
     def free_for_shards(self, device: str, micro_batch: int, largest: Sequence[int] | None = None,
                         world: int | None = None, micro_sizes: Sequence[int] | None = None) -> float:
@@ -399,15 +405,18 @@ class FsdpCost:
         state = float(sum(pieces) * (MASTER_BYTES + ADAM_STATE_BYTES))
         framework = self.framework_bytes(device)
         cap = self.cm.memory_capacity_bytes(self.cm.cluster.device(device))
-        best: RankMemory | None = None
-        for p, b, red, where in self._cases(micro_sizes, largest, world):
-            m = RankMemory(shard=state + grads[red], gathered=p.gathered, collectives=p.collectives,
-                           activations=self.activation_bytes(b, p.layers), framework=framework, capacity=cap,
-                           phase=p.name + where)
-            if best is None or m.need > best.need:
-                best = m
-        assert best is not None  # the update phase is always there
-        return best
+        key = (tuple(micro_sizes), tuple(largest), world)
+        peak = self._peaks.get(key) if self.grad_in_padded_piece else None
+        if peak is None:  # the peak phase; with padded gradients the same on every rank of the layout
+            peak = max(self._cases(micro_sizes, largest, world),
+                       key=lambda c: grads[c[2]] + c[0].gathered + c[0].collectives
+                       + self.activation_bytes(c[1], c[0].layers))
+            if self.grad_in_padded_piece:
+                self._peaks[key] = peak
+        p, b, red, where = peak
+        return RankMemory(shard=state + grads[red], gathered=p.gathered, collectives=p.collectives,
+                          activations=self.activation_bytes(b, p.layers), framework=framework, capacity=cap,
+                          phase=p.name + where)
 
     def memory(self, devices: Sequence[str], micro_batches: Sequence[int], fractions: Sequence[float],
                shares: Sequence[int] | None = None) -> dict[str, RankMemory]:

@@ -26,6 +26,7 @@ Planning core: pure Python (no torch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["ReplicaLayout"]
 
@@ -101,14 +102,23 @@ class ReplicaLayout:
         p, s = self.where(rank)
         return self.parts[p][s], self.parts[p][s + 1]
 
+    @cached_property
+    def _stage_of(self) -> tuple[tuple[int, ...], ...]:
+        """``_stage_of[p][l]``: the stage of replica ``p`` holding layer ``l``."""
+        return tuple(tuple(s for s in range(len(parts) - 1) for _ in range(parts[s], parts[s + 1]))
+                     for parts in self.parts)
+
+    @cached_property
+    def _units(self) -> tuple[int, ...]:
+        return tuple(max(len(self._group_holding(p, layer)) for p in range(self.num_replicas))
+                     for layer in range(self.num_layers))
+
     def _group_holding(self, replica: int, layer: int) -> tuple[int, ...]:
-        parts = self.parts[replica]
-        stage = next(s for s in range(len(parts) - 1) if parts[s] <= layer < parts[s + 1])
-        return self.stage_groups[replica][stage]
+        return self.stage_groups[replica][self._stage_of[replica][layer]]
 
     def units(self, layer: int) -> int:
         """The units a sharded parameter of ``layer`` is reduced in: the largest tp holding it."""
-        return max(len(self._group_holding(p, layer)) for p in range(self.num_replicas))
+        return self._units[layer]
 
     def unit_holders(self, layer: int, unit: int) -> tuple[int, ...]:
         """The rank holding unit ``unit`` of ``layer``'s sharded parameters in each replica, in replica order."""
