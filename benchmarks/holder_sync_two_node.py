@@ -160,9 +160,7 @@ def run(plan: Any, cluster: dict[str, Any], args: argparse.Namespace, instrument
         timeout_s: float = 400) -> list[dict[str, Any]]:
     """Train ``plan`` on the two emulated nodes, each rank in the namespace of its device's node; every rank's
     JSON (``_worker``)."""
-    import subprocess
-
-    from het_strategy.emulation.local_ranks import free_port
+    from het_strategy.emulation.local_ranks import run_script_ranks
     from het_strategy.emulation.netshape import LinkShape
     from het_strategy.emulation.node_network import emulated_nodes
 
@@ -175,34 +173,11 @@ def run(plan: Any, cluster: dict[str, Any], args: argparse.Namespace, instrument
                 "warmup": args.warmup, "out": str(out), "instrument": instrument, "probe": probe, "nodes": nodes}
         (out / "spec.json").write_text(json.dumps(spec))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out / "spec.json")]
-        base_env = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+        base_env = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",  # run_script_ranks sets OMP_NUM_THREADS=1
                     "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         world = len(devices)
-        port = free_port()
-        procs = []
         with emulated_nodes(len(NODES), LinkShape(args.rate_mbit)) as net:
-            for rank, node in enumerate(nodes):
-                local = nodes[:rank].count(node)
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                           NODE_RANK=str(node), LOCAL_WORLD_SIZE=str(nodes.count(node)), MASTER_PORT=str(port),
-                           **base_env, **net.rank_env(node))
-                env["MASTER_ADDR"] = net.nodes[nodes[0]].address  # rank 0 hosts the rendezvous
-                with open(out / f"log{rank}.txt", "w") as log:
-                    procs.append(subprocess.Popen(net.command(node, cmd), env=env, stdout=log,
-                                                  stderr=subprocess.STDOUT))
-            deadline = time.monotonic() + timeout_s
-            try:
-                while time.monotonic() < deadline:
-                    codes = [p.poll() for p in procs]
-                    if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                        break
-                    time.sleep(0.2)
-            finally:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                    p.wait(timeout=10)
-        codes = [p.returncode for p in procs]
+            codes = run_script_ranks(cmd, world, out, timeout_s, base_env, nodes=net, rank_nodes=nodes)
         if codes != [0] * world:
             tails = "\n----\n".join((out / f"log{r}.txt").read_text()[-2500:] for r in range(world))
             raise SystemExit(f"{describe(plan)}: ranks exited {codes}:\n{tails}")

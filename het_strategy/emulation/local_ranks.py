@@ -20,7 +20,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,30 +86,38 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: f
 
 
 def run_script_ranks(cmd: list[str], world: int, log_dir: Path, timeout_s: float,
-                     env: dict[str, str] | None = None, *, nodes: "EmulatedNodes | None" = None) -> list[int]:
+                     env: dict[str, str] | None = None, *, nodes: "EmulatedNodes | None" = None,
+                     rank_nodes: Sequence[int] | None = None) -> list[int]:
     """Start ``cmd`` once per rank (output to ``log_dir/log{r}.txt``); their exit codes.
 
     When one rank fails the others are killed (they would stay blocked in a
     collective), and so are ranks still running after ``timeout_s``
     (negative codes).  ``env`` is added to each rank's environment.  With
-    ``nodes`` (``node_network.emulated_nodes``) the world is split evenly over
-    the emulated nodes, rank r on node ``r // (world / nodes)``, started in that
-    node's namespace (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE`` set).
+    ``nodes`` (``node_network.emulated_nodes``) rank r runs on node
+    ``rank_nodes[r]`` (default: the world split evenly, rank r on node
+    ``r // (world / nodes)``), started in that node's namespace (``LOCAL_RANK``,
+    ``NODE_RANK``, ``LOCAL_WORLD_SIZE`` set).
     """
     import subprocess
 
-    per_node = world
-    if nodes is not None:
+    if nodes is None:
+        rank_nodes = [0] * world
+    elif rank_nodes is None:
         if world % len(nodes.nodes):
             raise field_error("world", world, f"be a multiple of the emulated nodes ({len(nodes.nodes)})")
-        per_node = world // len(nodes.nodes)
+        rank_nodes = [rank // (world // len(nodes.nodes)) for rank in range(world)]
+    elif (len(rank_nodes) != world or not all(0 <= n < len(nodes.nodes) for n in rank_nodes)
+          or rank_nodes[0] != 0):
+        raise field_error("rank_nodes", list(rank_nodes), f"name one of the {len(nodes.nodes)} emulated nodes for "
+                          f"each of the {world} ranks, rank 0 (the rendezvous, at MASTER_ADDR) on node 0")
+    rank_nodes = list(rank_nodes)
     port = free_port()
     procs = []
     for rank in range(world):
-        node = rank // per_node
+        node = rank_nodes[rank]
         rank_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                        WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node), NODE_RANK=str(node),
-                        LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1", **(env or {}))
+                        WORLD_SIZE=str(world), LOCAL_RANK=str(rank_nodes[:rank].count(node)), NODE_RANK=str(node),
+                        LOCAL_WORLD_SIZE=str(rank_nodes.count(node)), OMP_NUM_THREADS="1", **(env or {}))
         argv = cmd
         if nodes is not None:
             rank_env.update(nodes.rank_env(node))
