@@ -21,9 +21,7 @@ each gradient is reduced over the ranks holding it (``core.replica_layout.Replic
 
 All sets start after the slowest pipeline (the model's rule: sync is not overlapped with backward).  On a plan
 whose replicas share boundaries and tp this gives what ``CostModel.stage_sync_s`` gives per stage (the sets are the
-stages' rings, all running at once); ``CostModel.score`` uses this schedule for the others.
-
-Planning core: no torch.
+stages' rings, all running at once); ``CostModel.score`` uses this schedule for the others.  Planning core: no torch.
 """
 
 from __future__ import annotations

@@ -31,12 +31,13 @@ import torch
 from het_strategy.core.cluster import ClusterSpec
 from het_strategy.core.errors import field_error
 from het_strategy.core.plan import Plan
+from het_strategy.core.replica_layout import ReplicaLayout
 from het_strategy.core.runtime_rules import (ClippingOwner, Runtime, clipping_owner, holds_own_masters, raise_first,
                                              runtime_problems)
 from het_strategy.core.train_settings import TrainSettings
 from het_strategy.core.workload import WorkloadSpec
 from het_strategy.ds_runtime.ds_config import deepspeed_config, rank_batches, rank_layout
-from het_strategy.ds_runtime.replicas import ReplicaLayout, replica_layout
+from het_strategy.ds_runtime.replicas import replica_layout
 from het_strategy.ds_runtime.tied_weights import tied_layout
 from het_strategy.profiling.torch_device import TORCH_DTYPES
 

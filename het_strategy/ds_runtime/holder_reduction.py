@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from het_strategy.ds_runtime.clipping import clip_gradients
-from het_strategy.ds_runtime.replicas import ReplicaLayout
+from het_strategy.core.replica_layout import ReplicaLayout
 
 __all__ = ["HolderSetReducer", "GradientPart", "holder_parts", "gradient_of", "scaled_flat", "layer_parameters",
            "loss_scale"]

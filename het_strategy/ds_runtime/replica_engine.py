@@ -37,7 +37,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelinePa
 
 from het_strategy.ds_runtime.holder_reduction import HolderSetReducer, holder_parts, loss_scale
 from het_strategy.ds_runtime.holder_sharding import HolderSetSharding
-from het_strategy.ds_runtime.replicas import ReplicaLayout
+from het_strategy.core.replica_layout import ReplicaLayout
 from het_strategy.ds_runtime.stage_exchange import StageLink, recv_grads, recv_tensors, send_grads, send_tensors
 
 __all__ = ["PlanGroups", "ReplicaGrid", "ReplicaPipelineModule", "ReplicaPipelineEngine", "build_replica_engine",

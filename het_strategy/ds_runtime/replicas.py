@@ -20,7 +20,7 @@ from het_strategy.core.replica_layout import ReplicaLayout
 from het_strategy.core.runtime_rules import runs_per_replica, shares_boundaries
 from het_strategy.ds_runtime.ds_config import rank_layout
 
-__all__ = ["ReplicaLayout", "replica_layout"]
+__all__ = ["replica_layout"]
 
 
 def replica_layout(plan: Plan, param_dtype: str | None = None) -> ReplicaLayout:
