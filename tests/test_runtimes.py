@@ -146,7 +146,7 @@ def test_a_runnable_plan_as_fast_as_the_unconstrained_search_found_is_the_uncons
 
 
 def test_tensor_parallel_best_runs_on_the_deepspeed_runtime():
-    # AMP's V100 + T4 cluster, OPT-350 with tp up to 8: the best plan uses tp, and the deepspeed runtime runs it as it is
+    # AMP's V100 + T4 cluster, OPT-350 with tp up to 8: the best plan uses tp; the deepspeed runtime runs it as it is
     args = ["cluster=amp_v100_t4", "model=opt350", "settings.max_tp=8", "settings.dtype=fp32", "output.plan=null"]
     plan, _ = plan_or_score(compose_plan_config(args), echo=False)
     assert any(s.tp > 1 for p in plan.pipelines for s in p.stages)
