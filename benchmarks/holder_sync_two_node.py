@@ -25,9 +25,9 @@ The cluster file declares the link as it behaves: its bandwidth the shaped rate'
    may start at once, the model's rule: sync after the slowest pipeline), then per rank the wall time at entry and
    exit, and of each set's allreduce.  Measured sync per step = the last rank's exit - the last rank's entry; the
    figure is the mean over the steps after the warm-up.  Predicted: ``CostModel.holder_sync_schedule(plan).sync_s``.
-   Printed beside the model's sets: the runtime's, with their bytes and mean start / end; on ``tp`` the runtime
-   also reduces the replicated parameters (LayerNorms, biases, the embedding) as 3-rank sets of their own, which
-   the model folds into the units (it counts every dense parameter as tp-split).
+   Printed beside the model's sets: the runtime's, with their bytes and mean start / end; on ``tp`` both have the
+   3-rank sets of the replicated parameters (LayerNorms, row-parallel biases, the embedding: whole on both ranks
+   of the tp stage).
 2. **The pick against the best aligned plan.**  ``search_plan(mode="hybrid", max_tp=2)`` on the same cluster; the
    best aligned plan is the fastest by ``CostModel.score`` of the ``pipeline`` planner's plan and every hand-made
    aligned plan (one or two replicas, each the same shape: tp 2 over one node's pair, or two stages of tp 1 cut
@@ -399,8 +399,7 @@ def main() -> None:
         extra = [hs for hs in rt_sets if hs not in model_sets]
         if extra:
             names = ", ".join("+".join(hs) for hs in extra)
-            print(f"    sets the runtime reduces and the model does not price: {names}"
-                  f" (replicated parameters: LayerNorms, biases, the embedding, whole on every rank of a tp stage)")
+            print(f"    sets the runtime reduces and the model does not price: {names}")
         print(f"    sync: predicted {sched.sync_s:.3f} s, measured {mean:.3f} +- {sem:.3f} s, error {err:+.1%}",
               flush=True)
 

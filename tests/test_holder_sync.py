@@ -73,17 +73,42 @@ def test_two_unlike_families_by_hand():
 
 
 def test_the_sets_are_the_runtimes():
-    """The model's sets, as ranks, are the runtime's holder sets (``replica_layout``) of its sharded units, in the
-    same order; at tp > 1 the runtime adds the sets of whole replicated parameters, which the model does not
-    price (it counts every dense parameter as tp-split)."""
-    cluster, workload = _cluster(), _workload()
+    """The model's sets, as ranks, are the runtime's holder sets (``replica_layout``) in the same order: the units'
+    sets, and at tp > 1 the sets of each layer's replicated parameters (every rank holding it), with their bytes."""
+    cluster = _cluster()
+    replicated = 1000
+    workload = WorkloadSpec("flat", tuple(LayerCost(f"block{i}", 1e9, PARAMS, 1e3, 1e3, tp_replicated_params=replicated)
+                                          for i in range(4)), 64)
     plan = _plan(cluster, workload, [[(("a/0",), (0, 1)), (("a/1",), (1, 4))], [(("b/0", "b/1"), (0, 4))]])
     layout = replica_layout(plan)
     rank_of = {d: r for r, d in enumerate(("a/0", "a/1", "b/0", "b/1"))}
-    model_sets = [tuple(rank_of[d] for d in r.members) for r in holder_reductions(plan, workload, 4)]
+    reductions = holder_reductions(plan, workload, 4)
+    model_sets = [tuple(rank_of[d] for d in r.members) for r in reductions]
+    assert model_sets == list(layout.holder_sets)
+    whole = {layout.layer_holders(layer) for layer in range(4)}
+    for hs, r in zip(model_sets, reductions):
+        layers = [layer for layer in range(4) if layout.layer_holders(layer) == hs]
+        assert r.num_bytes == (4 * replicated * len(layers) if hs in whole
+                               else 4 * (PARAMS - replicated) / 2 * len(r.layers))
+    # without replicated parameters only the units' sets remain
+    bare = _workload()
     units = sorted({layout.unit_holders(layer, u) for layer in range(4) for u in range(layout.units(layer))})
-    assert model_sets == units
-    assert [hs for hs in layout.holder_sets if hs in units] == units
+    assert [tuple(rank_of[d] for d in r.members) for r in holder_reductions(plan, bare, 4)] == units
+
+
+def test_replicated_parameters_are_what_the_tensor_parallel_plan_leaves_whole():
+    """``LayerCost.tp_replicated_params`` of CharGPT's workload counts exactly the parameters its layers'
+    ``tensor_parallel_plan()`` does not split (a layer without one: all of them)."""
+    from het_strategy.demo.char_gpt import CharGPT
+    from het_strategy.tensor_parallel.tp_plan import tensor_parallel_plan_of
+
+    model = CharGPT(num_layers=2, hidden_size=64, num_heads=4, seq_len=16)
+    workload = transformer_workload(model.workload_config())
+    for layer, spec in zip(model.pipeline_layers(), workload.layers, strict=True):
+        tp_plan = tensor_parallel_plan_of(layer)
+        split = set(tp_plan.shard_specs()) if tp_plan else set()
+        whole = sum(p.numel() for name, p in layer.named_parameters() if name not in split)
+        assert spec.tp_replicated_params == whole, spec.name
 
 
 def test_alike_replicas_give_the_stage_rings():

@@ -17,7 +17,8 @@ _Config = Any
 """What the functions read: a ``core.workload.TransformerConfig`` (not imported here: it imports this module)."""
 
 __all__ = ["BlockCode", "NormKind", "ACTIVATION_SAVES", "norm_params", "attention_params", "attention_flops",
-           "mlp_params", "mlp_flops", "embedding_activation_bytes", "norm_activation_bytes", "block_activation_bytes"]
+           "block_replicated_params", "mlp_params", "mlp_flops", "embedding_activation_bytes", "norm_activation_bytes",
+           "block_activation_bytes"]
 
 
 class BlockCode(StrEnum):
@@ -56,6 +57,15 @@ def attention_params(cfg: _Config) -> int:
     head_dim = q // cfg.num_heads
     return (h * (q + 2 * kv) + cfg.qkv_bias * (q + 2 * kv) + q * h + cfg.out_bias * h
             + cfg.qk_norm * 2 * head_dim + 2 * norm_params(cfg))
+
+
+def block_replicated_params(cfg: _Config, f: int) -> int:
+    """Of a block with an MLP of width ``f`` (0: none), the parameters tensor parallelism keeps whole on every rank:
+    the two norms, the q/k norms and the biases of the row-parallel linears (the attention's output projection, the
+    MLP's last matrix); the column-parallel linears and their biases are split."""
+    head_dim = cfg.q_width // cfg.num_heads
+    return (2 * norm_params(cfg) + cfg.qk_norm * 2 * head_dim + cfg.out_bias * cfg.hidden_size
+            + (cfg.mlp_bias * cfg.hidden_size if f else 0))
 
 
 def attention_flops(cfg: _Config) -> int:

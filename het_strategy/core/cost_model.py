@@ -383,7 +383,7 @@ class CostModel:
             stage_costs.append(costs)
             memory.update(mem)
             capacity.update({d: self.memory_capacity_bytes(self.cluster.device(d)) for d in mem})
-        post = self._post_times_s(plan)
+        post = self.post_times_s(plan)
         kinds = ((self.cluster.device(st.devices[0]).type, st.tp) for pipe in plan.pipelines for st in pipe.stages)
         analytic = [self.cluster.device(st.devices[0]) for pipe in plan.pipelines for st in pipe.stages
                     if not self.uses_profile(self.cluster.device(st.devices[0]), st.tp)]
@@ -444,7 +444,7 @@ class CostModel:
             costs_last.append(StageCost(comp_last, send_last, costs_full[-1].memory_bytes))
         return pipeline_time_s(costs_full, costs_last, n), costs_full, memory
 
-    def _post_times_s(self, plan: Plan) -> dict[str, tuple[float, float]]:
+    def post_times_s(self, plan: Plan) -> dict[str, tuple[float, float]]:
         """Per device: (gradient sync, optimizer update) seconds after the slowest pipeline.
 
         Replicas alike (the same boundaries and tp at every stage): each device allreduces the gradients of its
@@ -506,7 +506,9 @@ class CostModel:
 
     def stage_sync_s(self, start: int, stop: int, tp: int, dp: int, route: SyncRoute) -> float:
         """Gradient allreduce of a stage's dense parameters among ``dp`` replicas: each device its ``1/tp``
-        shard, in ``settings.grad_dtype`` (fp32 unless set: mixed precision keeps fp32 gradients)."""
+        shard, in ``settings.grad_dtype`` (fp32 unless set: mixed precision keeps fp32 gradients).  At tp > 1 the
+        replicated parameters count as split too (``LayerCost.tp_replicated_params``, whole on every tp rank, are
+        priced as the runtime reduces them only where replicas differ: ``core/holder_sync.py``)."""
         grad_bytes = (self._params[stop] - self._params[start] - self.workload.tied_within(start, stop)) / tp \
             * self.settings.grad_bytes
         return self.allreduce_s(grad_bytes, dp, route)

@@ -4,12 +4,12 @@ Where replicas differ in stage boundaries or tensor-parallel degree, no stage ha
 each gradient is reduced over the ranks holding it (``core.replica_layout.ReplicaLayout``, the layout the runtime's
 ``ds_runtime.holder_reduction`` reduces by).  What that costs, step by step as the runtime runs it:
 
-1. **The sets and their bytes** (``holder_reductions``).  Layer ``l``'s dense parameters are cut into
+1. **The sets and their bytes** (``holder_reductions``).  Layer ``l``'s split parameters are cut into
    ``units(l)`` units (the largest tp holding ``l``); unit ``k``'s holders are one rank per replica, so a set
-   gathers every layer whose unit ``k`` the same ranks hold, ``params(l) / units(l)`` elements of each.  A tied
-   matrix (tied embeddings) is one more set: every rank holding the first or the last layer, the matrix whole.
-   As everywhere in the cost model, a layer's dense parameters count as tp-split (its replicated LayerNorms and
-   biases are not told apart).
+   gathers every layer whose unit ``k`` the same ranks hold, ``1 / units(l)`` of each.  Where ``units(l) > 1``,
+   ``l``'s replicated parameters (``LayerCost.tp_replicated_params``: norms, row-parallel biases, the embedding
+   table) are one more set, every rank holding ``l``, whole.  A tied matrix (tied embeddings) is one more set:
+   every rank holding the first or the last layer, the matrix whole.
 2. **The order.**  Every rank runs its sets one after another in the one shared order (``holder_sets``); a set
    starts when each of its members has finished the sets before it, so sets without a common rank run at the same
    time and a rank that holds two units (tp 2 beside tp 4) runs its two sets in turn.
@@ -19,9 +19,9 @@ each gradient is reduced over the ranks holding it (``core.replica_layout.Replic
    the rates change as sets start and finish: the schedule is a fluid simulation, each set moving its remaining
    bytes at its slowest edge's current share (``Network.ring_bandwidth``).
 
-All sets start after the slowest pipeline (the model's rule: sync is not overlapped with backward).  On a plan
-whose replicas share boundaries and tp this gives what ``CostModel.stage_sync_s`` gives per stage (the sets are the
-stages' rings, all running at once); ``CostModel.score`` uses this schedule for the others.  Planning core: no torch.
+All sets start after the slowest pipeline (the model's rule: sync is not overlapped with backward).  On tp-1
+replicas that share boundaries this gives what ``CostModel.stage_sync_s`` gives per stage (the sets are the stages'
+rings, all at once); ``CostModel.score`` uses it where replicas differ (``syncs_by_holder_sets``).  No torch.
 """
 
 from __future__ import annotations
@@ -91,8 +91,15 @@ def holder_reductions(plan: Plan, workload: WorkloadSpec, element_bytes: float) 
     last = workload.num_layers - 1
     for layer, spec in enumerate(workload.layers):
         dense = spec.params - (tied if layer == last and len(workload.layers) > 1 else 0)
-        dense -= tied if layer == 0 and tied else 0  # the matrix itself goes in the tied set
+        whole = spec.tp_replicated_params
+        if layer == 0 and tied:  # the matrix itself goes in the tied set
+            dense, whole = dense - tied, max(0, whole - tied)
         units = layout.units(layer)
+        if units > 1 and whole:
+            hs = layout.layer_holders(layer)
+            by_set.setdefault(hs, []).append(float(whole))
+            layers_of.setdefault(hs, []).append(layer)
+            dense -= whole
         for unit in range(units):
             hs = layout.unit_holders(layer, unit)
             by_set.setdefault(hs, []).append(dense / units)

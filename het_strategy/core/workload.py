@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from het_strategy.core.block_costs import (ACTIVATION_SAVES, BlockCode, NormKind, attention_flops, attention_params,
-                                          block_activation_bytes, embedding_activation_bytes, mlp_flops, mlp_params,
-                                          norm_activation_bytes, norm_params)
+                                          block_activation_bytes, block_replicated_params, embedding_activation_bytes,
+                                          mlp_flops, mlp_params, norm_activation_bytes, norm_params)
 from het_strategy.core.compute_model import AttentionKernel, LayerShape
 from het_strategy.core.dtypes import DTYPE_BYTES, Dtype, as_dtype
 from het_strategy.core.plain_data import plain
@@ -81,6 +81,10 @@ class LayerCost:
     shape: LayerShape | None = None
     """The layer's kind and dimensions, for the roofline (``compute_model.py``); None (a profiled module's
     layer): priced by ``flops_per_sample`` at the device's sustained rate."""
+    tp_replicated_params: int = 0
+    """Of ``params``, those every tensor-parallel rank of a stage holds whole (the norms, a row-parallel linear's
+    bias, the router, an embedding table: what ``tensor_parallel`` does not split); the rest is split over tp.  The
+    gradient sync reduces them over every rank holding the layer (``core.holder_sync``)."""
     tied_params: int = 0
     """Of ``params``, those tied to the first layer's (the head's copy of tied input embeddings): a stage holding
     this layer and not the first keeps and syncs them, one holding both keeps them once, and the model's total
@@ -291,8 +295,9 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
     attn_shape = dict(hidden=h, heads=cfg.num_heads, vocab=cfg.vocab_size, attention=cfg.attention,
                       kv_heads=cfg.num_kv_heads or 0, head_dim=cfg.head_dim or 0, gated=cfg.gated_mlp)
     positions = s if cfg.num_positions is None else cfg.num_positions
-    layers = [LayerCost("embedding", 2 * s * h, cfg.vocab_size * h + positions * h, embedding_activation_bytes(cfg, b),
-                        boundary, shape=LayerShape("embedding", **attn_shape))]
+    embedding_params = cfg.vocab_size * h + positions * h
+    layers = [LayerCost("embedding", 2 * s * h, embedding_params, embedding_activation_bytes(cfg, b),
+                        boundary, shape=LayerShape("embedding", **attn_shape), tp_replicated_params=embedding_params)]
     f = cfg.ffn_hidden_size or 4 * h
     for i in range(cfg.num_layers):
         if cfg.is_moe_block(i):
@@ -305,12 +310,14 @@ def transformer_workload(cfg: TransformerConfig, dtype: Dtype | str = Dtype.bf16
                 flops, params = flops + mlp_flops(cfg, s, fs) + 2 * s * h, params + mlp_params(cfg, fs) + h
             act, whole = block_activation_bytes(cfg, b, moe=True)
             layers.append(LayerCost(f"block{i}", flops, params, act, boundary, moe, whole,  # experts: priced apart
-                                    shape=LayerShape("block", ffn=fs, **attn_shape)))
+                                    shape=LayerShape("block", ffn=fs, **attn_shape),
+                                    tp_replicated_params=block_replicated_params(cfg, fs) + h * cfg.num_experts))
         else:
             act, whole = block_activation_bytes(cfg, b, moe=False)
             layers.append(LayerCost(f"block{i}", attention_flops(cfg) + mlp_flops(cfg, s, f),
                                     attention_params(cfg) + mlp_params(cfg, f), act, boundary,
-                                    tp_replicated_activation_bytes=whole, shape=LayerShape("block", ffn=f, **attn_shape)))
+                                    tp_replicated_activation_bytes=whole, shape=LayerShape("block", ffn=f, **attn_shape),
+                                    tp_replicated_params=block_replicated_params(cfg, f)))
     layers.append(_head_cost(cfg, b, LayerShape("head", **attn_shape)))
     return WorkloadSpec(name=cfg.name, layers=tuple(layers), seq_len=s, dtype=dtype)
 
@@ -325,7 +332,7 @@ def _head_cost(cfg: TransformerConfig, b: int, shape: LayerShape) -> LayerCost:
         act = 2 * s * v * 4 + s * h * b
     else:
         act = s * (norm_activation_bytes(cfg, b) + h * b + v * 4)
-    return LayerCost("head", 2 * s * h * v, params, act, s * 4, shape=shape,
+    return LayerCost("head", 2 * s * h * v, params, act, s * 4, shape=shape, tp_replicated_params=norm_params(cfg),
                      tied_params=v * h if cfg.tie_embeddings else 0)
 
 

@@ -243,7 +243,7 @@ def assemble_plan(cm: CostModel, structure: Sequence[Slots], mode: str, cutoff: 
         plan = plan_from_pipelines(cm, pipelines, mode)
         step = pipe_time + post
         if cm.syncs_by_holder_sets(plan):  # replicas that differ sync by holder sets: not separable by stage
-            step = cm.score(plan).step_time_s
+            step = pipe_time + max(sum(t) for t in cm.post_times_s(plan).values())
         if best is None or step < best.step_time_s:
             best = StructureResult(plan, step)
         if post <= 0 or pipe_time + post_floor >= best.step_time_s:
