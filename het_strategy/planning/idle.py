@@ -252,7 +252,7 @@ def structure_idle_reasons(cm: CostModel, plan: Plan) -> dict[str, str]:
             if res is None:
                 why = f"no stage of the {plan.mode} plan is on it, and no plan with it as one more replica fits"
             else:
-                with_s = cm.score(res.plan).step_time_s
+                with_s = res.step_time_s  # assemble_plan's step is the plan's score
                 steps = f"with it as one more replica the step takes {_fmt_s(with_s)}, without {_fmt_s(without)}"
                 why = (f"too slow: {steps}" if with_s >= without else
                        f"left out by the {plan.mode} search, which does not try it as one more replica ({steps})")
