@@ -20,7 +20,7 @@ The sync is priced by stage rings (``settings.sync_model=stage_rings``, set on e
 decomposition below needs each pipeline's post term to depend on its own stages.  The default price of
 replicas that differ, their holder sets as the runtime reduces them (``core/holder_sync.py``), couples the
 pipelines' splits, so no brute force of this size covers it; the planner's search and bounds are the same under
-both, and under ``holder_sets`` it rescores each assembled plan whose replicas differ.
+both, and under ``holder_sets`` it prices each assembled plan whose replicas differ by that schedule.
 
 Symmetry skipped (score-preserving): devices of one class (same node, same
 figures) are interchangeable, and pipelines are an unordered multiset.
